@@ -1,0 +1,226 @@
+"""Byte layouts of the two paged KV caches (SPEC §4), their writers and readers.
+
+Indexer cache, one page of 64 tokens = 8448 bytes (DeepGEMM's paged layout)::
+
+    bytes [0, 8192)     64 x 128 float8_e4m3fn keys, token-major (token t at bytes 128 t .. 128 t + 127)
+    bytes [8192, 8448)  64 x float32 scales (token t at 8192 + 4 t)
+
+MLA cache, per token, three formats:
+
+    "bf16"     1152 B: 576 bf16 (512 latent + 64 rope)
+    "fp8"       656 B: 512 e4m3 latent | 4 fp32 scales (one per 128 latent dims) | 64 bf16 rope   (FlashMLA)
+    "fp8_raw"   576 B: 576 e4m3, one per-tensor fp32 scale held by the pool
+
+Slot of token p of a request: ``block_table[p // 64] * 64 + p % 64``; the page is ``slot // 64``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from flashdsa.quant import FP8, FP8_MAX, act_quant
+
+PAGE_SIZE = 64
+INDEX_DIM = 128
+INDEX_KEY_BYTES = PAGE_SIZE * INDEX_DIM            # 8192: the keys part of a page
+INDEX_PAGE_BYTES = INDEX_KEY_BYTES + PAGE_SIZE * 4  # 8448
+INDEX_BYTES_PER_TOKEN = INDEX_PAGE_BYTES // PAGE_SIZE  # 132
+
+MLA_LATENT = 512
+MLA_ROPE = 64
+MLA_DIM = MLA_LATENT + MLA_ROPE  # 576
+MLA_BF16_BYTES = 2 * MLA_DIM  # 1152
+MLA_FP8_BYTES = MLA_LATENT + 4 * (MLA_LATENT // 128) + 2 * MLA_ROPE  # 656
+MLA_FP8_RAW_BYTES = MLA_DIM  # 576
+
+MLA_FORMATS = ("bf16", "fp8", "fp8_raw")
+BYTES_PER_TOKEN = {"bf16": MLA_BF16_BYTES, "fp8": MLA_FP8_BYTES, "fp8_raw": MLA_FP8_RAW_BYTES,
+                   "index": INDEX_BYTES_PER_TOKEN}
+
+
+def _check(cond: bool, name: str, expected: str, got) -> None:
+    if not cond:
+        raise ValueError(f"{name}: expected {expected}, got {got}")
+
+
+# ---- indexer cache ---------------------------------------------------------------------------------
+
+def index_page_views(index_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Typed views into an indexer cache, sharing its storage.
+
+    ``index_cache: [P, 8448] uint8`` -> ``keys [P, 64, 128] float8_e4m3fn``, ``scales [P, 64] float32``.
+    """
+    _check(index_cache.dtype == torch.uint8 and index_cache.dim() == 2 and index_cache.shape[1] == INDEX_PAGE_BYTES,
+           "index_cache", f"uint8 [P, {INDEX_PAGE_BYTES}]", f"{index_cache.dtype} {list(index_cache.shape)}")
+    _check(index_cache.is_contiguous(), "index_cache", "a contiguous tensor", "a strided view")
+    keys = index_cache[:, :INDEX_KEY_BYTES].view(FP8).view(-1, PAGE_SIZE, INDEX_DIM)
+    scales = index_cache[:, INDEX_KEY_BYTES:].view(torch.float32)
+    return keys, scales
+
+
+def pack_index_pages(k_fp8: torch.Tensor, k_scale: torch.Tensor) -> torch.Tensor:
+    """Pack N consecutive tokens' keys into pages: ``k_fp8 [N, 128] e4m3, k_scale [N] f32 -> [ceil(N/64), 8448] u8``.
+
+    Token i goes to page i // 64, row i % 64; the unused tail of the last page is zero.
+    """
+    _check(k_fp8.dtype == FP8 and k_fp8.dim() == 2 and k_fp8.shape[1] == INDEX_DIM,
+           "k_fp8", f"float8_e4m3fn [N, {INDEX_DIM}]", f"{k_fp8.dtype} {list(k_fp8.shape)}")
+    _check(k_scale.dtype == torch.float32 and k_scale.shape == (k_fp8.shape[0],),
+           "k_scale", f"float32 [{k_fp8.shape[0]}]", f"{k_scale.dtype} {list(k_scale.shape)}")
+    n = k_fp8.shape[0]
+    pages = torch.zeros(math.ceil(n / PAGE_SIZE), INDEX_PAGE_BYTES, dtype=torch.uint8, device=k_fp8.device)
+    store_index_keys(pages, torch.arange(n, device=k_fp8.device), k_fp8, k_scale)
+    return pages
+
+
+def unpack_index_pages(pages: torch.Tensor, n: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`pack_index_pages`: ``[P, 8448] u8 -> k_fp8 [n, 128], k_scale [n]`` (n defaults to 64 P)."""
+    keys, scales = index_page_views(pages)
+    n = keys.shape[0] * PAGE_SIZE if n is None else n
+    _check(0 <= n <= keys.shape[0] * PAGE_SIZE, "n", f"0..{keys.shape[0] * PAGE_SIZE}", n)
+    return keys.reshape(-1, INDEX_DIM)[:n].clone(), scales.reshape(-1)[:n].clone()
+
+
+def store_index_keys(index_cache: torch.Tensor, slots: torch.Tensor, k_fp8: torch.Tensor, k_scale: torch.Tensor) -> None:
+    """Write N indexer keys at the given slots; no other byte of the cache changes.
+
+    ``index_cache [P, 8448] u8``, ``slots [N] int``, ``k_fp8 [N, 128] e4m3``, ``k_scale [N] f32``.
+    """
+    keys, scales = index_page_views(index_cache)
+    _check(slots.dim() == 1 and not slots.is_floating_point(), "slots", "a 1-D integer tensor",
+           f"{slots.dtype} {list(slots.shape)}")
+    _check(k_fp8.shape == (slots.shape[0], INDEX_DIM) and k_fp8.dtype == FP8, "k_fp8",
+           f"float8_e4m3fn [{slots.shape[0]}, {INDEX_DIM}]", f"{k_fp8.dtype} {list(k_fp8.shape)}")
+    _check(k_scale.shape == (slots.shape[0],) and k_scale.dtype == torch.float32, "k_scale",
+           f"float32 [{slots.shape[0]}]", f"{k_scale.dtype} {list(k_scale.shape)}")
+    slots = slots.long()
+    if slots.numel():
+        _check(int(slots.min()) >= 0 and int(slots.max()) < keys.shape[0] * PAGE_SIZE, "slots",
+               f"values in [0, {keys.shape[0] * PAGE_SIZE})", f"[{int(slots.min())}, {int(slots.max())}]")
+    page, row = slots // PAGE_SIZE, slots % PAGE_SIZE
+    keys[page, row] = k_fp8
+    scales[page, row] = k_scale
+
+
+def gather_index_keys(index_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Read keys back: ``slots [N] -> k_fp8 [N, 128] e4m3, k_scale [N] f32``."""
+    keys, scales = index_page_views(index_cache)
+    slots = slots.long()
+    return keys[slots // PAGE_SIZE, slots % PAGE_SIZE], scales[slots // PAGE_SIZE, slots % PAGE_SIZE]
+
+
+# ---- MLA cache ---------------------------------------------------------------------------------------
+
+def _check_kv(kv: torch.Tensor) -> None:
+    _check(kv.dim() == 2 and kv.shape[1] == MLA_DIM and kv.is_floating_point(), "kv",
+           f"a float tensor [N, {MLA_DIM}]", f"{kv.dtype} {list(kv.shape)}")
+
+
+def quantize_mla_656(kv: torch.Tensor, ue8m0: bool = True) -> torch.Tensor:
+    """``kv [N, 576] bf16 -> [N, 656] u8``: e4m3 latent with one scale per 128 dims, rope kept in bf16.
+
+    The scales are powers of two (ue8m0) by default, as FlashMLA's test quantiser makes them, so the
+    dequantised latent is exactly representable in bf16.
+    """
+    _check_kv(kv)
+    n = kv.shape[0]
+    latent_fp8, scale = act_quant(kv[:, :MLA_LATENT], block=128, ue8m0=ue8m0)  # [N, 512], [N, 4]
+    out = torch.empty(n, MLA_FP8_BYTES, dtype=torch.uint8, device=kv.device)
+    out[:, :MLA_LATENT] = latent_fp8.view(torch.uint8)
+    out[:, MLA_LATENT:MLA_LATENT + 16] = scale.contiguous().view(torch.uint8)
+    out[:, MLA_LATENT + 16:] = kv[:, MLA_LATENT:].to(torch.bfloat16).contiguous().view(torch.uint8)
+    return out
+
+
+def mla_656_fields(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Split ``[..., 656] u8`` into ``latent [..., 512] e4m3``, ``scale [..., 4] f32``, ``rope [..., 64] bf16``."""
+    _check(packed.dtype == torch.uint8 and packed.shape[-1] == MLA_FP8_BYTES, "kv_cache",
+           f"uint8 [..., {MLA_FP8_BYTES}]", f"{packed.dtype} {list(packed.shape)}")
+    packed = packed.contiguous()
+    latent = packed[..., :MLA_LATENT].view(FP8)
+    scale = packed[..., MLA_LATENT:MLA_LATENT + 16].contiguous().view(torch.float32)
+    rope = packed[..., MLA_LATENT + 16:].contiguous().view(torch.bfloat16)
+    return latent, scale, rope
+
+
+def dequantize_mla_656(packed: torch.Tensor) -> torch.Tensor:
+    """``[..., 656] u8 -> [..., 576] bf16``: latent * its per-128 scale, rope as stored."""
+    latent, scale, rope = mla_656_fields(packed)
+    lat = (latent.float().unflatten(-1, (4, 128)) * scale.unsqueeze(-1)).flatten(-2)
+    return torch.cat((lat.to(torch.bfloat16), rope), dim=-1)
+
+
+def quantize_mla_576(kv: torch.Tensor, scale: float) -> torch.Tensor:
+    """``kv [N, 576] -> [N, 576] u8`` (raw e4m3 of every dim, rope too) with one per-tensor ``scale`` > 0."""
+    _check_kv(kv)
+    _check(scale > 0 and math.isfinite(scale), "scale", "a finite positive float", scale)
+    return (kv.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(torch.uint8)
+
+
+def dequantize_mla_576(packed: torch.Tensor, scale: float) -> torch.Tensor:
+    """``[..., 576] u8 -> [..., 576] bf16``."""
+    _check(packed.dtype == torch.uint8 and packed.shape[-1] == MLA_FP8_RAW_BYTES, "kv_cache",
+           f"uint8 [..., {MLA_FP8_RAW_BYTES}]", f"{packed.dtype} {list(packed.shape)}")
+    return (packed.view(FP8).float() * scale).to(torch.bfloat16)
+
+
+def mla_cache_format(kv_cache: torch.Tensor) -> str:
+    """Which MLA format a paged cache holds, from its dtype and last dim: 'bf16', 'fp8' or 'fp8_raw'."""
+    if kv_cache.dtype == torch.bfloat16 and kv_cache.shape[-1] == MLA_DIM:
+        return "bf16"
+    if kv_cache.dtype == torch.uint8 and kv_cache.shape[-1] == MLA_FP8_BYTES:
+        return "fp8"
+    if kv_cache.dtype == torch.uint8 and kv_cache.shape[-1] == MLA_FP8_RAW_BYTES:
+        return "fp8_raw"
+    raise ValueError(f"kv_cache: expected bf16 [..., {MLA_DIM}], uint8 [..., {MLA_FP8_BYTES}] or uint8 "
+                     f"[..., {MLA_FP8_RAW_BYTES}], got {kv_cache.dtype} {list(kv_cache.shape)}")
+
+
+def encode_mla(kv: torch.Tensor, fmt: str, scale: float | None = None) -> torch.Tensor:
+    """``kv [N, 576]`` -> one token row per cache format: bf16 [N, 576] or u8 [N, 656] / [N, 576]."""
+    if fmt == "bf16":
+        _check_kv(kv)
+        return kv.to(torch.bfloat16)
+    if fmt == "fp8":
+        return quantize_mla_656(kv)
+    if fmt == "fp8_raw":
+        _check(scale is not None, "scale", "the pool's per-tensor scale for fp8_raw", None)
+        return quantize_mla_576(kv, scale)
+    raise ValueError(f"fmt: expected one of {MLA_FORMATS}, got {fmt!r}")
+
+
+def decode_mla(rows: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """Token rows of any MLA format -> ``[..., 576] bf16`` (format read off dtype and width)."""
+    fmt = mla_cache_format(rows)
+    if fmt == "bf16":
+        return rows
+    if fmt == "fp8":
+        return dequantize_mla_656(rows)
+    _check(scale is not None, "scale", "the pool's per-tensor scale for fp8_raw", None)
+    return dequantize_mla_576(rows, scale)
+
+
+def store_mla(kv_cache: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor, scale: float | None = None) -> None:
+    """Quantise (per the cache's format) and write N tokens at the given slots; nothing else changes.
+
+    ``kv_cache: [P, 64, 576] bf16 | [P, 64, 656] u8 | [P, 64, 576] u8``, ``slots [N] int``, ``kv [N, 576]``.
+    """
+    fmt = mla_cache_format(kv_cache)
+    _check(kv_cache.dim() == 3 and kv_cache.shape[1] == PAGE_SIZE, "kv_cache",
+           f"[P, {PAGE_SIZE}, width]", list(kv_cache.shape))
+    _check(slots.dim() == 1 and slots.shape[0] == kv.shape[0] and not slots.is_floating_point(), "slots",
+           f"a 1-D integer tensor of {kv.shape[0]} slots", f"{slots.dtype} {list(slots.shape)}")
+    flat = kv_cache.view(-1, kv_cache.shape[-1])
+    slots = slots.long()
+    if slots.numel():
+        _check(int(slots.min()) >= 0 and int(slots.max()) < flat.shape[0], "slots",
+               f"values in [0, {flat.shape[0]})", f"[{int(slots.min())}, {int(slots.max())}]")
+    flat[slots] = encode_mla(kv, fmt, scale)
+
+
+def gather_mla(kv_cache: torch.Tensor, slots: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """Read and dequantise tokens: ``slots [N] -> [N, 576] bf16``."""
+    flat = kv_cache.reshape(-1, kv_cache.shape[-1])
+    return decode_mla(flat[slots.long()], scale)

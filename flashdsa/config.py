@@ -1,0 +1,247 @@
+"""Model configuration: the DSA keys of a Hugging Face ``config.json`` as one frozen dataclass.
+
+``DSAConfig.from_hf`` reads a config dict (or a path to ``config.json`` / its folder), checks every
+key it uses, and derives what the rest of flashdsa needs: which layers compute top-k
+(``topk_layers``), the page size with kpool, the indexer RoPE pairing. Presets ``v32``, ``glm5`` and
+``tiny`` build the same object without a file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+PAGE_SIZE = 64  # tokens per KV page without kpool (both caches)
+
+# Architectures that can carry DSA; a model is DSA iff its architecture is here AND index_topk is set.
+DSA_ARCHITECTURES = (
+    "DeepseekV32ForCausalLM",
+    "DeepseekV3ForCausalLM",
+    "DeepseekV3ForCausalLMNextN",
+    "GlmMoeDsaForCausalLM",
+)
+
+
+def is_dsa(hf_config: Mapping[str, Any]) -> bool:
+    """True iff the HF config describes a DSA model (SPEC §2: DSA architecture AND ``index_topk``)."""
+    archs = hf_config.get("architectures") or []
+    return any(a in DSA_ARCHITECTURES for a in archs) and hf_config.get("index_topk") is not None
+
+
+def _skip_rule(
+    num_layers: int,
+    indexer_types: tuple[str, ...] | None,
+    pattern: str | None,
+    freq: int | None,
+    offset: int | None,
+) -> list[bool]:
+    """Per layer: True if the layer skips top-k (reuses the previous layer's). First rule that is set wins."""
+    if indexer_types is not None:
+        return [t == "shared" for t in indexer_types]
+    if pattern is not None:
+        return [c.upper() == "S" for c in pattern]
+    if freq is not None and freq > 1:
+        o = 2 if offset is None else offset  # without an offset the rule is max(L - 1, 0) % f
+        return [max(layer - o + 1, 0) % freq != 0 for layer in range(num_layers)]
+    return [False] * num_layers
+
+
+@dataclass(frozen=True)
+class DSAConfig:
+    """The DSA-relevant part of a DeepSeek-V3.2 / GLM-5 config (SPEC §2). All sizes are per layer.
+
+    MLA in absorbed form: the cache holds ``kv_lora_rank`` latent + ``qk_rope_head_dim`` rope dims per
+    token (576 for both V3.2 and GLM-5), the value is the latent (``kv_lora_rank`` = 512).
+    """
+
+    architectures: tuple[str, ...]
+    num_hidden_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    indexer_rope_interleave: bool = False
+    indexer_types: tuple[str, ...] | None = None
+    index_topk_pattern: str | None = None
+    index_topk_freq: int | None = None
+    index_skip_topk_offset: int | None = None
+    index_kpool: int = 1
+    vocab_size: int = 129280
+    intermediate_size: int = 18432
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: Mapping[str, Any] | None = field(default=None, compare=False)
+    max_position_embeddings: int = 163840
+
+    def __post_init__(self) -> None:
+        positive = (
+            "num_hidden_layers", "hidden_size", "num_attention_heads", "q_lora_rank", "kv_lora_rank",
+            "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "index_n_heads", "index_head_dim",
+            "index_topk", "index_kpool", "vocab_size", "intermediate_size",
+        )
+        for key in positive:
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{key}: expected a positive integer, got {value!r}")
+        if not isinstance(self.indexer_rope_interleave, bool):
+            raise ValueError(f"indexer_rope_interleave: expected true/false, got {self.indexer_rope_interleave!r}")
+        if self.index_head_dim % 128 != 0 or self.index_head_dim < 64:
+            raise ValueError(f"index_head_dim: expected a multiple of 128 (RoPE on the first 64 dims, "
+                             f"act_quant blocks of 128), got {self.index_head_dim}")
+        n = self.num_hidden_layers
+        if self.indexer_types is not None:
+            if len(self.indexer_types) != n:
+                raise ValueError(f"indexer_types: expected {n} entries (num_hidden_layers), got {len(self.indexer_types)}")
+            bad = sorted({t for t in self.indexer_types if t not in ("full", "shared")})
+            if bad:
+                raise ValueError(f"indexer_types: expected 'full' or 'shared', got {bad}")
+        if self.index_topk_pattern is not None:
+            if len(self.index_topk_pattern) != n:
+                raise ValueError(f"index_topk_pattern: expected {n} characters (num_hidden_layers), "
+                                 f"got {len(self.index_topk_pattern)}")
+            bad = sorted({c for c in self.index_topk_pattern if c.upper() not in "FS"})
+            if bad:
+                raise ValueError(f"index_topk_pattern: expected only 'F' (full) and 'S' (shared), got {bad}")
+        if self.index_topk_freq is not None and (isinstance(self.index_topk_freq, bool) or not isinstance(self.index_topk_freq, int) or self.index_topk_freq < 1):
+            raise ValueError(f"index_topk_freq: expected an integer >= 1, got {self.index_topk_freq!r}")
+        if self.index_skip_topk_offset is not None and (not isinstance(self.index_skip_topk_offset, int) or self.index_skip_topk_offset < 0):
+            raise ValueError(f"index_skip_topk_offset: expected an integer >= 0, got {self.index_skip_topk_offset!r}")
+        if self.skip_topk_layers and self.skip_topk_layers[0] == 0:
+            raise ValueError("indexer_types/index_topk_pattern/index_topk_freq: layer 0 cannot skip top-k "
+                             "(a skip layer reuses the previous layer's selection)")
+        c = self.index_kpool
+        if c > 1:
+            if self.index_topk % c:
+                raise ValueError(f"index_kpool: index_topk ({self.index_topk}) must be a multiple of index_kpool ({c})")
+            if PAGE_SIZE % c:
+                raise ValueError(f"index_kpool: {PAGE_SIZE} must be a multiple of index_kpool ({c})")
+
+    # ---- derived -------------------------------------------------------------------------------
+    @property
+    def skip_topk_layers(self) -> list[int]:
+        """Sorted layer ids that reuse the previous layer's top-k (no indexer, no indexer cache)."""
+        rule = _skip_rule(self.num_hidden_layers, self.indexer_types, self.index_topk_pattern,
+                          self.index_topk_freq, self.index_skip_topk_offset)
+        return [i for i, skip in enumerate(rule) if skip]
+
+    @property
+    def topk_layers(self) -> list[int]:
+        """Sorted layer ids that run the indexer and compute top-k."""
+        skip = set(self.skip_topk_layers)
+        return [i for i in range(self.num_hidden_layers) if i not in skip]
+
+    @property
+    def kv_cache_dim(self) -> int:
+        """Dims per token in the MLA cache: latent + rope (576 for V3.2 and GLM-5)."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def page_size(self) -> int:
+        """Tokens per KV page: 64, or 64 * c with kpool so an indexer page still holds 64 pooled keys."""
+        return PAGE_SIZE * self.index_kpool
+
+    @property
+    def softmax_scale(self) -> float:
+        """MLA softmax scale over the un-absorbed head dim (qk_nope + qk_rope), with the YaRN mscale."""
+        scale = self.qk_head_dim ** -0.5
+        rs = self.rope_scaling or {}
+        factor = rs.get("factor")
+        mscale_all_dim = rs.get("mscale_all_dim")
+        if factor and mscale_all_dim and factor > 1:
+            import math
+            m = 0.1 * mscale_all_dim * math.log(factor) + 1.0
+            scale *= m * m
+        return scale
+
+    # ---- construction --------------------------------------------------------------------------
+    @classmethod
+    def from_hf(cls, config: Mapping[str, Any] | str | os.PathLike) -> "DSAConfig":
+        """Build from an HF config dict, a ``config.json`` path, or a model folder holding one.
+
+        Raises ValueError naming the key when the model is not DSA or a value is unknown/inconsistent.
+        """
+        if not isinstance(config, Mapping):
+            path = os.fspath(config)
+            if os.path.isdir(path):
+                path = os.path.join(path, "config.json")
+            with open(path) as f:
+                config = json.load(f)
+        if not is_dsa(config):
+            if config.get("index_topk") is None:
+                raise ValueError("index_topk: missing, so this is not a DSA model "
+                                 f"(architectures={config.get('architectures')})")
+            raise ValueError(f"architectures: expected one of {list(DSA_ARCHITECTURES)}, "
+                             f"got {config.get('architectures')}")
+        required = ("num_hidden_layers", "hidden_size", "num_attention_heads", "kv_lora_rank",
+                    "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "index_n_heads",
+                    "index_head_dim", "index_topk")
+        for key in required:
+            if config.get(key) is None:
+                raise ValueError(f"{key}: missing from the config")
+        if config.get("q_lora_rank") is None:
+            raise ValueError("q_lora_rank: missing (DSA's indexer reads the MLA query latent, so q_lora_rank is required)")
+        kw: dict[str, Any] = {f.name: config[f.name] for f in dataclasses.fields(cls)
+                              if f.name in config and config[f.name] is not None}
+        kw["architectures"] = tuple(config["architectures"])
+        if "indexer_types" in kw:
+            kw["indexer_types"] = tuple(kw["indexer_types"])
+        if "indexer_rope_interleave" in kw and not isinstance(kw["indexer_rope_interleave"], bool):
+            raise ValueError(f"indexer_rope_interleave: expected true/false, got {kw['indexer_rope_interleave']!r}")
+        # transformers >= 5 moved rope_theta / rope_scaling under rope_parameters.
+        rp = config.get("rope_parameters")
+        if isinstance(rp, Mapping):
+            kw.setdefault("rope_theta", rp.get("rope_theta", 10000.0))
+            if rp.get("rope_type", "default") != "default":
+                kw.setdefault("rope_scaling", dict(rp))
+        return cls(**kw)
+
+    @classmethod
+    def preset(cls, name: str) -> "DSAConfig":
+        """``v32`` (DeepSeek-V3.2), ``glm5`` (GLM-5) or ``tiny`` (a small DSA model for CPU tests)."""
+        if name not in PRESETS:
+            raise ValueError(f"preset: expected one of {sorted(PRESETS)}, got {name!r}")
+        return cls.from_hf(PRESETS[name])
+
+    def replace(self, **changes: Any) -> "DSAConfig":
+        return dataclasses.replace(self, **changes)
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "v32": dict(
+        architectures=["DeepseekV32ForCausalLM"], num_hidden_layers=61, hidden_size=7168,
+        num_attention_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+        qk_rope_head_dim=64, v_head_dim=128, index_n_heads=64, index_head_dim=128, index_topk=2048,
+        vocab_size=129280, intermediate_size=18432, rope_theta=10000.0, max_position_embeddings=163840,
+        rope_scaling={"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+                      "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+    ),
+    "glm5": dict(
+        architectures=["GlmMoeDsaForCausalLM"], num_hidden_layers=78, hidden_size=6144,
+        num_attention_heads=64, q_lora_rank=2048, kv_lora_rank=512, qk_nope_head_dim=192,
+        qk_rope_head_dim=64, v_head_dim=256, index_n_heads=32, index_head_dim=128, index_topk=2048,
+        indexer_rope_interleave=True, vocab_size=154880, intermediate_size=12288,
+        rope_theta=1000000.0, max_position_embeddings=202752,
+    ),
+    # Small enough for CPU, still every DSA feature: sparse (topk < context), a skip-top-k layer,
+    # the real 576-dim MLA cache and 128-dim indexer keys so the byte layouts are the real ones.
+    "tiny": dict(
+        architectures=["DeepseekV32ForCausalLM"], num_hidden_layers=4, hidden_size=256,
+        num_attention_heads=4, q_lora_rank=96, kv_lora_rank=512, qk_nope_head_dim=32,
+        qk_rope_head_dim=64, v_head_dim=32, index_n_heads=4, index_head_dim=128, index_topk=64,
+        index_topk_freq=2, vocab_size=512, intermediate_size=512, rope_theta=10000.0,
+        max_position_embeddings=4096,
+    ),
+}

@@ -1,0 +1,96 @@
+"""Shared input checks and backend choice for the public ops.
+
+Every public op checks shapes, dtypes and devices first (cheap, no device sync) and then, when value
+checks are on, the values that could make a kernel read out of bounds (lengths, page ids). Value
+checks read device memory, so they are skipped inside CUDA-graph capture and can be turned off for
+production decode with ``flashdsa.ops.set_value_checks(False)`` or ``FLASHDSA_CHECK_VALUES=0``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, Iterable
+
+import torch
+
+_VALUE_CHECKS = os.environ.get("FLASHDSA_CHECK_VALUES", "1") != "0"
+BACKENDS = ("torch", "triton")
+
+
+def set_value_checks(enabled: bool) -> None:
+    """Turn the value-range checks of every op on or off (shape/dtype checks always run)."""
+    global _VALUE_CHECKS
+    _VALUE_CHECKS = bool(enabled)
+
+
+def value_checks_enabled(*tensors: torch.Tensor) -> bool:
+    if not _VALUE_CHECKS:
+        return False
+    if any(t.is_cuda for t in tensors) and torch.cuda.is_current_stream_capturing():
+        return False
+    return True
+
+
+def fail(name: str, expected: str, got) -> None:
+    raise ValueError(f"{name}: expected {expected}, got {got}")
+
+
+def check_tensor(name: str, t, *, dtype: torch.dtype | Iterable[torch.dtype] | None = None,
+                 ndim: int | None = None, shape: tuple | None = None, device: torch.device | None = None,
+                 contiguous_last: bool = False) -> None:
+    """Raise ValueError naming ``name`` unless ``t`` is a tensor of the given dtype / rank / shape / device.
+
+    ``shape`` may hold None for a free dimension.
+    """
+    if not isinstance(t, torch.Tensor):
+        fail(name, "a torch.Tensor", type(t).__name__)
+    if dtype is not None:
+        dtypes = (dtype,) if isinstance(dtype, torch.dtype) else tuple(dtype)
+        if t.dtype not in dtypes:
+            fail(name, f"dtype {' or '.join(str(d) for d in dtypes)}", t.dtype)
+    if ndim is not None and t.dim() != ndim:
+        fail(name, f"a {ndim}-D tensor", f"shape {list(t.shape)}")
+    if shape is not None:
+        if t.dim() != len(shape) or any(s is not None and s != d for s, d in zip(shape, t.shape)):
+            want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+            fail(name, f"shape {want}", list(t.shape))
+    if device is not None and t.device != device:
+        fail(name, f"a tensor on {device} (like the first argument)", t.device)
+    if contiguous_last and t.dim() and t.stride(-1) != 1 and t.shape[-1] > 1:
+        fail(name, "unit stride in the last dim", f"strides {t.stride()}")
+
+
+def check_range(name: str, t: torch.Tensor, lo: int | None, hi: int | None, what: str = "values") -> None:
+    """Raise ValueError unless every element lies in [lo, hi] (inclusive); skipped when value checks are off."""
+    if t.numel() == 0 or not value_checks_enabled(t):
+        return
+    if lo is not None:
+        m = int(t.min())
+        if m < lo:
+            fail(name, f"{what} >= {lo}", m)
+    if hi is not None:
+        m = int(t.max())
+        if m > hi:
+            fail(name, f"{what} <= {hi}", m)
+
+
+def check_scalar(name: str, x, *, positive: bool = True) -> float:
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        fail(name, "a Python float", type(x).__name__)
+    x = float(x)
+    if positive and not (x > 0 and x != float("inf")):
+        fail(name, "a finite positive number", x)
+    return x
+
+
+def pick_backend(backend: str | None, impls: dict[str, Callable], device: torch.device, op: str) -> Callable:
+    """The implementation to run: ``backend`` if given, else Triton on CUDA when it exists, else torch."""
+    if backend is None:
+        backend = "triton" if device.type == "cuda" and "triton" in impls else "torch"
+    if backend not in BACKENDS:
+        fail("backend", f"one of {BACKENDS} or None", repr(backend))
+    if backend not in impls:
+        raise ValueError(f"backend: {op} has no {backend!r} implementation (available: {sorted(impls)})")
+    if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"backend: 'triton' needs CUDA tensors (or TRITON_INTERPRET=1 for CPU tensors), got {device}")
+    return impls[backend]

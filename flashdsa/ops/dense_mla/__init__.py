@@ -1,0 +1,51 @@
+"""Dense causal MLA over contiguous per-request KV: the fallback when every context fits in top-k."""
+
+from __future__ import annotations
+
+import torch
+
+from flashdsa.cache.layouts import MLA_DIM, MLA_LATENT
+from flashdsa.ops._common import check_range, check_scalar, check_tensor, fail, pick_backend, value_checks_enabled
+from flashdsa.ops.dense_mla import reference
+
+_IMPLS = {"torch": reference.dense_mla_prefill}
+
+
+def dense_mla_prefill(q: torch.Tensor, kv: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_kv: torch.Tensor,
+                      sm_scale: float, d_v: int = 512, *, backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention of each request's new queries over its whole KV (cached prefix + new tokens).
+
+    Args:
+        q:             ``[T, h_q, 576] bfloat16``, requests concatenated.
+        kv:            ``[N, 576] bfloat16``, each request's full KV concatenated.
+        cu_seqlens_q:  ``[B + 1] int32`` query offsets; cu_seqlens_kv ``[B + 1] int32`` key offsets.
+                       Request b's queries are its LAST ``q_len`` tokens: query i sits at position
+                       ``kv_len - q_len + i`` and sees keys ``0 .. kv_len - q_len + i``.
+
+    Returns:
+        ``out [T, h_q, d_v] bfloat16``, ``lse [T, h_q] float32`` (natural log).
+    """
+    check_tensor("q", q, dtype=torch.bfloat16, ndim=3)
+    T, h_q, d = q.shape
+    dev = q.device
+    if d != MLA_DIM:
+        fail("q", f"last dim {MLA_DIM}", d)
+    check_tensor("kv", kv, dtype=torch.bfloat16, shape=(None, MLA_DIM), device=dev)
+    check_tensor("cu_seqlens_q", cu_seqlens_q, dtype=torch.int32, ndim=1, device=dev)
+    check_tensor("cu_seqlens_kv", cu_seqlens_kv, dtype=torch.int32, shape=tuple(cu_seqlens_q.shape), device=dev)
+    if cu_seqlens_q.numel() < 1:
+        fail("cu_seqlens_q", "[B + 1] offsets starting at 0", "an empty tensor")
+    check_scalar("sm_scale", sm_scale)
+    if isinstance(d_v, bool) or not isinstance(d_v, int) or not 1 <= d_v <= MLA_LATENT:
+        fail("d_v", f"an int in 1..{MLA_LATENT}", d_v)
+    if value_checks_enabled(cu_seqlens_q):
+        cq, ck = cu_seqlens_q.long(), cu_seqlens_kv.long()
+        if int(cq[0]) != 0 or int(cq[-1]) != T:
+            fail("cu_seqlens_q", f"offsets from 0 to T = {T}", cq.tolist())
+        if int(ck[0]) != 0 or int(ck[-1]) != kv.shape[0]:
+            fail("cu_seqlens_kv", f"offsets from 0 to N = {kv.shape[0]}", ck.tolist())
+        check_range("cu_seqlens_q", cq.diff(), 0, None, what="non-decreasing offsets, steps")
+        check_range("cu_seqlens_kv - cu_seqlens_q", ck.diff() - cq.diff(), 0, None,
+                    what="kv_len >= q_len per request, i.e. differences")
+    impl = pick_backend(backend, _IMPLS, dev, "dense_mla_prefill")
+    return impl(q, kv, cu_seqlens_q, cu_seqlens_kv, float(sm_scale), d_v)

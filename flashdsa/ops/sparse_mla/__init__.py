@@ -1,0 +1,94 @@
+"""Sparse MLA over the top-k selected tokens: decode over paged caches, prefill over gathered KV."""
+
+from __future__ import annotations
+
+import torch
+
+from flashdsa.cache.layouts import MLA_DIM, MLA_LATENT, PAGE_SIZE, mla_cache_format
+from flashdsa.ops._common import check_scalar, check_tensor, fail, pick_backend
+from flashdsa.ops.sparse_mla import reference
+
+_DECODE = {"torch": reference.sparse_mla_decode}
+_PREFILL = {"torch": reference.sparse_mla_prefill}
+
+
+def _check_d_v(d_v) -> None:
+    if isinstance(d_v, bool) or not isinstance(d_v, int) or not 1 <= d_v <= MLA_LATENT:
+        fail("d_v", f"an int in 1..{MLA_LATENT} (the value is the leading latent dims)", d_v)
+
+
+def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, sm_scale: float,
+                      d_v: int = 512, *, kv_scale: float | None = None,
+                      backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse MLA decode / verify over a paged MLA cache.
+
+    Args:
+        q:        ``[B, s_q, h_q, 576] bfloat16`` absorbed queries (512 latent + 64 rope); s_q = 1 for
+                  decode, next_n for MTP verify; any h_q.
+        kv_cache: ``[P, 64, 656] uint8`` (fp8 latent + 4 fp32 scales + bf16 rope, FlashMLA's layout),
+                  ``[P, 64, 576] bfloat16``, or ``[P, 64, 576] uint8`` (raw fp8, needs ``kv_scale``).
+        indices:  ``[B, s_q, topk] int32`` physical slots ``page * 64 + row``; -1 or >= P * 64 = skip.
+        sm_scale: softmax scale.
+        d_v:      value dims (the first d_v of the 576).
+        kv_scale: per-tensor scale of the raw fp8 cache.
+
+    Returns:
+        ``out [B, s_q, h_q, d_v] bfloat16`` and ``lse [B, s_q, h_q] float32`` (natural log). A row with
+        no valid index gives out = 0 and lse = -inf.
+    """
+    check_tensor("q", q, dtype=torch.bfloat16, ndim=4)
+    B, s_q, h_q, d = q.shape
+    dev = q.device
+    if d != MLA_DIM:
+        fail("q", f"last dim {MLA_DIM} (512 latent + 64 rope)", d)
+    check_tensor("kv_cache", kv_cache, ndim=3, device=dev)
+    fmt = mla_cache_format(kv_cache)
+    if kv_cache.shape[1] != PAGE_SIZE:
+        fail("kv_cache", f"pages of {PAGE_SIZE} tokens [P, {PAGE_SIZE}, width]", list(kv_cache.shape))
+    if fmt == "fp8_raw":
+        kv_scale = check_scalar("kv_scale", kv_scale)
+    check_tensor("indices", indices, dtype=torch.int32, shape=(B, s_q, None), device=dev)
+    check_scalar("sm_scale", sm_scale)
+    _check_d_v(d_v)
+    impl = pick_backend(backend, _DECODE, dev, "sparse_mla_decode")
+    return impl(q, kv_cache, indices, float(sm_scale), d_v, kv_scale)
+
+
+def sparse_mla_prefill(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float,
+                       d_v: int = 512, *, backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse MLA prefill over a gathered bf16 KV buffer.
+
+    Args:
+        q:       ``[T, h_q, 576] bfloat16``.
+        kv:      ``[N, 576] bfloat16`` (the requests' KV, gathered and dequantised).
+        indices: ``[T, topk] int32`` rows of ``kv``; -1 or >= N = skip.
+
+    Returns:
+        ``out [T, h_q, d_v] bfloat16``, ``lse [T, h_q] float32`` (natural log; -inf for empty rows).
+    """
+    check_tensor("q", q, dtype=torch.bfloat16, ndim=3)
+    T, h_q, d = q.shape
+    dev = q.device
+    if d != MLA_DIM:
+        fail("q", f"last dim {MLA_DIM} (512 latent + 64 rope)", d)
+    check_tensor("kv", kv, dtype=torch.bfloat16, shape=(None, MLA_DIM), device=dev)
+    check_tensor("indices", indices, dtype=torch.int32, shape=(T, None), device=dev)
+    check_scalar("sm_scale", sm_scale)
+    _check_d_v(d_v)
+    impl = pick_backend(backend, _PREFILL, dev, "sparse_mla_prefill")
+    return impl(q, kv, indices, float(sm_scale), d_v)
+
+
+def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
+                    lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge two partial attentions over disjoint key sets into the attention over their union.
+
+    ``out_*: [..., d_v]`` (any float dtype, the result takes out_a's), ``lse_*: [...] float32`` natural
+    log. Exact for empty parts: a part with lse = -inf contributes nothing; two empty parts give
+    out = 0, lse = -inf.
+    """
+    check_tensor("out_a", out_a)
+    check_tensor("lse_a", lse_a, dtype=torch.float32, shape=tuple(out_a.shape[:-1]), device=out_a.device)
+    check_tensor("out_b", out_b, shape=tuple(out_a.shape), device=out_a.device)
+    check_tensor("lse_b", lse_b, dtype=torch.float32, shape=tuple(out_a.shape[:-1]), device=out_a.device)
+    return reference.merge_attention(out_a, lse_a, out_b, lse_b)

@@ -1,0 +1,73 @@
+"""Exact top-k over indexer logits, with the position -> slot translation fused in."""
+
+from __future__ import annotations
+
+import torch
+
+from flashdsa.cache.layouts import PAGE_SIZE
+from flashdsa.ops._common import check_range, check_tensor, fail, pick_backend, value_checks_enabled
+from flashdsa.ops.topk import reference
+
+_IMPLS = {"torch": reference.topk_transform}
+
+
+def topk_transform(logits: torch.Tensor, lengths: torch.Tensor, topk: int = 2048, *,
+                   page_table: torch.Tensor | None = None, row_starts: torch.Tensor | None = None,
+                   out_offsets: torch.Tensor | None = None, page_size: int = PAGE_SIZE,
+                   backend: str | None = None) -> torch.Tensor:
+    """Exact top-k of each row's candidates, translated to what the attention reads.
+
+    Row r's candidates are ``logits[r, row_starts[r] : row_starts[r] + lengths[r]]`` at row-relative
+    positions ``p = 0 .. lengths[r] - 1``.
+
+    Order and ties: larger score first; NaN counts as -inf; -0.0 == +0.0; among equal scores the
+    smaller position wins. So every selected score >= every unselected candidate score, for any input,
+    and the same input always gives the same bits.
+
+    Args:
+        logits:      ``[R, L] float32`` (unit stride along L).
+        lengths:     ``[R] int32``, ``0 <= lengths[r]`` and ``row_starts[r] + lengths[r] <= L``.
+        topk:        k >= 1.
+        page_table:  ``[R / g, maxp] int32`` (g = 1, or next_n when R = B * next_n verify rows share
+                     their request's table: row r reads row ``r // g``). Output = physical slot
+                     ``page_table[r // g, p // page_size] * page_size + p % page_size``.
+        row_starts:  ``[R] int32`` offset of each row's candidates in ``logits`` (default 0).
+        out_offsets: ``[R] int32``; output = ``p + out_offsets[r]`` (ragged prefill: index into the
+                     gathered KV). Exclusive with ``page_table``.
+        page_size:   tokens per page of ``page_table`` (64; 64 * c with kpool).
+
+    Returns:
+        ``[R, topk] int32``: the selected candidates in ascending position order, then -1 padding
+        (a row with fewer than topk candidates returns all of them).
+    """
+    check_tensor("logits", logits, dtype=torch.float32, ndim=2, contiguous_last=True)
+    R, L = logits.shape
+    dev = logits.device
+    check_tensor("lengths", lengths, dtype=torch.int32, shape=(R,), device=dev)
+    if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
+        fail("topk", "an int >= 1", topk)
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
+        fail("page_size", "an int >= 1", page_size)
+    if page_table is not None and out_offsets is not None:
+        fail("out_offsets", "None when page_table is given (one translation per call)", "both")
+    check_range("lengths", lengths, 0, L)
+    if row_starts is not None:
+        check_tensor("row_starts", row_starts, dtype=torch.int32, shape=(R,), device=dev)
+        check_range("row_starts", row_starts, 0, L)
+        check_range("row_starts + lengths", row_starts + lengths, None, L)
+    if out_offsets is not None:
+        check_tensor("out_offsets", out_offsets, dtype=torch.int32, shape=(R,), device=dev)
+        check_range("out_offsets", out_offsets, 0, None)
+    if page_table is not None:
+        check_tensor("page_table", page_table, dtype=torch.int32, ndim=2, device=dev)
+        g_rows = page_table.shape[0]
+        if g_rows == 0 and R or g_rows and R % g_rows:
+            fail("page_table", f"a row count that divides R = {R}", g_rows)
+        if R and value_checks_enabled(lengths):
+            per_table = lengths.view(g_rows, -1).amax(dim=1)
+            pages_needed = (per_table + page_size - 1) // page_size
+            check_range("page_table", pages_needed, None, page_table.shape[1], what="pages needed by lengths")
+            used = torch.arange(page_table.shape[1], device=dev)[None, :] < pages_needed[:, None]
+            check_range("page_table", page_table[used], 0, None, what="page ids")
+    impl = pick_backend(backend, _IMPLS, dev, "topk_transform")
+    return impl(logits, lengths, topk, page_table, row_starts, out_offsets, page_size)
