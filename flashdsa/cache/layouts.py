@@ -20,6 +20,7 @@ import math
 
 import torch
 
+from flashdsa._checks import check_range
 from flashdsa.quant import FP8, FP8_MAX, act_quant
 
 PAGE_SIZE = 64
@@ -96,9 +97,7 @@ def store_index_keys(index_cache: torch.Tensor, slots: torch.Tensor, k_fp8: torc
     _check(k_scale.shape == (slots.shape[0],) and k_scale.dtype == torch.float32, "k_scale",
            f"float32 [{slots.shape[0]}]", f"{k_scale.dtype} {list(k_scale.shape)}")
     slots = slots.long()
-    if slots.numel():
-        _check(int(slots.min()) >= 0 and int(slots.max()) < keys.shape[0] * PAGE_SIZE, "slots",
-               f"values in [0, {keys.shape[0] * PAGE_SIZE})", f"[{int(slots.min())}, {int(slots.max())}]")
+    check_range("slots", slots, 0, keys.shape[0] * PAGE_SIZE - 1)
     page, row = slots // PAGE_SIZE, slots % PAGE_SIZE
     keys[page, row] = k_fp8
     scales[page, row] = k_scale
@@ -214,9 +213,7 @@ def store_mla(kv_cache: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor, sca
            f"a 1-D integer tensor of {kv.shape[0]} slots", f"{slots.dtype} {list(slots.shape)}")
     flat = kv_cache.view(-1, kv_cache.shape[-1])
     slots = slots.long()
-    if slots.numel():
-        _check(int(slots.min()) >= 0 and int(slots.max()) < flat.shape[0], "slots",
-               f"values in [0, {flat.shape[0]})", f"[{int(slots.min())}, {int(slots.max())}]")
+    check_range("slots", slots, 0, flat.shape[0] - 1)
     flat[slots] = encode_mla(kv, fmt, scale)
 
 

@@ -13,26 +13,9 @@ from typing import Callable, Iterable
 
 import torch
 
-_VALUE_CHECKS = os.environ.get("FLASHDSA_CHECK_VALUES", "1") != "0"
+from flashdsa._checks import check_range, fail, set_value_checks, value_checks_enabled  # noqa: F401 (re-exported)
+
 BACKENDS = ("torch", "triton")
-
-
-def set_value_checks(enabled: bool) -> None:
-    """Turn the value-range checks of every op on or off (shape/dtype checks always run)."""
-    global _VALUE_CHECKS
-    _VALUE_CHECKS = bool(enabled)
-
-
-def value_checks_enabled(*tensors: torch.Tensor) -> bool:
-    if not _VALUE_CHECKS:
-        return False
-    if any(t.is_cuda for t in tensors) and torch.cuda.is_current_stream_capturing():
-        return False
-    return True
-
-
-def fail(name: str, expected: str, got) -> None:
-    raise ValueError(f"{name}: expected {expected}, got {got}")
 
 
 def check_tensor(name: str, t, *, dtype: torch.dtype | Iterable[torch.dtype] | None = None,
@@ -58,20 +41,6 @@ def check_tensor(name: str, t, *, dtype: torch.dtype | Iterable[torch.dtype] | N
         fail(name, f"a tensor on {device} (like the first argument)", t.device)
     if contiguous_last and t.dim() and t.stride(-1) != 1 and t.shape[-1] > 1:
         fail(name, "unit stride in the last dim", f"strides {t.stride()}")
-
-
-def check_range(name: str, t: torch.Tensor, lo: int | None, hi: int | None, what: str = "values") -> None:
-    """Raise ValueError unless every element lies in [lo, hi] (inclusive); skipped when value checks are off."""
-    if t.numel() == 0 or not value_checks_enabled(t):
-        return
-    if lo is not None:
-        m = int(t.min())
-        if m < lo:
-            fail(name, f"{what} >= {lo}", m)
-    if hi is not None:
-        m = int(t.max())
-        if m > hi:
-            fail(name, f"{what} <= {hi}", m)
 
 
 def check_scalar(name: str, x, *, positive: bool = True) -> float:

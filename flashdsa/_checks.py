@@ -1,0 +1,46 @@
+"""Value-range checks shared by the ops, the cache writers and the pool.
+
+Shape and dtype checks are free; value checks (lengths, page ids, slots) read device memory, so they
+are skipped inside CUDA-graph capture and can be switched off for production with
+``flashdsa.ops.set_value_checks(False)`` or ``FLASHDSA_CHECK_VALUES=0``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+_VALUE_CHECKS = os.environ.get("FLASHDSA_CHECK_VALUES", "1") != "0"
+
+
+def set_value_checks(enabled: bool) -> None:
+    """Turn the value-range checks of every op on or off (shape/dtype checks always run)."""
+    global _VALUE_CHECKS
+    _VALUE_CHECKS = bool(enabled)
+
+
+def value_checks_enabled(*tensors: torch.Tensor) -> bool:
+    if not _VALUE_CHECKS:
+        return False
+    if any(t.is_cuda for t in tensors) and torch.cuda.is_current_stream_capturing():
+        return False
+    return True
+
+
+def fail(name: str, expected: str, got) -> None:
+    raise ValueError(f"{name}: expected {expected}, got {got}")
+
+
+def check_range(name: str, t: torch.Tensor, lo: int | None, hi: int | None, what: str = "values") -> None:
+    """Raise ValueError unless every element lies in [lo, hi] (inclusive); skipped when value checks are off."""
+    if t.numel() == 0 or not value_checks_enabled(t):
+        return
+    if lo is not None:
+        m = int(t.min())
+        if m < lo:
+            fail(name, f"{what} >= {lo}", m)
+    if hi is not None:
+        m = int(t.max())
+        if m > hi:
+            fail(name, f"{what} <= {hi}", m)
