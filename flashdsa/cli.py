@@ -11,7 +11,8 @@ def _demo(args: argparse.Namespace) -> int:
     from flashdsa.demo import run_demo
 
     report = run_demo(preset=args.preset, device=args.device, next_n=args.next_n, seed=args.seed,
-                      backend=args.backend, log=None if args.json else print)
+                      backend=args.backend, layers=args.layers, kv_format=args.kv_format,
+                      log=None if args.json else print)
     if args.json:
         print(json.dumps(report))
     return 0 if report["ok"] else 1
@@ -56,6 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--next-n", type=int, default=2, help="draft tokens per request in the MTP verify step")
     demo.add_argument("--backend", default=None, choices=["torch", "triton"],
                       help="force an op backend (default: triton on CUDA, torch on CPU)")
+    demo.add_argument("--layers", type=int, default=None, help="keep only the first N layers of the preset")
+    demo.add_argument("--kv-format", default="fp8", choices=["fp8", "bf16", "fp8_raw"],
+                      help="MLA cache format (fp8 = FlashMLA's 656-B layout)")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
     demo.set_defaults(func=_demo)

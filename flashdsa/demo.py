@@ -1,9 +1,13 @@
-"""The main job: the DSA pipeline of one attention layer, end to end, on paged caches, with its checks.
+"""The main job: a DSA model served the way an engine serves it, on paged caches, with its checks.
 
-A batch of requests whose contexts straddle ``index_topk`` is written into the two paged caches
-(scattered pages), then one decode step, one MTP verify step and one ragged prefill run through
-indexer -> top-k -> sparse MLA. Checks: sparse == dense where every context fits in top-k; every verify
-row selects only positions it may see; the fp8 656 cache agrees with the bf16 cache.
+Builds a model with seeded random weights (a preset's real layer shapes, optionally fewer layers) and
+a KV pool, prefills a batch whose prompts straddle the dense/sparse threshold (the longest in chunks),
+decodes a few steps, runs one MTP verify step, and checks the promises of the engine:
+
+    dense_equivalence_max_abs   sparse path vs dense fallback where every context <= index_topk
+    chunked_vs_oneshot_max_abs  the long prompt in chunks vs in one extend (both sparse)
+    verify_vs_decode_max_abs    next_n drafts verified at once vs n sequential decodes
+    skip_layers_reuse_exact     skip-top-k layers use the previous layer's selection as is
 """
 
 from __future__ import annotations
@@ -13,36 +17,42 @@ from typing import Callable
 
 import torch
 
-from flashdsa import ops
 from flashdsa.cache import layouts
 from flashdsa.config import DSAConfig
-from flashdsa.quant import act_quant, hadamard
+from flashdsa.engine import DSAModel, Runner
+
+TOL = 3e-2  # relative to the logits' scale: bf16 activations through random layers
 
 
-def _indexer_q(T: int, H: int, gen: torch.Generator, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random rotated, quantised indexer queries and their folded head gates (SPEC §3 steps 3-5)."""
-    q = hadamard(torch.randn(T, H, 128, generator=gen).to(device))
-    q_fp8, q_scale = act_quant(q)
-    w = torch.randn(T, H, generator=gen).to(device) * H ** -0.5 * q_scale[..., 0] * 128 ** -0.5
-    return q_fp8, w
+def _rel_max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1.0))
 
 
-def run_demo(preset: str = "tiny", device: str = "cpu", next_n: int = 2, seed: int = 0,
-             backend: str | None = None, log: Callable[[str], None] | None = print) -> dict:
+def run_demo(preset: str = "tiny", device: str = "cpu", next_n: int = 2, seed: int = 0, backend: str | None = None,
+             layers: int | None = None, kv_format: str = "fp8", log: Callable[[str], None] | None = print) -> dict:
     log = log or (lambda *_: None)
     cfg = DSAConfig.preset(preset)
-    if device == "cuda" and not torch.cuda.is_available():
+    if layers is not None:
+        if layers < 1:
+            raise ValueError(f"layers: expected >= 1, got {layers}")
+        keep = dict(num_hidden_layers=layers)
+        if cfg.indexer_types is not None:
+            keep["indexer_types"] = cfg.indexer_types[:layers]
+        if cfg.index_topk_pattern is not None:
+            keep["index_topk_pattern"] = cfg.index_topk_pattern[:layers]
+        cfg = cfg.replace(**keep)
+    if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError("device: 'cuda' requested but torch sees no CUDA device")
     if next_n < 1:
         raise ValueError(f"next_n: expected >= 1, got {next_n}")
     dev = torch.device(device)
-    gen = torch.Generator().manual_seed(seed)
-    k, H, h_q = cfg.index_topk, cfg.index_n_heads, cfg.num_attention_heads
-    sm_scale = cfg.softmax_scale
-    # Contexts below, at and above top-k, so both the dense-equivalent and the truly sparse case run.
-    lens = [k // 2, k, k + 1, 3 * k + 7]
-    B = len(lens)
+    k = cfg.index_topk
+    lens = {"short": k // 2, "at_topk": k, "long": 3 * k + 7}  # straddle the dense/sparse threshold
+    prompts = {r: torch.randint(0, cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(seed + i))
+               for i, (r, n) in enumerate(lens.items())}
+    pages = 2 * sum(-(-(n + 8 + next_n) // cfg.page_size) for n in lens.values()) + 8
     stages: dict[str, float] = {}
+    tokens = 0
 
     def timed(name: str, fn):
         if dev.type == "cuda":
@@ -54,90 +64,88 @@ def run_demo(preset: str = "tiny", device: str = "cpu", next_n: int = 2, seed: i
         stages[name] = stages.get(name, 0.0) + time.perf_counter() - t0
         return out
 
-    # ---- caches: pages handed out in a shuffled order so block tables are not the identity ----------
-    maxp = (max(lens) + 63) // 64
-    n_pages = B * maxp
-    perm = torch.randperm(n_pages, generator=gen)
-    block_table = perm.view(B, maxp).to(torch.int32).to(dev)
-    index_cache = torch.zeros(n_pages, layouts.INDEX_PAGE_BYTES, dtype=torch.uint8, device=dev)
-    cache_fp8 = torch.zeros(n_pages, 64, layouts.MLA_FP8_BYTES, dtype=torch.uint8, device=dev)
-    cache_bf16 = torch.zeros(n_pages, 64, layouts.MLA_DIM, dtype=torch.bfloat16, device=dev)
-    kvs, keys = [], []
-    log(f"[demo] preset={preset} device={device} requests={B} contexts={lens} topk={k} next_n={next_n}")
+    log(f"[demo] {preset}: {cfg.num_hidden_layers} layers ({len(cfg.topk_layers)} with an indexer, skip-top-k "
+        f"{cfg.skip_topk_layers}), {cfg.num_attention_heads} heads, topk {k}, on {device}, KV {kv_format}")
+    log("[demo] building the model (seeded random weights) ...")
+    model = timed("build", lambda: DSAModel.random(cfg, seed=seed, device=dev))
+    kv_scale = 1 / 32 if kv_format == "fp8_raw" else None  # the latent stays within ±14 after its RMSNorm
 
-    def fill():
-        for b, S in enumerate(lens):
-            pos = torch.arange(S, device=dev)
-            slots = block_table[b, pos // 64].long() * 64 + pos % 64
-            kv = torch.randn(S, layouts.MLA_DIM, generator=gen).to(dev).bfloat16()
-            key_fp8, key_scale = act_quant(hadamard(torch.randn(S, 128, generator=gen).to(dev)))
-            layouts.store_mla(cache_fp8, slots, kv)
-            layouts.store_mla(cache_bf16, slots, kv)
-            layouts.store_index_keys(index_cache, slots, key_fp8, key_scale[:, 0])
-            kvs.append(kv)
-            keys.append((key_fp8, key_scale[:, 0]))
-    timed("cache_write", fill)
+    def runner(**kw) -> Runner:
+        return Runner(model, pages, kv_format, backend=backend, kv_scale=kv_scale, **kw)
 
-    ctx = torch.tensor(lens, dtype=torch.int32, device=dev)
-    checks: dict[str, object] = {}
+    run = runner(record=True)
 
-    # ---- decode: paged logits -> top-k with slot translation -> sparse MLA --------------------------
-    q_fp8, w = _indexer_q(B, H, gen, dev)
-    logits = timed("indexer", lambda: ops.indexer_logits_paged(q_fp8.view(B, 1, H, 128), index_cache, w, ctx.view(B, 1),
-                                                               block_table, max(lens), backend=backend))
-    slots = timed("topk", lambda: ops.topk_transform(logits, ctx, k, page_table=block_table, backend=backend))
-    q = torch.randn(B, 1, h_q, layouts.MLA_DIM, generator=gen).to(dev).bfloat16()
-    out8, lse8 = timed("sparse_mla", lambda: ops.sparse_mla_decode(q, cache_fp8, slots.view(B, 1, k), sm_scale, backend=backend))
-    out16, _ = ops.sparse_mla_decode(q, cache_bf16, slots.view(B, 1, k), sm_scale, backend=backend)
-    # Dense attention over each whole context, from the bf16 cache.
-    dense, _ = ops.dense_mla_prefill(q.view(B, h_q, -1), torch.cat(kvs), torch.arange(B + 1, dtype=torch.int32, device=dev),
-                                     torch.tensor([0] + lens, device=dev).cumsum(0).to(torch.int32), sm_scale)
-    fits = [b for b, S in enumerate(lens) if S <= k]
-    checks["dense_equivalence_max_abs"] = float((out16.view(B, h_q, -1)[fits].float() - dense[fits].float()).abs().max())
-    cos = torch.nn.functional.cosine_similarity(out8.float().flatten(), out16.float().flatten(), dim=0)
-    checks["fp8_vs_bf16_cache_cosine"] = float(cos)
+    # ---- prefill: short prompts whole, the long one in three chunks --------------------------------
+    long = prompts["long"]
+    cuts = [0, k // 2, 2 * k, len(long)]
+    first = {"short": prompts["short"], "at_topk": prompts["at_topk"], "long": long[cuts[0]:cuts[1]]}
+    log(f"[demo] prefill chunk 1/3: {', '.join(f'{r} {len(t)}' for r, t in first.items())} tokens")
+    timed("prefill", lambda: run.extend(first))
+    for i in (1, 2):
+        log(f"[demo] prefill chunk {i + 1}/3: long {cuts[i + 1] - cuts[i]} tokens on top of {cuts[i]}")
+        last = timed("prefill", lambda: run.extend({"long": long[cuts[i]:cuts[i + 1]]}))
+    tokens += sum(lens.values())
 
-    # ---- MTP verify: next_n drafts per request, per-row causal lengths ------------------------------
-    n = next_n
-    vlens = torch.tensor([[S - n + j + 1 for j in range(n)] for S in lens], dtype=torch.int32, device=dev)
-    vq, vw = _indexer_q(B * n, H, gen, dev)
-    vlogits = timed("indexer", lambda: ops.indexer_logits_paged(vq.view(B, n, H, 128), index_cache, vw, vlens, block_table,
-                                                                max(lens), backend=backend))
-    vpos = ops.topk_transform(vlogits, vlens.view(-1), k, backend=backend)
-    causal = bool(((vpos < vlens.view(-1, 1)) | (vpos == -1)).all())
-    checks["verify_rows_causal"] = causal
+    # ---- decode a few steps, greedy -------------------------------------------------------------
+    nxt = {r: int(t) for r, t in zip(lens, [0, 0, int(last[-1].argmax())])}
+    steps = 4
+    for s in range(steps):
+        logits = timed("decode", lambda: run.decode(nxt))
+        nxt = {r: int(row.argmax()) for r, row in zip(lens, logits)}
+        tokens += len(lens)
+    log(f"[demo] decoded {steps} steps x {len(lens)} requests")
+    skip_ok = all(run.selections[layer] is run.selections[layer - 1] and not run.pool.has_index_cache(layer)
+                  for layer in cfg.skip_topk_layers)
 
-    # ---- prefill (ragged): every request's queries against its own keys -----------------------------
-    T = sum(lens)
-    starts = torch.tensor([0] + lens[:-1], device=dev).cumsum(0)
-    ks = torch.cat([torch.full((S,), int(s0), dtype=torch.int32, device=dev) for s0, S in zip(starts, lens)])
-    ke = torch.cat([torch.arange(int(s0) + 1, int(s0) + S + 1, dtype=torch.int32, device=dev) for s0, S in zip(starts, lens)])
-    pq, pw = _indexer_q(T, H, gen, dev)
-    all_k = torch.cat([kk for kk, _ in keys])
-    all_s = torch.cat([ss for _, ss in keys])
-    plogits = timed("indexer", lambda: ops.indexer_logits_ragged(pq, all_k, all_s, pw, ks, ke, backend=backend))
-    pidx = timed("topk", lambda: ops.topk_transform(plogits, ke - ks, k, row_starts=ks, out_offsets=ks, backend=backend))
-    pq_mla = torch.randn(T, h_q, layouts.MLA_DIM, generator=gen).to(dev).bfloat16()
-    kv_all = torch.cat(kvs)
-    pout, _ = timed("sparse_mla", lambda: ops.sparse_mla_prefill(pq_mla, kv_all, pidx, sm_scale, backend=backend))
-    cu = torch.tensor([0] + lens, device=dev).cumsum(0).to(torch.int32)
-    pdense, _ = ops.dense_mla_prefill(pq_mla, kv_all, cu, cu, sm_scale)
-    # Rows whose visible prefix is <= topk select everything they see: sparse must equal dense there.
-    short = (ke - ks <= k)
-    checks["prefill_dense_equivalence_max_abs"] = float((pout[short].float() - pdense[short].float()).abs().max())
+    # ---- MTP verify: next_n drafts per request ---------------------------------------------------
+    drafts = {r: [(t + j) % cfg.vocab_size for j in range(next_n)] for r, t in nxt.items()}
+    ver = timed("verify", lambda: run.verify(drafts))
+    tokens += next_n * len(lens)
+    log(f"[demo] verified {next_n} drafts x {len(lens)} requests")
 
-    ok = (checks["dense_equivalence_max_abs"] < 2e-2 and checks["prefill_dense_equivalence_max_abs"] < 2e-2
-          and checks["fp8_vs_bf16_cache_cosine"] > 0.99 and causal)
-    total = sum(stages.values())
-    kv_bytes = {"bf16": layouts.MLA_BF16_BYTES, "fp8": layouts.MLA_FP8_BYTES, "fp8_raw": layouts.MLA_FP8_RAW_BYTES,
-                "index": layouts.INDEX_BYTES_PER_TOKEN}
-    report = {"ok": ok, "device": device, "preset": preset, "backend": backend or ("triton" if dev.type == "cuda" else "torch"),
-              "contexts": lens, "next_n": n, "stages_s": stages, "tokens_per_s": (T + B + B * n) / total,
-              "kv_bytes_per_token_per_layer": kv_bytes, **checks}
-    for name, sec in stages.items():
-        log(f"[demo] {name:<12} {sec * 1e3:9.2f} ms")
-    for name, val in checks.items():
-        log(f"[demo] check {name}: {val}")
-    log(f"[demo] KV bytes/token/layer: MLA fp8 {kv_bytes['fp8']} (bf16 {kv_bytes['bf16']}, raw {kv_bytes['fp8_raw']}) + indexer {kv_bytes['index']}")
+    # ---- checks ---------------------------------------------------------------------------------
+    log("[demo] checking: verify vs sequential decodes ...")
+    ref = runner()
+    ref.extend(dict(prompts), force_sparse=True)
+    verify_ref = runner()
+    verify_ref.extend(dict(prompts), force_sparse=True)
+    v = verify_ref.verify(drafts)
+    d = torch.stack([ref.decode({r: drafts[r][j] for r in lens}) for j in range(next_n)], dim=1)
+    verify_err = _rel_max_abs(v, d)
+
+    log("[demo] checking: chunked vs one-shot prefill, sparse vs dense ...")
+    one = runner().extend({"long": long}, force_sparse=True)
+    chunked = runner()
+    parts = [chunked.extend({"long": long[cuts[i]:cuts[i + 1]]}, force_sparse=True) for i in range(3)]
+    chunk_err = _rel_max_abs(torch.cat(parts), one)
+    fit = {r: prompts[r] for r in ("short", "at_topk")}
+    dense = runner().extend(fit)
+    sparse = runner().extend(fit, force_sparse=True)
+    dense_err = _rel_max_abs(sparse, dense)
+
+    total_s = sum(t for name, t in stages.items() if name != "build")
+    n_index = len(cfg.topk_layers)
+    L = cfg.num_hidden_layers
+    kv_bytes = {"bf16": layouts.MLA_BF16_BYTES * L, "fp8": layouts.MLA_FP8_BYTES * L,
+                "fp8_raw": layouts.MLA_FP8_RAW_BYTES * L, "index": layouts.INDEX_BYTES_PER_TOKEN * n_index,
+                "total": run.pool.bytes_per_token()}
+    ok = dense_err < TOL and chunk_err < TOL and verify_err < TOL and skip_ok
+    report = {
+        "ok": ok, "device": device, "preset": preset, "layers": L, "kv_format": kv_format, "next_n": next_n,
+        "backend": backend or ("triton" if dev.type == "cuda" else "torch"), "prompt_lens": list(lens.values()),
+        "stages_s": {n: round(t, 4) for n, t in stages.items()}, "tokens_per_s": tokens / total_s,
+        "kv_bytes_per_token": kv_bytes, "dense_equivalence_max_abs": dense_err,
+        "chunked_vs_oneshot_max_abs": chunk_err, "verify_vs_decode_max_abs": verify_err,
+        "skip_layers": cfg.skip_topk_layers, "skip_layers_reuse_exact": skip_ok,
+        "tolerance": TOL,
+    }
+    for name, t in stages.items():
+        log(f"[demo] {name:<8} {t * 1e3:10.1f} ms")
+    log(f"[demo] {tokens} tokens in {total_s:.3f} s: {report['tokens_per_s']:.1f} tokens/s")
+    log(f"[demo] KV bytes/token (all layers): MLA fp8 {kv_bytes['fp8']} | bf16 {kv_bytes['bf16']} | raw "
+        f"{kv_bytes['fp8_raw']} | indexer {kv_bytes['index']} | this pool {kv_bytes['total']:.0f}")
+    log(f"[demo] checks (max |diff| / scale, tolerance {TOL}): dense equivalence {dense_err:.2e}, "
+        f"chunked vs one-shot {chunk_err:.2e}, verify vs decode {verify_err:.2e}, skip layers reuse "
+        f"{'exact' if skip_ok else 'BROKEN'} (layers {cfg.skip_topk_layers})")
     log(f"[demo] {'ok' if ok else 'FAILED'}")
     return report

@@ -1,0 +1,109 @@
+"""Per-batch metadata: built once on the host, shared by every layer of the forward pass.
+
+Vocabulary as in the serving engines: ``positions`` (absolute position of each new token),
+``slot_mapping`` (where its KV goes), ``block_table`` (pages of each request), ``cu_seqlens_q`` /
+``cu_seqlens_kv``, ``context_lens`` (per query row: how many keys it may see).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from flashdsa.cache.allocator import PageAllocator
+
+EXTEND, DECODE, TARGET_VERIFY, DRAFT_EXTEND = "extend", "decode", "target_verify", "draft_extend"
+MODES = (EXTEND, DECODE, TARGET_VERIFY, DRAFT_EXTEND)
+
+
+@dataclass
+class BatchMetadata:
+    """Everything a layer needs besides its own weights and caches.
+
+    Common:  ``positions [T] int64``, ``slot_mapping [T] int64``, ``block_table [B, maxp] int32``.
+    extend:  ``cu_seqlens_q / cu_seqlens_kv [B + 1] int32``; ``kv_slots [N] int64`` (every request's whole
+             KV, concatenated, for the gather); ``ks, ke [T] int32`` each query's key range in that
+             gathered buffer; ``use_dense`` (the fallback of SPEC §6).
+    decode / target_verify / draft_extend: ``next_n`` rows per request; ``context_lens [B, next_n] int32``
+             with ``context_lens[b, j] = seq_len[b] - next_n + j + 1``; ``max_context_len`` (the width of
+             the logits; fixed to the block table's capacity under CUDA graphs).
+    """
+
+    mode: str
+    req_ids: list
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_table: torch.Tensor
+    next_n: int = 1
+    context_lens: torch.Tensor | None = None
+    max_context_len: int = 0
+    cu_seqlens_q: torch.Tensor | None = None
+    cu_seqlens_kv: torch.Tensor | None = None
+    kv_slots: torch.Tensor | None = None
+    ks: torch.Tensor | None = None
+    ke: torch.Tensor | None = None
+    use_dense: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return self.positions.shape[0]
+
+
+def build_extend(alloc: PageAllocator, req_ids: list, q_lens: list[int], *, dense_threshold: int,
+                 dense_allowed: bool = True, max_dense_tokens: int = 1 << 16) -> BatchMetadata:
+    """Metadata for an extend (prefill chunk) whose tokens are already reserved in ``alloc``.
+
+    Request b's new tokens are the LAST ``q_lens[b]`` of its ``alloc.seq_len``. Dense fallback when every
+    request's kv length <= ``dense_threshold``, the gathered KV fits ``max_dense_tokens`` and the caller
+    allows it (bf16/fp8 cache, no CP, no offload).
+    """
+    dev = alloc.device
+    kv_lens = [alloc.seq_len(r) for r in req_ids]
+    positions, slot_mapping, kv_slots, ks, ke = [], [], [], [], []
+    offset = 0
+    for r, q_len, kv_len in zip(req_ids, q_lens, kv_lens):
+        if not 0 <= q_len <= kv_len:
+            raise ValueError(f"q_lens: expected 0 <= q_len <= seq_len ({kv_len}) for request {r!r}, got {q_len}")
+        pos = torch.arange(kv_len - q_len, kv_len, dtype=torch.int64)
+        positions.append(pos)
+        slot_mapping.append(alloc.slots(r, kv_len - q_len, kv_len).cpu())
+        kv_slots.append(alloc.slots(r).cpu())
+        ks.append(torch.full((q_len,), offset, dtype=torch.int32))
+        ke.append((offset + pos + 1).to(torch.int32))
+        offset += kv_len
+    cu_q = torch.tensor([0] + q_lens, dtype=torch.int64).cumsum(0).to(torch.int32)
+    cu_kv = torch.tensor([0] + kv_lens, dtype=torch.int64).cumsum(0).to(torch.int32)
+    use_dense = dense_allowed and max(kv_lens, default=0) <= dense_threshold and offset <= max_dense_tokens
+    return BatchMetadata(
+        mode=EXTEND, req_ids=list(req_ids), positions=torch.cat(positions).to(dev),
+        slot_mapping=torch.cat(slot_mapping).to(dev), block_table=alloc.block_table(req_ids),
+        cu_seqlens_q=cu_q.to(dev), cu_seqlens_kv=cu_kv.to(dev), kv_slots=torch.cat(kv_slots).to(dev),
+        ks=torch.cat(ks).to(dev), ke=torch.cat(ke).to(dev), use_dense=use_dense)
+
+
+def build_decode(alloc: PageAllocator, req_ids: list, next_n: int = 1, mode: str = DECODE,
+                 max_pages: int | None = None) -> BatchMetadata:
+    """Metadata for decode (next_n = 1) or target_verify / draft_extend (next_n tokens per request),
+    whose ``next_n`` new tokens per request are already reserved in ``alloc``.
+
+    Row (b, j) — token j of request b — sits at position ``seq_len - next_n + j`` and sees keys
+    ``0 .. seq_len - next_n + j``: ``context_lens[b, j] = seq_len - next_n + j + 1``.
+    """
+    if mode not in (DECODE, TARGET_VERIFY, DRAFT_EXTEND):
+        raise ValueError(f"mode: expected decode, target_verify or draft_extend, got {mode!r}")
+    if next_n < 1 or (mode == DECODE and next_n != 1):
+        raise ValueError(f"next_n: expected 1 for decode and >= 1 otherwise, got {next_n}")
+    dev = alloc.device
+    seq = torch.tensor([alloc.seq_len(r) for r in req_ids], dtype=torch.int64)
+    if (seq < next_n).any():
+        raise ValueError(f"req_ids: every request needs >= next_n ({next_n}) reserved tokens, got seq_lens {seq.tolist()}")
+    j = torch.arange(next_n, dtype=torch.int64)
+    positions = (seq[:, None] - next_n + j[None, :]).flatten()
+    slot_mapping = torch.cat([alloc.slots(r, int(s) - next_n, int(s)).cpu() for r, s in zip(req_ids, seq)]) \
+        if req_ids else torch.zeros(0, dtype=torch.int64)
+    block_table = alloc.block_table(req_ids, max_pages)
+    return BatchMetadata(
+        mode=mode, req_ids=list(req_ids), positions=positions.to(dev), slot_mapping=slot_mapping.to(dev),
+        block_table=block_table, next_n=next_n, context_lens=(positions + 1).view(-1, next_n).to(torch.int32).to(dev),
+        max_context_len=block_table.shape[1] * alloc.page_size)
