@@ -25,6 +25,8 @@ def sparse_attention(q: torch.Tensor, kv_rows: torch.Tensor, indices: torch.Tens
     T, h, d = q.shape
     N = kv_rows.shape[0]
     topk = indices.shape[1]
+    if N == 0:  # every index is a skip; the stand-in gather below still needs one row to read
+        kv_rows = kv_rows.new_zeros(1, kv_rows.shape[-1])
     out = torch.empty(T, h, d_v, dtype=torch.float32, device=q.device)
     lse = torch.empty(T, h, dtype=torch.float32, device=q.device)
     step = max(1, _CHUNK_BYTES // max(1, 4 * topk * (d + h)))
@@ -33,6 +35,9 @@ def sparse_attention(q: torch.Tensor, kv_rows: torch.Tensor, indices: torch.Tens
         idx = indices[t0:t1].long()
         valid = (idx >= 0) & (idx < N)
         k = decode_mla(kv_rows[torch.where(valid, idx, 0)], scale).float()  # [t, k, 576]
+        # Skipped entries read row 0 as a stand-in: zero them, or NaN/inf there (an uninitialised
+        # cache) would leak into every row with a skip through 0 * NaN.
+        k = k.masked_fill(~valid[..., None], 0.0)
         s = torch.einsum("thd,tkd->thk", q[t0:t1].float(), k) * sm_scale
         s = s.masked_fill(~valid[:, None, :], float("-inf"))
         row_lse = torch.logsumexp(s, dim=-1)  # [t, h]

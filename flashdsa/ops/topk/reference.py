@@ -35,6 +35,8 @@ def topk_transform(logits, lengths, topk, page_table, row_starts, out_offsets, p
     if page_table is not None:
         rows_per_table = logits.shape[0] // max(1, page_table.shape[0])
         table = page_table.long().repeat_interleave(rows_per_table, dim=0)
+        if table.shape[1] == 0:  # valid when no row has a candidate; gather still needs a column to read
+            table = table.new_zeros(table.shape[0], 1)
         page = torch.gather(table, 1, torch.where(valid, pos // page_size, 0))
         out = page * page_size + pos % page_size
     elif out_offsets is not None:
