@@ -1,16 +1,31 @@
-"""Lightning-indexer logits: ragged (prefill / extend) and paged (decode / MTP verify)."""
+"""Lightning-indexer logits: ragged (prefill / extend) and paged (decode / MTP verify), and the ragged
+logits -> top-k composition under a memory budget."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from flashdsa.cache.layouts import INDEX_PAGE_BYTES, PAGE_SIZE
 from flashdsa.ops._common import check_range, check_tensor, fail, pick_backend, value_checks_enabled
 from flashdsa.ops.indexer import reference
+from flashdsa.ops.topk import topk_transform
 from flashdsa.quant import FP8
 
-_RAGGED = {"torch": reference.indexer_logits_ragged}
-_PAGED = {"torch": reference.indexer_logits_paged}
+
+def _triton_ragged(*args, **kwargs):
+    # imported on first use: importing triton is slow and CPU-only users never need it
+    from flashdsa.ops.indexer import triton as impl
+    return impl.indexer_logits_ragged(*args, **kwargs)
+
+
+def _triton_paged(*args, **kwargs):
+    from flashdsa.ops.indexer import triton as impl
+    return impl.indexer_logits_paged(*args, **kwargs)
+
+
+_RAGGED = {"torch": reference.indexer_logits_ragged, "triton": _triton_ragged}
+_PAGED = {"torch": reference.indexer_logits_paged, "triton": _triton_paged}
 
 
 def indexer_logits_ragged(q_fp8: torch.Tensor, k_fp8: torch.Tensor, k_scale: torch.Tensor, weights: torch.Tensor,
@@ -83,3 +98,103 @@ def indexer_logits_paged(q_fp8: torch.Tensor, index_cache: torch.Tensor, weights
         used = torch.arange(maxp, device=dev)[None, :] * PAGE_SIZE < lens[:, None]
         check_range("block_table", block_table[used], 0, index_cache.shape[0] - 1, what="page ids")
     return impl(q_fp8, index_cache, weights, context_lens, block_table, max_context_len)
+
+
+def _row_chunks(ks: np.ndarray, ke: np.ndarray, cap: int) -> list[tuple[int, int, int, int]]:
+    """Greedy split of rows into ``(r0, r1, lo, hi)`` with ``(r1 - r0) * (hi - lo) <= cap``, where
+    ``[lo, hi)`` spans the key ranges of the chunk's non-empty rows (empty rows need no column)."""
+    T = len(ks)
+    nonempty = ke > ks
+    lo_src = np.where(nonempty, ks, np.iinfo(np.int64).max)
+    hi_src = np.where(nonempty, ke, np.iinfo(np.int64).min)
+    chunks = []
+    r0 = 0
+    while r0 < T:
+        span = 1024  # rows looked at; doubled while they all fit, so the scan stays O(T log T)
+        while True:
+            stop = min(T, r0 + span)
+            lo = np.minimum.accumulate(lo_src[r0:stop])
+            hi = np.maximum.accumulate(hi_src[r0:stop])
+            width = np.maximum(hi - lo, 0)  # 0 while only empty rows have been seen
+            # rows * width only grows with the row count, so the rows that fit are a prefix (>= 1 row:
+            # every single row was checked against the budget)
+            take = max(1, int((np.arange(1, stop - r0 + 1) * width <= cap).sum()))
+            if take < stop - r0 or stop == T:
+                break
+            span *= 2
+        r1 = r0 + take
+        if width[take - 1] > 0:
+            chunks.append((r0, r1, int(lo[take - 1]), int(hi[take - 1])))
+        else:
+            chunks.append((r0, r1, 0, 0))
+        r0 = r1
+    return chunks
+
+
+def indexer_topk_ragged(q_fp8: torch.Tensor, k_fp8: torch.Tensor, k_scale: torch.Tensor, weights: torch.Tensor,
+                        ks: torch.Tensor, ke: torch.Tensor, topk: int, *, out_offsets: torch.Tensor | None = None,
+                        max_logits_bytes: int = 1 << 30, backend: str | None = None) -> torch.Tensor:
+    """Top-k keys of every ragged row (prefill / extend) without ever holding the [T, N] fp32 logits.
+
+    Equal to ``topk_transform(indexer_logits_ragged(q_fp8, k_fp8, k_scale, weights, ks, ke), ke - ks, topk,
+    row_starts=ks, out_offsets=out_offsets)``, computed over chunks of query rows: a chunk's logits cover
+    only its key window ``[lo, hi)`` (the smallest ks to the largest ke of its rows, columns relative to
+    lo) and ``rows x (hi - lo) x 4`` bytes never exceed ``max_logits_bytes``. Long prefill therefore
+    needs a bounded buffer instead of ``4 T N`` bytes (4 GiB at 32K x 32K).
+
+    Args:
+        q_fp8, k_fp8, k_scale, weights, ks, ke: as :func:`indexer_logits_ragged`.
+        topk:             k >= 1.
+        out_offsets:      ``[T] int32`` or None; output = ``p + out_offsets[i]`` (index into a gathered KV).
+        max_logits_bytes: the largest logits buffer one chunk may allocate; one row's range
+                          (``4 (ke - ks)`` bytes) must fit, else ValueError.
+        backend:          passed to both the logits and the top-k op.
+
+    Returns:
+        ``[T, topk] int32``: positions ``p`` relative to ``ks[i]`` (``0 <= p < ke[i] - ks[i]``), or
+        ``p + out_offsets[i]``, ascending, -1 padded.
+
+    Chunk bounds must be known on the host, so this op reads ks / ke back (one device sync) whatever
+    the value-check setting; it is a prefill op and not CUDA-graph capturable.
+    """
+    check_tensor("q_fp8", q_fp8, dtype=FP8, ndim=3)
+    T, H, D = q_fp8.shape
+    dev = q_fp8.device
+    check_tensor("k_fp8", k_fp8, dtype=FP8, shape=(None, D), device=dev)
+    N = k_fp8.shape[0]
+    check_tensor("k_scale", k_scale, dtype=torch.float32, shape=(N,), device=dev)
+    check_tensor("weights", weights, dtype=torch.float32, shape=(T, H), device=dev)
+    check_tensor("ks", ks, dtype=torch.int32, shape=(T,), device=dev)
+    check_tensor("ke", ke, dtype=torch.int32, shape=(T,), device=dev)
+    if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
+        fail("topk", "an int >= 1", topk)
+    if out_offsets is not None:
+        check_tensor("out_offsets", out_offsets, dtype=torch.int32, shape=(T,), device=dev)
+    if isinstance(max_logits_bytes, bool) or not isinstance(max_logits_bytes, int) or max_logits_bytes < 4:
+        fail("max_logits_bytes", "an int >= 4 (one fp32 logit)", max_logits_bytes)
+    pick_backend(backend, _RAGGED, dev, "indexer_topk_ragged")  # reject a bad backend before any work
+    out = torch.empty(T, topk, dtype=torch.int32, device=dev)
+    if T == 0:
+        return out
+    # the one host read this op needs (and the range checks, which it makes unconditional)
+    ks_h, ke_h = ks.cpu().numpy().astype(np.int64), ke.cpu().numpy().astype(np.int64)
+    if ks_h.min() < 0 or ks_h.max() > N:
+        fail("ks", f"values in [0, {N}]", f"[{ks_h.min()}, {ks_h.max()}]")
+    if ke_h.min() < 0 or ke_h.max() > N:
+        fail("ke", f"values in [0, {N}]", f"[{ke_h.min()}, {ke_h.max()}]")
+    if (ke_h < ks_h).any():
+        fail("ke - ks", "ke >= ks, i.e. values >= 0", int((ke_h - ks_h).min()))
+    cap = max_logits_bytes // 4
+    widest = int((ke_h - ks_h).max())
+    if widest > cap:
+        fail("max_logits_bytes", f"room for the widest row ({widest} keys = {4 * widest} bytes)", max_logits_bytes)
+    for r0, r1, lo, hi in _row_chunks(ks_h, ke_h, cap):
+        # columns relative to the window; empty rows clamp to an empty range inside it
+        ks_c = (ks[r0:r1] - lo).clamp_(0, hi - lo)
+        ke_c = (ke[r0:r1] - lo).clamp_(0, hi - lo)
+        logits = indexer_logits_ragged(q_fp8[r0:r1], k_fp8[lo:hi], k_scale[lo:hi], weights[r0:r1], ks_c, ke_c,
+                                       backend=backend)
+        off = None if out_offsets is None else out_offsets[r0:r1]
+        out[r0:r1] = topk_transform(logits, ke_c - ks_c, topk, row_starts=ks_c, out_offsets=off,
+                                    backend=backend)
+    return out

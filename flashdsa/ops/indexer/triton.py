@@ -1,0 +1,380 @@
+"""Lightning-indexer logits in Triton: paged (decode / MTP verify) and ragged (prefill / extend).
+
+Both kernels share one inner step (``_gated_relu_sum``): a block of ``BLOCK_N`` keys is the M side of one
+fp8 tensor-core dot against ``G`` query rows x ``HP`` heads folded into the N side,
+
+    s[t, g * HP + h] = k[t] . q[g, h]            # tl.dot([BLOCK_N, D] e4m3, [D, G * HP] e4m3) -> fp32
+    logit[t, g]      = k_scale[t] * sum_h w[g, h] * relu(s[t, g * HP + h])
+
+so the head sum runs along the dot's N dim (inside a thread and its quad on Hopper, no shared memory) and
+each key is loaded once for all G rows. Padded heads / rows have q = w = 0 and add exactly 0.
+Derivation, roofline and tuning notes: README.md next to this file.
+
+The kernels write every output element (logits inside each row's range, -inf elsewhere), use no atomics
+and a fixed reduction order: the same input gives the same bits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from flashdsa.cache.layouts import INDEX_KEY_BYTES, INDEX_PAGE_BYTES, PAGE_SIZE
+from flashdsa.ops._triton_utils import num_sms
+
+# One dot's N side (G rows x HP heads) is capped so the fp32 accumulator stays <= 128 registers a thread.
+MAX_DOT_N = 256
+
+
+def _pow2(x: int) -> int:
+    return 1 << max(0, int(x) - 1).bit_length()
+
+
+def _fp8_dot_supported(device: torch.device) -> bool:
+    """e4m3 x e4m3 tensor-core dots need sm_89+ (Ada, Hopper, Blackwell); older GPUs upcast to fp16."""
+    if device.type != "cuda":
+        return True  # the interpreter computes fp8 dots exactly
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def _output(out: torch.Tensor | None, shape: tuple[int, int], device: torch.device) -> torch.Tensor:
+    if out is None:
+        return torch.empty(shape, dtype=torch.float32, device=device)
+    bad_stride = out.dim() == 2 and out.stride(-1) != 1 and shape[1] > 1
+    if out.dtype != torch.float32 or tuple(out.shape) != shape or out.device != device or bad_stride:
+        raise ValueError(f"out: expected float32 {list(shape)} on {device} with unit last stride, got "
+                         f"{out.dtype} {list(out.shape)} on {out.device}, strides {out.stride()}")
+    return out
+
+
+@triton.jit
+def _e4m3_bits_to_f16(x):
+    """uint8 e4m3fn bits -> the same value in fp16, exactly (for GPUs without fp8 conversions).
+
+    Moving sign | exponent | mantissa into fp16's fields gives value * 2^(7 - 15) for normals and
+    subnormals alike (both formats place the binary point the same way); * 256 undoes the bias gap.
+    """
+    b = x.to(tl.int32)
+    bits = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
+    return bits.to(tl.int16).to(tl.float16, bitcast=True) * 256.0
+
+
+@triton.jit
+def _gated_relu_sum(b_k, b_qt, b_w, G: tl.constexpr, HP: tl.constexpr):
+    """``b_k [BLOCK_N, D]``, ``b_qt [D, G * HP]`` (same dtype), ``b_w [G * HP] f32`` -> ``[BLOCK_N, G] f32``:
+    ``sum_h w[g, h] * relu(k[t] . q[g, h])``."""
+    # [BLOCK_N, G * HP]; fp32 accumulation on the tensor cores
+    b_s = tl.dot(b_k, b_qt)
+    b_s = tl.maximum(b_s, 0.0) * b_w[None, :]
+    # row g's heads are the contiguous columns g * HP .. g * HP + HP - 1 (a free reshape of the
+    # accumulator's layout: no data moves)
+    return tl.sum(tl.reshape(b_s, [b_k.shape[0], G, HP]), axis=2)
+
+
+@triton.jit
+def _fill_neg_inf(p_rows, m_rows, start, stop, BLOCK_N: tl.constexpr, G: tl.constexpr):
+    """Store -inf at columns [start, stop) of G rows (``p_rows [G]`` row pointers, ``m_rows [G]`` valid)."""
+    o_n = tl.arange(0, BLOCK_N)
+    b_inf = tl.full([G, BLOCK_N], float("-inf"), tl.float32)
+    for t0 in range(start, stop, BLOCK_N):
+        o_t = t0 + o_n
+        tl.store(p_rows[:, None] + o_t[None, :], b_inf, mask=m_rows[:, None] & (o_t[None, :] < stop))
+
+
+# ---- paged --------------------------------------------------------------------------------------------
+
+@triton.jit
+def indexer_logits_paged_kernel(
+    q,             # [B, NEXT_N, H, D] e4m3 (uint8 bits when not FP8_DOT)
+    keys,          # [P, 8448] the cache viewed as e4m3 bytes (uint8 when not FP8_DOT)
+    scales,        # [P, 2112] the same cache viewed as fp32
+    w,             # [B * NEXT_N, H] f32
+    context_lens,  # [B, NEXT_N] i32, contiguous
+    block_table,   # [B, maxp] i32
+    out,           # [B * NEXT_N, max_len] f32
+    max_len,
+    stride_qb, stride_qn, stride_qh,
+    stride_w, stride_bt, stride_o,
+    NEXT_N: tl.constexpr, H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr,
+    G: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
+    PAGE: tl.constexpr, PAGE_BYTES: tl.constexpr, KEY_BYTES: tl.constexpr, FP8_DOT: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    """Program (b, c, g): request b, output columns [c * CHUNK, (c + 1) * CHUNK), draft rows g * G .. g * G + G - 1.
+
+    Each key page of the chunk is loaded once and scored for all G rows and all heads; columns past the
+    group's longest row are only filled with -inf (no key is read there).
+    """
+    i_b, i_c, i_g = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b64 = i_b.to(tl.int64)
+
+    # [G] draft rows of this program; padded rows (j >= NEXT_N) have length 0 and are never stored
+    o_j = i_g * G + tl.arange(0, G)
+    m_j = o_j < NEXT_N
+    b_len = tl.load(context_lens + i_b * NEXT_N + o_j, mask=m_j, other=0)
+    reach = tl.max(b_len, axis=0)
+    p_rows = out + (i_b64 * NEXT_N + o_j) * stride_o
+
+    # [G * HP] (row, head) pairs folded into the dot's N side; padded heads get q = w = 0
+    o_r = tl.arange(0, G * HP)
+    r_j = i_g * G + o_r // HP
+    r_h = o_r % HP
+    m_r = (r_j < NEXT_N) & (r_h < H)
+    o_d = tl.arange(0, D)
+    # [D, G * HP], loaded already transposed: Triton then copies it to shared memory once, before the
+    # loop (a tl.trans of a [G * HP, D] tile is re-stored to shared memory every step)
+    b_qt = tl.load(q + i_b64 * stride_qb + r_j[None, :] * stride_qn + r_h[None, :] * stride_qh + o_d[:, None],
+                   mask=m_r[None, :], other=0.0)
+    if not FP8_DOT:
+        b_qt = _e4m3_bits_to_f16(b_qt)
+    # [G * HP]
+    b_w = tl.load(w + (i_b64 * NEXT_N + r_j) * stride_w + r_h, mask=m_r, other=0.0)
+
+    c0 = i_c * CHUNK
+    c1 = tl.minimum(c0 + CHUNK, max_len)
+    # scored columns [c0, end): whole blocks up to the group's reach; the tail past reach is -inf only
+    end = c0 + tl.cdiv(tl.maximum(tl.minimum(c1, reach) - c0, 0), BLOCK_N) * BLOCK_N
+    o_n = tl.arange(0, BLOCK_N)
+    # num_stages on the loop itself makes Triton pipeline the scale and page-id loads too (by default
+    # it pipelines only loads that feed a dot), so the page ids, keys and scales of the next
+    # NUM_STAGES - 1 steps are in flight while this step computes
+    for t0 in tl.range(c0, end, BLOCK_N, num_stages=NUM_STAGES):
+        o_t = tl.multiple_of(t0, BLOCK_N) + o_n
+        # [BLOCK_N] page of each position; positions past reach read page 0 instead of junk table entries
+        i_p = tl.load(block_table + i_b64 * stride_bt + o_t // PAGE, mask=o_t < reach, other=0).to(tl.int64)
+        o_in = o_t % PAGE
+        # [BLOCK_N, D] keys, 128 contiguous bytes a token
+        b_k = tl.load(keys + i_p[:, None] * PAGE_BYTES + o_in[:, None] * D + o_d[None, :])
+        # [BLOCK_N] per-key scales after the page's keys
+        b_ks = tl.load(scales + i_p * (PAGE_BYTES // 4) + KEY_BYTES // 4 + o_in)
+        if not FP8_DOT:
+            b_k = _e4m3_bits_to_f16(b_k)
+        # [BLOCK_N, G]
+        b_l = _gated_relu_sum(b_k, b_qt, b_w, G, HP) * b_ks[:, None]
+        # per-row causal length: draft j never sees draft j + 1 (and junk past a length is discarded here)
+        b_l = tl.where(o_t[:, None] < b_len[None, :], b_l, float("-inf"))
+        tl.store(p_rows[None, :] + o_t[:, None], b_l, mask=m_j[None, :] & (o_t[:, None] < c1))
+    _fill_neg_inf(p_rows, m_j, end, c1, BLOCK_N, G)
+
+
+@dataclass(frozen=True)
+class PagedConfig:
+    """Launch shape of the paged kernel; ``None`` fields are chosen by :func:`paged_config`.
+
+    Defaults from sm_90 compiles (ptxas): one page a step and one warpgroup keep n = 4 at 230 registers
+    x 128 threads, so two programs share an SM and one's dots overlap the other's relu / head sum;
+    n = 1 fits five. The page-id load feeds the key addresses (one indirection level), and Triton puts
+    ``ceil((num_stages - 2) / 2)`` stages between them: 6 stages keep the keys two steps ahead.
+    """
+    block_n: int = 64         # key positions per loop step (64 = one page)
+    chunk: int | None = None  # output columns per program (a multiple of block_n)
+    rows: int | None = None   # draft rows per program (G); n > rows re-reads the pages once per group
+    num_warps: int = 4
+    num_stages: int = 6
+
+
+def paged_config(B: int, n: int, H: int, max_len: int, device: torch.device,
+                 cfg: PagedConfig | None = None) -> tuple[int, int, int, int]:
+    """``(G, HP, block_n, chunk)`` for a launch: G draft rows x HP heads per dot; columns split into chunks
+    so that about 8 programs per SM run (B = 64 fills 132 SMs), chunks of 2 .. 64 steps."""
+    cfg = cfg or PagedConfig()
+    HP = max(16, _pow2(H))
+    G = cfg.rows or min(_pow2(n), max(1, MAX_DOT_N // HP))
+    bn = cfg.block_n
+    if cfg.chunk is not None:
+        chunk = cfg.chunk
+    else:
+        groups = triton.cdiv(n, G)
+        per_prog = B * groups * max(max_len, 1) // (8 * num_sms(device))
+        chunk = 1 << max(0, per_prog.bit_length() - 1)  # round down to a power of two
+        chunk = min(max(chunk, 2 * bn), 64 * bn)
+    if bn < 16 or bn & (bn - 1) or chunk % bn:
+        raise ValueError(f"config: block_n must be a power of two >= 16 dividing chunk, got {bn}, {chunk}")
+    return G, HP, bn, chunk
+
+
+def indexer_logits_paged(q_fp8: torch.Tensor, index_cache: torch.Tensor, weights: torch.Tensor,
+                         context_lens: torch.Tensor, block_table: torch.Tensor, max_context_len: int,
+                         config: PagedConfig | None = None, fp8_dot: bool | None = None,
+                         out: torch.Tensor | None = None) -> torch.Tensor:
+    """Paged indexer logits; arguments as :func:`flashdsa.ops.indexer_logits_paged` (validated there).
+
+    ``q_fp8 [B, n, H, 128] e4m3``, ``index_cache [P, 8448] u8``, ``weights [B * n, H] f32``,
+    ``context_lens [B, n] i32``, ``block_table [B, maxp] i32`` -> ``[B * n, max_context_len] f32``.
+    ``config`` overrides the launch shape (benchmarks); ``fp8_dot=False`` forces the fp16 upcast path;
+    ``out`` is an optional preallocated ``[B * n, max_context_len] f32`` buffer (every element is written).
+    """
+    B, n, H, D = q_fp8.shape
+    out = _output(out, (B * n, max_context_len), q_fp8.device)
+    if out.numel() == 0:
+        return out
+    cfg = config or PagedConfig()
+    G, HP, bn, chunk = paged_config(B, n, H, max_context_len, q_fp8.device, cfg)
+    fp8_dot = _fp8_dot_supported(q_fp8.device) if fp8_dot is None else fp8_dot
+    if q_fp8.stride(-1) != 1:
+        q_fp8 = q_fp8.contiguous()
+    if weights.stride(-1) != 1:
+        weights = weights.contiguous()
+    if block_table.stride(-1) != 1:
+        block_table = block_table.contiguous()
+    index_cache = index_cache.contiguous()
+    keys = index_cache.view(torch.float8_e4m3fn) if fp8_dot else index_cache
+    q_in = q_fp8 if fp8_dot else q_fp8.view(torch.uint8)
+    grid = (B, triton.cdiv(max_context_len, chunk), triton.cdiv(n, G))
+    indexer_logits_paged_kernel[grid](
+        q=q_in, keys=keys, scales=index_cache.view(torch.float32), w=weights,
+        context_lens=context_lens.contiguous(), block_table=block_table, out=out, max_len=max_context_len,
+        stride_qb=q_in.stride(0), stride_qn=q_in.stride(1), stride_qh=q_in.stride(2),
+        stride_w=weights.stride(0), stride_bt=block_table.stride(0), stride_o=out.stride(0),
+        NEXT_N=n, H=H, HP=HP, D=D, G=G, BLOCK_N=bn, CHUNK=chunk,
+        PAGE=PAGE_SIZE, PAGE_BYTES=INDEX_PAGE_BYTES, KEY_BYTES=INDEX_KEY_BYTES, FP8_DOT=fp8_dot,
+        NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
+
+
+# ---- ragged -------------------------------------------------------------------------------------------
+
+@triton.jit
+def indexer_logits_ragged_kernel(
+    q,        # [T, H, D] e4m3 (uint8 bits when not FP8_DOT)
+    k,        # [N, D] e4m3 (uint8 bits when not FP8_DOT)
+    k_scale,  # [N] f32
+    w,        # [T, H] f32
+    ks, ke,   # [T] i32
+    out,      # [T, N] f32
+    T, N,
+    stride_qt, stride_qh, stride_k, stride_w, stride_o,
+    H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+    G: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, FP8_DOT: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    """Program (m, c): query rows m * G .. m * G + G - 1, key columns [c * CHUNK, (c + 1) * CHUNK).
+
+    Keys are scored only between the block's smallest ks and largest ke (of its non-empty rows); the
+    rest of the chunk is filled with -inf. Programs run heaviest-first (causal rows grow with m).
+    """
+    i_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    i_c = tl.program_id(1)
+
+    # [G] rows of this block and their key ranges
+    o_i = i_m * G + tl.arange(0, G)
+    m_i = o_i < T
+    b_ks = tl.load(ks + o_i, mask=m_i, other=0)
+    b_ke = tl.load(ke + o_i, mask=m_i, other=0)
+    nonempty = b_ke > b_ks
+    lo = tl.min(tl.where(nonempty, b_ks, N), axis=0)
+    hi = tl.max(tl.where(nonempty, b_ke, 0), axis=0)
+    p_rows = out + o_i.to(tl.int64) * stride_o
+
+    # [G * HP] (row, head) pairs on the dot's N side; padded rows / heads get q = w = 0
+    o_r = tl.arange(0, G * HP)
+    r_i = (i_m * G + o_r // HP).to(tl.int64)
+    r_h = o_r % HP
+    m_r = (r_i < T) & (r_h < H)
+    o_d = tl.arange(0, DP)
+    m_d = o_d < D
+    # [DP, G * HP] stays resident while the keys stream past (loaded transposed, as in the paged kernel)
+    b_qt = tl.load(q + r_i[None, :] * stride_qt + r_h[None, :] * stride_qh + o_d[:, None],
+                   mask=m_r[None, :] & m_d[:, None], other=0.0)
+    if not FP8_DOT:
+        b_qt = _e4m3_bits_to_f16(b_qt)
+    # [G * HP]
+    b_w = tl.load(w + r_i * stride_w + r_h, mask=m_r, other=0.0)
+
+    c0 = i_c * CHUNK
+    c1 = tl.minimum(c0 + CHUNK, N)
+    start = tl.minimum(tl.maximum(c0, lo // BLOCK_N * BLOCK_N), c1)
+    end = start + tl.cdiv(tl.maximum(tl.minimum(c1, hi) - start, 0), BLOCK_N) * BLOCK_N
+    _fill_neg_inf(p_rows, m_i, c0, start, BLOCK_N, G)
+    o_n = tl.arange(0, BLOCK_N)
+    for t0 in tl.range(start, end, BLOCK_N, num_stages=NUM_STAGES):
+        o_t = tl.multiple_of(t0, BLOCK_N) + o_n
+        # clamp instead of masking: the last block's extra rows re-read key N - 1 and are never stored
+        o_tk = tl.minimum(o_t, N - 1).to(tl.int64)
+        # [BLOCK_N, DP]
+        b_k = tl.load(k + o_tk[:, None] * stride_k + o_d[None, :], mask=m_d[None, :], other=0.0)
+        # [BLOCK_N]
+        b_sc = tl.load(k_scale + o_tk)
+        if not FP8_DOT:
+            b_k = _e4m3_bits_to_f16(b_k)
+        # [BLOCK_N, G]
+        b_l = _gated_relu_sum(b_k, b_qt, b_w, G, HP) * b_sc[:, None]
+        vis = (o_t[:, None] >= b_ks[None, :]) & (o_t[:, None] < b_ke[None, :])
+        b_l = tl.where(vis, b_l, float("-inf"))
+        tl.store(p_rows[None, :] + o_t[:, None], b_l, mask=m_i[None, :] & (o_t[:, None] < c1))
+    _fill_neg_inf(p_rows, m_i, end, c1, BLOCK_N, G)
+
+
+@dataclass(frozen=True)
+class RaggedConfig:
+    """Launch shape of the ragged kernel; ``None`` fields are chosen by :func:`ragged_config`.
+
+    64 keys x 256 (row, head) columns a step in one warpgroup: 230 registers a thread, two programs an
+    SM (their dots and CUDA-core epilogues overlap); 4 stages keep three key blocks in flight.
+    """
+    block_n: int = 64         # keys per loop step (the dot's M)
+    rows: int | None = None   # query rows per program (G); G * HP is the dot's N
+    chunk: int | None = None  # key columns per program
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+def ragged_config(T: int, N: int, H: int, D: int, device: torch.device,
+                  cfg: RaggedConfig | None = None) -> tuple[int, int, int, int, int]:
+    """``(G, HP, DP, block_n, chunk)``: G rows x HP heads per dot; key columns split only when the row
+    blocks alone give fewer than 4 programs per SM."""
+    cfg = cfg or RaggedConfig()
+    HP = max(16, _pow2(H))
+    DP = max(32, _pow2(D))
+    G = cfg.rows or max(1, MAX_DOT_N // HP)
+    bn = cfg.block_n
+    if cfg.chunk is not None:
+        chunk = cfg.chunk
+    else:
+        m_blocks = triton.cdiv(T, G)
+        n_blocks = triton.cdiv(max(N, 1), bn)
+        splits = min(n_blocks, max(1, triton.cdiv(4 * num_sms(device), max(m_blocks, 1))))
+        chunk = triton.cdiv(n_blocks, splits) * bn
+    if bn < 16 or bn & (bn - 1) or chunk % bn:
+        raise ValueError(f"config: block_n must be a power of two >= 16 dividing chunk, got {bn}, {chunk}")
+    return G, HP, DP, bn, chunk
+
+
+def indexer_logits_ragged(q_fp8: torch.Tensor, k_fp8: torch.Tensor, k_scale: torch.Tensor, weights: torch.Tensor,
+                          ks: torch.Tensor, ke: torch.Tensor, config: RaggedConfig | None = None,
+                          fp8_dot: bool | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Ragged indexer logits; arguments as :func:`flashdsa.ops.indexer_logits_ragged` (validated there).
+
+    ``q_fp8 [T, H, D] e4m3``, ``k_fp8 [N, D] e4m3``, ``k_scale [N] f32``, ``weights [T, H] f32``,
+    ``ks, ke [T] i32`` -> ``[T, N] f32``. ``config``, ``fp8_dot``, ``out`` as in :func:`indexer_logits_paged`.
+    """
+    T, H, D = q_fp8.shape
+    N = k_fp8.shape[0]
+    out = _output(out, (T, N), q_fp8.device)
+    if out.numel() == 0:
+        return out
+    cfg = config or RaggedConfig()
+    G, HP, DP, bn, chunk = ragged_config(T, N, H, D, q_fp8.device, cfg)
+    fp8_dot = _fp8_dot_supported(q_fp8.device) if fp8_dot is None else fp8_dot
+    if q_fp8.stride(-1) != 1:
+        q_fp8 = q_fp8.contiguous()
+    if k_fp8.stride(-1) != 1:
+        k_fp8 = k_fp8.contiguous()
+    if weights.stride(-1) != 1:
+        weights = weights.contiguous()
+    q_in = q_fp8 if fp8_dot else q_fp8.view(torch.uint8)
+    k_in = k_fp8 if fp8_dot else k_fp8.view(torch.uint8)
+    grid = (triton.cdiv(T, G), triton.cdiv(N, chunk))
+    indexer_logits_ragged_kernel[grid](
+        q=q_in, k=k_in, k_scale=k_scale.contiguous(), w=weights, ks=ks.contiguous(), ke=ke.contiguous(),
+        out=out, T=T, N=N,
+        stride_qt=q_in.stride(0), stride_qh=q_in.stride(1), stride_k=k_in.stride(0),
+        stride_w=weights.stride(0), stride_o=out.stride(0),
+        H=H, HP=HP, D=D, DP=DP, G=G, BLOCK_N=bn, CHUNK=chunk, FP8_DOT=fp8_dot,
+        NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
