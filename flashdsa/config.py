@@ -24,10 +24,26 @@ DSA_ARCHITECTURES = (
     "GlmMoeDsaForCausalLM",
 )
 
+# A config built in code (``DeepseekV32Config(...).to_dict()``) has ``architectures: None``; its
+# ``model_type`` then names the architecture.
+_ARCH_OF_MODEL_TYPE = {"deepseek_v32": "DeepseekV32ForCausalLM", "glm_moe_dsa": "GlmMoeDsaForCausalLM"}
+# Architectures whose indexer RoPE is interleaved by definition (HF's GLM config has no such key).
+_INTERLEAVED_INDEXER_ROPE = ("GlmMoeDsaForCausalLM",)
+
+
+def _architectures(hf_config: Mapping[str, Any]) -> list[str]:
+    archs = list(hf_config.get("architectures") or [])
+    if not archs and hf_config.get("model_type") in _ARCH_OF_MODEL_TYPE:
+        archs = [_ARCH_OF_MODEL_TYPE[hf_config["model_type"]]]
+    return archs
+
 
 def is_dsa(hf_config: Mapping[str, Any]) -> bool:
-    """True iff the HF config describes a DSA model (SPEC §2: DSA architecture AND ``index_topk``)."""
-    archs = hf_config.get("architectures") or []
+    """True iff the HF config describes a DSA model (SPEC §2: DSA architecture AND ``index_topk``).
+
+    Without ``architectures`` (a config built in code), ``model_type`` "deepseek_v32" / "glm_moe_dsa" names it.
+    """
+    archs = _architectures(hf_config)
     return any(a in DSA_ARCHITECTURES for a in archs) and hf_config.get("index_topk") is not None
 
 
@@ -184,7 +200,7 @@ class DSAConfig:
                 raise ValueError("index_topk: missing, so this is not a DSA model "
                                  f"(architectures={config.get('architectures')})")
             raise ValueError(f"architectures: expected one of {list(DSA_ARCHITECTURES)}, "
-                             f"got {config.get('architectures')}")
+                             f"got {config.get('architectures')} (model_type {config.get('model_type')!r})")
         required = ("num_hidden_layers", "hidden_size", "num_attention_heads", "kv_lora_rank",
                     "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "index_n_heads",
                     "index_head_dim", "index_topk")
@@ -195,7 +211,9 @@ class DSAConfig:
             raise ValueError("q_lora_rank: missing (DSA's indexer reads the MLA query latent, so q_lora_rank is required)")
         kw: dict[str, Any] = {f.name: config[f.name] for f in dataclasses.fields(cls)
                               if f.name in config and config[f.name] is not None}
-        kw["architectures"] = tuple(config["architectures"])
+        kw["architectures"] = tuple(_architectures(config))
+        if "indexer_rope_interleave" not in kw and any(a in _INTERLEAVED_INDEXER_ROPE for a in kw["architectures"]):
+            kw["indexer_rope_interleave"] = True  # GLM's indexer RoPE is GPT-J style; HF's config omits the key
         if "indexer_types" in kw:
             kw["indexer_types"] = tuple(kw["indexer_types"])
         if "indexer_rope_interleave" in kw and not isinstance(kw["indexer_rope_interleave"], bool):

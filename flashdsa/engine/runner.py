@@ -24,6 +24,7 @@ from flashdsa.cache.pool import KVPool
 from flashdsa.engine.metadata import (DECODE, DRAFT_EXTEND, EXTEND, TARGET_VERIFY, BatchMetadata, build_decode,
                                       build_extend)
 from flashdsa.engine.model import DSAModel
+from flashdsa.layers.indexer import exact_logits_paged, exact_logits_ragged
 
 
 class Runner:
@@ -37,6 +38,9 @@ class Runner:
         dense_threshold: extend runs the dense fallback when every kv length <= this (default index_topk);
                          0 disables the fallback.
         record:          keep each layer's selection of the last batch in ``self.selections`` (tests).
+
+    An indexer with ``precision="exact"`` keeps its float keys in ``self.exact_keys`` (one ``[P * page_size,
+    128]`` store per top-k layer, made on first use) instead of the fp8 pages, and is scored in fp32.
     """
 
     def __init__(self, model: DSAModel, num_pages: int, kv_format: str = "fp8", *, backend: str | None = None,
@@ -55,6 +59,7 @@ class Runner:
         self.max_dense_tokens = max_dense_tokens
         self.record = record
         self.selections: dict[int, torch.Tensor] = {}
+        self.exact_keys: dict[int, torch.Tensor] = {}
 
     # ---- requests ------------------------------------------------------------------------------
     def free(self, req_id: Hashable) -> None:
@@ -137,8 +142,10 @@ class Runner:
         lid = attn.layer_id
         q, kv_rows, qr = attn.prepare(h, cos, sin)
         idx = attn.indexer(h, qr, cos, sin) if attn.indexer is not None else None
-        if idx is None:
+        if idx is None or idx.exact:
             self.pool.write(lid, meta.slot_mapping, kv_rows)
+            if idx is not None:
+                self._exact_store(lid, idx.k)[meta.slot_mapping] = idx.k
         else:
             self.pool.write(lid, meta.slot_mapping, kv_rows, idx.k_fp8, idx.k_scale)
         topk, sm, be = self.cfg.index_topk, attn.softmax_scale, self.backend
@@ -148,18 +155,26 @@ class Runner:
             if meta.use_dense:
                 out, _ = ops.dense_mla_prefill(q, kv, meta.cu_seqlens_q, meta.cu_seqlens_kv, sm, backend=be)
                 return attn.finish(out), None
-            if idx is not None:
+            if idx is not None and idx.exact:
+                logits = exact_logits_ragged(idx.q, self.exact_keys[lid][meta.kv_slots], idx.weights, meta.ks, meta.ke)
+            elif idx is not None:
                 k_fp8, k_scale = self.pool.read_index(lid, meta.kv_slots)
                 logits = ops.indexer_logits_ragged(idx.q_fp8, k_fp8, k_scale, idx.weights, meta.ks, meta.ke, backend=be)
+            if idx is not None:
                 sel = ops.topk_transform(logits, meta.ke - meta.ks, topk, row_starts=meta.ks, out_offsets=meta.ks,
                                          backend=be)
             out, _ = ops.sparse_mla_prefill(q, kv, sel, sm, backend=be)
         else:
             B, n = meta.context_lens.shape
-            if idx is not None:
+            if idx is not None and idx.exact:
+                logits = exact_logits_paged(idx.q.view(B, n, *idx.q.shape[1:]), self.exact_keys[lid], idx.weights,
+                                            meta.context_lens, meta.block_table, meta.max_context_len,
+                                            self.pool.page_size)
+            elif idx is not None:
                 logits = ops.indexer_logits_paged(idx.q_fp8.view(B, n, *idx.q_fp8.shape[1:]), self.pool.index_cache(lid),
                                                   idx.weights, meta.context_lens, meta.block_table,
                                                   meta.max_context_len, backend=be)
+            if idx is not None:
                 sel = ops.topk_transform(logits, meta.context_lens.view(-1), topk, page_table=meta.block_table,
                                          page_size=self.pool.page_size, backend=be)
             cache = self.pool.mla_cache(lid)
@@ -169,6 +184,15 @@ class Runner:
         if self.record:
             self.selections[lid] = sel
         return attn.finish(out), sel
+
+    def _exact_store(self, lid: int, k: torch.Tensor) -> torch.Tensor:
+        """The float key store of an exact-precision indexer layer, by slot (made on first use)."""
+        store = self.exact_keys.get(lid)
+        if store is None or store.dtype != k.dtype:
+            store = torch.zeros(self.pool.num_pages * self.pool.page_size, k.shape[-1], dtype=k.dtype,
+                                device=self.pool.device)
+            self.exact_keys[lid] = store
+        return store
 
 
 class DecodeGraph:

@@ -1,4 +1,15 @@
-"""The lightning indexer layer (SPEC §3): projections, RoPE, Hadamard, fp8 and the folded head gate.
+"""The lightning indexer layer (SPEC §3): projections, RoPE, then one of two precisions.
+
+``precision="fp8"`` (default) is the deployment numerics of SPEC §3: RoPE, Hadamard rotation, block fp8
+quantisation, the per-(query, head) scale folded into the head gate; the keys go to the 8448-B indexer
+pages and the fp8 ops (``indexer_logits_ragged`` / ``_paged``) score them.
+
+``precision="exact"`` is for studying DSA accuracy: no Hadamard, no fp8, fp32 scores from the keys and
+queries as the model computes them (RoPE applied, then rounded to the model dtype) — the numbers
+Hugging Face's ``DeepseekV32Indexer`` computes, ``sum_h w[t,h] relu(q[t,h] . k[s] / sqrt(D))``. Its keys
+are kept in a float key store addressed by slot (the fp8 pages cannot hold them) and scored by
+:func:`exact_logits_ragged` / :func:`exact_logits_paged` below. Switch precision between sequences: the
+keys already cached were written in the precision of their time.
 
 Parameter names follow the Hugging Face DeepSeek-V3.2 checkpoint (``self_attn.indexer.*``).
 """
@@ -11,37 +22,174 @@ import torch
 from torch import nn
 
 from flashdsa.config import DSAConfig
-from flashdsa.quant import act_quant, hadamard, indexer_rope
+from flashdsa.quant import FP8, act_quant, hadamard, indexer_rope
+
+PRECISIONS = ("fp8", "exact")
+_CHUNK_BYTES = 256 << 20  # bound on the [rows, H, keys] fp32 intermediate of the exact scores
 
 
 class IndexerOutput(NamedTuple):
-    q_fp8: torch.Tensor    # [T, H, D] float8_e4m3fn
-    weights: torch.Tensor  # [T, H] float32, q_scale * H^-0.5 * D^-0.5 folded in
-    k_fp8: torch.Tensor    # [T, D] float8_e4m3fn, the new tokens' keys (to be written to the cache)
-    k_scale: torch.Tensor  # [T] float32
+    """What one indexer call produces for T new tokens.
+
+    ``precision="fp8"``: ``q [T, H, D] float8_e4m3fn`` (RoPE, Hadamard, act_quant), ``k [T, D] e4m3``,
+    ``k_scale [T] float32``, ``weights [T, H] float32`` = weights_proj * H^-0.5 * q_scale * D^-0.5.
+
+    ``precision="exact"``: ``q [T, H, D]`` and ``k [T, D]`` in the model dtype (RoPE only), ``k_scale``
+    None, ``weights [T, H] float32`` = weights_proj * H^-0.5 * D^-0.5.
+    """
+
+    q: torch.Tensor
+    weights: torch.Tensor
+    k: torch.Tensor
+    k_scale: torch.Tensor | None
+
+    @property
+    def exact(self) -> bool:
+        return self.k.dtype != FP8
+
+    # the fp8 path's names, kept for its callers
+    @property
+    def q_fp8(self) -> torch.Tensor:
+        return self.q
+
+    @property
+    def k_fp8(self) -> torch.Tensor:
+        return self.k
+
+
+def _check_precision(precision: str) -> str:
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision: expected one of {PRECISIONS}, got {precision!r}")
+    return precision
 
 
 class Indexer(nn.Module):
-    """``x [T, hidden]``, ``qr [T, q_lora_rank]`` (the normed MLA query latent) -> :class:`IndexerOutput`."""
+    """``x [T, hidden]``, ``qr [T, q_lora_rank]`` (the normed MLA query latent) -> :class:`IndexerOutput`.
 
-    def __init__(self, cfg: DSAConfig, dtype: torch.dtype = torch.bfloat16):
+    ``precision`` ("fp8" | "exact", see the module docstring) can be changed on a live module.
+    """
+
+    def __init__(self, cfg: DSAConfig, dtype: torch.dtype = torch.bfloat16, precision: str = "fp8"):
         super().__init__()
         self.n_heads, self.head_dim = cfg.index_n_heads, cfg.index_head_dim
         self.rope_dim = cfg.qk_rope_head_dim
         self.interleave = cfg.indexer_rope_interleave
+        self.precision = precision
         self.wq_b = nn.Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, bias=False, dtype=dtype)
         self.wk = nn.Linear(cfg.hidden_size, self.head_dim, bias=False, dtype=dtype)
         self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6, dtype=torch.float32)
         self.weights_proj = nn.Linear(cfg.hidden_size, self.n_heads, bias=False, dtype=dtype)
 
+    @property
+    def precision(self) -> str:
+        return self._precision
+
+    @precision.setter
+    def precision(self, value: str) -> None:
+        self._precision = _check_precision(value)
+
     def forward(self, x: torch.Tensor, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> IndexerOutput:
         T = x.shape[0]
         q = self.wq_b(qr).view(T, self.n_heads, self.head_dim)
-        k = self.k_norm(self.wk(x).float()).to(x.dtype)
-        # RoPE on the first rope_dim dims ([rope | nope]), then the Hadamard rotation, in bf16 as deployed.
-        q = hadamard(indexer_rope(q, cos, sin, self.interleave).to(x.dtype))
-        k = hadamard(indexer_rope(k, cos, sin, self.interleave).to(x.dtype))
-        q_fp8, q_scale = act_quant(q, block=self.head_dim)
-        k_fp8, k_scale = act_quant(k, block=self.head_dim)
-        w = self.weights_proj(x).float() * self.n_heads ** -0.5 * q_scale[..., 0] * self.head_dim ** -0.5
+        # LayerNorm in fp32 whatever dtype its parameters have (HF keeps them in the model dtype).
+        kn = self.k_norm
+        k = nn.functional.layer_norm(self.wk(x).float(), kn.normalized_shape, _f32(kn.weight), _f32(kn.bias),
+                                     kn.eps).to(x.dtype)
+        # weights_proj may be kept in fp32 (HF's _keep_in_fp32_modules) while x is bf16
+        gate = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.n_heads ** -0.5
+        # RoPE on the first rope_dim dims ([rope | nope]), rounded to the model dtype as deployed.
+        q = indexer_rope(q, cos, sin, self.interleave).to(x.dtype)
+        k = indexer_rope(k, cos, sin, self.interleave).to(x.dtype)
+        if self.precision == "exact":
+            return IndexerOutput(q, gate * self.head_dim ** -0.5, k, None)
+        q_fp8, q_scale = act_quant(hadamard(q), block=self.head_dim)
+        k_fp8, k_scale = act_quant(hadamard(k), block=self.head_dim)
+        w = gate * q_scale[..., 0] * self.head_dim ** -0.5
         return IndexerOutput(q_fp8, w, k_fp8, k_scale[..., 0])
+
+
+def _f32(p: torch.Tensor | None) -> torch.Tensor | None:
+    return None if p is None else p.float()
+
+
+# ---- exact scoring (precision="exact") ---------------------------------------------------------------
+
+def _exact_scores(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``q [t, H, D], k [n, D], weights [t, H] -> [t, n] f32``: sum_h w relu(q . k), all in fp32."""
+    s = torch.einsum("thd,nd->thn", q.float(), k.float()).relu_()
+    return torch.einsum("thn,th->tn", s, weights)
+
+
+def exact_logits_ragged(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, ks: torch.Tensor,
+                        ke: torch.Tensor) -> torch.Tensor:
+    """Exact-precision counterpart of ``ops.indexer_logits_ragged`` (prefill / extend), plain PyTorch.
+
+    Args:
+        q:       ``[T, H, D]`` float (bf16 / fp32), an exact :class:`IndexerOutput`'s ``q``.
+        k:       ``[N, D]`` float, keys of all requests concatenated.
+        weights: ``[T, H] float32`` head gates with H^-0.5 and D^-0.5 folded in.
+        ks, ke:  ``[T]`` int; row i scores keys in ``[ks[i], ke[i])``.
+
+    Returns:
+        ``[T, N] float32``: ``sum_h weights[i, h] * relu(q[i, h] . k[s])`` inside the row's range, ``-inf``
+        elsewhere. Rows are scored in chunks over their key window so the ``[rows, H, keys]`` fp32
+        intermediate stays under 256 MB (this reads ks / ke on the host: a prefill op).
+    """
+    T, H, D = q.shape
+    N = k.shape[0]
+    if k.dim() != 2 or k.shape[1] != D or weights.shape != (T, H) or ks.shape != (T,) or ke.shape != (T,):
+        raise ValueError(f"q, k, weights, ks, ke: expected [T, H, D], [N, D], [T, H], [T], [T], got "
+                         f"{list(q.shape)}, {list(k.shape)}, {list(weights.shape)}, {list(ks.shape)}, {list(ke.shape)}")
+    out = torch.full((T, N), float("-inf"), dtype=torch.float32, device=q.device)
+    if T == 0 or N == 0:
+        return out
+    ks_h, ke_h = ks.long().tolist(), ke.long().tolist()
+    if min(ks_h) < 0 or max(ke_h) > N or any(e < s for s, e in zip(ks_h, ke_h)):
+        raise ValueError(f"ks, ke: expected 0 <= ks <= ke <= N ({N})")
+    pos = torch.arange(N, device=q.device)
+    t0 = 0
+    while t0 < T:
+        # grow the chunk while its window times its rows fits the budget (at least one row)
+        lo, hi, t1 = ks_h[t0], ke_h[t0], t0 + 1
+        while t1 < T:
+            nlo, nhi = min(lo, ks_h[t1]), max(hi, ke_h[t1])
+            if (t1 + 1 - t0) * H * max(nhi - nlo, 1) * 4 > _CHUNK_BYTES:
+                break
+            lo, hi, t1 = nlo, nhi, t1 + 1
+        if hi > lo:
+            s = _exact_scores(q[t0:t1], k[lo:hi], weights[t0:t1])
+            p = pos[None, lo:hi]
+            visible = (p >= ks[t0:t1, None]) & (p < ke[t0:t1, None])
+            out[t0:t1, lo:hi] = torch.where(visible, s, float("-inf"))
+        t0 = t1
+    return out
+
+
+def exact_logits_paged(q: torch.Tensor, key_store: torch.Tensor, weights: torch.Tensor, context_lens: torch.Tensor,
+                       block_table: torch.Tensor, max_context_len: int, page_size: int = 64) -> torch.Tensor:
+    """Exact-precision counterpart of ``ops.indexer_logits_paged`` (decode / MTP verify), plain PyTorch.
+
+    Args:
+        q:            ``[B, n, H, D]`` float.
+        key_store:    ``[S, D]`` float, the exact keys by slot (``slot = page * page_size + row``).
+        weights:      ``[B * n, H] float32``.
+        context_lens: ``[B, n]`` int; row (b, j) scores positions ``< context_lens[b, j]``.
+        block_table:  ``[B, maxp]`` int; position p of request b is slot
+                      ``block_table[b, p // page_size] * page_size + p % page_size``.
+        max_context_len: output width, ``<= maxp * page_size``.
+
+    Returns:
+        ``[B * n, max_context_len] float32``, ``-inf`` at and past each row's length. No host reads.
+    """
+    B, n, H, D = q.shape
+    L = max_context_len
+    if L > block_table.shape[1] * page_size:
+        raise ValueError(f"max_context_len: expected <= block_table width x page_size "
+                         f"({block_table.shape[1] * page_size}), got {L}")
+    p = torch.arange(L, device=q.device)
+    slots = block_table.long()[:, p // page_size] * page_size + p % page_size     # [B, L]
+    k = key_store[slots]                                                             # [B, L, D]
+    s = torch.einsum("bjhd,bld->bjhl", q.float(), k.float()).relu_()
+    logits = torch.einsum("bjhl,bjh->bjl", s, weights.view(B, n, H))
+    visible = p[None, None, :] < context_lens[:, :, None]
+    return torch.where(visible, logits, float("-inf")).view(B * n, L)

@@ -1,0 +1,546 @@
+"""Hugging Face transformers integration: run HF's own DSA models through flashdsa, patched in place.
+
+    from transformers import AutoModelForCausalLM
+    import flashdsa.hf
+
+    model = AutoModelForCausalLM.from_pretrained(...)      # DeepseekV32ForCausalLM or GlmMoeDsaForCausalLM
+    flashdsa.hf.apply(model, indexer="fp8")                # or "exact"
+    model.generate(input_ids, max_new_tokens=64)           # unchanged
+
+After :func:`apply`, every attention layer (``model.model.layers[i].self_attn``) runs flashdsa's path with
+the layer's own weights: indexer -> exact top-k -> sparse MLA (or the dense fallback while every context
+fits in ``index_topk``) over flashdsa's paged caches, through :class:`flashdsa.engine.Runner`'s attention
+step (the same code our own engine runs). The MLP / MoE, norms, embeddings and LM head stay HF's.
+Per layer the adapter is a :class:`flashdsa.layers.DSAAttention` whose submodules ARE the HF layer's
+(``q_a_proj`` … ``o_proj``, ``indexer.wq_b`` …): no weight is copied, ``model.to(...)`` moves both.
+
+Numerics:
+    * ``indexer="exact"``: the indexer of :mod:`flashdsa.layers.indexer` in exact precision — no Hadamard,
+      no fp8, fp32 scores ``sum_h w relu(q . k / sqrt(D))`` — the numbers HF's indexer computes, so the
+      same tokens are selected. ``indexer="fp8"``: the deployment numerics of SPEC §3 (DeepGEMM's).
+    * RoPE comes from HF's own ``position_embeddings`` (cos / sin of HF's ``position_ids``, YaRN attention
+      factor included). MLA RoPE uses interleaved pairs (HF's ``apply_rotary_pos_emb_interleave`` writes the
+      same pairs de-interleaved; only q . k matters and q and k share one layout). Indexer RoPE: NeoX pairs
+      for V3.2, interleaved for GLM (``DSAConfig.indexer_rope_interleave``).
+    * GLM's ``indexer_types``: a "shared" layer has no indexer (in HF as here) and reuses the previous
+      layer's selection.
+    * The attention itself is bf16 (flashdsa's sparse MLA takes bf16 q and a bf16 / fp8 cache), so an fp32
+      HF model agrees to about bf16 rounding of the attention, not bit for bit.
+
+The cache (a design decision): flashdsa's own. ``model(...)`` and ``model.generate(...)`` hand a
+:class:`FlashDSACache` around — a ``transformers.Cache`` whose KV lives in flashdsa's paged pool
+(:class:`flashdsa.cache.KVPool`: the MLA rows and the indexer keys of every layer, one page allocator),
+owned by the patched model and sized by ``max_tokens``. Why not store into HF's cache objects: HF's
+``DynamicCache`` holds per-layer ``[B, 1, T, 512]`` latents and ``[B, T, 128]`` indexer keys, grown by
+``torch.cat`` every step; the sparse kernels need the paged layouts (fp8 656-B rows, 8448-B indexer
+pages) and a block table, so using HF's tensors would mean re-packing the whole context every layer and
+step. So no HF cache holds KV here; generate() still works unchanged because the cache object it passes
+around is ours:
+
+    * no cache given (``model(ids)``, or ``use_cache=False``): a new ``FlashDSACache`` (temporary with
+      ``use_cache=False``: its pages are freed when the forward returns);
+    * an EMPTY HF cache (what ``generate()`` creates each call, or ``DynamicCache()`` of the user): a new
+      ``FlashDSACache`` takes its place (``outputs.cache`` is it; generate() carries ``outputs.cache`` to the
+      next step), remembered per HF object, so passing the same HF object again continues the sequence.
+      A new generate() call makes a new HF cache, hence a fresh sequence: nothing leaks between calls;
+    * a ``FlashDSACache`` (``outputs.cache``, or ``FlashDSACache(model)``): continued;
+    * a non-empty HF cache (KV computed by unpatched attention): ValueError.
+Positions line up because ``get_seq_length()`` of our cache counts the columns seen (pads included, as
+HF's caches do), so HF derives the same ``position_ids`` as with its own cache. A cache's pages return to
+the pool when it is garbage-collected or ``reset()``.
+
+Batches: any batch size; padding given by a 2-D ``attention_mask`` (left padding, as generate() makes)
+is supported — a padded position is never written to the cache and never attended (its hidden state
+out of attention is zero; HF's is garbage, and neither is used). Other 4-D / custom masks: ValueError.
+``crop`` (assisted decoding's rollback) works, padded rows included. Not supported (clear errors): beam
+search / contrastive search (``reorder_cache`` / ``batch_select_indices``), static / compiled caches
+(4-D masks), kpool, training (inference only: raises with grad enabled in train mode).
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import math
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+try:
+    import transformers
+    from transformers.cache_utils import Cache, CacheLayerMixin
+except ImportError as e:  # pragma: no cover - the optional dependency is missing
+    raise ImportError("flashdsa.hf needs transformers >= 5.23: pip install 'flashdsa[hf]'") from e
+
+from flashdsa.cache.allocator import OutOfPagesError
+from flashdsa.cache.layouts import INDEX_DIM, MLA_DIM
+from flashdsa.config import DSAConfig, is_dsa
+from flashdsa.engine.metadata import DECODE, BatchMetadata, build_decode, build_extend
+from flashdsa.engine.runner import Runner
+from flashdsa.layers.attention import DSAAttention
+from flashdsa.layers.indexer import PRECISIONS
+
+__all__ = ["apply", "unapply", "get_patch", "FlashDSACache", "Patch"]
+
+_MIN_TRANSFORMERS = (5, 23)
+_MLA_PARTS = ("q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj",
+              "o_proj")
+_INDEXER_PARTS = ("wq_b", "wk", "k_norm", "weights_proj")
+_uids = itertools.count()
+
+
+def _version(v: str) -> tuple[int, int]:
+    parts = v.split(".")
+    return int(parts[0]), int("".join(c for c in parts[1] if c.isdigit()) or 0)
+
+
+# ---- the cache --------------------------------------------------------------------------------------
+
+class _Length:
+    """Columns seen by a cache, shared by the cache and its layers (no reference cycle, so a dropped
+    cache is freed — and its pages returned — at once)."""
+
+    def __init__(self):
+        self.seen = 0
+
+
+class _FlashDSALayer(CacheLayerMixin):
+    """One layer's face of a :class:`FlashDSACache`: lengths only, the KV is in flashdsa's pool."""
+
+    is_compileable = False
+    is_croppable = True
+    is_sliding = False
+
+    def __init__(self, length: _Length):
+        super().__init__()
+        self._length = length
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        pass
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        raise RuntimeError("FlashDSACache: the KV lives in flashdsa's paged pool; an attention layer that is not "
+                           "patched by flashdsa.hf.apply tried to write into it")
+
+    def get_seq_length(self) -> int:
+        return self._length.seen
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self._length.seen + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:  # the cache resets (Cache.reset is overridden)
+        pass
+
+    def crop(self, tokens_to_remove: int) -> None:  # the cache crops (Cache.crop is overridden)
+        pass
+
+
+def _release(runner_ref: weakref.ref, rows: list) -> None:
+    runner = runner_ref()
+    if runner is None:
+        return
+    for r in rows:
+        if r in runner.alloc:
+            runner.free(r)
+    rows.clear()
+
+
+class FlashDSACache(Cache):
+    """A ``transformers.Cache`` whose KV lives in the paged pool of a model patched by :func:`apply`.
+
+    One request of the pool per batch row, created on the first forward. ``get_seq_length()`` is the
+    number of columns seen (padding included, as HF's caches count); each row holds only its real tokens.
+    Pages go back to the pool on ``reset()`` or when the object is garbage-collected.
+    """
+
+    def __init__(self, model):
+        patch = get_patch(model) if not isinstance(model, Patch) else model
+        if patch is None:
+            raise ValueError("model: expected a model patched by flashdsa.hf.apply(model)")
+        self._length = _Length()
+        super().__init__(layers=[_FlashDSALayer(self._length) for _ in range(patch.config.num_hidden_layers)])
+        self.patch = patch
+        self.uid = next(_uids)
+        self.rows: list | None = None         # request ids in the pool, one per batch row
+        self._finalizer = None
+        self._real = torch.zeros(0, 0, dtype=torch.bool)  # [B, seen] which columns hold real tokens (CPU)
+
+    @property
+    def seen(self) -> int:
+        return self._length.seen
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self._length.seen
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self._length.seen + query_length, 0
+
+    def seq_lens(self) -> list[int]:
+        """Real tokens cached per batch row."""
+        if self.rows is None:
+            return []
+        alloc = self.patch.runner.alloc
+        return [alloc.seq_len(r) for r in self.rows]
+
+    def reset(self) -> None:
+        if self._finalizer is not None:
+            self._finalizer()  # frees the rows now (and only once)
+        self.rows, self._finalizer = None, None
+        self._length.seen = 0
+        self._real = torch.zeros(0, 0, dtype=torch.bool)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last ``-tokens_to_remove`` columns (HF's convention: a negative count)."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"tokens_to_remove: expected a count <= 0 (HF's crop convention), got {tokens_to_remove}")
+        keep = self.seen + tokens_to_remove
+        if tokens_to_remove == 0 or self.rows is None:
+            return
+        if keep < 0:
+            raise ValueError(f"tokens_to_remove: the cache holds {self.seen} columns, cannot drop {-tokens_to_remove}")
+        runner = self.patch.runner
+        for b, r in enumerate(self.rows):
+            runner.truncate(r, int(self._real[b, :keep].sum()))
+        self._real = self._real[:, :keep]
+        self._length.seen = keep
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("FlashDSACache: beam search (reorder_cache) is not supported by flashdsa.hf")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError("FlashDSACache: batch_repeat_interleave is not supported by flashdsa.hf")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise NotImplementedError("FlashDSACache: batch_select_indices is not supported by flashdsa.hf")
+
+    def __repr__(self) -> str:
+        return f"FlashDSACache(rows={len(self.rows or [])}, seen={self.seen}, seq_lens={self.seq_lens()})"
+
+    # ---- one forward ------------------------------------------------------------------------------
+    def _advance(self, runner: Runner, real: torch.Tensor | None, B: int, S: int) -> BatchMetadata:
+        """Reserve the batch's new real tokens and build the metadata every layer shares."""
+        alloc = runner.alloc
+        if self.rows is None:
+            self.rows = [(self.uid, b) for b in range(B)]
+            for r in self.rows:
+                alloc.allocate(r, 0)
+            self._finalizer = weakref.finalize(self, _release, weakref.ref(runner), self.rows)
+            self._real = torch.zeros(B, 0, dtype=torch.bool)
+        elif len(self.rows) != B:
+            raise ValueError(f"input_ids: this cache holds a batch of {len(self.rows)} rows, got {B}")
+        q_lens = [S] * B if real is None else real.sum(1).tolist()
+        before = [alloc.seq_len(r) for r in self.rows]
+        try:
+            runner._reserve(dict(zip(self.rows, q_lens)))
+        except OutOfPagesError as e:
+            raise OutOfPagesError(e.req_id, e.needed, e.free) from ValueError(
+                f"flashdsa.hf: the pool holds {runner.pool.capacity_tokens} tokens; pass a larger max_tokens to "
+                f"flashdsa.hf.apply(model, max_tokens=...)")
+        if S == 1 and all(q == 1 for q in q_lens) and all(n > 0 for n in before):
+            meta = build_decode(alloc, self.rows, 1, DECODE)
+        else:
+            meta = build_extend(alloc, self.rows, q_lens, dense_threshold=runner.dense_threshold,
+                                dense_allowed=runner.pool.kv_format != "fp8_raw",
+                                max_dense_tokens=runner.max_dense_tokens)
+        self._real = torch.cat((self._real, torch.ones(B, S, dtype=torch.bool) if real is None else real), dim=1)
+        return meta
+
+    def _commit(self) -> None:
+        """The forward is over: its columns count as seen. Not earlier, because HF derives the default
+        ``position_ids`` from ``get_seq_length()`` inside the forward."""
+        self._length.seen = self._real.shape[1]
+
+
+class _NoMasks(dict):
+    """Given as HF's ``attention_mask`` mapping: every layer gets None, so HF builds no [B, 1, S, T] mask
+    (flashdsa's attention takes causality and padding from its own metadata)."""
+
+    def __missing__(self, key):
+        return None
+
+
+# ---- the patch --------------------------------------------------------------------------------------
+
+class _EngineModel:
+    """What :class:`Runner` reads of a model: its DSAConfig and, through ``parameters()``, the device."""
+
+    def __init__(self, config: DSAConfig, device: torch.device):
+        self.config = config
+        self._probe = torch.empty(0, device=device)
+
+    def parameters(self):
+        return iter((self._probe,))
+
+
+@dataclass
+class _Forward:
+    """One model forward: the metadata every layer shares, the real tokens, the selection handed on."""
+
+    meta: BatchMetadata
+    cache: FlashDSACache
+    tok_idx: torch.Tensor | None          # [T] positions of the real tokens in the flattened [B * S]; None: all
+    temporary: bool
+    cos: torch.Tensor | None = None       # [T, 32] f32, from HF's position_embeddings (first layer)
+    sin: torch.Tensor | None = None
+    prev: torch.Tensor | None = None      # the last selection, for the next shared layer
+
+
+@dataclass(eq=False, repr=False)
+class Patch:
+    """What :func:`apply` installed on a model (``get_patch(model)``).
+
+    ``calls[i]``: forwards of attention layer i through flashdsa (each layer once per model forward).
+    ``runner``: the :class:`Runner` owning the pool (made on the first forward, on the model's device);
+    with ``record=True`` its ``selections`` hold each layer's last selection.
+    """
+
+    model: torch.nn.Module
+    config: DSAConfig
+    indexer: str
+    kv_format: str
+    max_tokens: int
+    backend: str | None
+    record: bool
+    attentions: list[DSAAttention]
+    calls: list[int] = field(default_factory=list)
+    runner: Runner | None = None
+    closed: bool = False
+    _hf_caches: "weakref.WeakKeyDictionary" = field(default_factory=weakref.WeakKeyDictionary)
+    _hooks: list = field(default_factory=list)
+    _patched: list = field(default_factory=list)
+    _fwd: _Forward | None = None
+
+    def __repr__(self) -> str:
+        return (f"Patch({type(self.model).__name__}, indexer={self.indexer!r}, kv_format={self.kv_format!r}, "
+                f"max_tokens={self.max_tokens}, calls={self.calls}{', closed' if self.closed else ''})")
+
+    # ---- hooks on the decoder (model.model) ----------------------------------------------------------
+    def _begin(self, module, args, kwargs):
+        if self.closed:
+            raise RuntimeError("flashdsa.hf: this patch was removed (unapply / a new apply)")
+        if len(args) > 1:
+            raise ValueError("flashdsa.hf: pass the decoder's arguments by keyword (input_ids=..., attention_mask=...)")
+        if "past_key_values" in kwargs:  # HF's deprecated name
+            kwargs["cache"] = kwargs.pop("past_key_values")
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        ref = ids if ids is not None else kwargs.get("inputs_embeds")
+        if ref is None:
+            raise ValueError("input_ids / inputs_embeds: one of them is required")
+        if torch.is_grad_enabled() and module.training:
+            raise ValueError("flashdsa.hf is inference-only: call model.eval() or run under torch.no_grad()")
+        B, S = ref.shape[:2]
+        use_cache = kwargs.get("use_cache")
+        if use_cache is None:
+            use_cache = getattr(self.model.config, "use_cache", True)
+        cache, temporary = self._cache_for(kwargs.get("cache"), use_cache)
+        kwargs["cache"] = cache
+        real = self._real_tokens(kwargs.get("attention_mask"), cache, B, S)
+        kwargs["attention_mask"] = _NoMasks()
+        runner = self._runner_for(ref.device)
+        if self.record:
+            runner.selections = {}
+        meta = cache._advance(runner, real, B, S)
+        tok_idx = None if real is None else real.reshape(-1).nonzero().squeeze(1).to(ref.device)
+        self._fwd = _Forward(meta, cache, tok_idx, temporary)
+        return args, kwargs
+
+    def _end(self, module, args, kwargs, output):
+        fwd, self._fwd = self._fwd, None
+        if fwd is not None:
+            fwd.cache._commit()
+            if fwd.temporary:
+                fwd.cache.reset()
+
+    def _cache_for(self, cache, use_cache: bool) -> tuple[FlashDSACache, bool]:
+        if cache is None:
+            return FlashDSACache(self), not use_cache
+        if isinstance(cache, FlashDSACache):
+            if cache.patch is not self:
+                raise ValueError("cache: this FlashDSACache belongs to an earlier flashdsa.hf.apply of the model; "
+                                 "start a new one")
+            return cache, False
+        if isinstance(cache, Cache):
+            mine = self._hf_caches.get(cache)
+            if mine is not None:
+                return mine, False
+            if cache.get_seq_length() == 0:
+                mine = self._hf_caches[cache] = FlashDSACache(self)
+                return mine, False
+        raise ValueError(f"cache: a {type(cache).__name__} already holding {cache.get_seq_length()} tokens of KV "
+                         "computed without flashdsa; pass no cache, an empty one, or a flashdsa.hf.FlashDSACache")
+
+    @staticmethod
+    def _real_tokens(mask, cache: FlashDSACache, B: int, S: int) -> torch.Tensor | None:
+        """``[B, S] bool`` (CPU) of the new columns that hold real tokens, or None when all do."""
+        if mask is None:
+            return None
+        if not (isinstance(mask, torch.Tensor) and mask.dim() == 2):
+            raise ValueError("attention_mask: flashdsa.hf supports a 2-D [batch, past + new] padding mask (or "
+                             f"none), got {type(mask).__name__} {list(getattr(mask, 'shape', []))} (a static / "
+                             "compiled cache_implementation in generate() makes 4-D masks: use the default)")
+        if mask.shape != (B, cache.seen + S):
+            raise ValueError(f"attention_mask: expected shape [{B}, {cache.seen + S}] (cached columns + new ones), "
+                             f"got {list(mask.shape)}")
+        real = mask[:, -S:].bool().cpu() if S else torch.zeros(B, 0, dtype=torch.bool)
+        return None if bool(real.all()) else real
+
+    def _runner_for(self, device: torch.device) -> Runner:
+        if self.runner is not None and self.runner.pool.device == device:
+            return self.runner
+        if self.runner is not None and self.runner.alloc.req_ids:
+            raise ValueError(f"flashdsa.hf: the model moved to {device} while caches on {self.runner.pool.device} "
+                             "are live; drop or reset them first")
+        num_pages = math.ceil(self.max_tokens / self.config.page_size)
+        self.runner = Runner(_EngineModel(self.config, device), num_pages, self.kv_format, backend=self.backend,
+                             record=self.record)
+        return self.runner
+
+    # ---- the attention layers -----------------------------------------------------------------------
+    def _attend(self, lid: int, hidden_states: torch.Tensor, position_embeddings) -> torch.Tensor:
+        fwd = self._fwd
+        if fwd is None:
+            raise RuntimeError("flashdsa.hf: a patched attention layer ran outside its model's forward")
+        B, S, D = hidden_states.shape
+        x = hidden_states.reshape(B * S, D)
+        if fwd.tok_idx is not None:
+            x = x.index_select(0, fwd.tok_idx)
+        if fwd.cos is None:
+            fwd.cos, fwd.sin = (_rope_half(t, B, S, fwd.tok_idx) for t in position_embeddings)
+        with torch.no_grad():
+            out, fwd.prev = self.runner._attention(self.attentions[lid], x, fwd.cos, fwd.sin, fwd.meta, fwd.prev)
+        self.calls[lid] += 1
+        if fwd.tok_idx is not None:
+            full = out.new_zeros(B * S, D)
+            full[fwd.tok_idx] = out
+            out = full
+        return out.view(B, S, D)
+
+
+def _rope_half(t: torch.Tensor, B: int, S: int, tok_idx: torch.Tensor | None) -> torch.Tensor:
+    """HF's cos or sin ``[B or 1, S, R]`` (``cat(freqs, freqs)``) -> flashdsa's ``[T, R / 2] f32``."""
+    t = t.expand(B, S, t.shape[-1]).reshape(B * S, t.shape[-1])[:, : t.shape[-1] // 2].float()
+    return t if tok_idx is None else t.index_select(0, tok_idx)
+
+
+def _attention_forward(patch: Patch, lid: int, returns_topk: bool):
+    def forward(hidden_states, position_embeddings=None, attention_mask=None, cache=None, position_ids=None,
+                **kwargs):
+        out = patch._attend(lid, hidden_states, position_embeddings)
+        # GLM's layers hand their top-k on (prev_topk_indices); flashdsa threads the selection itself
+        return (out, None, None) if returns_topk else (out, None)
+    return forward
+
+
+# ---- public API -------------------------------------------------------------------------------------
+
+def get_patch(model) -> Patch | None:
+    """The :class:`Patch` :func:`apply` installed on ``model``, or None."""
+    return model.__dict__.get("_flashdsa_patch")
+
+
+def _decoder(model):
+    base = getattr(model, "model", model)
+    if not isinstance(getattr(base, "layers", None), torch.nn.ModuleList):
+        raise ValueError(f"model: expected an HF decoder-only model with .model.layers (or .layers), "
+                         f"got {type(model).__name__}")
+    return base
+
+
+def _adopt(hf_attn, cfg: DSAConfig, lid: int, precision: str) -> DSAAttention:
+    """A DSAAttention whose submodules are the HF layer's own (built on meta, then every part replaced)."""
+    missing = [p for p in _MLA_PARTS + ("scaling",) if not hasattr(hf_attn, p)]
+    if missing:
+        raise ValueError(f"model: layer {lid}'s attention ({type(hf_attn).__name__}) is not DSA's MLA: it lacks "
+                         f"{missing}")
+    hf_indexer = getattr(hf_attn, "indexer", None)
+    if (hf_indexer is not None) != (lid in cfg.topk_layers):
+        raise ValueError(f"model: layer {lid} {'has' if hf_indexer is not None else 'lacks'} an indexer but the "
+                         f"config says it {'computes' if lid in cfg.topk_layers else 'reuses'} top-k")
+    with torch.device("meta"):
+        attn = DSAAttention(cfg, lid)
+    for name in _MLA_PARTS:
+        setattr(attn, name, getattr(hf_attn, name))
+    attn.softmax_scale = float(hf_attn.scaling)
+    if attn.indexer is not None:
+        missing = [p for p in _INDEXER_PARTS if not hasattr(hf_indexer, p)]
+        if missing:
+            raise ValueError(f"model: layer {lid}'s indexer lacks {missing}")
+        for name in _INDEXER_PARTS:
+            setattr(attn.indexer, name, getattr(hf_indexer, name))
+        attn.indexer.precision = precision
+    assert not any(p.is_meta for p in attn.parameters()), "every part of the adapter is the HF layer's"
+    return attn
+
+
+def apply(model, indexer: str = "fp8", *, kv_format: str = "bf16", max_tokens: int = 32768,
+          backend: str | None = None, record: bool = False) -> Patch:
+    """Patch an HF DSA model (``DeepseekV32ForCausalLM``, ``GlmMoeDsaForCausalLM``) in place.
+
+    Args:
+        model:      the HF model (the ``*ForCausalLM`` or its decoder ``*Model``).
+        indexer:    "fp8" (deployment numerics, SPEC §3) or "exact" (fp32 scores, HF's numbers).
+        kv_format:  MLA cache format: "bf16" (default; the closest to HF) or "fp8" (656-B FlashMLA rows).
+        max_tokens: capacity of the paged pool in tokens, over all live sequences (each row rounds up to
+                    64-token pages); made on the first forward, on the model's device.
+        backend:    force flashdsa's op backend ("torch" / "triton"); default: Triton on CUDA.
+        record:     keep each layer's last selection in ``get_patch(model).runner.selections``.
+
+    Returns the :class:`Patch`. Applying again replaces the previous patch (same settings: a no-op in
+    effect; caches of the old patch become invalid). ValueError for a model that is not DSA.
+    """
+    if _version(transformers.__version__) < _MIN_TRANSFORMERS:
+        raise ImportError(f"flashdsa.hf needs transformers >= {'.'.join(map(str, _MIN_TRANSFORMERS))}, "
+                          f"found {transformers.__version__}")
+    if indexer not in PRECISIONS:
+        raise ValueError(f"indexer: expected one of {PRECISIONS}, got {indexer!r}")
+    if kv_format not in ("bf16", "fp8"):
+        raise ValueError(f"kv_format: expected 'bf16' or 'fp8', got {kv_format!r}")
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise ValueError(f"max_tokens: expected an int >= 1, got {max_tokens!r}")
+    hf_config = getattr(model, "config", None)
+    d = hf_config.to_dict() if hasattr(hf_config, "to_dict") else {}
+    if not is_dsa(d):
+        raise ValueError(f"model: {type(model).__name__} is not a DSA model (flashdsa.hf patches DeepSeek-V3.2 / "
+                         f"GLM-5 models: a DSA architecture with index_topk; got model_type "
+                         f"{d.get('model_type')!r}, index_topk {d.get('index_topk')!r})")
+    cfg = DSAConfig.from_hf(d)
+    if cfg.kv_cache_dim != MLA_DIM or cfg.index_head_dim != INDEX_DIM:
+        raise ValueError(f"model: flashdsa's caches need kv_lora_rank + qk_rope_head_dim = {MLA_DIM} and "
+                         f"index_head_dim = {INDEX_DIM}, got {cfg.kv_cache_dim} and {cfg.index_head_dim}")
+    if cfg.index_kpool > 1:
+        raise ValueError("model: index_kpool > 1 is not supported by flashdsa.hf yet")
+    base = _decoder(model)
+    if len(base.layers) != cfg.num_hidden_layers:
+        raise ValueError(f"model: {len(base.layers)} layers, the config says {cfg.num_hidden_layers}")
+    if get_patch(model) is not None:
+        unapply(model)
+    attentions = [_adopt(layer.self_attn, cfg, i, indexer) for i, layer in enumerate(base.layers)]
+    patch = Patch(model=model, config=cfg, indexer=indexer, kv_format=kv_format, max_tokens=max_tokens,
+                  backend=backend, record=record, attentions=attentions, calls=[0] * cfg.num_hidden_layers)
+    for i, layer in enumerate(base.layers):
+        hf_attn = layer.self_attn
+        returns_topk = "prev_topk_indices" in inspect.signature(type(hf_attn).forward).parameters
+        hf_attn.forward = _attention_forward(patch, i, returns_topk)
+        patch._patched.append(hf_attn)
+    patch._hooks = [base.register_forward_pre_hook(patch._begin, with_kwargs=True),
+                    base.register_forward_hook(patch._end, with_kwargs=True, always_call=True)]
+    model.__dict__["_flashdsa_patch"] = patch  # a plain attribute: not a submodule, not in the state dict
+    return patch
+
+
+def unapply(model) -> None:
+    """Remove :func:`apply`'s patch: HF's attention again; the pool is dropped, its caches become invalid."""
+    patch = get_patch(model)
+    if patch is None:
+        raise ValueError("model: not patched by flashdsa.hf.apply")
+    for hf_attn in patch._patched:
+        hf_attn.__dict__.pop("forward", None)
+    for h in patch._hooks:
+        h.remove()
+    patch.closed, patch.runner, patch._fwd = True, None, None
+    del model.__dict__["_flashdsa_patch"]
