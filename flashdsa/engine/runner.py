@@ -38,6 +38,7 @@ class Runner:
         dense_threshold: extend runs the dense fallback when every kv length <= this (default index_topk);
                          0 disables the fallback.
         record:          keep each layer's selection of the last batch in ``self.selections`` (tests).
+        max_logits_bytes: the largest indexer-logits buffer one prefill chunk of query rows may use.
 
     An indexer with ``precision="exact"`` keeps its float keys in ``self.exact_keys`` (one ``[P * page_size,
     128]`` store per top-k layer, made on first use) instead of the fp8 pages, and is scored in fp32.
@@ -45,7 +46,7 @@ class Runner:
 
     def __init__(self, model: DSAModel, num_pages: int, kv_format: str = "fp8", *, backend: str | None = None,
                  dense_threshold: int | None = None, kv_scale: float | None = None, record: bool = False,
-                 max_dense_tokens: int = 1 << 16):
+                 max_dense_tokens: int = 1 << 16, max_logits_bytes: int = 1 << 30):
         self.model = model
         self.cfg = model.config
         if self.cfg.index_kpool > 1:
@@ -57,6 +58,7 @@ class Runner:
         self.backend = backend
         self.dense_threshold = self.cfg.index_topk if dense_threshold is None else dense_threshold
         self.max_dense_tokens = max_dense_tokens
+        self.max_logits_bytes = max_logits_bytes
         self.record = record
         self.selections: dict[int, torch.Tensor] = {}
         self.exact_keys: dict[int, torch.Tensor] = {}
@@ -157,12 +159,13 @@ class Runner:
                 return attn.finish(out), None
             if idx is not None and idx.exact:
                 logits = exact_logits_ragged(idx.q, self.exact_keys[lid][meta.kv_slots], idx.weights, meta.ks, meta.ke)
-            elif idx is not None:
-                k_fp8, k_scale = self.pool.read_index(lid, meta.kv_slots)
-                logits = ops.indexer_logits_ragged(idx.q_fp8, k_fp8, k_scale, idx.weights, meta.ks, meta.ke, backend=be)
-            if idx is not None:
                 sel = ops.topk_transform(logits, meta.ke - meta.ks, topk, row_starts=meta.ks, out_offsets=meta.ks,
                                          backend=be)
+            elif idx is not None:
+                # Chunked over query rows so the [T, N] fp32 logits never exceed max_logits_bytes.
+                k_fp8, k_scale = self.pool.read_index(lid, meta.kv_slots)
+                sel = ops.indexer_topk_ragged(idx.q_fp8, k_fp8, k_scale, idx.weights, meta.ks, meta.ke, topk,
+                                              out_offsets=meta.ks, max_logits_bytes=self.max_logits_bytes, backend=be)
             out, _ = ops.sparse_mla_prefill(q, kv, sel, sm, backend=be)
         else:
             B, n = meta.context_lens.shape

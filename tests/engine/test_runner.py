@@ -140,3 +140,13 @@ def test_cuda_graph_replay_equals_eager():
         le = eager.decode(dict(zip(["a", "b"], toks)))
         lg = g.replay(toks)
         close(lg.clone(), le, tol=1e-2)
+
+
+def test_prefill_logits_budget_does_not_change_results(model):
+    # A budget of a few rows forces many chunks of query rows through the indexer -> top-k path.
+    p = {"a": prompt(2 * TOPK + 3, 4), "b": prompt(TOPK + 9, 6)}
+    free = Runner(model, 16, "fp8", record=True)
+    budget = Runner(model, 16, "fp8", record=True, max_logits_bytes=4 * 3 * (2 * TOPK + 3))
+    assert torch.equal(budget.extend(p, force_sparse=True), free.extend(p, force_sparse=True))
+    for layer in CFG.topk_layers:
+        assert torch.equal(budget.selections[layer], free.selections[layer])
