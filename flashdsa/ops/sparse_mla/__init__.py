@@ -8,8 +8,20 @@ from flashdsa.cache.layouts import MLA_DIM, MLA_LATENT, PAGE_SIZE, mla_cache_for
 from flashdsa.ops._common import check_scalar, check_tensor, fail, pick_backend
 from flashdsa.ops.sparse_mla import reference
 
-_DECODE = {"torch": reference.sparse_mla_decode}
-_PREFILL = {"torch": reference.sparse_mla_prefill}
+
+def _triton_decode(*args, **kwargs):
+    # imported on first use: importing triton is slow and CPU-only users never need it
+    from flashdsa.ops.sparse_mla import triton as impl
+    return impl.sparse_mla_decode(*args, **kwargs)
+
+
+def _triton_prefill(*args, **kwargs):
+    from flashdsa.ops.sparse_mla import triton as impl
+    return impl.sparse_mla_prefill(*args, **kwargs)
+
+
+_DECODE = {"torch": reference.sparse_mla_decode, "triton": _triton_decode}
+_PREFILL = {"torch": reference.sparse_mla_prefill, "triton": _triton_prefill}
 
 
 def _check_d_v(d_v) -> None:

@@ -1,0 +1,567 @@
+"""Sparse MLA in Triton: decode over the paged caches (fp8 656 B, bf16, raw fp8 576 B) and prefill over
+gathered bf16 KV, with one pair of flash-attention kernels for both.
+
+Absorbed / MQA form: every query head of a row attends to the SAME selected tokens, so a program owns
+one query row and a block of heads, gathers BLOCK_N selected KV rows per step once, dequantises them
+once and uses the same tiles as K (576 dims: 4 x 128 latent + 64 rope) and as V (the first d_v latent
+dims). ``sparse_mla_fwd_kernel`` puts the heads on the tensor-core M side (h_q > 32, fp8 at any h_q);
+``sparse_mla_fwd_small_h_kernel`` computes the transposed product so that 16 or 32 heads still use
+wgmma. Few rows with long top-k lists split the list over programs (flash-decoding) and
+``sparse_mla_combine_kernel`` merges the partial (out, lse) pairs. Design and roofline: README.md.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.errors import OutOfResources
+
+from flashdsa.cache.layouts import MLA_DIM, PAGE_SIZE, mla_cache_format
+from flashdsa.ops._triton_utils import num_sms, upcast_bf16
+
+LOG2E = 1.4426950408889634
+
+# cache formats (constexpr FMT); the 656-B row is 512 e4m3 | 4 fp32 scales at 512 | 64 bf16 rope at 528
+FMT_BF16, FMT_FP8, FMT_FP8_RAW = 0, 1, 2
+_FMT = {"bf16": FMT_BF16, "fp8": FMT_FP8, "fp8_raw": FMT_FP8_RAW}
+
+
+@triton.jit
+def _dot_in(x, UPCAST: tl.constexpr):
+    # bf16 tensor-core operand; fp32 in the interpreter, whose bf16 tl.dot is wrong (values already
+    # rounded to bf16, so the numerics match the compiled kernel up to summation order)
+    if UPCAST:
+        return x.to(tl.float32)
+    else:
+        return x
+
+
+@triton.jit
+def _cast(x, dtype: tl.constexpr, UPCAST: tl.constexpr):
+    """fp32 -> dtype, rounding to nearest even. The interpreter truncates fp32 -> bf16, so there the
+    rounding is done on the bits (finite values), and tests can demand the compiled kernel's numerics."""
+    if UPCAST and dtype == tl.bfloat16:
+        b_bits = x.to(tl.uint32, bitcast=True)
+        b_bits = (b_bits + 0x7FFF + ((b_bits >> 16) & 1)) & 0xFFFF0000
+        return b_bits.to(tl.float32, bitcast=True).to(tl.bfloat16)
+    else:
+        return x.to(dtype)
+
+
+@triton.jit
+def _load_chunk(p_row, valid, d0, kv_scale, FMT: tl.constexpr, UPCAST: tl.constexpr):
+    """Latent dims [d0, d0 + 128) of BLOCK_N gathered rows -> [BLOCK_N, 128] bf16, dequantised.
+
+    d0 is a multiple of 128; p_row [BLOCK_N] points at each row's first element (bf16) or byte (fp8).
+    The tile is 128 wide so that fp8 dequantisation stays in a few registers per thread.
+    """
+    o_d = d0 + tl.arange(0, 128)
+    if FMT == 0:
+        # [BLOCK_N, 128] bf16
+        b_k = tl.load(p_row[:, None] + o_d[None, :], mask=valid[:, None], other=0.0)
+    elif FMT == 1:
+        # [BLOCK_N] fp32 scale of this 128-dim block, at byte 512 + 4 (d0 // 128) of the 656-B row
+        b_s = tl.load((p_row + 512 + 4 * (d0 // 128)).to(tl.pointer_type(tl.float32)), mask=valid, other=0.0)
+        # [BLOCK_N, 128] e4m3 bytes, dequantised in fp32 and rounded once to bf16 like the reference
+        b_u = tl.load(p_row[:, None] + o_d[None, :], mask=valid[:, None], other=0)
+        b_k = _cast(b_u.to(tl.float8e4nv, bitcast=True).to(tl.float32) * b_s[:, None], tl.bfloat16, UPCAST)
+    else:
+        # [BLOCK_N, 128] e4m3 bytes, one per-tensor scale
+        b_u = tl.load(p_row[:, None] + o_d[None, :], mask=valid[:, None], other=0)
+        b_k = _cast(b_u.to(tl.float8e4nv, bitcast=True).to(tl.float32) * kv_scale, tl.bfloat16, UPCAST)
+    return b_k
+
+
+@triton.jit
+def _load_rope(p_row, valid, kv_scale, FMT: tl.constexpr, UPCAST: tl.constexpr):
+    """Rope dims (64) of BLOCK_N gathered rows -> [BLOCK_N, 64] bf16."""
+    o_r = tl.arange(0, 64)
+    if FMT == 0:
+        # [BLOCK_N, 64] bf16 at elements 512..575
+        b_r = tl.load(p_row[:, None] + 512 + o_r[None, :], mask=valid[:, None], other=0.0)
+    elif FMT == 1:
+        # [BLOCK_N, 64] bf16 at bytes 528..655 (never quantised)
+        p_r = (p_row + 528).to(tl.pointer_type(tl.bfloat16))
+        b_r = tl.load(p_r[:, None] + o_r[None, :], mask=valid[:, None], other=0.0)
+    else:
+        # [BLOCK_N, 64] e4m3 bytes at 512..575
+        b_u = tl.load(p_row[:, None] + 512 + o_r[None, :], mask=valid[:, None], other=0)
+        b_r = _cast(b_u.to(tl.float8e4nv, bitcast=True).to(tl.float32) * kv_scale, tl.bfloat16, UPCAST)
+    return b_r
+
+
+@triton.jit
+def _gather_rows(p_idx, k0, k_end, n_slots, kv, stride_kv_page, stride_kv_row, BLOCK_N: tl.constexpr):
+    """Slots k0 .. k0 + BLOCK_N of a row's top-k list -> (row pointers [BLOCK_N], valid [BLOCK_N]).
+
+    -1, any negative slot, a slot >= n_slots and positions >= k_end are invalid: their pointer is
+    clamped to slot 0 and every load of them is masked, so they are never dereferenced.
+    """
+    o_n = k0 + tl.arange(0, BLOCK_N)
+    # [BLOCK_N]
+    b_slot = tl.load(p_idx + o_n, mask=o_n < k_end, other=-1)
+    valid = (b_slot >= 0) & (b_slot < n_slots)
+    b_slot = tl.where(valid, b_slot, 0)
+    p_row = kv + (b_slot // 64).to(tl.int64) * stride_kv_page + (b_slot % 64).to(tl.int64) * stride_kv_row
+    return p_row, valid
+
+
+@triton.jit
+def _online_softmax(b_s, b_m, b_l, AXIS: tl.constexpr):
+    """One step of the online softmax in the exp2 domain over AXIS of the (already -inf masked) scores.
+
+    Returns (p, alpha, m_new, l_new). A head that has seen only invalid tokens keeps m = -inf; exp2 is
+    then taken against 0, so -inf - -inf never makes a NaN and its p, alpha, l stay 0.
+    """
+    b_m_new = tl.maximum(b_m, tl.max(b_s, AXIS))
+    b_m_use = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
+    b_alpha = tl.exp2(b_m - b_m_use)
+    if AXIS == 1:
+        b_p = tl.exp2(b_s - b_m_use[:, None])
+    else:
+        b_p = tl.exp2(b_s - b_m_use[None, :])
+    b_l = b_l * b_alpha + tl.sum(b_p, AXIS)
+    return b_p, b_alpha, b_m_new, b_l
+
+
+@triton.jit
+def _p_operand(b_p, UPCAST: tl.constexpr):
+    # P in bf16 for the tensor cores, as FlashMLA does (kept fp32 in the interpreter)
+    if UPCAST:
+        return b_p
+    else:
+        return b_p.to(tl.bfloat16)
+
+
+@triton.jit
+def sparse_mla_fwd_kernel(
+    q, kv, idx, out, lse,
+    stride_q_row, stride_q_h,
+    stride_kv_page, stride_kv_row,
+    stride_i_row,
+    stride_o_row, stride_o_split, stride_o_h,
+    stride_l_row, stride_l_split,
+    n_slots, h_q, topk, tokens_per_split, num_splits, num_head_blocks,
+    qk_scale, kv_scale,
+    D_V: tl.constexpr, FMT: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """Heads on the M side: one (query row, BLOCK_H heads, BLOCK_DV value dims, top-k split) per program.
+
+    q    [R, h_q, 576] bf16 (unit stride last)         idx [R, topk] int32 slots
+    kv   paged rows: slot -> kv + (slot // 64) * stride_kv_page + (slot % 64) * stride_kv_row;
+         bf16 elements (FMT 0) or bytes of a 656-B (FMT 1) / 576-B (FMT 2) row
+    out  [R, num_splits, h_q, D_V] (bf16 final or fp32 partial, unit stride last)
+    lse  [R, num_splits, h_q] fp32, natural log; -inf where the row (split) has no valid index
+    qk_scale = sm_scale * log2(e): the softmax runs in the exp2 domain.
+
+    The latent is handled as four 128-dim chunks at dims (d_own + 128 j) % 512: all four (and the rope)
+    make the score, the first BLOCK_DV / 128 are also this program's V (BLOCK_DV = 512: all of it;
+    256 or 128 split the value dims over programs that each still compute the whole score).
+    """
+    # value chunks per program: BLOCK_DV // 128; value parts per row: cdiv(D_V, BLOCK_DV)
+    i_hb = tl.program_id(0) % num_head_blocks
+    i_rest = tl.program_id(0) // num_head_blocks
+    i_dv = i_rest % ((D_V + BLOCK_DV - 1) // BLOCK_DV)
+    i_rest = i_rest // ((D_V + BLOCK_DV - 1) // BLOCK_DV)
+    i_split = i_rest % num_splits
+    i_row = (i_rest // num_splits).to(tl.int64)
+
+    o_h = i_hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    m_h = o_h < h_q
+    d_own = i_dv * BLOCK_DV
+    c0 = d_own
+    c1 = (d_own + 128) % 512
+    c2 = (d_own + 256) % 512
+    c3 = (d_own + 384) % 512
+    o_c = tl.arange(0, 128)
+    o_r = tl.arange(0, 64)
+
+    # queries of this row and head block, loaded once: [BLOCK_H, 128] x 4, [BLOCK_H, 64]
+    p_q = q + i_row * stride_q_row + o_h[:, None].to(tl.int64) * stride_q_h
+    b_q0 = _dot_in(tl.load(p_q + c0 + o_c[None, :], mask=m_h[:, None], other=0.0), UPCAST)
+    b_q1 = _dot_in(tl.load(p_q + c1 + o_c[None, :], mask=m_h[:, None], other=0.0), UPCAST)
+    b_q2 = _dot_in(tl.load(p_q + c2 + o_c[None, :], mask=m_h[:, None], other=0.0), UPCAST)
+    b_q3 = _dot_in(tl.load(p_q + c3 + o_c[None, :], mask=m_h[:, None], other=0.0), UPCAST)
+    b_qr = _dot_in(tl.load(p_q + 512 + o_r[None, :], mask=m_h[:, None], other=0.0), UPCAST)
+
+    b_m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    b_l = tl.zeros([BLOCK_H], dtype=tl.float32)
+    b_acc0 = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
+    b_acc1 = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
+    b_acc2 = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
+    b_acc3 = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
+
+    k_start = i_split * tokens_per_split
+    k_end = tl.minimum(k_start + tokens_per_split, topk)
+    p_idx = idx + i_row * stride_i_row
+    for k0 in range(k_start, k_end, BLOCK_N):
+        p_row, valid = _gather_rows(p_idx, k0, k_end, n_slots, kv, stride_kv_page, stride_kv_row, BLOCK_N)
+        # [BLOCK_N, 128] x 4 latent chunks (K, and V for the first BLOCK_DV // 128), [BLOCK_N, 64] rope; bf16
+        b_k0 = _dot_in(_load_chunk(p_row, valid, c0, kv_scale, FMT, UPCAST), UPCAST)
+        b_k1 = _dot_in(_load_chunk(p_row, valid, c1, kv_scale, FMT, UPCAST), UPCAST)
+        b_k2 = _dot_in(_load_chunk(p_row, valid, c2, kv_scale, FMT, UPCAST), UPCAST)
+        b_k3 = _dot_in(_load_chunk(p_row, valid, c3, kv_scale, FMT, UPCAST), UPCAST)
+        b_kr = _dot_in(_load_rope(p_row, valid, kv_scale, FMT, UPCAST), UPCAST)
+
+        # [BLOCK_H, BLOCK_N] scores over the 576 dims, fp32 accumulation
+        b_s = tl.dot(b_qr, tl.trans(b_kr))
+        b_s = tl.dot(b_q0, tl.trans(b_k0), b_s)
+        b_s = tl.dot(b_q1, tl.trans(b_k1), b_s)
+        b_s = tl.dot(b_q2, tl.trans(b_k2), b_s)
+        b_s = tl.dot(b_q3, tl.trans(b_k3), b_s)
+        b_s = tl.where(valid[None, :], b_s * qk_scale, float("-inf"))
+        b_p, b_alpha, b_m, b_l = _online_softmax(b_s, b_m, b_l, 1)
+        b_p = _p_operand(b_p, UPCAST)
+
+        # [BLOCK_H, 128] += [BLOCK_H, BLOCK_N] @ [BLOCK_N, 128], for the BLOCK_DV // 128 value chunks
+        b_acc0 = tl.dot(b_p, b_k0, b_acc0 * b_alpha[:, None])
+        if BLOCK_DV > 128:
+            b_acc1 = tl.dot(b_p, b_k1, b_acc1 * b_alpha[:, None])
+        if BLOCK_DV > 256:
+            b_acc2 = tl.dot(b_p, b_k2, b_acc2 * b_alpha[:, None])
+            b_acc3 = tl.dot(b_p, b_k3, b_acc3 * b_alpha[:, None])
+
+    # empty rows (no valid index): out 0 (acc is 0), lse -inf
+    b_empty = b_l == 0.0
+    b_l = tl.where(b_empty, 1.0, b_l)
+    if i_dv == 0:
+        b_lse = tl.where(b_empty, float("-inf"), (b_m + tl.log2(b_l)) * 0.6931471805599453)  # ln 2
+        tl.store(lse + i_row * stride_l_row + i_split * stride_l_split + o_h, b_lse, mask=m_h)
+    p_o = out + i_row * stride_o_row + i_split * stride_o_split + o_h[:, None].to(tl.int64) * stride_o_h
+    b_rcp = 1.0 / b_l[:, None]
+    tl.store(p_o + c0 + o_c[None, :], _cast(b_acc0 * b_rcp, out.dtype.element_ty, UPCAST),
+             mask=m_h[:, None] & (c0 + o_c[None, :] < D_V))
+    if BLOCK_DV > 128:
+        tl.store(p_o + c1 + o_c[None, :], _cast(b_acc1 * b_rcp, out.dtype.element_ty, UPCAST),
+                 mask=m_h[:, None] & (c1 + o_c[None, :] < D_V))
+    if BLOCK_DV > 256:
+        tl.store(p_o + c2 + o_c[None, :], _cast(b_acc2 * b_rcp, out.dtype.element_ty, UPCAST),
+                 mask=m_h[:, None] & (c2 + o_c[None, :] < D_V))
+        tl.store(p_o + c3 + o_c[None, :], _cast(b_acc3 * b_rcp, out.dtype.element_ty, UPCAST),
+                 mask=m_h[:, None] & (c3 + o_c[None, :] < D_V))
+
+
+@triton.jit
+def sparse_mla_fwd_small_h_kernel(
+    q, kv, idx, out, lse,
+    stride_q_row, stride_q_h,
+    stride_kv_page, stride_kv_row,
+    stride_i_row,
+    stride_o_row, stride_o_split, stride_o_h,
+    stride_l_row, stride_l_split,
+    n_slots, h_q, topk, tokens_per_split, num_splits, num_head_blocks,
+    qk_scale, kv_scale,
+    D_V: tl.constexpr, FMT: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """Heads on the N side, for few heads (tensor-parallel shards of 16 or 32): the contract of
+    :func:`sparse_mla_fwd_kernel`, computed transposed, ``S^T = K Q^T`` [BLOCK_N, BLOCK_H] and
+    ``O^T += V^T P^T`` [128, BLOCK_H] per value chunk, so the tensor-core M side is the gathered tokens
+    (and the value dims) instead of a handful of heads. All D_V value dims in one program.
+    """
+    i_hb = tl.program_id(0) % num_head_blocks
+    i_rest = tl.program_id(0) // num_head_blocks
+    i_split = i_rest % num_splits
+    i_row = (i_rest // num_splits).to(tl.int64)
+
+    o_h = i_hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    m_h = o_h < h_q
+    o_c = tl.arange(0, 128)
+    o_r = tl.arange(0, 64)
+
+    # Q^T of this row and head block: [128, BLOCK_H] x 4, [64, BLOCK_H]
+    p_q = q + i_row * stride_q_row + o_h[None, :].to(tl.int64) * stride_q_h
+    b_q0 = _dot_in(tl.load(p_q + o_c[:, None], mask=m_h[None, :], other=0.0), UPCAST)
+    b_q1 = _dot_in(tl.load(p_q + 128 + o_c[:, None], mask=m_h[None, :], other=0.0), UPCAST)
+    b_q2 = _dot_in(tl.load(p_q + 256 + o_c[:, None], mask=m_h[None, :], other=0.0), UPCAST)
+    b_q3 = _dot_in(tl.load(p_q + 384 + o_c[:, None], mask=m_h[None, :], other=0.0), UPCAST)
+    b_qr = _dot_in(tl.load(p_q + 512 + o_r[:, None], mask=m_h[None, :], other=0.0), UPCAST)
+
+    b_m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    b_l = tl.zeros([BLOCK_H], dtype=tl.float32)
+    b_acc0 = tl.zeros([128, BLOCK_H], dtype=tl.float32)
+    b_acc1 = tl.zeros([128, BLOCK_H], dtype=tl.float32)
+    b_acc2 = tl.zeros([128, BLOCK_H], dtype=tl.float32)
+    b_acc3 = tl.zeros([128, BLOCK_H], dtype=tl.float32)
+
+    k_start = i_split * tokens_per_split
+    k_end = tl.minimum(k_start + tokens_per_split, topk)
+    p_idx = idx + i_row * stride_i_row
+    for k0 in range(k_start, k_end, BLOCK_N):
+        p_row, valid = _gather_rows(p_idx, k0, k_end, n_slots, kv, stride_kv_page, stride_kv_row, BLOCK_N)
+        # [BLOCK_N, 128] x 4 latent chunks, [BLOCK_N, 64] rope; bf16
+        b_k0 = _dot_in(_load_chunk(p_row, valid, 0, kv_scale, FMT, UPCAST), UPCAST)
+        b_k1 = _dot_in(_load_chunk(p_row, valid, 128, kv_scale, FMT, UPCAST), UPCAST)
+        b_k2 = _dot_in(_load_chunk(p_row, valid, 256, kv_scale, FMT, UPCAST), UPCAST)
+        b_k3 = _dot_in(_load_chunk(p_row, valid, 384, kv_scale, FMT, UPCAST), UPCAST)
+        b_kr = _dot_in(_load_rope(p_row, valid, kv_scale, FMT, UPCAST), UPCAST)
+
+        # [BLOCK_N, BLOCK_H] transposed scores
+        b_s = tl.dot(b_kr, b_qr)
+        b_s = tl.dot(b_k0, b_q0, b_s)
+        b_s = tl.dot(b_k1, b_q1, b_s)
+        b_s = tl.dot(b_k2, b_q2, b_s)
+        b_s = tl.dot(b_k3, b_q3, b_s)
+        b_s = tl.where(valid[:, None], b_s * qk_scale, float("-inf"))
+        b_p, b_alpha, b_m, b_l = _online_softmax(b_s, b_m, b_l, 0)
+        b_p = _p_operand(b_p, UPCAST)
+
+        # [128, BLOCK_H] += [128, BLOCK_N] @ [BLOCK_N, BLOCK_H] per value chunk
+        b_acc0 = tl.dot(tl.trans(b_k0), b_p, b_acc0 * b_alpha[None, :])
+        if D_V > 128:
+            b_acc1 = tl.dot(tl.trans(b_k1), b_p, b_acc1 * b_alpha[None, :])
+        if D_V > 256:
+            b_acc2 = tl.dot(tl.trans(b_k2), b_p, b_acc2 * b_alpha[None, :])
+        if D_V > 384:
+            b_acc3 = tl.dot(tl.trans(b_k3), b_p, b_acc3 * b_alpha[None, :])
+
+    b_empty = b_l == 0.0
+    b_l = tl.where(b_empty, 1.0, b_l)
+    b_lse = tl.where(b_empty, float("-inf"), (b_m + tl.log2(b_l)) * 0.6931471805599453)  # ln 2
+    tl.store(lse + i_row * stride_l_row + i_split * stride_l_split + o_h, b_lse, mask=m_h)
+    # out[h, d] = acc^T[d, h] / l[h]
+    p_o = out + i_row * stride_o_row + i_split * stride_o_split + o_h[None, :].to(tl.int64) * stride_o_h
+    b_rcp = 1.0 / b_l[None, :]
+    tl.store(p_o + o_c[:, None], _cast(b_acc0 * b_rcp, out.dtype.element_ty, UPCAST),
+             mask=m_h[None, :] & (o_c[:, None] < D_V))
+    if D_V > 128:
+        tl.store(p_o + 128 + o_c[:, None], _cast(b_acc1 * b_rcp, out.dtype.element_ty, UPCAST),
+                 mask=m_h[None, :] & (128 + o_c[:, None] < D_V))
+    if D_V > 256:
+        tl.store(p_o + 256 + o_c[:, None], _cast(b_acc2 * b_rcp, out.dtype.element_ty, UPCAST),
+                 mask=m_h[None, :] & (256 + o_c[:, None] < D_V))
+    if D_V > 384:
+        tl.store(p_o + 384 + o_c[:, None], _cast(b_acc3 * b_rcp, out.dtype.element_ty, UPCAST),
+                 mask=m_h[None, :] & (384 + o_c[:, None] < D_V))
+
+
+@triton.jit
+def sparse_mla_combine_kernel(
+    part_out, part_lse, out, lse,
+    stride_po_row, stride_po_split, stride_po_h,
+    stride_pl_row, stride_pl_split,
+    stride_o_row, stride_o_h, stride_l_row,
+    h_q, num_splits, num_head_blocks,
+    D_V: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """Merge the splits of one (row, head block): lse = logsumexp_s lse_s, out = sum_s exp(lse_s - lse) out_s.
+
+    part_out [R, S, h_q, D_V] fp32 (normalised partials), part_lse [R, S, h_q] fp32 natural log
+    out [R, h_q, D_V] bf16, lse [R, h_q] fp32; splits with lse -inf weigh 0, all empty -> 0 / -inf.
+    """
+    i_hb = tl.program_id(0) % num_head_blocks
+    i_row = (tl.program_id(0) // num_head_blocks).to(tl.int64)
+    o_h = i_hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    m_h = o_h < h_q
+    o_s = tl.arange(0, BLOCK_S)
+
+    # [BLOCK_S, BLOCK_H] partial lse
+    b_ls = tl.load(part_lse + i_row * stride_pl_row + o_s[:, None] * stride_pl_split + o_h[None, :],
+                   mask=(o_s[:, None] < num_splits) & m_h[None, :], other=float("-inf"))
+    b_max = tl.max(b_ls, 0)
+    b_max = tl.where(b_max == float("-inf"), 0.0, b_max)
+    b_sum = tl.sum(tl.exp(b_ls - b_max[None, :]), 0)
+    b_empty = b_sum == 0.0
+    b_lse = tl.where(b_empty, float("-inf"), b_max + tl.log(tl.where(b_empty, 1.0, b_sum)))
+    tl.store(lse + i_row * stride_l_row + o_h, b_lse, mask=m_h)
+    b_lse_use = tl.where(b_empty, 0.0, b_lse)
+
+    for d0 in range(0, D_V, BLOCK_D):
+        o_d = d0 + tl.arange(0, BLOCK_D)
+        m_d = o_d < D_V
+        b_acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+        for i_s in range(0, num_splits):
+            # [BLOCK_H] weight of split i_s (0 for an empty split: exp(-inf))
+            b_w = tl.exp(tl.load(part_lse + i_row * stride_pl_row + i_s * stride_pl_split + o_h,
+                                 mask=m_h, other=float("-inf")) - b_lse_use)
+            # [BLOCK_H, BLOCK_D]
+            b_o = tl.load(part_out + i_row * stride_po_row + i_s * stride_po_split
+                          + o_h[:, None].to(tl.int64) * stride_po_h + o_d[None, :],
+                          mask=m_h[:, None] & m_d[None, :], other=0.0)
+            b_acc += b_w[:, None] * b_o
+        tl.store(out + i_row * stride_o_row + o_h[:, None].to(tl.int64) * stride_o_h + o_d[None, :],
+                 _cast(b_acc, out.dtype.element_ty, UPCAST), mask=m_h[:, None] & m_d[None, :])
+
+
+# ---- launchers -------------------------------------------------------------------------------------
+
+def default_config(h_q: int, fmt: str, rows: int, topk: int, device: torch.device) -> dict:
+    """Kernel configuration for a shape: which kernel, heads per program, tokens per step, value dims
+    per program, warps, pipeline stages and top-k splits (the reasoning is in README.md).
+
+    * h_q > 32: heads on M, 64 heads x all 512 value dims per program, 8 warps (the [64, 512] fp32
+      accumulator is 128 registers per thread), 64 tokens per step.
+    * h_q <= 32, bf16 cache: the heads-on-N kernel (64 tokens are the tensor-core M side).
+    * h_q <= 32, fp8 caches: heads on M with 16 heads and 32 tokens per step on 4 warps (216
+      registers, no spills; the heads-on-N kernel spills when it dequantises in registers).
+    """
+    if h_q > 32:
+        cfg = dict(kernel="heads_m", block_h=64, block_n=64, block_dv=512, num_warps=8, num_stages=2)
+        ctas_per_sm = 1
+    elif fmt == "bf16":
+        cfg = dict(kernel="small_h", block_h=16 if h_q <= 16 else 32, block_n=64, block_dv=512,
+                   num_warps=4, num_stages=2)
+        ctas_per_sm = 1
+    else:
+        cfg = dict(kernel="heads_m", block_h=16, block_n=32, block_dv=512, num_warps=4, num_stages=2)
+        ctas_per_sm = 2
+    programs = rows * triton.cdiv(h_q, cfg["block_h"]) * (512 // cfg["block_dv"])
+    cfg["num_splits"] = pick_num_splits(programs, topk, num_sms(device), ctas_per_sm)
+    return cfg
+
+
+def pick_num_splits(programs: int, topk: int, sms: int, ctas_per_sm: int = 1, min_tokens: int = 256) -> int:
+    """Flash-decoding split count: the smallest one whose waves fill the machine to >= 90 % of the best
+    count up to topk / min_tokens (each split keeps at least ``min_tokens`` selected tokens)."""
+    max_splits = max(1, min(32, topk // min_tokens))
+    if programs <= 0 or max_splits == 1:
+        return 1
+    slots = sms * ctas_per_sm
+
+    def eff(s: int) -> float:
+        waves = programs * s / slots
+        return waves / math.ceil(waves)
+
+    best = max(eff(s) for s in range(1, max_splits + 1))
+    return next(s for s in range(1, max_splits + 1) if eff(s) >= 0.9 * best)
+
+
+def sparse_mla_fwd(q: torch.Tensor, kv: torch.Tensor, stride_kv_page: int, stride_kv_row: int, n_slots: int,
+                   fmt: str, indices: torch.Tensor, sm_scale: float, d_v: int, kv_scale: float | None,
+                   **knobs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run sparse MLA over R query rows.
+
+    ``q [R, h_q, 576] bf16`` (unit stride last), ``kv`` the cache storage (bf16 elements or uint8 bytes,
+    addressed by ``slot -> (slot // 64) * stride_kv_page + (slot % 64) * stride_kv_row``), ``indices
+    [R, topk] int32`` (unit stride last). Returns ``out [R, h_q, d_v] bf16``, ``lse [R, h_q] f32``.
+    ``knobs`` override :func:`default_config` keys (kernel, block_h, block_n, block_dv, num_warps,
+    num_stages, num_splits); the benchmark uses them to compare configurations.
+    """
+    R, h_q, _ = q.shape
+    topk = indices.shape[1]
+    dev = q.device
+    out = torch.empty(R, h_q, d_v, dtype=torch.bfloat16, device=dev)
+    lse = torch.empty(R, h_q, dtype=torch.float32, device=dev)
+    if R == 0 or h_q == 0:
+        return out, lse
+    cfg = default_config(h_q, fmt, R, topk, dev)
+    unknown = set(knobs) - set(cfg)
+    if unknown:
+        raise ValueError(f"knobs: unknown {sorted(unknown)}; expected some of {sorted(cfg)}")
+    cfg.update({k: v for k, v in knobs.items() if v is not None})
+    pow2 = lambda v: isinstance(v, int) and v >= 16 and v & (v - 1) == 0  # noqa: E731 - tl.dot needs >= 16
+    if (cfg["kernel"] not in ("heads_m", "small_h") or not (pow2(cfg["block_h"]) and pow2(cfg["block_n"]))
+            or cfg["block_dv"] not in (128, 256, 512)):
+        raise ValueError(f"knobs: expected kernel 'heads_m' | 'small_h', block_h and block_n powers of two "
+                         f">= 16, block_dv 128 | 256 | 512, got {cfg}")
+    args = (q, kv, stride_kv_page, stride_kv_row, n_slots, fmt, indices, sm_scale, d_v, kv_scale, out, lse)
+    if knobs:  # an explicit configuration runs as asked (the benchmark reports what fails)
+        _launch(cfg, *args)
+        return out, lse
+    # The default configurations sit close to the 227 KB shared-memory limit (sizes measured with
+    # Triton 3.9); should another Triton version need more, step down once and remember it.
+    key = (fmt, d_v, tuple(sorted(cfg.items())))
+    cfg = _STEP_DOWN.get(key, cfg)
+    try:
+        _launch(cfg, *args)
+    except OutOfResources as e:
+        for smaller in (dict(cfg, num_stages=1), dict(cfg, num_stages=1, block_n=32)):
+            try:
+                _launch(smaller, *args)
+            except OutOfResources:
+                continue
+            warnings.warn(f"sparse_mla: {cfg} is out of resources on this GPU ({e}); using {smaller}")
+            _STEP_DOWN[key] = smaller
+            return out, lse
+        raise
+    return out, lse
+
+
+_STEP_DOWN: dict = {}
+
+
+def _launch(cfg, q, kv, stride_kv_page, stride_kv_row, n_slots, fmt, indices, sm_scale, d_v, kv_scale, out, lse):
+    """Launch the kernel of ``cfg`` (and the combine kernel when the top-k list is split) into out / lse."""
+    R, h_q, _ = q.shape
+    topk = indices.shape[1]
+    BH, BN = cfg["block_h"], cfg["block_n"]
+    small_h = cfg["kernel"] == "small_h"
+    BDV = 512 if small_h else cfg["block_dv"]
+    n_hb = triton.cdiv(h_q, BH)
+    dv_parts = triton.cdiv(d_v, BDV)
+    # every split but the last gets a whole number of BLOCK_N steps
+    splits = max(1, min(cfg["num_splits"], triton.cdiv(topk, BN)))
+    per_split = max(BN, triton.cdiv(triton.cdiv(topk, splits), BN) * BN)
+    splits = max(1, triton.cdiv(topk, per_split))
+    if splits == 1:
+        o, l = out, lse
+        so_row, so_split, so_h = out.stride(0), 0, out.stride(1)
+        sl_row, sl_split = lse.stride(0), 0
+    else:
+        o = torch.empty(R, splits, h_q, d_v, dtype=torch.float32, device=q.device)
+        l = torch.empty(R, splits, h_q, dtype=torch.float32, device=q.device)
+        so_row, so_split, so_h = o.stride(0), o.stride(1), o.stride(2)
+        sl_row, sl_split = l.stride(0), l.stride(1)
+    args = dict(
+        q=q, kv=kv, idx=indices, out=o, lse=l,
+        stride_q_row=q.stride(0), stride_q_h=q.stride(1),
+        stride_kv_page=stride_kv_page, stride_kv_row=stride_kv_row,
+        stride_i_row=indices.stride(0),
+        stride_o_row=so_row, stride_o_split=so_split, stride_o_h=so_h,
+        stride_l_row=sl_row, stride_l_split=sl_split,
+        n_slots=n_slots, h_q=h_q, topk=topk, tokens_per_split=per_split, num_splits=splits,
+        num_head_blocks=n_hb, qk_scale=sm_scale * LOG2E, kv_scale=1.0 if kv_scale is None else float(kv_scale),
+        D_V=d_v, FMT=_FMT[fmt], BLOCK_H=BH, BLOCK_N=BN, UPCAST=upcast_bf16(),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    if small_h:
+        sparse_mla_fwd_small_h_kernel[(R * splits * n_hb,)](**args)
+    else:
+        sparse_mla_fwd_kernel[(R * splits * dv_parts * n_hb,)](BLOCK_DV=BDV, **args)
+    if splits > 1:
+        CH = min(64, max(16, triton.next_power_of_2(h_q)))
+        n_chb = triton.cdiv(h_q, CH)
+        sparse_mla_combine_kernel[(R * n_chb,)](
+            part_out=o, part_lse=l, out=out, lse=lse,
+            stride_po_row=o.stride(0), stride_po_split=o.stride(1), stride_po_h=o.stride(2),
+            stride_pl_row=l.stride(0), stride_pl_split=l.stride(1),
+            stride_o_row=out.stride(0), stride_o_h=out.stride(1), stride_l_row=lse.stride(0),
+            h_q=h_q, num_splits=splits, num_head_blocks=n_chb,
+            D_V=d_v, BLOCK_H=CH, BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=128, UPCAST=upcast_bf16(),
+            num_warps=4,
+        )
+
+
+def _unit_last(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def sparse_mla_decode(q, kv_cache, indices, sm_scale, d_v, kv_scale, **knobs):
+    """Triton backend of :func:`flashdsa.ops.sparse_mla_decode` (inputs already validated)."""
+    B, s_q, h_q, d = q.shape
+    fmt = mla_cache_format(kv_cache)
+    kv_cache = _unit_last(kv_cache)
+    if fmt == "fp8" and (kv_cache.data_ptr() % 4 or kv_cache.stride(0) % 4 or kv_cache.stride(1) % 4):
+        # the kernel reads each row's fp32 scales and bf16 rope in place
+        raise ValueError(f"kv_cache: expected 4-byte aligned rows for the 656-B layout, got data_ptr % 4 = "
+                         f"{kv_cache.data_ptr() % 4}, strides {kv_cache.stride()}")
+    out, lse = sparse_mla_fwd(
+        _unit_last(q.reshape(B * s_q, h_q, d)), kv_cache, kv_cache.stride(0), kv_cache.stride(1),
+        kv_cache.shape[0] * PAGE_SIZE, fmt, _unit_last(indices.reshape(B * s_q, indices.shape[-1])),
+        sm_scale, d_v, kv_scale, **knobs)
+    return out.view(B, s_q, h_q, d_v), lse.view(B, s_q, h_q)
+
+
+def sparse_mla_prefill(q, kv, indices, sm_scale, d_v, **knobs):
+    """Triton backend of :func:`flashdsa.ops.sparse_mla_prefill` (inputs already validated)."""
+    assert kv.shape[1] == MLA_DIM
+    kv = _unit_last(kv)
+    # a flat [N, 576] buffer is a paged one whose pages are 64 consecutive rows
+    return sparse_mla_fwd(_unit_last(q), kv, PAGE_SIZE * kv.stride(0), kv.stride(0), kv.shape[0], "bf16",
+                          _unit_last(indices), sm_scale, d_v, None, **knobs)

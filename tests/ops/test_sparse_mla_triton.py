@@ -1,0 +1,355 @@
+"""Triton sparse MLA (decode over paged caches, prefill over gathered KV) against the fp32 reference.
+
+Without a GPU the kernels run in Triton's interpreter on small shapes; the interpreter keeps P in fp32
+(its bf16 dot is wrong), so these runs check the logic (gathers, masks, splits, layouts, empty rows)
+tightly, and the GPU-only cases check the compiled numerics at the sizes that matter. Tolerances are
+FlashMLA's own: out within 1e-3 + 2/128 relative and cosine diff 5e-6 (prefill 8e-4, 3/128, 7e-6),
+lse within 1e-6 + 8/65536 relative.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from helpers import assert_close
+
+from flashdsa.cache.layouts import PAGE_SIZE, encode_mla
+from flashdsa.ops import merge_attention, sparse_mla_decode, sparse_mla_prefill
+from flashdsa.ops.sparse_mla import reference
+from flashdsa.ops.sparse_mla import triton as tri
+
+SM_SCALE = 576 ** -0.5
+RAW_SCALE = 0.013        # not a power of two: dequantisation rounds
+INT32_MAX = 2 ** 31 - 1
+DECODE_TOL = dict(atol=1e-3, rtol=2.01 / 128, max_cos_diff=5e-6)
+PREFILL_TOL = dict(atol=8e-4, rtol=3.01 / 128, max_cos_diff=7e-6)
+LSE_TOL = dict(atol=1e-6, rtol=8.01 / 65536)
+
+
+@pytest.fixture(autouse=True)
+def _poison_empty(monkeypatch):
+    """Every buffer the op allocates starts as NaN (0x7F.. for ints), so an unwritten element fails."""
+    real_empty = torch.empty
+
+    def empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        if t.dtype.is_floating_point:
+            t.fill_(float("nan"))
+        elif t.dtype != torch.bool:
+            t.fill_(torch.iinfo(t.dtype).max)
+        return t
+
+    monkeypatch.setattr(torch, "empty", empty)
+
+
+def make_cache(fmt: str, pages: int, device, scale: float = RAW_SCALE):
+    """A paged MLA cache of ``pages`` pages filled with random tokens (never zeros)."""
+    kv = torch.randn(pages * PAGE_SIZE, 576, device=device).to(torch.bfloat16)
+    rows = encode_mla(kv, fmt, scale if fmt == "fp8_raw" else None)
+    return rows.view(pages, PAGE_SIZE, rows.shape[-1])
+
+
+def make_indices(shape, n_slots: int, device, *, invalid: float = 0.2, empty_row: bool = True):
+    """Slot lists with duplicates, -1 padding, other negatives and slots past the cache; the first row
+    (if asked) has no valid slot at all."""
+    idx = torch.randint(0, n_slots, shape, device=device, dtype=torch.int64)
+    bad = torch.rand(shape, device=device) < invalid
+    junk = torch.tensor([-1, -1, -1, -7, n_slots, n_slots + 63, INT32_MAX], device=device)
+    idx = torch.where(bad, junk[torch.randint(0, len(junk), shape, device=device)], idx)
+    if shape[-1] > 3:
+        idx[..., 1] = idx[..., 2]  # a duplicate slot counts twice
+    flat = idx.view(-1, shape[-1])
+    if empty_row:
+        flat[0] = -1
+    return idx.to(torch.int32)
+
+
+def check(out, lse, ref_out, ref_lse, tol=DECODE_TOL):
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    assert_close(lse, ref_lse, name="lse", **LSE_TOL)
+    assert_close(out, ref_out, name="out", **tol)
+    empty = torch.isneginf(ref_lse)
+    assert torch.equal(out[empty].float(), torch.zeros_like(out[empty].float())), "empty rows must give out = 0"
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+
+
+# ---- decode -------------------------------------------------------------------------------------------
+
+DECODE_CASES = [
+    # fmt, B, s_q, h_q, topk, pages
+    pytest.param("fp8", 2, 1, 16, 100, 3, id="fp8-B2-s1-H16-k100"),
+    pytest.param("fp8", 1, 3, 3, 65, 2, id="fp8-B1-s3-H3-k65"),
+    pytest.param("fp8", 3, 1, 1, 5, 1, id="fp8-B3-s1-H1-k5"),
+    pytest.param("fp8", 2, 2, 64, 64, 3, id="fp8-B2-s2-H64-k64"),
+    pytest.param("fp8", 1, 1, 128, 130, 4, id="fp8-B1-s1-H128-k130"),
+    pytest.param("bf16", 2, 2, 16, 130, 3, id="bf16-B2-s2-H16-k130"),
+    pytest.param("bf16", 1, 4, 32, 5, 2, id="bf16-B1-s4-H32-k5"),
+    pytest.param("bf16", 1, 1, 1, 63, 1, id="bf16-B1-s1-H1-k63"),
+    pytest.param("bf16", 1, 1, 128, 63, 2, id="bf16-B1-s1-H128-k63"),
+    pytest.param("fp8_raw", 1, 2, 16, 64, 2, id="raw-B1-s2-H16-k64"),
+    pytest.param("fp8_raw", 1, 1, 64, 1, 1, id="raw-B1-s1-H64-k1"),
+]
+
+
+@pytest.mark.parametrize("fmt,B,s_q,h_q,topk,pages", DECODE_CASES)
+def test_decode_matches_reference(device, fmt, B, s_q, h_q, topk, pages):
+    cache = make_cache(fmt, pages, device)
+    q = torch.randn(B, s_q, h_q, 576, device=device).to(torch.bfloat16)
+    idx = make_indices((B, s_q, topk), pages * PAGE_SIZE, device)
+    kv_scale = RAW_SCALE if fmt == "fp8_raw" else None
+    out, lse = sparse_mla_decode(q, cache, idx, SM_SCALE, kv_scale=kv_scale, backend="triton")
+    ref_out, ref_lse = sparse_mla_decode(q, cache, idx, SM_SCALE, kv_scale=kv_scale, backend="torch")
+    assert out.shape == (B, s_q, h_q, 512) and lse.shape == (B, s_q, h_q)
+    assert torch.isneginf(ref_lse[0, 0]).all()  # the all-invalid row really is empty
+    check(out, lse, ref_out, ref_lse)
+
+
+# every kernel variant and split count on one odd shape (h_q 20: a partial head block; d_v 200: a
+# partial value chunk); the launcher knobs are what the benchmark sweeps
+VARIANTS = [
+    pytest.param({}, id="default"),
+    pytest.param(dict(kernel="small_h"), id="small_h"),
+    pytest.param(dict(kernel="small_h", block_h=32, num_splits=3), id="small_h-BH32-split3"),
+    pytest.param(dict(kernel="heads_m", block_h=16, block_n=32), id="heads_m-BH16-BN32"),
+    pytest.param(dict(kernel="heads_m", block_h=32, block_dv=256, num_splits=2), id="heads_m-BH32-DV256-split2"),
+    pytest.param(dict(kernel="heads_m", block_h=64, block_dv=128, block_n=16), id="heads_m-BH64-DV128-BN16"),
+]
+
+
+@pytest.mark.parametrize("d_v", [512, 200])
+@pytest.mark.parametrize("knobs", VARIANTS)
+def test_decode_kernel_variants(device, knobs, d_v):
+    fmt, B, s_q, h_q, topk, pages = "fp8", 1, 2, 20, 130, 3
+    cache = make_cache(fmt, pages, device)
+    q = torch.randn(B, s_q, h_q, 576, device=device).to(torch.bfloat16)
+    idx = make_indices((B, s_q, topk), pages * PAGE_SIZE, device)
+    out, lse = tri.sparse_mla_decode(q, cache, idx, SM_SCALE, d_v, None, **knobs)
+    ref_out, ref_lse = reference.sparse_mla_decode(q, cache, idx, SM_SCALE, d_v, None)
+    assert out.shape == (B, s_q, h_q, d_v)
+    check(out, lse, ref_out, ref_lse)
+
+
+@pytest.mark.parametrize("splits", [1, 2, 5])
+def test_decode_split_with_empty_splits(device, splits):
+    """Splits whose slots are all invalid contribute lse -inf and nothing else; rows empty in every
+    split still give 0 / -inf after the combine."""
+    cache = make_cache("bf16", 2, device)
+    q = torch.randn(2, 1, 16, 576, device=device).to(torch.bfloat16)
+    idx = make_indices((2, 1, 320), 2 * PAGE_SIZE, device, invalid=0.0)
+    idx[1, 0, 64:256] = -1  # the middle splits of row 1 are empty
+    out, lse = tri.sparse_mla_decode(q, cache, idx, SM_SCALE, 512, None, num_splits=splits)
+    ref_out, ref_lse = reference.sparse_mla_decode(q, cache, idx, SM_SCALE, 512, None)
+    assert torch.isneginf(lse[0]).all() and torch.isfinite(lse[1]).all()
+    check(out, lse, ref_out, ref_lse)
+
+
+def test_decode_all_invalid_and_zero_topk(device):
+    cache = make_cache("fp8", 1, device)
+    q = torch.randn(2, 1, 16, 576, device=device).to(torch.bfloat16)
+    for idx in (torch.full((2, 1, 70), -1, dtype=torch.int32, device=device),
+                torch.full((2, 1, 70), PAGE_SIZE, dtype=torch.int32, device=device),
+                torch.empty((2, 1, 0), dtype=torch.int32, device=device)):
+        out, lse = sparse_mla_decode(q, cache, idx, SM_SCALE, backend="triton")
+        assert torch.equal(out, torch.zeros_like(out))
+        assert torch.isneginf(lse).all()
+
+
+def test_decode_no_rows(device):
+    cache = make_cache("fp8", 1, device)
+    q = torch.randn(0, 1, 16, 576, device=device).to(torch.bfloat16)
+    out, lse = sparse_mla_decode(q, cache, torch.zeros(0, 1, 8, dtype=torch.int32, device=device), SM_SCALE,
+                                 backend="triton")
+    assert out.shape == (0, 1, 16, 512) and lse.shape == (0, 1, 16)
+
+
+def test_decode_is_deterministic(device):
+    cache = make_cache("fp8", 2, device)
+    q = torch.randn(2, 2, 16, 576, device=device).to(torch.bfloat16)
+    idx = make_indices((2, 2, 100), 2 * PAGE_SIZE, device)
+    a = tri.sparse_mla_decode(q, cache, idx, SM_SCALE, 512, None, num_splits=2)
+    b = tri.sparse_mla_decode(q, cache, idx, SM_SCALE, 512, None, num_splits=2)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_decode_strided_cache_and_query(device):
+    """A cache that is a slice of a bigger pool (page stride > 64 rows) and a non-contiguous q."""
+    pool = make_cache("fp8", 6, device)
+    cache = pool[1::2]                                   # pages 1, 3, 5: page stride 2 * 64 * 656
+    q = torch.randn(2, 1, 16, 640, device=device).to(torch.bfloat16)[..., 32:608]  # head stride 640
+    idx = make_indices((2, 1, 90), 3 * PAGE_SIZE, device)
+    out, lse = sparse_mla_decode(q, cache, idx, SM_SCALE, backend="triton")
+    ref_out, ref_lse = sparse_mla_decode(q, cache.contiguous(), idx, SM_SCALE, backend="torch")
+    check(out, lse, ref_out, ref_lse)
+
+
+# ---- prefill ------------------------------------------------------------------------------------------
+
+PREFILL_CASES = [
+    # T, N, h_q, topk
+    pytest.param(5, 200, 16, 100, id="T5-N200-H16-k100"),
+    pytest.param(1, 1, 3, 1, id="T1-N1-H3-k1"),
+    pytest.param(3, 63, 64, 64, id="T3-N63-H64-k64"),
+    pytest.param(2, 65, 100, 65, id="T2-N65-H100-k65"),
+]
+
+
+@pytest.mark.parametrize("T,N,h_q,topk", PREFILL_CASES)
+def test_prefill_matches_reference(device, T, N, h_q, topk):
+    kv = torch.randn(N, 576, device=device).to(torch.bfloat16)
+    q = torch.randn(T, h_q, 576, device=device).to(torch.bfloat16)
+    idx = make_indices((T, topk), N, device, empty_row=T > 1)
+    out, lse = sparse_mla_prefill(q, kv, idx, SM_SCALE, backend="triton")
+    ref_out, ref_lse = sparse_mla_prefill(q, kv, idx, SM_SCALE, backend="torch")
+    assert out.shape == (T, h_q, 512) and lse.shape == (T, h_q)
+    check(out, lse, ref_out, ref_lse, PREFILL_TOL)
+
+
+def test_prefill_strided_kv(device):
+    """kv rows with a stride larger than 576 (a view into a wider buffer)."""
+    wide = torch.randn(100, 640, device=device).to(torch.bfloat16)
+    kv = wide[:, 32:608]
+    q = torch.randn(3, 16, 576, device=device).to(torch.bfloat16)
+    idx = make_indices((3, 70), 100, device)
+    out, lse = sparse_mla_prefill(q, kv, idx, SM_SCALE, d_v=128, backend="triton")
+    ref_out, ref_lse = sparse_mla_prefill(q, kv.contiguous(), idx, SM_SCALE, d_v=128, backend="torch")
+    check(out, lse, ref_out, ref_lse, PREFILL_TOL)
+
+
+# ---- merging partial results --------------------------------------------------------------------------
+
+def test_split_attention_merges_to_the_whole(device):
+    """Attention over disjoint halves of the slot list, merged with the returned lse, is the attention
+    over the whole list (what DCP does across ranks); an empty half changes nothing, bit for bit."""
+    cache = make_cache("fp8", 3, device)
+    q = torch.randn(2, 1, 16, 576, device=device).to(torch.bfloat16)
+    idx = make_indices((2, 1, 128), 3 * PAGE_SIZE, device, empty_row=False)
+    out, lse = sparse_mla_decode(q, cache, idx, SM_SCALE, backend="triton")
+    parts = [idx[..., :50].contiguous(), idx[..., 50:].contiguous()]
+    a, b = (sparse_mla_decode(q, cache, i, SM_SCALE, backend="triton") for i in parts)
+    m_out, m_lse = merge_attention(a[0], a[1], b[0], b[1])
+    assert_close(m_lse, lse, name="lse", **LSE_TOL)
+    # the parts are bf16, so the merge is exact only up to half an ulp of the parts' magnitudes
+    ulp = 2.0 ** -8 * float(torch.maximum(a[0].abs().max(), b[0].abs().max()))
+    assert_close(m_out, out, name="out", atol=ulp, max_cos_diff=5e-5)
+    ra, rb = (sparse_mla_decode(q, cache, i, SM_SCALE, backend="torch") for i in parts)
+    assert_close(m_out, merge_attention(ra[0], ra[1], rb[0], rb[1])[0], name="out", **DECODE_TOL)
+
+    none = sparse_mla_decode(q, cache, torch.full_like(idx, -1), SM_SCALE, backend="triton")
+    e_out, e_lse = merge_attention(out, lse, none[0], none[1])
+    assert torch.equal(e_out, out) and torch.equal(e_lse, lse)
+
+
+# ---- launcher details ---------------------------------------------------------------------------------
+
+def test_pick_num_splits():
+    assert tri.pick_num_splits(128, 2048, 132) == 1          # B 64 x 2 head blocks fill 132 SMs
+    assert tri.pick_num_splits(256, 2048, 132) == 1
+    assert tri.pick_num_splits(64, 2048, 132, ctas_per_sm=2) == 4
+    assert tri.pick_num_splits(2, 2048, 132) == 8            # capped at topk / 256
+    assert tri.pick_num_splits(2, 100, 132) == 1             # too few tokens to split
+
+
+def test_default_steps_down_when_out_of_shared_memory(device, monkeypatch):
+    """Should a Triton version need more shared memory than the default's budget, the default steps
+    down (fewer stages, then 32 tokens per step), warns once and remembers; explicit knobs never do."""
+    from triton.runtime.errors import OutOfResources
+    real_launch, launched = tri._launch, []
+
+    def launch(cfg, *args):
+        launched.append(cfg)
+        if cfg["num_stages"] > 1:
+            raise OutOfResources(240000, 232448, "shared memory")
+        return real_launch(cfg, *args)
+
+    monkeypatch.setattr(tri, "_launch", launch)
+    monkeypatch.setattr(tri, "_STEP_DOWN", {})
+    cache = make_cache("bf16", 2, device)
+    q = torch.randn(1, 2, 16, 576, device=device).to(torch.bfloat16)
+    idx = make_indices((1, 2, 70), 2 * PAGE_SIZE, device)
+    with pytest.warns(UserWarning, match="out of resources"):
+        out, lse = sparse_mla_decode(q, cache, idx, SM_SCALE, backend="triton")
+    check(out, lse, *sparse_mla_decode(q, cache, idx, SM_SCALE, backend="torch"))
+    assert [c["num_stages"] for c in launched] == [2, 1]
+    sparse_mla_decode(q, cache, idx, SM_SCALE, backend="triton")   # remembered: no second failure
+    assert [c["num_stages"] for c in launched] == [2, 1, 1]
+    with pytest.raises(OutOfResources):
+        tri.sparse_mla_decode(q, cache, idx, SM_SCALE, 512, None, num_stages=2)
+
+
+def test_unknown_knob_is_rejected(device):
+    cache = make_cache("bf16", 1, device)
+    q = torch.randn(1, 1, 4, 576, device=device).to(torch.bfloat16)
+    idx = torch.zeros(1, 1, 4, dtype=torch.int32, device=device)
+    for bad in (dict(blockh=16), dict(block_dv=384), dict(block_n=8), dict(kernel="flash")):
+        with pytest.raises(ValueError, match="knobs"):
+            tri.sparse_mla_decode(q, cache, idx, SM_SCALE, 512, None, **bad)
+
+
+def test_misaligned_fp8_cache_is_rejected(device):
+    rows = make_cache("fp8", 1, device).view(-1)
+    buf = torch.zeros(rows.numel() + 1, dtype=torch.uint8, device=device)
+    buf[1:] = rows
+    cache = buf[1:].view(1, PAGE_SIZE, 656)                 # rows start at an odd address
+    q = torch.randn(1, 1, 4, 576, device=device).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="kv_cache"):
+        sparse_mla_decode(q, cache, torch.zeros(1, 1, 4, dtype=torch.int32, device=device), SM_SCALE,
+                          backend="triton")
+
+
+def test_raw_cache_needs_scale(device):
+    cache = make_cache("fp8_raw", 1, device)
+    q = torch.randn(1, 1, 4, 576, device=device).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="kv_scale"):
+        sparse_mla_decode(q, cache, torch.zeros(1, 1, 4, dtype=torch.int32, device=device), SM_SCALE,
+                          backend="triton")
+
+
+# ---- GPU sizes ----------------------------------------------------------------------------------------
+
+def _rows_subset(n: int, k: int = 16) -> torch.Tensor:
+    return torch.linspace(0, n - 1, min(n, k)).round().long().unique()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["fp8", "bf16", "fp8_raw"])
+@pytest.mark.parametrize("B,s_q,h_q", [(64, 1, 128), (8, 2, 64), (64, 1, 16), (16, 4, 32)])
+def test_decode_gpu_sizes(fmt, B, s_q, h_q):
+    dev = "cuda"
+    pages, topk = 512, 2048
+    scale = RAW_SCALE if fmt == "fp8_raw" else None
+    cache = make_cache(fmt, pages, dev)
+    q = torch.randn(B, s_q, h_q, 576, device=dev).to(torch.bfloat16)
+    idx = make_indices((B, s_q, topk), pages * PAGE_SIZE, dev, invalid=0.05)
+    out, lse = sparse_mla_decode(q, cache, idx, SM_SCALE, kv_scale=scale, backend="triton")
+    rows = _rows_subset(B)
+    ref_out, ref_lse = sparse_mla_decode(q[rows], cache, idx[rows], SM_SCALE, kv_scale=scale, backend="torch")
+    check(out[rows], lse[rows], ref_out, ref_lse)
+
+
+@pytest.mark.gpu
+def test_decode_gpu_every_head_count():
+    dev = "cuda"
+    cache = make_cache("fp8", 64, dev)
+    for h_q in range(1, 129):
+        q = torch.randn(3, 2, h_q, 576, device=dev).to(torch.bfloat16)
+        idx = make_indices((3, 2, 300), 64 * PAGE_SIZE, dev)
+        out, lse = sparse_mla_decode(q, cache, idx, SM_SCALE, backend="triton")
+        ref_out, ref_lse = sparse_mla_decode(q, cache, idx, SM_SCALE, backend="torch")
+        check(out, lse, ref_out, ref_lse)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("h_q", [128, 64, 16])
+def test_prefill_gpu_sizes(h_q):
+    dev = "cuda"
+    T, N, topk = 1024, 8192, 2048
+    kv = torch.randn(N, 576, device=dev).to(torch.bfloat16)
+    q = torch.randn(T, h_q, 576, device=dev).to(torch.bfloat16)
+    idx = make_indices((T, topk), N, dev, invalid=0.05)
+    out, lse = sparse_mla_prefill(q, kv, idx, SM_SCALE, backend="triton")
+    rows = _rows_subset(T)
+    ref_out, ref_lse = sparse_mla_prefill(q[rows], kv, idx[rows], SM_SCALE, backend="torch")
+    check(out[rows], lse[rows], ref_out, ref_lse, PREFILL_TOL)
+    assert math.isfinite(float(lse[1:].max()))
