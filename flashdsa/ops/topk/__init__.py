@@ -8,7 +8,14 @@ from flashdsa.cache.layouts import PAGE_SIZE
 from flashdsa.ops._common import check_range, check_tensor, fail, pick_backend, value_checks_enabled
 from flashdsa.ops.topk import reference
 
-_IMPLS = {"torch": reference.topk_transform}
+
+def _triton_topk(*args, **kwargs):
+    # imported on first use: importing triton is slow and CPU-only users never need it
+    from flashdsa.ops.topk import triton as impl
+    return impl.topk_transform(*args, **kwargs)
+
+
+_IMPLS = {"torch": reference.topk_transform, "triton": _triton_topk}
 
 
 def topk_transform(logits: torch.Tensor, lengths: torch.Tensor, topk: int = 2048, *,
@@ -22,7 +29,10 @@ def topk_transform(logits: torch.Tensor, lengths: torch.Tensor, topk: int = 2048
 
     Order and ties: larger score first; NaN counts as -inf; -0.0 == +0.0; among equal scores the
     smaller position wins. So every selected score >= every unselected candidate score, for any input,
-    and the same input always gives the same bits.
+    and the same input always gives the same bits. Both backends give bitwise the same output; the
+    Triton one (default on CUDA) is a radix select on the scores' order-preserving integer image
+    that resolves the boundary bucket completely (no candidate cap, see README.md), with no host
+    sync and scratch sized from shapes only (CUDA-graph capturable).
 
     Args:
         logits:      ``[R, L] float32`` (unit stride along L).

@@ -1,0 +1,228 @@
+"""Top-2048 with slot translation: ours (Triton) vs sgl-kernel fast_topk vs torch.topk, exactness checked.
+
+    PYTHONPATH=. python benchmarks/bench_topk.py [--quick] [--sweep] [--smoke]
+
+Shapes (rows x length, every row full, k = 2048): 64 x 32K, 64 x 128K, 4096 x 8K, 4096 x 32K on
+random N(0, 1) fp32 scores; plus 64 x 32K with a compact page table (the decode call: translation
+fused). Adversarial rows, 64 x 32K and 64 x 128K: scores quantised to 256 and to 16 distinct levels,
+all equal, and the narrow range 1000 + U(0, 1e-3) (16 distinct fp32 values).
+
+Checks per case, before timing:
+- ours == a GPU torch oracle of the same order (int64 key = order-preserving score bits << 32 |
+  ~position, torch.topk on it, positions sorted): bitwise, every row;
+- tie-safe exactness of ours and of the peer: each row returns min(k, length) distinct in-range
+  positions and every selected score >= the row's k-th largest score (NaN = -inf). This is the test
+  the peer fails on rows with many equal scores;
+- ours repeats bit for bit.
+Timings: median of triton.testing.do_bench (L2 flushed each rep) of a CUDA-graph replay of one call,
+for all three (GPU time without Python / launch overhead, as decode runs it); "ours_eager_us" is our
+plain call, overhead included. Value checks are off (the production decode setting: no host sync).
+torch.topk returns (values, indices) in value order, untranslated.
+``--sweep`` times a few launch shapes of ours per random shape (defaults: launch_config() in
+flashdsa/ops/topk/triton.py). ``--smoke`` runs tiny shapes (CPU through the interpreter when there is no
+GPU) to check the script itself; its times mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+if "--smoke" in sys.argv and not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+
+from _common import bench, load_sgl_ops, print_table, write_json
+
+from flashdsa import ops
+from flashdsa.ops.topk import triton as T
+
+K = 2048
+SHAPES = [(64, 32768), (64, 131072), (4096, 8192), (4096, 32768)]
+SHAPES_QUICK = [(64, 32768), (64, 131072), (4096, 8192)]
+ADV = [(64, 32768), (64, 131072)]
+ADV_QUICK = [(64, 32768)]
+KINDS = ("levels256", "levels16", "equal", "narrow")
+SGL_PUBLISHED = {(64, 32768): 24, (64, 131072): 78, (4096, 8192): 181, (4096, 32768): 469}   # µs, the issue's
+DEV = "cuda"
+
+
+def _time(fn) -> float:
+    if DEV == "cuda":
+        return bench(fn)
+    t = time.perf_counter()
+    fn()
+    return 1e6 * (time.perf_counter() - t)
+
+
+def _time_graph(fn) -> float:
+    """GPU time of fn replayed from a CUDA graph (no Python / launch overhead: how decode runs it)."""
+    if DEV != "cuda":
+        return _time(fn)
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return bench(graph.replay)
+
+
+def make_scores(kind: str, R: int, L: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    if kind == "randn":
+        return torch.randn(R, L, generator=g, device=DEV)
+    u = torch.rand(R, L, generator=g, device=DEV)
+    if kind == "levels256":
+        return (u * 256).floor() / 256 - 0.5
+    if kind == "levels16":
+        return (u * 16).floor() / 16
+    if kind == "equal":
+        return torch.full((R, L), 0.25, device=DEV)
+    if kind == "narrow":
+        return 1000 + u * 1e-3
+    raise ValueError(kind)
+
+
+def order_keys(x: torch.Tensor) -> torch.Tensor:
+    """int32 keys whose signed order is the score order (NaN = -inf, -0.0 = +0.0), as the kernel's."""
+    b = x.contiguous().view(torch.int32)
+    b = torch.where(b == -2 ** 31, 0, b)
+    b = torch.where((b & 0x7FFFFFFF) > 0x7F800000, -8388608, b)
+    return b ^ ((b >> 31) & 0x7FFFFFFF)
+
+
+def oracle(x: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:
+    """Positions [R, k] int32 in the documented order, -1 padded: torch on one int64 key per score."""
+    R, L = x.shape
+    pos = torch.arange(L, device=x.device)
+    key = (order_keys(x).long() << 32) | (0xFFFFFFFF - pos)          # score desc, then position asc
+    valid = pos[None, :] < lengths[:, None].long()
+    key = torch.where(valid, key, torch.iinfo(torch.int64).min)
+    top = torch.topk(key, min(k, L), dim=1).indices
+    top = torch.where(torch.gather(valid, 1, top), top, L)           # not a candidate: sorts last
+    top = torch.sort(top, dim=1).values
+    out = torch.full((R, k), -1, dtype=torch.int32, device=x.device)
+    out[:, :top.shape[1]] = torch.where(top < L, top, -1).to(torch.int32)
+    return out
+
+
+def tie_safe(x: torch.Tensor, lengths: torch.Tensor, idx: torch.Tensor, k: int) -> tuple[bool, float]:
+    """(exact, worst recall): every row has min(k, length) distinct in-range picks, each scoring >= the
+    row's k-th largest; recall = fraction of picks that do."""
+    s = torch.nan_to_num(x, nan=float("-inf"))
+    n = lengths.long()[:, None]
+    idx = idx.long()
+    in_range = (idx >= 0) & (idx < n)
+    srt = torch.sort(torch.where(in_range, idx, -1), dim=1).values
+    distinct = (srt[:, 1:] != srt[:, :-1]) | (srt[:, 1:] < 0)
+    count_ok = (in_range.sum(1) == n[:, 0].clamp(max=k)) & distinct.all(1)
+    masked = torch.where(torch.arange(x.shape[1], device=x.device)[None, :] < n, s, float("-inf"))
+    kth = torch.topk(masked, k, dim=1).values[:, -1:]
+    picked = torch.gather(s, 1, idx.clamp(0, x.shape[1] - 1))
+    good = in_range & (picked >= kth)
+    recall = good.sum(1).float() / n[:, 0].clamp(min=1, max=k).float()
+    return bool(count_ok.all() and (good | ~in_range).all()), float(recall.min())
+
+
+def run_case(name: str, kind: str, R: int, L: int, sgl: bool, rows: list, pages: bool = False) -> None:
+    x = make_scores(kind, R, L, seed=R + L)
+    lengths = torch.full((R,), L, dtype=torch.int32, device=DEV)
+    kw = {"backend": "triton"}
+    if pages:  # a shuffled compact page table, as decode hands it
+        maxp = (L + 63) // 64
+        kw["page_table"] = torch.randperm(R * maxp, device=DEV).view(R, maxp).to(torch.int32)
+    ours = ops.topk_transform(x, lengths, K, **kw)
+    again = ops.topk_transform(x, lengths, K, **kw)
+    pos = oracle(x, lengths, K)
+    if pages:
+        page = torch.gather(kw["page_table"], 1, (pos // 64).clamp(min=0).long())
+        want = torch.where(pos >= 0, page * 64 + pos % 64, -1)
+        pos_ours = None
+    else:
+        want, pos_ours = pos, ours
+    row = {"case": name, "kind": kind, "R": R, "L": L,
+           "ours==oracle": bool(torch.equal(ours, want)), "repeat": bool(torch.equal(ours, again))}
+    if pos_ours is not None:
+        row["ours_exact"], row["ours_recall"] = tie_safe(x, lengths, pos_ours, K)
+    row["ours_us"] = _time_graph(lambda: ops.topk_transform(x, lengths, K, **kw))
+    row["ours_eager_us"] = _time(lambda: ops.topk_transform(x, lengths, K, **kw))
+    if sgl:
+        out = torch.empty(R, K, dtype=torch.int32, device=DEV)
+        torch.ops.sgl_kernel.fast_topk(x, out, lengths, None)
+        row["sgl_exact"], row["sgl_recall"] = tie_safe(x, lengths, out, K)
+        row["sgl_us"] = _time_graph(lambda: torch.ops.sgl_kernel.fast_topk(x, out, lengths, None))
+        row["ours/sgl"] = row["ours_us"] / row["sgl_us"]
+    row["torch_us"] = _time_graph(lambda: torch.topk(x, K, dim=1))
+    row["ours/torch"] = row["ours_us"] / row["torch_us"]
+    if (R, L) in SGL_PUBLISHED and kind == "randn" and not pages:
+        row["sgl_issue_us"] = SGL_PUBLISHED[(R, L)]
+    rows.append(row)
+    print({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+
+
+def run_sweep(shapes, rows: list) -> None:
+    from flashdsa.ops._triton_utils import num_sms
+    sms = num_sms(torch.device(DEV))
+    for R, L in shapes:
+        x = make_scores("randn", R, L, seed=R + L)
+        lengths = torch.full((R,), L, dtype=torch.int32, device=DEV)
+        want = T.topk_transform(x, lengths, K, None, None, None, 64)
+        base = _time_graph(lambda: T.topk_transform(x, lengths, K, None, None, None, 64))
+        # (num_warps, block, stages, programs per SM, register cap); the defaults are among them
+        for nw, block, st, per_sm, cap in [(8, 2048, 3, 2, 128), (8, 2048, 2, 2, 128), (8, 2048, 4, 2, 128),
+                                           (8, 2048, 3, 1, 0), (4, 1024, 3, 4, 128), (16, 4096, 3, 1, 128),
+                                           (16, 4096, 4, 1, 128), (16, 8192, 2, 1, 128)]:
+            grid = min(R, per_sm * sms)
+            kw = dict(num_warps=nw, block=block, stages=st, grid=grid, maxnreg=cap)
+            got = T.topk_transform(x, lengths, K, None, None, None, 64, **kw)
+            t = _time_graph(lambda: T.topk_transform(x, lengths, K, None, None, None, 64, **kw))
+            rows.append({"case": f"sweep {R}x{L}", "num_warps": nw, "block": block, "stages": st, "grid": grid,
+                         "maxnreg": cap, "us": t, "vs_default": t / base, "same": bool(torch.equal(got, want))})
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="a one-minute subset")
+    ap.add_argument("--sweep", action="store_true", help="also time a few launch shapes of ours")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes, to check the script (CPU ok)")
+    a = ap.parse_args()
+    global DEV, K, SHAPES, ADV
+    if not torch.cuda.is_available():
+        if not a.smoke:
+            raise SystemExit("needs a CUDA GPU (or --smoke)")
+        DEV = "cpu"
+    if a.smoke:
+        K, SHAPES, ADV = 64, [(3, 700), (5, 300)], [(3, 700)]
+    elif a.quick:
+        SHAPES, ADV = SHAPES_QUICK, ADV_QUICK
+    import triton
+    name = torch.cuda.get_device_name() if DEV == "cuda" else "cpu (interpreter)"
+    print(f"{name} | torch {torch.__version__} | triton {triton.__version__} | digit bits {T.DEFAULT_BITS}")
+    sgl = DEV == "cuda" and load_sgl_ops() and hasattr(torch.ops.sgl_kernel, "fast_topk")
+    if not sgl:
+        print("[peer] sgl-kernel fast_topk absent: ours vs torch.topk only")
+    ops.set_value_checks(False)  # the production decode setting: no host sync in the timed calls
+    rows: list[dict] = []
+    for R, L in SHAPES:
+        run_case(f"{R}x{L}", "randn", R, L, sgl, rows)
+    run_case(f"{SHAPES[0][0]}x{SHAPES[0][1]} pages", "randn", *SHAPES[0], sgl, rows, pages=True)
+    for R, L in ADV:
+        for kind in KINDS:
+            run_case(f"{R}x{L}", kind, R, L, sgl, rows)
+    sweep_rows: list[dict] = []
+    if a.sweep:
+        run_sweep(SHAPES, sweep_rows)
+    write_json(rows + sweep_rows, "bench_topk")
+    if sweep_rows:
+        print_table(sweep_rows, "launch-shape sweep (ours, random scores)")
+    cols = ("case", "kind", "ours_us", "sgl_us", "torch_us", "ours/sgl", "ours/torch", "ours_eager_us", "sgl_issue_us",
+            "ours==oracle", "ours_exact", "sgl_exact", "sgl_recall", "repeat")
+    print_table([{c: r[c] for c in cols if c in r} for r in rows],
+                f"top-{K}: ours (Triton, exact) vs sgl-kernel fast_topk vs torch.topk (ours/x < 1: ours faster)")
+
+
+if __name__ == "__main__":
+    main()

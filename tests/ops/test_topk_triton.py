@@ -1,0 +1,296 @@
+"""Triton topk_transform against the torch reference, bit for bit.
+
+Rows are adversarial (all equal, two values, heavy ties at the k-th value, 16 / 256 levels, narrow
+ranges, -inf runs, denormals, NaN, -0.0 / +0.0, +inf) with lengths 0, < k, = k, = k + 1 and longer;
+hypothesis draws the row kinds, lengths, k, the output mode (plain / out_offsets / page table shared
+by g rows), row_starts, a strided logits view and the kernel's buffer sizes. Small buffers (U of 256,
+W of 128, samples of 16..64) make every path reachable on rows of a few thousand: the sampled
+threshold, its two misses (forced), selection on the row, compaction at every level, ping-pong
+buffers, early exits. Outputs are poisoned (INT32_MAX) so an unwritten slot fails; runs repeat bit
+for bit. Realistic sizes (k = 2048, rows of 32K / 128K) and CUDA-graph capture are GPU-only.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from flashdsa import ops
+from flashdsa.ops.topk import _IMPLS
+from flashdsa.ops.topk import triton as K
+from flashdsa.ops.topk.reference import topk_transform as ref_impl
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+KINDS = ("randn", "equal", "two", "levels16", "levels256", "ties_at_k", "narrow", "neginf_runs",
+         "denormal", "nan", "signed_zero", "posinf", "allnan")
+
+# Buffer sizes for the interpreter: small enough that rows of ~1000-3000 reach every path.
+SMALL = dict(cand=256, wcap=128, lg_sample=(4, 6), block=128)
+KNOBS = {
+    "default": {},
+    "small": SMALL,
+    "small-b8": dict(SMALL, bits=8, block=64),
+    "small-b3": dict(SMALL, bits=3, block=256),
+    "miss-high": dict(SMALL, force=1),   # guess = largest sampled key: < k candidates, some above
+    "miss-none": dict(SMALL, force=2),   # no guess: every key a candidate, more than U holds
+    "miss-low": dict(SMALL, force=3),    # guess = smallest sampled key: > U candidates, some below
+}
+
+
+def _row(kind: str, n: int, k: int, g: torch.Generator) -> torch.Tensor:
+    """n float32 scores of one adversarial kind."""
+    u = torch.rand(n, generator=g)
+    if kind == "randn" or n == 0:
+        return torch.randn(n, generator=g)
+    if kind == "equal":
+        return torch.full((n,), 0.7)
+    if kind == "two":
+        return torch.where(u < 0.5, 1.0, -2.0)
+    if kind == "levels16":
+        return (u * 16).floor() / 16
+    if kind == "levels256":
+        return (u * 256).floor() - 128
+    if kind == "ties_at_k":  # the k-th value repeated many times around the boundary
+        x = torch.randn(n, generator=g)
+        x[torch.randperm(n, generator=g)[: max(1, n // 3)]] = float(x.sort(descending=True).values[min(k, n) - 1])
+        return x
+    if kind == "narrow":  # a few distinct fp32 values one ulp apart
+        return 1000 + u * 1e-3
+    if kind == "neginf_runs":
+        x = torch.randn(n, generator=g)
+        x[(torch.arange(n) // 7) % 3 != 0] = float("-inf")
+        return x
+    if kind == "denormal":
+        return torch.randint(-40, 40, (n,), generator=g).float() * 1e-44
+    if kind == "nan":
+        x = torch.randn(n, generator=g)
+        x[u < 0.3] = float("nan")
+        x[(u >= 0.3) & (u < 0.45)] = float("-inf")
+        return x
+    if kind == "signed_zero":
+        x = torch.where(u < 0.5, 0.0, -0.0)
+        x[u > 0.9] = -1e-45
+        return x
+    if kind == "posinf":
+        x = torch.randn(n, generator=g)
+        x[u < 0.05] = float("inf")
+        return x
+    if kind == "allnan":
+        return torch.full((n,), float("nan"))
+    raise ValueError(kind)
+
+
+def _case(R, L, k, kinds, lengths, seed, *, mode="plain", g=1, starts=False, stride_pad=0):
+    """Inputs of one call: logits (maybe a strided view), lengths, and the translation arguments."""
+    gen = torch.Generator().manual_seed(seed)
+    base = torch.full((R, L + stride_pad), float("nan"))
+    row_starts = None
+    for r in range(R):
+        n = lengths[r]
+        s0 = int(torch.randint(0, L - n + 1, (1,), generator=gen)) if starts else 0
+        base[r, s0:s0 + n] = _row(kinds[r % len(kinds)], n, k, gen)
+        if starts:
+            row_starts = [] if row_starts is None else row_starts
+            row_starts.append(s0)
+    logits = base[:, :L]
+    kw = {}
+    if starts:
+        kw["row_starts"] = torch.tensor(row_starts, dtype=torch.int32)
+    if mode == "offsets":
+        kw["out_offsets"] = torch.randint(0, 10 ** 6, (R,), generator=gen, dtype=torch.int32)
+    elif mode == "pages":
+        ps = 64
+        maxp = (L + ps - 1) // ps + 1
+        kw["page_table"] = torch.randint(0, 10 ** 5, (R // g, maxp), generator=gen, dtype=torch.int32)
+    lengths = torch.tensor(lengths, dtype=torch.int32)
+    return logits, lengths, kw
+
+
+def _run_both(logits, lengths, k, kw, knobs, device=DEVICE):
+    """(triton output into a poisoned buffer, reference output), both on CPU."""
+    to = functools.partial(torch.Tensor.to, device=device)
+    args = [to(logits), to(lengths), k, to(kw["page_table"]) if "page_table" in kw else None,
+            to(kw["row_starts"]) if "row_starts" in kw else None,
+            to(kw["out_offsets"]) if "out_offsets" in kw else None, 64]
+    out = torch.full((logits.shape[0], k), torch.iinfo(torch.int32).max, dtype=torch.int32, device=device)
+    got = K.topk_transform(*args, out=out, **knobs)
+    ref = ref_impl(logits, lengths, k, kw.get("page_table"), kw.get("row_starts"), kw.get("out_offsets"), 64)
+    return got.cpu(), ref
+
+
+def _assert_same(got, ref, note=""):
+    if not torch.equal(got, ref):
+        bad = (got != ref).any(dim=1).nonzero().flatten().tolist()
+        r = bad[0]
+        col = int((got[r] != ref[r]).nonzero()[0])
+        raise AssertionError(f"{note} rows {bad[:8]} differ; row {r} from col {col}: "
+                             f"got {got[r, col:col + 6].tolist()} want {ref[r, col:col + 6].tolist()}")
+
+
+# ---- every adversarial kind, every path ---------------------------------------------------------------
+
+@pytest.mark.parametrize("knobs", list(KNOBS), ids=[f"knobs-{n}" for n in KNOBS])
+def test_adversarial_kinds(knobs):
+    # one call per knob set: 13 kinds x lengths {0, <k, =k, =k+1, 2k+3, 1500, 3000} spread over rows
+    k = 100
+    lens = [3000, 1500, 2 * k + 3, k + 1, k, 37, 0, 3000, 2999, 1500, 3000, 640, 3000]
+    kinds = list(KINDS)
+    logits, lengths, kw = _case(len(kinds), 3000, k, kinds, lens, seed=1)
+    got, ref = _run_both(logits, lengths, k, kw, KNOBS[knobs])
+    _assert_same(got, ref, knobs)
+
+
+@pytest.mark.parametrize("k", [1, 7, 64])
+def test_small_k(k):
+    kinds = ["randn", "equal", "levels16", "nan", "neginf_runs", "two"]
+    lens = [2000, 2000, 2000, 900, 2000, k + 1]
+    logits, lengths, kw = _case(len(kinds), 2000, k, kinds, lens, seed=k)
+    for name in ("default", "small", "miss-high", "miss-low"):
+        got, ref = _run_both(logits, lengths, k, kw, KNOBS[name])
+        _assert_same(got, ref, f"k={k} {name}")
+
+
+def test_k2048_short_rows():
+    # the hot k with rows the interpreter can afford: 0, < k, = k, = k + 1, and a few thousand
+    k = 2048
+    lens = [0, 5, 2047, 2048, 2049, 3000, 5000]
+    kinds = ["randn", "levels256", "ties_at_k", "equal", "randn", "narrow", "randn"]
+    logits, lengths, kw = _case(len(lens), 5000, k, kinds, lens, seed=7, mode="offsets")
+    got, ref = _run_both(logits, lengths, k, kw, {})
+    _assert_same(got, ref)
+
+
+@pytest.mark.parametrize("mode,g", [("plain", 1), ("offsets", 1), ("pages", 1), ("pages", 3)],
+                         ids=["plain", "offsets", "pages-g1", "pages-g3"])
+def test_translations_and_row_starts(mode, g):
+    k = 64
+    R = 6
+    lens = [1000, 63, 64, 65, 700, 0]
+    kinds = ["randn", "levels16", "two", "randn", "nan", "equal"]
+    logits, lengths, kw = _case(R, 1200, k, kinds, lens, seed=3, mode=mode, g=g, starts=True, stride_pad=5)
+    for name in ("default", "small"):
+        got, ref = _run_both(logits, lengths, k, kw, KNOBS[name])
+        _assert_same(got, ref, f"{mode} {name}")
+
+
+def test_page_size_other_than_64():
+    k = 50
+    logits, lengths, kw = _case(2, 1000, k, ["randn", "levels16"], [1000, 700], seed=5)
+    table = torch.randint(0, 1000, (2, 8), dtype=torch.int32)
+    out = torch.full((2, k), torch.iinfo(torch.int32).max, dtype=torch.int32)
+    got = K.topk_transform(logits, lengths, k, table, None, None, 256, out=out, **SMALL)
+    _assert_same(got, ref_impl(logits, lengths, k, table, None, None, 256))
+
+
+def test_public_api_backend_triton_is_deterministic():
+    # through the public function (validation + dispatch), twice, same bits
+    logits, lengths, kw = _case(3, 1500, 100, ["levels256", "randn", "ties_at_k"], [1500, 1200, 101], seed=11,
+                                mode="pages", g=3)
+    a = ops.topk_transform(logits, lengths, 100, backend="triton", **kw)
+    b = ops.topk_transform(logits, lengths, 100, backend="triton", **kw)
+    assert torch.equal(a, b)
+    _assert_same(a, ops.topk_transform(logits, lengths, 100, backend="torch", **kw))
+
+
+def test_triton_is_the_cuda_default():
+    assert "triton" in _IMPLS
+    from flashdsa.ops._common import pick_backend
+    assert pick_backend(None, _IMPLS, torch.device("cuda"), "topk_transform") is _IMPLS["triton"]
+
+
+def test_grid_smaller_than_rows():
+    # one program walks several rows: scratch reuse between rows must not leak
+    kinds = ["equal", "randn", "levels16", "nan", "randn", "two", "narrow", "randn", "levels256"]
+    lens = [1500, 1500, 1500, 40, 1500, 1500, 1500, 0, 1500]
+    logits, lengths, kw = _case(len(kinds), 1500, 64, kinds, lens, seed=13)
+    got, ref = _run_both(logits, lengths, 64, kw, dict(SMALL, grid=2))
+    _assert_same(got, ref)
+
+
+# ---- hypothesis ---------------------------------------------------------------------------------------
+
+@st.composite
+def _calls(draw):
+    k = draw(st.sampled_from([1, 7, 64, 100]))
+    R = draw(st.integers(1, 4))
+    L = draw(st.sampled_from([k, k + 1, 2 * k + 1, 777, 2500]))
+    length_kind = st.sampled_from(["full", "full", "zero", "k", "k+1", "lt_k", "any"])
+    lens = []
+    for _ in range(R):
+        lk = draw(length_kind)
+        n = {"full": L, "zero": 0, "k": k, "k+1": k + 1, "lt_k": max(0, k - 3)}.get(lk)
+        lens.append(min(L, n if n is not None else draw(st.integers(0, L))))
+    kinds = [draw(st.sampled_from(KINDS)) for _ in range(R)]
+    mode = draw(st.sampled_from(["plain", "offsets", "pages"]))
+    g = draw(st.sampled_from([d for d in (1, 2, 3, 4) if R % d == 0])) if mode == "pages" else 1
+    return dict(R=R, L=L, k=k, lens=lens, kinds=kinds, mode=mode, g=g, starts=draw(st.booleans()),
+                pad=draw(st.sampled_from([0, 3])), knobs=draw(st.sampled_from(list(KNOBS))),
+                seed=draw(st.integers(0, 2 ** 20)))
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(c=_calls())
+def test_hypothesis_matches_reference(c):
+    logits, lengths, kw = _case(c["R"], c["L"], c["k"], c["kinds"], c["lens"], c["seed"], mode=c["mode"],
+                                g=c["g"], starts=c["starts"], stride_pad=c["pad"])
+    got, ref = _run_both(logits, lengths, c["k"], kw, KNOBS[c["knobs"]])
+    _assert_same(got, ref, str(c))
+
+
+# ---- GPU: realistic sizes ------------------------------------------------------------------------------
+
+def _tie_safe(logits, lengths, out, k):
+    """Independent of the tie rule: k (or all) selected, ascending, every selected score >= the k-th largest."""
+    for r in range(logits.shape[0]):
+        n = int(lengths[r])
+        row = torch.nan_to_num(logits[r, :n].double(), nan=float("-inf"))
+        sel = out[r][out[r] >= 0].long()
+        assert sel.numel() == min(n, k)
+        assert bool((sel[1:] > sel[:-1]).all())
+        if n > k:
+            kth = row.topk(k).values[-1]
+            assert bool((row[sel] >= kth).all())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("R,L", [(64, 32768), (8, 131072), (256, 8192)], ids=["64x32K", "8x128K", "256x8K"])
+@pytest.mark.parametrize("kind", ["randn", "levels256", "levels16", "equal", "narrow", "nan"])
+def test_gpu_realistic(R, L, kind):
+    k = 2048
+    gen = torch.Generator().manual_seed(R + L)
+    lens = [L] * (R - 2) + [L - 1000, k + 1]
+    logits = torch.stack([_row(kind, L, k, gen) for _ in range(R)]).cuda()
+    lengths = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    out = K.topk_transform(logits, lengths, k, None, None, None, 64)
+    ref = ref_impl(logits, lengths, k, None, None, None, 64)
+    _assert_same(out.cpu(), ref.cpu(), f"{R}x{L} {kind}")
+    _tie_safe(logits, lengths, out, k)
+    assert torch.equal(out, K.topk_transform(logits, lengths, k, None, None, None, 64))
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_replay():
+    k, R, L = 2048, 16, 40000
+    logits = torch.randn(R, L, device="cuda")
+    lengths = torch.randint(0, L + 1, (R,), dtype=torch.int32, device="cuda")
+    table = torch.randint(0, 10 ** 5, (R, (L + 63) // 64), dtype=torch.int32, device="cuda")
+    ops.set_value_checks(False)
+    try:
+        ops.topk_transform(logits, lengths, k, page_table=table)  # compile outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = ops.topk_transform(logits, lengths, k, page_table=table)
+        for kind in ("randn", "levels16", "equal"):
+            gen = torch.Generator().manual_seed(len(kind))
+            logits.copy_(torch.stack([_row(kind, L, k, gen) for _ in range(R)]))
+            lengths.copy_(torch.randint(0, L + 1, (R,), generator=gen, dtype=torch.int32))
+            graph.replay()
+            torch.cuda.synchronize()
+            _assert_same(out.cpu(), ref_impl(logits, lengths, k, table, None, None, 64).cpu(), kind)
+    finally:
+        ops.set_value_checks(True)
