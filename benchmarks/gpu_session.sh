@@ -17,6 +17,6 @@ for stage in "$@"; do
     tests) timeout 420 python3 -m pytest -q -p no:cacheprovider tests/ops/test_indexer_triton.py tests/ops/test_topk_triton.py tests/ops/test_sparse_mla_triton.py tests/engine 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
     demo)  timeout 300 python3 -m flashdsa.cli demo --preset v32 --device cuda --layers ${DEMO_LAYERS:-4} --json 2>&1 | tee "$OUT/demo.json" | tail -3 ;;
     hf)    timeout 300 python3 benchmarks/bench_hf.py ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_hf.log" | tail -30 ;;
-    *)     timeout 300 python3 benchmarks/bench_$stage.py ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_$stage.log" | tail -40 ;;
+    *)     timeout ${STAGE_TIMEOUT:-300} python3 benchmarks/bench_$stage.py ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_$stage.log" | tail -40 ;;
   esac
 done
