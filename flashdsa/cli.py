@@ -1,4 +1,5 @@
-"""Command line: ``flashdsa demo`` (the main job) and ``flashdsa plan`` (the DSA cost model)."""
+"""Command line: ``flashdsa demo`` (the main job), ``flashdsa plan`` (the DSA cost model) and ``flashdsa bench``
+(our ops vs the peers on the GPU)."""
 
 from __future__ import annotations
 
@@ -47,6 +48,35 @@ def _add_plan(sub) -> None:
     plan.set_defaults(func=_plan)
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from flashdsa.bench import run_bench
+
+    return run_bench(ops=args.ops, quick=args.quick, json_path=args.json, plot_path=args.plot,
+                     peer_libs=args.peer_libs, cpu_check=args.cpu_check, graph=not args.no_graph,
+                     from_json=args.from_json)
+
+
+def _add_bench(sub) -> None:
+    from flashdsa.bench import OPS
+
+    bench = sub.add_parser("bench", help="time our ops against the peers that import (DeepGEMM, FlashMLA, "
+                                         "sgl-kernel fast_topk, torch) at SPEC section 9's shapes, checked first")
+    bench.add_argument("--ops", default=",".join(OPS), help=f"comma-separated subset of {','.join(OPS)} (default: all)")
+    bench.add_argument("--quick", action="store_true", help="the smallest useful subset (under a minute on an H200)")
+    bench.add_argument("--json", default=None, metavar="OUT.json", help="write every row, the device and the ceilings")
+    bench.add_argument("--plot", default=None, metavar="OUT.png",
+                       help="time vs context, ours vs peers vs the roofline (needs matplotlib: flashdsa[bench])")
+    bench.add_argument("--peer-libs", default=None, metavar="DIR",
+                       help="load sgl-kernel's *.so from DIR (default: $FLASHDSA_SGL_KERNEL_LIBS, "
+                            "else import sgl_kernel)")
+    bench.add_argument("--cpu-check", action="store_true",
+                       help="no timing: every kind of case at tiny sizes on CPU, Triton interpreter vs torch reference")
+    bench.add_argument("--no-graph", action="store_true", help="time plain calls instead of CUDA-graph replays")
+    bench.add_argument("--from-json", default=None, metavar="REPORT.json",
+                       help="measure nothing: print the table (and --plot) of a saved --json report")
+    bench.set_defaults(func=_bench)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="flashdsa", description="DeepSeek Sparse Attention, end to end.")
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -66,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # One _add_<cmd>(sub) per further subcommand, each wiring its own handler.
     _add_plan(sub)
+    _add_bench(sub)
 
     args = parser.parse_args(argv)
     try:

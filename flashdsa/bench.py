@@ -1,0 +1,948 @@
+"""``flashdsa bench``: our ops timed next to the peers that import, at SPEC §9's shapes, checked first.
+
+Cases (``--quick`` keeps those marked Q; the sweeps feed the plot):
+
+    indexer     paged logits B 64, next_n 1, context ~U(0.7, 1.3) x {4K Q, 8K, 16K Q, 32K Q, 64K Q, 128K}
+                paged logits B 64, next_n 2, context ~32K Q                       peer: DeepGEMM paged
+                ragged logits 4096 x 16384 Q, 8192 x 32768                        peer: DeepGEMM ragged
+    topk        top-2048 of [64, 32K] Q, [64, 128K], [4096, 8K], [4096, 32K] Q      peers: fast_topk, torch.topk
+    sparse_mla  decode fp8 656, B 64, s_q 1, h_q 128, top-2048, context {4K Q, 16K Q, 32K Q, 64K Q}
+                (top-k fixed, so the time is flat in context)                     peer: FlashMLA decode
+                prefill bf16, T 4096, h_q 128, top-2048 over 8K Q / 32K keys      peer: FlashMLA prefill
+    layer       one V3.2 decode step of one layer the way flashdsa.engine runs it (paged indexer -> top-k
+                with slot translation -> sparse decode), B 64 at context 8K and 32K Q, split into indexer /
+                top-k / attention / whole step; the step's peer is DeepGEMM + fast_topk + FlashMLA in a row
+
+Inputs are random (never zeros), built on the device in our byte layouts (flashdsa.cache.layouts): DeepGEMM
+reads our indexer pages viewed ``[P, 64, 1, 132]``, FlashMLA our 656-B pages viewed ``[P, 64, 1, 656]``.
+Before timing, ours is compared with the torch reference (``backend="torch"``) on the same inputs (a
+subsample of rows for big shapes): logits need the same -inf pattern and cosine diff <= 1e-6, top-k the
+same bits, attention cosine diff <= 1e-5 and |lse diff| <= 1e-3. Peers are compared with ours too
+(information). Times: median µs of ``triton.testing.do_bench`` over a CUDA-graph replay of one call
+(``--no-graph``: the plain call), value checks off (the production decode setting). ``roof_us`` =
+max(bytes / copy bandwidth, FLOPs / matmul rate) with both ceilings measured on the card in the same run;
+bytes and FLOPs count valid work only.
+
+Peers load when they import: ``deep_gemm``; sgl-kernel's ops (FlashMLA sparse decode / prefill,
+fast_topk) from ``import sgl_kernel`` or from the ``*.so`` files of ``--peer-libs DIR`` /
+``$FLASHDSA_SGL_KERNEL_LIBS``. Without CUDA the command says what it would measure and exits 0;
+``--cpu-check`` instead runs every kind of case at tiny sizes on the CPU, Triton interpreter vs the torch
+reference, correctness only (for CI). ``--from-json REPORT --plot OUT.png`` redraws the table and the plot
+of a saved report (a GPU box without matplotlib: plot on another machine).
+"""
+
+from __future__ import annotations
+
+import datetime
+import glob
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+OPS = ("indexer", "topk", "sparse_mla", "layer")
+K = 1024
+SM_SCALE = 576 ** -0.5
+LOGITS_COS, ATTN_COS, LSE_ABS = 1e-6, 1e-5, 1e-3  # ours vs the torch reference (see the module docstring)
+PLOT_SWEEPS = {"indexer_paged": "paged indexer logits, B 64, next_n 1",
+               "sparse_decode": "sparse MLA decode, fp8 656, B 64, h_q 128, top-2048"}
+
+
+# ---- cases -----------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Case:
+    op: str                  # one of OPS
+    kind: str                # paged | ragged | topk | decode | prefill | layer (picks the setup function)
+    name: str
+    params: dict
+    sweep: str | None = None  # rows of a context sweep (a plot panel); x = params["ctx"]
+
+
+def _ctx_name(ctx: int) -> str:
+    return f"{ctx // K}K" if ctx >= K else str(ctx)
+
+
+def cases(ops: tuple[str, ...] = OPS, quick: bool = False, tiny: bool = False) -> list[Case]:
+    """The cases of ``ops`` in run order: SPEC §9's shapes, or ``tiny`` ones for the CPU check."""
+    out: list[Case] = []
+    if tiny:  # every kind of case, small enough for the Triton interpreter
+        if "indexer" in ops:
+            if not quick:
+                out.append(Case("indexer", "paged", "paged B3 n1 ctx~200", dict(B=3, n=1, ctx=200, H=8)))
+            out.append(Case("indexer", "paged", "paged B2 n2 ctx~150", dict(B=2, n=2, ctx=150, H=8)))
+            out.append(Case("indexer", "ragged", "ragged 12x100", dict(T=12, N=100, H=8)))
+        if "topk" in ops:
+            out.append(Case("topk", "topk", "top-64 of [3, 700]", dict(R=3, L=700, k=64, pages=False)))
+            if not quick:
+                out.append(Case("topk", "topk", "top-64 of [5, 300] pages", dict(R=5, L=300, k=64, pages=True)))
+        if "sparse_mla" in ops:
+            out.append(Case("sparse_mla", "decode", "decode fp8 B2 s_q2 h16 top-64 ctx 256",
+                            dict(B=2, s_q=2, h=16, topk=64, ctx=256)))
+            out.append(Case("sparse_mla", "prefill", "prefill bf16 T4 N200 h16 top-64",
+                            dict(T=4, N=200, h=16, topk=64)))
+        if "layer" in ops:
+            out.append(Case("layer", "layer", "tiny decode B2 ctx 200", dict(preset="tiny", B=2, ctx=200)))
+        return out
+    sweep = (4 * K, 16 * K, 32 * K, 64 * K) if quick else (4 * K, 8 * K, 16 * K, 32 * K, 64 * K, 128 * K)
+    if "indexer" in ops:
+        for ctx in sweep:
+            out.append(Case("indexer", "paged", f"paged B64 n1 ctx~{_ctx_name(ctx)}", dict(B=64, n=1, ctx=ctx, H=64),
+                            sweep="indexer_paged"))
+        out.append(Case("indexer", "paged", "paged B64 n2 ctx~32K", dict(B=64, n=2, ctx=32 * K, H=64)))
+        for T, N in [(4096, 16 * K)] + ([] if quick else [(8192, 32 * K)]):
+            out.append(Case("indexer", "ragged", f"ragged {T}x{N}", dict(T=T, N=N, H=64)))
+    if "topk" in ops:
+        shapes = [(64, 32 * K), (4096, 32 * K)] if quick else \
+            [(64, 32 * K), (64, 128 * K), (4096, 8 * K), (4096, 32 * K)]
+        for R, L in shapes:
+            out.append(Case("topk", "topk", f"top-2048 of [{R}, {_ctx_name(L)}]", dict(R=R, L=L, k=2048, pages=False)))
+    if "sparse_mla" in ops:
+        for ctx in sweep:
+            out.append(Case("sparse_mla", "decode", f"decode fp8 B64 h128 top-2048 ctx {_ctx_name(ctx)}",
+                            dict(B=64, s_q=1, h=128, topk=2048, ctx=ctx), sweep="sparse_decode"))
+        for N in [8 * K] + ([] if quick else [32 * K]):
+            out.append(Case("sparse_mla", "prefill", f"prefill bf16 T4096 N{_ctx_name(N)} h128 top-2048",
+                            dict(T=4096, N=N, h=128, topk=2048)))
+    if "layer" in ops:
+        for ctx in ([] if quick else [8 * K]) + [32 * K]:
+            out.append(Case("layer", "layer", f"v32 decode B64 ctx {_ctx_name(ctx)}",
+                            dict(preset="v32", B=64, ctx=ctx)))
+    return out
+
+
+def peers_of(case: Case) -> str:
+    """The peers a case is timed against (when they import)."""
+    if case.kind == "paged" and case.params["n"] > 2:
+        return "none (DeepGEMM: next_n <= 2 on Hopper)"
+    if case.kind == "topk":
+        return "none (peers do not translate slots)" if case.params["pages"] else "fast_topk, torch.topk"
+    return {"paged": "DeepGEMM", "ragged": "DeepGEMM", "decode": "FlashMLA", "prefill": "FlashMLA",
+            "layer": "DeepGEMM / fast_topk / FlashMLA per stage, the three in a row for the step"}[case.kind]
+
+
+def parse_ops(text: str) -> tuple[str, ...]:
+    """``"topk,indexer"`` -> ``("indexer", "topk")`` (run order); ValueError naming ``ops`` otherwise."""
+    names = [s.strip() for s in str(text).split(",") if s.strip()]
+    bad = [s for s in names if s not in OPS]
+    if not names or bad:
+        raise ValueError(f"ops: expected a comma-separated subset of {','.join(OPS)}, got {text!r}")
+    return tuple(op for op in OPS if op in names)
+
+
+# ---- one benchmark: what a setup function hands the driver -----------------------------------------
+
+@dataclass
+class Bench:
+    """``ours``: the call to time. ``check``: ours vs the torch reference -> ``{"ok", "summary", ...}``.
+    ``peers``: name -> a factory returning ``(call to time, its check dict)`` (run only when timing).
+    ``bytes`` / ``flops``: valid work, for GB/s, TFLOP/s and the roofline; ``dtype``: the matmul rate
+    that bounds it ("fp8" / "bf16", None = memory only)."""
+    ours: Callable[[], Any]
+    check: Callable[[], dict]
+    peers: dict[str, Callable[[], tuple[Callable[[], Any], dict]]] = field(default_factory=dict)
+    bytes: float = 0.0
+    flops: float = 0.0
+    dtype: str | None = None
+    parts: tuple["Bench", ...] = ()  # a composite (the layer step): its roofline is the sum of its parts'
+
+
+def cos_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``1 - 2ab / (a² + b²)`` over the elements finite in both, float64 (0 = identical)."""
+    a, b = a.double(), b.double()
+    m = torch.isfinite(a) & torch.isfinite(b)
+    a, b = a[m], b[m]
+    d = (a * a + b * b).sum()
+    return 0.0 if d == 0 else float(1 - 2 * (a * b).sum() / d)
+
+
+def _check_logits(out: torch.Tensor, ref: torch.Tensor) -> dict:
+    same_inf = bool(torch.equal(torch.isneginf(out), torch.isneginf(ref)) and not torch.isnan(out).any())
+    cd = cos_diff(out, ref)
+    return {"ok": same_inf and cd <= LOGITS_COS, "inf_pattern": same_inf, "cos_diff": cd,
+            "summary": f"cos {cd:.1e}" + ("" if same_inf else ", -inf pattern differs")}
+
+
+def _check_same(out: torch.Tensor, ref: torch.Tensor) -> dict:
+    same = bool(torch.equal(out, ref))
+    return {"ok": same, "same_bits": same, "summary": "same bits" if same else "selections differ"}
+
+
+def _check_attention(out, lse, ref_out, ref_lse) -> dict:
+    cd = cos_diff(out.float(), ref_out.float())
+    same_inf = bool(torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse)))
+    fin = torch.isfinite(ref_lse)
+    lerr = float((lse - ref_lse)[fin].abs().max()) if fin.any() else 0.0
+    ok = same_inf and cd <= ATTN_COS and lerr <= LSE_ABS and not bool(torch.isnan(out).any())
+    return {"ok": ok, "cos_diff": cd, "lse_max_abs": lerr, "summary": f"cos {cd:.1e}, lse {lerr:.1e}"}
+
+
+def _masked_cos(a: torch.Tensor, b: torch.Tensor, valid: torch.Tensor) -> dict:
+    cd = cos_diff(torch.where(valid, a, 0.0), torch.where(valid, b.float(), 0.0))
+    return {"cos_diff_vs_ours": cd, "summary": f"cos {cd:.1e} vs ours"}
+
+
+def _topk_exact(x: torch.Tensor, lengths: torch.Tensor, idx: torch.Tensor, k: int) -> dict:
+    """Tie-safe exactness: min(k, length) distinct in-range picks per row, each >= the row's k-th score."""
+    n = lengths.long()[:, None]
+    idx = idx.long()
+    in_range = (idx >= 0) & (idx < n)
+    srt = torch.sort(torch.where(in_range, idx, -1), dim=1).values
+    distinct = bool(((srt[:, 1:] != srt[:, :-1]) | (srt[:, 1:] < 0)).all())
+    count = bool((in_range.sum(1) == n[:, 0].clamp(max=k)).all())
+    s = torch.where(torch.arange(x.shape[1], device=x.device)[None, :] < n, x, float("-inf"))
+    kth = torch.topk(s, min(k, x.shape[1]), dim=1).values[:, -1:]
+    above = bool(((torch.gather(x, 1, idx.clamp(0, x.shape[1] - 1)) >= kth) | ~in_range).all())
+    exact = distinct and count and above
+    return {"exact": exact, "summary": "exact" if exact else "NOT exact"}
+
+
+def _rows(n: int, most: int, dev) -> torch.Tensor:
+    """At most ``most`` row ids spread over ``0 .. n - 1`` (the reference's subsample of a big shape)."""
+    return torch.linspace(0, n - 1, min(n, most), device=dev).round().long().unique()
+
+
+def _randn(shape, g, dev, dtype=torch.float32) -> torch.Tensor:
+    return torch.randn(shape, generator=g, device=dev).to(dtype)
+
+
+# ---- inputs in our layouts -------------------------------------------------------------------------
+
+_CHUNK_PAGES = 4096  # 256K tokens per generated slice: bounds the fp32 temporaries
+
+
+def _index_cache(P: int, g, dev) -> torch.Tensor:
+    """``[P, 8448] u8`` indexer pages (layouts.index_page_views): random fp8 keys, scales in [0.5, 1.5)."""
+    from flashdsa.cache.layouts import INDEX_PAGE_BYTES, index_page_views
+    from flashdsa.quant import FP8
+    cache = torch.empty(P, INDEX_PAGE_BYTES, dtype=torch.uint8, device=dev)
+    keys, scales = index_page_views(cache)
+    for p0 in range(0, P, _CHUNK_PAGES):
+        p1 = min(P, p0 + _CHUNK_PAGES)
+        keys[p0:p1] = _randn((p1 - p0, 64, 128), g, dev, FP8)
+    scales.copy_(torch.rand(P, 64, generator=g, device=dev) + 0.5)
+    return cache
+
+
+def _mla_cache(P: int, g, dev) -> torch.Tensor:
+    """``[P, 64, 656] u8`` MLA pages in FlashMLA's fp8 layout (layouts.quantize_mla_656 of random bf16 rows)."""
+    from flashdsa.cache.layouts import MLA_DIM, MLA_FP8_BYTES, quantize_mla_656
+    cache = torch.empty(P, 64, MLA_FP8_BYTES, dtype=torch.uint8, device=dev)
+    for p0 in range(0, P, _CHUNK_PAGES):
+        p1 = min(P, p0 + _CHUNK_PAGES)
+        cache[p0:p1] = quantize_mla_656(_randn(((p1 - p0) * 64, MLA_DIM), g, dev, torch.bfloat16)).view(-1, 64, 656)
+    return cache
+
+
+def _paged_batch(B: int, ctx: int, n: int, g, dev):
+    """Lengths ~U(0.7, 1.3) * ctx (DeepGEMM's generator), each request's pages shuffled over the pool.
+    Returns ``seq [B]``, ``block_table [B, maxp] i32`` (0-padded), ``P``."""
+    seq = torch.randint(max(n, int(0.7 * ctx)), max(n, int(1.3 * ctx)) + 1, (B,), generator=g, device=dev)
+    pages = (seq + 63) // 64
+    P, maxp = int(pages.sum()), int(pages.max())
+    perm = torch.randperm(P, generator=g, device=dev)
+    first = torch.cumsum(pages, 0) - pages
+    j = torch.arange(maxp, device=dev)
+    bt = torch.where(j[None, :] < pages[:, None], perm[(first[:, None] + j[None, :]).clamp(max=P - 1)], 0)
+    return seq, bt.to(torch.int32).contiguous(), P
+
+
+# ---- peers -----------------------------------------------------------------------------------------
+
+def peer_status(peer_libs: str | None = None) -> dict[str, dict]:
+    """Which peers import here: ``{name: {"ok": bool, "why": str}}`` for DeepGEMM, FlashMLA, fast_topk, torch.topk.
+
+    sgl-kernel's ops come from ``peer_libs`` / ``$FLASHDSA_SGL_KERNEL_LIBS`` (every ``*.so`` in the folder,
+    loaded into ``torch.ops``) or else from ``import sgl_kernel``.
+    """
+    status: dict[str, dict] = {}
+    try:
+        import deep_gemm  # noqa: F401
+        status["DeepGEMM"] = {"ok": True, "why": "deep_gemm imports"}
+    except Exception as e:  # noqa: BLE001 - any failure means "peer absent"
+        status["DeepGEMM"] = {"ok": False, "why": f"import deep_gemm: {type(e).__name__}: {e}"[:160]}
+    libs = peer_libs or os.environ.get("FLASHDSA_SGL_KERNEL_LIBS")
+    errors: list[str] = []
+    if libs:
+        pending = sorted(glob.glob(os.path.join(libs, "*.so")))
+        if not pending:
+            errors.append(f"no *.so in {libs}")
+        for _ in range(2):  # a second pass for a library that needs another one loaded first
+            failed = []
+            for path in pending:
+                try:
+                    torch.ops.load_library(path)
+                except Exception as e:  # noqa: BLE001
+                    failed.append((path, e))
+            pending = [p for p, _ in failed]
+        errors += [f"{os.path.basename(p)}: {type(e).__name__}: {e}"[:160] for p, e in failed]
+        source = f"libraries in {libs}"
+    else:
+        try:
+            import sgl_kernel  # noqa: F401
+        except Exception as e:  # noqa: BLE001
+            errors.append(f"import sgl_kernel: {type(e).__name__}: {e}"[:160])
+        source = "sgl_kernel"
+    for name, opname in (("FlashMLA", "sparse_decode_fwd"), ("fast_topk", "fast_topk")):
+        ok = hasattr(torch.ops.sgl_kernel, opname)
+        status[name] = {"ok": ok, "why": f"torch.ops.sgl_kernel.{opname} from {source}" if ok
+                        else "; ".join(errors) or f"{source} has no torch.ops.sgl_kernel.{opname}"}
+    status["torch.topk"] = {"ok": True, "why": f"torch {torch.__version__}"}
+    return status
+
+
+def _deepgemm_paged(q_fp8, cache, w, lens, bt, max_len, ours):
+    """DeepGEMM's paged logits over our 8448-B pages viewed ``[P, 64, 1, 132]``; schedule made once, untimed."""
+    def make():
+        import deep_gemm as dg
+        md = dg.get_paged_mqa_logits_metadata(lens, 64, dg.get_num_sms())
+        kv = cache.view(cache.shape[0], 64, 1, 132)
+        fn = lambda: dg.fp8_paged_mqa_logits(q_fp8, kv, w, lens, bt, md, max_len, False)  # noqa: E731
+        # DeepGEMM leaves garbage past each row's length: compare inside the lengths only
+        valid = torch.arange(max_len, device=lens.device)[None, :] < lens.reshape(-1, 1)
+        return fn, _masked_cos(ours(), fn(), valid)
+    return make
+
+
+def _flashmla_decode(q, cache, idx, sm_scale, seqlens, ours):
+    """FlashMLA's sparse decode over our 656-B pages viewed ``[P, 64, 1, 656]``."""
+    def make():
+        _, s_q, h, _ = q.shape
+        sgl = torch.ops.sgl_kernel
+        md, ns = sgl.get_mla_decoding_metadata.default(seqlens, s_q * h, 1, h, True, idx.shape[-1])
+        kv = cache.view(cache.shape[0], 64, 1, cache.shape[-1])
+
+        def fn():
+            return sgl.sparse_decode_fwd.default(q, kv, idx, None, None, md, ns, None, None, None, 512, sm_scale)
+        out = ours()[0]
+        return fn, _masked_cos(out.float(), fn()[0], torch.ones_like(out, dtype=torch.bool))
+    return make
+
+
+def _topk_peers(x, lengths, k, status) -> dict:
+    peers = {}
+    if status["fast_topk"]["ok"] and k == 2048:
+        def make_fast():
+            out = torch.empty(x.shape[0], k, dtype=torch.int32, device=x.device)
+            fn = lambda: torch.ops.sgl_kernel.fast_topk(x, out, lengths, None)  # noqa: E731
+            fn()
+            sub = _rows(x.shape[0], 64, x.device)
+            return fn, _topk_exact(x[sub], lengths[sub], out[sub], k)
+        peers["fast_topk"] = make_fast
+    peers["torch.topk"] = lambda: ((lambda: torch.topk(x, k, dim=1)), {})  # exact by construction, untranslated
+    return peers
+
+
+# ---- setups: inputs, ours, the check, peers, work ----------------------------------------------------
+
+def _setup_paged(p: dict, dev, status) -> list[tuple[str, Bench]]:
+    from flashdsa import ops
+    from flashdsa.quant import FP8
+    B, n, ctx, H = p["B"], p["n"], p["ctx"], p["H"]
+    g = torch.Generator(device=dev).manual_seed(ctx + n)
+    seq, bt, P = _paged_batch(B, ctx, n, g, dev)
+    cache = _index_cache(P, g, dev)
+    lens = (seq[:, None] - n + 1 + torch.arange(n, device=dev)[None, :]).to(torch.int32)  # verify rows
+    max_len = bt.shape[1] * 64
+    q, w = _randn((B, n, H, 128), g, dev, FP8), _randn((B * n, H), g, dev)
+    ours = lambda: ops.indexer_logits_paged(q, cache, w, lens, bt, max_len, backend="triton")  # noqa: E731
+
+    def check():
+        sub = _rows(B, 4, dev)
+        rows = (sub[:, None] * n + torch.arange(n, device=dev)).flatten()
+        ref = ops.indexer_logits_paged(q[sub], cache, w[rows], lens[sub], bt[sub], max_len, backend="torch")
+        return _check_logits(ours()[rows], ref)
+
+    pairs = int(lens.sum())
+    peers = {"DeepGEMM": _deepgemm_paged(q, cache, w, lens, bt, max_len, ours)} \
+        if status["DeepGEMM"]["ok"] and n <= 2 else {}  # DeepGEMM: next_n <= 2 on Hopper
+    return [("", Bench(ours, check, peers, bytes=q.numel() + 4 * w.numel() + 132 * int(seq.sum()) + 4 * pairs,
+                       flops=2 * pairs * H * 128, dtype="fp8"))]
+
+
+def _setup_ragged(p: dict, dev, status) -> list[tuple[str, Bench]]:
+    from flashdsa import ops
+    from flashdsa.quant import FP8
+    T, N, H = p["T"], p["N"], p["H"]
+    g = torch.Generator(device=dev).manual_seed(T + N)
+    q, k = _randn((T, H, 128), g, dev, FP8), _randn((N, 128), g, dev, FP8)
+    k_scale, w = torch.rand(N, generator=g, device=dev) + 0.5, _randn((T, H), g, dev)
+    ks = torch.zeros(T, dtype=torch.int32, device=dev)
+    ke = (torch.arange(T, device=dev) + N - T + 1).to(torch.int32)  # row i: the N - T prefix keys and itself
+    ours = lambda: ops.indexer_logits_ragged(q, k, k_scale, w, ks, ke, backend="triton")  # noqa: E731
+
+    def check():
+        sub = _rows(T, 32, dev)
+        ref = ops.indexer_logits_ragged(q[sub], k, k_scale, w[sub], ks[sub], ke[sub], backend="torch")
+        return _check_logits(ours()[sub], ref)
+
+    peers = {}
+    if status["DeepGEMM"]["ok"]:
+        def make():
+            import deep_gemm as dg
+            fn = lambda: dg.fp8_mqa_logits(q, (k, k_scale), w, ks, ke)  # noqa: E731
+            out = ours()
+            return fn, _masked_cos(out, fn(), torch.isfinite(out))
+        peers["DeepGEMM"] = make
+    pairs = int((ke - ks).sum())
+    return [("", Bench(ours, check, peers, bytes=q.numel() + 4 * w.numel() + 132 * N + 4 * pairs,
+                       flops=2 * pairs * H * 128, dtype="fp8"))]
+
+
+def _setup_topk(p: dict, dev, status) -> list[tuple[str, Bench]]:
+    from flashdsa import ops
+    R, L, k = p["R"], p["L"], p["k"]
+    g = torch.Generator(device=dev).manual_seed(R + L)
+    x = _randn((R, L), g, dev)
+    lengths = torch.full((R,), L, dtype=torch.int32, device=dev)
+    pt = torch.randperm(R * -(-L // 64), generator=g, device=dev).view(R, -1).to(torch.int32) if p["pages"] else None
+    ours = lambda: ops.topk_transform(x, lengths, k, page_table=pt, backend="triton")  # noqa: E731
+
+    def check():
+        sub = _rows(R, 16, dev)
+        ref = ops.topk_transform(x[sub], lengths[sub], k, page_table=None if pt is None else pt[sub], backend="torch")
+        return _check_same(ours()[sub], ref)
+
+    peers = _topk_peers(x, lengths, k, status) if pt is None else {}
+    return [("", Bench(ours, check, peers, bytes=4 * R * L + 4 * R * k))]
+
+
+def _attention_work(n_valid: int, h: int, row_bytes: int, q: torch.Tensor, idx: torch.Tensor) -> dict:
+    rows = q.numel() // q.shape[-1]
+    return dict(bytes=n_valid * row_bytes + 2 * q.numel() + rows * (2 * 512 + 4) + 4 * idx.numel(),
+                flops=2 * h * (576 + 512) * n_valid, dtype="bf16")
+
+
+def _setup_decode(p: dict, dev, status) -> list[tuple[str, Bench]]:
+    from flashdsa import ops
+    B, s_q, h, topk, ctx = p["B"], p["s_q"], p["h"], p["topk"], p["ctx"]
+    g = torch.Generator(device=dev).manual_seed(ctx)
+    per_req = -(-ctx // 64)
+    cache = _mla_cache(B * per_req, g, dev)
+    bt = torch.randperm(B * per_req, generator=g, device=dev).view(B, per_req)
+    pos = torch.rand(B * s_q, ctx, generator=g, device=dev).argsort(dim=1)[:, :topk].reshape(B, s_q * topk)
+    idx = (bt.gather(1, pos // 64) * 64 + pos % 64).view(B, s_q, topk).to(torch.int32).contiguous()
+    q = _randn((B, s_q, h, 576), g, dev, torch.bfloat16)
+    ours = lambda: ops.sparse_mla_decode(q, cache, idx, SM_SCALE, backend="triton")  # noqa: E731
+
+    def check():
+        sub = _rows(B, 4, dev)
+        out, lse = ours()
+        return _check_attention(out[sub], lse[sub], *ops.sparse_mla_decode(q[sub], cache, idx[sub], SM_SCALE,
+                                                                         backend="torch"))
+
+    peers = {}
+    if status["FlashMLA"]["ok"] and h in (64, 128):
+        seqlens = torch.full((B,), ctx, dtype=torch.int32, device=dev)
+        peers["FlashMLA"] = _flashmla_decode(q, cache, idx, SM_SCALE, seqlens, ours)
+    return [("", Bench(ours, check, peers, **_attention_work(idx.numel(), h, 656, q, idx)))]
+
+
+def _setup_prefill(p: dict, dev, status) -> list[tuple[str, Bench]]:
+    from flashdsa import ops
+    T, N, h, topk = p["T"], p["N"], p["h"], p["topk"]
+    g = torch.Generator(device=dev).manual_seed(T + N)
+    kv, q = _randn((N, 576), g, dev, torch.bfloat16), _randn((T, h, 576), g, dev, torch.bfloat16)
+    # causal-like: query t picks topk distinct keys among the first max(topk, N (t + 1) / T)
+    lim = torch.clamp((torch.arange(T, device=dev) + 1) * N // T, min=min(topk, N))
+    r = torch.rand(T, N, generator=g, device=dev)
+    r[torch.arange(N, device=dev)[None, :] >= lim[:, None]] = 2.0
+    idx = r.argsort(dim=1)[:, :topk].to(torch.int32).contiguous()
+    del r
+    ours = lambda: ops.sparse_mla_prefill(q, kv, idx, SM_SCALE, backend="triton")  # noqa: E731
+
+    def check():
+        sub = _rows(T, 16, dev)
+        out, lse = ours()
+        return _check_attention(out[sub], lse[sub], *ops.sparse_mla_prefill(q[sub], kv, idx[sub], SM_SCALE,
+                                                                          backend="torch"))
+
+    peers = {}
+    if status["FlashMLA"]["ok"] and h % 64 == 0 and topk % 128 == 0:
+        def make():
+            sgl = torch.ops.sgl_kernel
+            kv3, idx3 = kv.view(N, 1, 576), idx.view(T, 1, topk)
+            fn = lambda: sgl.sparse_prefill_fwd.default(q, kv3, idx3, SM_SCALE, 512, None, None)  # noqa: E731
+            out = ours()[0]
+            return fn, _masked_cos(out.float(), fn()[0], torch.ones_like(out, dtype=torch.bool))
+        peers["FlashMLA"] = make
+    return [("", Bench(ours, check, peers, **_attention_work(idx.numel(), h, 1152, q, idx)))]
+
+
+def _setup_layer(p: dict, dev, status) -> list[tuple[str, Bench]]:
+    """One decode step of one layer on a KVPool, with the runner's op calls (engine/runner.py, decode)."""
+    from flashdsa import ops
+    from flashdsa.cache.pool import KVPool
+    from flashdsa.config import DSAConfig
+    from flashdsa.engine.metadata import DECODE, build_decode
+    from flashdsa.quant import FP8
+    cfg = DSAConfig.preset(p["preset"]).replace(num_hidden_layers=1)  # the caches of one layer
+    B, ctx, page, topk = p["B"], p["ctx"], cfg.page_size, cfg.index_topk
+    H_I, h = cfg.index_n_heads, cfg.num_attention_heads
+    g = torch.Generator(device=dev).manual_seed(ctx)
+    pool = KVPool(cfg, B * -(-(ctx + 1) // page), "fp8", dev)
+    alloc, reqs = pool.allocator, list(range(B))
+    for r in reqs:
+        alloc.allocate(r, 0)
+    for start in range(0, ctx, 16 * page):  # requests grow in turns, so their pages interleave
+        for r in reqs:
+            alloc.extend(r, min(16 * page, ctx - start))
+
+    def write(slots):  # random MLA rows and indexer keys through the pool's writers
+        for i in range(0, slots.numel(), _CHUNK_PAGES * 64):
+            s = slots[i:i + _CHUNK_PAGES * 64]
+            pool.write(0, s, _randn((s.numel(), 576), g, dev, torch.bfloat16), _randn((s.numel(), 128), g, dev, FP8),
+                       torch.rand(s.numel(), generator=g, device=dev) + 0.5)
+    write(torch.cat([alloc.slots(r) for r in reqs]))
+    for r in reqs:
+        alloc.extend(r, 1)  # this step's token, written before attending as the runner does
+    meta = build_decode(alloc, reqs, 1, DECODE)
+    write(meta.slot_mapping)
+    lens, bt, max_len = meta.context_lens, meta.block_table, meta.max_context_len
+    icache, mla = pool.index_cache(0), pool.mla_cache(0).view(-1, 64, pool.mla_cache(0).shape[-1])
+    q_fp8, w = _randn((B, 1, H_I, 128), g, dev, FP8), _randn((B, H_I), g, dev) * H_I ** -0.5
+    q, sm = _randn((B, 1, h, 576), g, dev, torch.bfloat16), cfg.softmax_scale
+
+    def indexer(be="triton", rows=slice(None)):
+        return ops.indexer_logits_paged(q_fp8[rows], icache, w[rows], lens[rows], bt[rows], max_len, backend=be)
+
+    def select(logits, be="triton", rows=slice(None)):
+        return ops.topk_transform(logits, lens[rows].view(-1), topk, page_table=bt[rows], page_size=page, backend=be)
+
+    def attend(sel, be="triton", rows=slice(None)):
+        return ops.sparse_mla_decode(q[rows], mla, sel.view(-1, 1, topk), sm, backend=be)
+
+    logits = indexer()  # the fixed inputs of the later stages
+    sel = select(logits)
+    sub = _rows(B, 4, dev)
+    done: dict[str, dict] = {}
+
+    def checked(name, fn):
+        def run():
+            done[name] = fn()
+            return done[name]
+        return run
+
+    stages = {
+        "indexer": Bench(indexer, checked("indexer", lambda: _check_logits(indexer()[sub], indexer("torch", sub))),
+                         bytes=q_fp8.numel() + 4 * w.numel() + 132 * int(lens.sum()) + 4 * int(lens.sum()),
+                         flops=2 * int(lens.sum()) * H_I * 128, dtype="fp8"),
+        "top-k": Bench(lambda: select(logits), checked("top-k", lambda: _check_same(
+            select(logits)[sub], select(logits[sub], "torch", sub))), bytes=4 * logits.numel() + 4 * B * topk),
+        "attention": Bench(lambda: attend(sel), checked("attention", lambda: _check_attention(
+            *(t[sub] for t in attend(sel)), *attend(sel[sub], "torch", sub))),
+            **_attention_work(sel.numel(), h, 656, q, sel)),
+    }
+    seqlens = lens.view(-1).contiguous()
+    if status["DeepGEMM"]["ok"]:
+        stages["indexer"].peers["DeepGEMM"] = _deepgemm_paged(q_fp8, icache, w, lens, bt, max_len, indexer)
+    if status["fast_topk"]["ok"] and topk == 2048:
+        stages["top-k"].peers["fast_topk"] = _topk_peers(logits, seqlens, topk, status)["fast_topk"]
+    if status["FlashMLA"]["ok"] and h in (64, 128):
+        stages["attention"].peers["FlashMLA"] = _flashmla_decode(q, mla, sel.view(B, 1, topk), sm, seqlens,
+                                                                 lambda: attend(sel))
+
+    def step():
+        return attend(select(indexer()))
+
+    def step_check():
+        bad = [n for n in stages if not done.get(n, {}).get("ok")]
+        return {"ok": not bad, "summary": "stages ok" if not bad else f"failed: {', '.join(bad)}"}
+
+    total = Bench(step, step_check, bytes=sum(s.bytes for s in stages.values()),
+                  flops=sum(s.flops for s in stages.values()), parts=tuple(stages.values()))
+    if all(s.peers for s in stages.values()):
+        def make_chain():  # the peers' three ops back to back (fast_topk gives positions, untranslated)
+            fns = [make()[0] for s in stages.values() for make in s.peers.values()]
+            return (lambda: [f() for f in fns]), {"summary": "the three in a row"}
+        total.peers["+".join(p for s in stages.values() for p in s.peers)] = make_chain
+    return [(f": {n}", b) for n, b in stages.items()] + [(": step", total)]
+
+
+SETUPS = {"paged": _setup_paged, "ragged": _setup_ragged, "topk": _setup_topk, "decode": _setup_decode,
+          "prefill": _setup_prefill, "layer": _setup_layer}
+
+
+# ---- timing and ceilings ---------------------------------------------------------------------------
+
+def _do_bench(fn) -> float:
+    import triton.testing
+    return 1e3 * triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def time_us(fn: Callable[[], Any], graph: bool = True) -> float:
+    """Median µs of ``fn`` on the GPU: a CUDA-graph replay of one call, or the plain call if capture fails."""
+    fn()
+    torch.cuda.synchronize()
+    if graph:
+        try:
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                fn()
+            torch.cuda.current_stream().wait_stream(s)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                fn()
+            return _do_bench(g.replay)
+        except Exception:  # noqa: BLE001 - a call that cannot be captured is timed plainly
+            torch.cuda.synchronize()
+    return _do_bench(fn)
+
+
+def measure_ceilings(dev) -> dict:
+    """The card's copy bandwidth (1 GiB device-to-device, bytes read + written) and bf16 / fp8 matmul
+    rates (8192³) in this run: the roofline's ceilings."""
+    from flashdsa.quant import FP8
+    out: dict[str, Any] = {}
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    out["copy_GBps"] = 2 * src.numel() / _do_bench(lambda: dst.copy_(src)) / 1e3
+    del src, dst
+    m = 8192
+    a, b = torch.randn(m, m, device=dev, dtype=torch.bfloat16), torch.randn(m, m, device=dev, dtype=torch.bfloat16)
+    out["bf16_TFLOPs"] = 2 * m ** 3 / _do_bench(lambda: a @ b) / 1e6
+    try:
+        a8, b8, one = a.to(FP8), b.to(FP8).t(), torch.ones((), device=dev)  # mat2 column-major, as _scaled_mm wants
+        out["fp8_TFLOPs"] = 2 * m ** 3 / _do_bench(
+            lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)) / 1e6
+    except Exception as e:  # noqa: BLE001
+        out["fp8_TFLOPs"], out["fp8_note"] = None, f"torch._scaled_mm failed: {e!r}"[:160]
+    return out
+
+
+def roof_us(b: Bench, ceilings: dict) -> float | None:
+    """max(bytes / copy bandwidth, FLOPs / the matmul rate of b.dtype), in µs (a composite: the sum of its parts')."""
+    if not ceilings.get("copy_GBps"):
+        return None
+    if b.parts:
+        return sum(roof_us(p, ceilings) for p in b.parts)
+    t = b.bytes / ceilings["copy_GBps"] / 1e3
+    rate = ceilings.get(f"{b.dtype}_TFLOPs") if b.dtype else None
+    return max(t, b.flops / rate / 1e6) if rate and b.flops else t
+
+
+# ---- the driver --------------------------------------------------------------------------------------
+
+class _Progress:
+    """A progress bar on stderr (tqdm if it imports, else a ``[i/n] case`` line) with notes printed above it."""
+
+    def __init__(self, n: int):
+        try:
+            from tqdm import tqdm
+            self.bar = tqdm(total=n, file=sys.stderr, unit="case", leave=False, mininterval=0.5)
+        except ImportError:
+            self.bar = None
+        self.i, self.n = 0, n
+
+    def start(self, label: str) -> None:
+        if self.bar is not None:
+            self.bar.set_description_str(label)
+        else:
+            print(f"\r[{self.i + 1}/{self.n}] {label}\033[K", end="", file=sys.stderr, flush=True)
+
+    def done(self, notes: list[str]) -> None:
+        self.i += 1
+        for line in notes:
+            if self.bar is not None:
+                self.bar.write(line, file=sys.stderr)
+            else:
+                print(f"\r\033[K{line}", file=sys.stderr, flush=True)
+        if self.bar is not None:
+            self.bar.update()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        else:
+            print("\r\033[K", end="", file=sys.stderr, flush=True)
+
+
+def _note(row: dict) -> str:
+    """One line per finished row, so a run cut short still shows what it measured."""
+    parts = [f"{row['case']}: ours {row['ours_us']:.1f} us" if row.get("ours_us") else row["case"] + ":"]
+    parts += [f"{p['name']} {p['us']:.1f} us" for p in row.get("peers", []) if p.get("us")]
+    return ", ".join(parts) + f" | {'ok' if row['check'].get('ok') else 'FAIL'} ({row['check'].get('summary', '')})"
+
+
+def run_case(case: Case, dev, status: dict, ceilings: dict | None, graph: bool = True) -> list[dict]:
+    """Rows of one case: checked against the reference, then (``ceilings`` given: on CUDA) timed with its peers."""
+    from flashdsa import ops
+    from flashdsa._checks import value_checks_enabled
+    base = {"op": case.op, "kind": case.kind, "params": dict(case.params)}
+    if case.sweep:
+        base.update(sweep=case.sweep, context=case.params["ctx"])
+    try:
+        benches = SETUPS[case.kind](case.params, dev, status)
+    except Exception as e:  # noqa: BLE001 - one broken case must not hide the others
+        return [{**base, "case": case.name, "error": f"setup: {e!r}"[:300],
+                 "check": {"ok": False, "summary": f"setup failed: {type(e).__name__}"}}]
+    rows = []
+    for suffix, b in benches:
+        row = {**base, "case": case.name + suffix, "peers": []}
+        try:
+            row["check"] = b.check()
+        except Exception as e:  # noqa: BLE001
+            row["check"] = {"ok": False, "summary": f"error: {type(e).__name__}", "error": repr(e)[:300]}
+        if ceilings is not None:
+            checks_were_on = value_checks_enabled()
+            ops.set_value_checks(False)  # the production decode setting: no host reads in the timed calls
+            try:
+                us = time_us(b.ours, graph)
+                row.update(ours_us=us, GBps=b.bytes / us / 1e3, TFLOPs=b.flops / us / 1e6 if b.flops else None,
+                           roof_us=roof_us(b, ceilings))
+            except Exception as e:  # noqa: BLE001
+                row["error"] = f"timing ours: {e!r}"[:300]
+            for name, make in b.peers.items():
+                try:
+                    fn, info = make()
+                    p_us = time_us(fn, graph)
+                    row["peers"].append({"name": name, "us": p_us, "check": info,
+                                         "ratio": row["ours_us"] / p_us if "ours_us" in row else None})
+                except Exception as e:  # noqa: BLE001 - a peer that fails is reported, not fatal
+                    row["peers"].append({"name": name, "error": f"{type(e).__name__}: {e}"[:200]})
+            ops.set_value_checks(checks_were_on)
+        rows.append(row)
+    return rows
+
+
+def device_info(dev) -> dict:
+    info = {"device": str(dev), "torch": torch.__version__}
+    try:
+        import triton
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
+    if dev.type == "cuda":
+        p = torch.cuda.get_device_properties(dev)
+        info.update(name=p.name, capability=f"sm_{p.major}{p.minor}", sms=p.multi_processor_count,
+                    memory_GiB=round(p.total_memory / 2 ** 30, 1), cuda=torch.version.cuda)
+    else:
+        info["name"] = "cpu"
+    return info
+
+
+def format_table(rows: list[dict], timed: bool = True) -> str:
+    """One line per (case, peer): op | case | ours_us | peer | peer_us | ours/peer | GB/s | TFLOP/s | roof_us |
+    check (``timed=False``: op | case | check), as a Markdown table."""
+    def f(v, spec=".4g"):
+        return "-" if v is None else format(v, spec) if isinstance(v, float) else str(v)
+
+    def chk(c):
+        return ("ok" if c.get("ok") else "FAIL") + (f" ({c['summary']})" if c.get("summary") else "")
+
+    lines = []
+    for r in rows:
+        head = [r["op"], r["case"]]
+        check = chk(r["check"]) + (f" [{r['error'][:60]}]" if r.get("error") else "")
+        if not timed:
+            lines.append(head + [check])
+            continue
+        ours = [f(r.get("ours_us"), ".1f")]
+        tail = [f(r.get("GBps"), ".0f"), f(r.get("TFLOPs"), ".1f"), f(r.get("roof_us"), ".1f"), check]
+        peers = r.get("peers") or [{}]
+        for p in peers:
+            pc = p.get("check", {}).get("summary", "") if "error" not in p else p["error"][:40]
+            name = (p.get("name", "-") + (f" ({pc})" if pc else "")) if p else "-"
+            lines.append(head + ours + [name, f(p.get("us"), ".1f"), f(p.get("ratio"), ".2f")] + tail)
+    cols = ["op", "case", "check"] if not timed else \
+        ["op", "case", "ours_us", "peer", "peer_us", "ours/peer", "GB/s", "TFLOP/s", "roof_us", "check"]
+    widths = [max(len(c), *(len(line[i]) for line in lines)) if lines else len(c) for i, c in enumerate(cols)]
+    # a header rule makes the table a Markdown table as printed (for BENCHMARKS.md)
+    out = [" | ".join(c.ljust(w) for c, w in zip(cols, widths)).rstrip(), " | ".join("-" * w for w in widths)]
+    out += [" | ".join(v.ljust(w) for v, w in zip(line, widths)).rstrip() for line in lines]
+    return "\n".join(out)
+
+
+def write_json(report: dict, path: str) -> None:
+    with open(path, "w") as fh:
+        json.dump(report, fh, indent=1, default=str)
+
+
+def plot(rows: list[dict], ceilings: dict, path: str, title: str = "") -> bool:
+    """Time vs context for the two sweeps (ours, each peer, the roofline); False if matplotlib is missing."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, axes = plt.subplots(1, len(PLOT_SWEEPS), figsize=(6 * len(PLOT_SWEEPS), 4.2))
+    for ax, (sweep, label) in zip(axes, PLOT_SWEEPS.items()):
+        pts = sorted((r for r in rows if r.get("sweep") == sweep and r.get("ours_us")), key=lambda r: r["context"])
+        ax.set_title(label, fontsize=10)
+        if not pts:
+            ax.text(0.5, 0.5, "not measured", ha="center", va="center", transform=ax.transAxes)
+            continue
+        x = [r["context"] for r in pts]
+        ax.plot(x, [r["ours_us"] for r in pts], "o-", color="C0", label="flashdsa (Triton)")
+        names = list(dict.fromkeys(p["name"] for r in pts for p in r["peers"] if p.get("us")))
+        for i, name in enumerate(names):
+            xy = [(r["context"], p["us"]) for r in pts for p in r["peers"] if p["name"] == name and p.get("us")]
+            ax.plot(*zip(*xy), "s-", color=f"C{i + 1}", label=name)
+        roof = [(r["context"], r["roof_us"]) for r in pts if r.get("roof_us")]
+        if roof:
+            ax.plot(*zip(*roof), "k--", label=f"roofline ({_ceilings_text(ceilings)})")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(x, [_ctx_name(c) for c in x])
+        ax.set_xlabel("context (tokens per request)")
+        ax.set_ylabel("µs (median)")
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def _ceilings_text(c: dict) -> str:
+    rate = lambda key: "-" if not c.get(key) else f"{c[key]:.0f}"  # noqa: E731
+    return (f"measured copy {c.get('copy_GBps', 0) / 1e3:.2f} TB/s, bf16 mm {rate('bf16_TFLOPs')}, "
+            f"fp8 mm {rate('fp8_TFLOPs')} TFLOP/s")
+
+
+def _check_out_path(name: str, path: str | None) -> None:
+    if path is not None and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+        raise ValueError(f"{name}: the folder of {path!r} does not exist")
+
+
+def _use_interpreter() -> None:
+    """Triton's interpreter for CPU tensors; it must be on before our kernels are defined (first import)."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return
+    if any(m.startswith("flashdsa.ops.") and m.endswith(".triton") for m in sys.modules):
+        raise ValueError("cpu-check: Triton kernels were already compiled for the GPU in this process; "
+                         "run it in a fresh one (or set TRITON_INTERPRET=1)")
+    os.environ["TRITON_INTERPRET"] = "1"
+
+
+def replay(report_path: str, plot_path: str | None = None, out=None) -> int:
+    """The table (and the plot) of a saved ``--json`` report, measuring nothing: plot a GPU run elsewhere."""
+    say = lambda s="": print(s, file=out or sys.stdout, flush=True)  # noqa: E731
+    try:
+        with open(report_path) as fh:
+            report = json.load(fh)
+        rows, info = report["rows"], report["device"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"from-json: cannot read a flashdsa bench report from {report_path!r} ({e})") from e
+    say(f"flashdsa bench (from {report_path}): {info.get('name')} | {report.get('date')}")
+    if report.get("ceilings"):
+        say(f"ceilings: {_ceilings_text(report['ceilings'])}")
+    say(format_table(rows, timed=bool(report.get("measured"))))
+    if plot_path:
+        if not report.get("measured"):
+            say("no plot: nothing was timed")
+        elif plot(rows, report["ceilings"], plot_path, f"flashdsa bench on {info.get('name')}, "
+                                                       f"{str(report.get('date'))[:10]}"):
+            say(f"wrote {plot_path}")
+        else:
+            say("no plot: matplotlib does not import (pip install 'flashdsa[bench]')")
+    return 0 if report.get("ok") else 1
+
+
+def run_bench(ops: str | tuple[str, ...] = OPS, quick: bool = False, json_path: str | None = None,
+              plot_path: str | None = None, peer_libs: str | None = None, cpu_check: bool = False,
+              graph: bool = True, from_json: str | None = None, out=None) -> int:
+    """``flashdsa bench``. Returns the exit code: 0, or 1 if a check failed. ValueError for bad arguments."""
+    out = out or sys.stdout
+    ops = parse_ops(ops) if isinstance(ops, str) else parse_ops(",".join(ops))
+    _check_out_path("json", json_path)
+    _check_out_path("plot", plot_path)
+    if peer_libs is not None and not os.path.isdir(peer_libs):
+        raise ValueError(f"peer-libs: no such folder: {peer_libs!r}")
+    if from_json is not None:
+        return replay(from_json, plot_path, out)
+    say = lambda s="": print(s, file=out, flush=True)  # noqa: E731
+    report: dict[str, Any] = {"flashdsa": _version(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
+                              "args": {"ops": list(ops), "quick": quick, "cpu_check": cpu_check, "graph": graph,
+                                       "peer_libs": peer_libs}}
+    status = peer_status(peer_libs)
+    report["peers"] = status
+    peers_line = " | ".join(f"{n} {'yes' if s['ok'] else 'no'}" for n, s in status.items())
+    timed = torch.cuda.is_available() and not cpu_check
+
+    if not timed and not cpu_check:  # CPU: say what we would measure and why we cannot
+        todo = cases(ops, quick)
+        dev = device_info(torch.device("cpu"))
+        report.update(device=dev, measured=False, rows=[], ok=True,
+                      reason="no CUDA device: Triton kernels and the peers need a GPU",
+                      cases=[{"op": c.op, "case": c.name, "peers": peers_of(c)} for c in todo])
+        say("flashdsa bench: no CUDA device here, so nothing can be timed.")
+        say(f"  would time {len(todo)} case(s) of {', '.join(ops)}{' (--quick)' if quick else ''}:")
+        width = max(len(c.name) for c in todo) if todo else 0
+        for c in todo:
+            say(f"    {c.op:<11}{c.name:<{width}}  vs {peers_of(c)}")
+        say("  cannot measure on CPU: kernel times, the card's copy bandwidth and matmul rates (the roofline),")
+        say("  the peers' times (DeepGEMM, FlashMLA and fast_topk are CUDA kernels).")
+        say("  peers importable here: " + "; ".join(f"{n}: {'yes' if s['ok'] else 'no (' + s['why'] + ')'}"
+                                                    for n, s in status.items()))
+        say("  correctness on CPU: flashdsa bench --cpu-check [--quick] (tiny shapes, Triton interpreter vs torch)")
+        if json_path:
+            write_json(report, json_path)
+            say(f"  wrote {json_path}")
+        if plot_path:
+            say("  no plot: nothing was timed")
+        return 0
+
+    if cpu_check:
+        _use_interpreter()
+        dev = torch.device("cpu")
+    else:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    todo = cases(ops, quick, tiny=cpu_check)
+    info = device_info(dev)
+    report["device"] = info
+    t0 = time.time()
+    ceilings = measure_ceilings(dev) if timed else None
+    report["ceilings"] = ceilings
+    if timed:
+        say(f"flashdsa bench: {info['name']} ({info['capability']}, {info['sms']} SMs) | torch {info['torch']} | "
+            f"triton {info['triton']} | {report['date']}")
+        say(f"ceilings: {_ceilings_text(ceilings)}")
+        say(f"peers: {peers_line}")
+    rows: list[dict] = []
+    progress = _Progress(len(todo))
+    for c in todo:
+        progress.start(f"{c.op}: {c.name}")
+        new = run_case(c, dev, status, ceilings, graph)
+        progress.done([_note(r) for r in new] if timed else [])
+        rows += new
+        if timed:
+            torch.cuda.empty_cache()
+    progress.close()
+    ok = all(r["check"].get("ok") for r in rows)
+    report.update(measured=timed, rows=rows, ok=ok, seconds=round(time.time() - t0, 1))
+
+    if timed:
+        say(format_table(rows))
+        say("ours/peer < 1: ours faster. GB/s, TFLOP/s: ours, valid work only. roof_us: max(bytes / copy, "
+            "FLOPs / matmul rate) at the measured ceilings. Times: median of do_bench" +
+            (" over a CUDA-graph replay." if graph else ", plain calls."))
+    else:
+        say(format_table(rows, timed=False))
+        n_ok = sum(bool(r["check"].get("ok")) for r in rows)
+        say(f"cpu-check: {n_ok}/{len(rows)} ok (tiny shapes, Triton interpreter vs torch reference; nothing timed)"
+            f" in {report['seconds']} s")
+    if json_path:
+        write_json(report, json_path)
+        say(f"wrote {json_path}")
+    if plot_path:
+        if not timed:
+            say("no plot: nothing was timed")
+        elif plot(rows, ceilings, plot_path, title=f"flashdsa bench on {info['name']}, {report['date'][:10]}"):
+            say(f"wrote {plot_path}")
+        else:
+            say("no plot: matplotlib does not import (pip install 'flashdsa[bench]')")
+    return 0 if ok else 1
+
+
+def _version() -> str:
+    from flashdsa import __version__
+    return __version__

@@ -1,0 +1,281 @@
+"""``flashdsa bench``: the CPU message, the CPU check (tiny shapes, Triton interpreter vs torch), the rows /
+table / JSON of a timed run (timer faked on CPU), the plot, argument errors; one GPU smoke run."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+
+from flashdsa import bench as B
+from flashdsa.cli import main
+
+HAS_CUDA = torch.cuda.is_available()
+cpu_only = pytest.mark.skipif(HAS_CUDA, reason="the CPU paths (no CUDA / interpreter) only")
+CEILINGS = {"copy_GBps": 4270.0, "bf16_TFLOPs": 730.0, "fp8_TFLOPs": 1270.0}
+
+
+def run_cli(argv, capsys):
+    rc = main(argv)
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def fake_timer(monkeypatch, us=10.0):
+    """Every timed call runs once and 'takes' ``us`` µs (so the timed path of the driver runs on CPU)."""
+    calls = []
+
+    def time_us(fn, graph=True):
+        fn()
+        calls.append(fn)
+        return us
+    monkeypatch.setattr(B, "time_us", time_us)
+    return calls
+
+
+# ---- cases -----------------------------------------------------------------------------------------
+
+def test_cases_cover_spec_shapes_and_quick_is_a_subset():
+    full = B.cases()
+    names = {c.name for c in full}
+    for want in ("paged B64 n1 ctx~32K", "paged B64 n2 ctx~32K", "ragged 4096x16384", "top-2048 of [64, 32K]",
+                 "top-2048 of [64, 128K]", "top-2048 of [4096, 8K]", "top-2048 of [4096, 32K]",
+                 "decode fp8 B64 h128 top-2048 ctx 32K", "prefill bf16 T4096 N8K h128 top-2048",
+                 "v32 decode B64 ctx 8K", "v32 decode B64 ctx 32K"):
+        assert want in names, want
+    quick = B.cases(quick=True)
+    assert {c.name for c in quick} < names
+    assert {c.op for c in quick} == set(B.OPS)
+    for sweep in B.PLOT_SWEEPS:  # the plot needs several context points in both modes
+        assert len([c for c in quick if c.sweep == sweep]) >= 3
+        assert all("ctx" in c.params for c in full if c.sweep == sweep)
+    assert {c.kind for c in B.cases(tiny=True)} == set(B.SETUPS)  # the CPU check reaches every setup
+    assert [c.op for c in B.cases(("topk",))] == ["topk"] * 4
+
+
+def test_parse_ops():
+    assert B.parse_ops("topk, indexer") == ("indexer", "topk")  # run order, not argument order
+    assert B.parse_ops(",".join(B.OPS)) == B.OPS
+    for bad in ("", "flash", "topk,nope", ","):
+        with pytest.raises(ValueError, match="ops"):
+            B.parse_ops(bad)
+
+
+# ---- the CPU paths ---------------------------------------------------------------------------------
+
+@cpu_only
+def test_cpu_says_what_it_would_measure_and_exits_0(capsys, tmp_path):
+    path = tmp_path / "cpu.json"
+    rc, out, _ = run_cli(["bench", "--quick", "--ops", "indexer,topk", "--json", str(path)], capsys)
+    assert rc == 0
+    assert "no CUDA" in out
+    assert "paged B64 n1 ctx~32K" in out and "vs DeepGEMM" in out and "fast_topk" in out
+    assert "decode fp8" not in out  # sparse_mla was not asked for
+    assert "cannot measure" in out and "--cpu-check" in out
+    assert "DeepGEMM: no" in out and "torch.topk: yes" in out  # which peers import here
+    report = json.loads(path.read_text())
+    assert report["measured"] is False and report["rows"] == []
+    assert {c["op"] for c in report["cases"]} == {"indexer", "topk"}
+    assert report["peers"]["torch.topk"]["ok"] is True
+
+
+@cpu_only
+def test_cpu_check_quick_runs_every_op_and_reports_ok(capsys, tmp_path):
+    path = tmp_path / "check.json"
+    rc, out, _ = run_cli(["bench", "--cpu-check", "--quick", "--json", str(path), "--plot", str(tmp_path / "p.png")],
+                         capsys)
+    assert rc == 0, out
+    assert "FAIL" not in out
+    n = len(B.cases(quick=True, tiny=True)) + 3  # the layer case gives 4 rows (3 stages + step)
+    assert f"cpu-check: {n}/{n} ok" in out
+    assert "no plot: nothing was timed" in out and not (tmp_path / "p.png").exists()
+    report = json.loads(path.read_text())
+    assert report["ok"] is True and report["measured"] is False and report["ceilings"] is None
+    assert report["device"]["name"] == "cpu"
+    assert {r["op"] for r in report["rows"]} == set(B.OPS)
+    for r in report["rows"]:
+        assert r["check"]["ok"] is True and "ours_us" not in r
+    stages = [r["case"].split(": ")[-1] for r in report["rows"] if r["op"] == "layer"]
+    assert stages == ["indexer", "top-k", "attention", "step"]
+
+
+@cpu_only
+def test_cpu_check_fails_on_a_wrong_kernel(capsys, monkeypatch):
+    """A top-k 'kernel' that drops its last pick must make the check FAIL and the exit code 1."""
+    from flashdsa.ops import topk as topk_op
+    good = topk_op._IMPLS["torch"]
+
+    def broken(*args):
+        out = good(*args)
+        out[:, -1] = -1
+        return out
+    monkeypatch.setitem(topk_op._IMPLS, "triton", broken)
+    rc, out, _ = run_cli(["bench", "--cpu-check", "--quick", "--ops", "topk"], capsys)
+    assert rc == 1
+    assert "FAIL (selections differ)" in out
+
+
+def test_checks_can_fail():
+    x = torch.randn(3, 50)
+    assert B._check_logits(x, x.clone())["ok"]
+    y = x.clone()
+    y[0, 0] = float("-inf")
+    assert not B._check_logits(y, x)["ok"]  # -inf pattern
+    assert not B._check_logits(x + 0.1 * torch.randn(3, 50), x)["ok"]  # cosine
+    lengths = torch.tensor([50, 50, 20], dtype=torch.int32)
+    top = torch.topk(torch.where(torch.arange(50) < lengths[:, None], x, float("-inf")), 8, dim=1).indices
+    assert B._topk_exact(x, lengths, top, 8)["exact"]
+    worst = torch.argsort(x[:, :20], dim=1)[:, :1]  # swap one pick for the row's (in-range) lowest score
+    assert not B._topk_exact(x, lengths, torch.cat((top[:, 1:], worst), 1), 8)["exact"]
+    assert not B._topk_exact(x, lengths, torch.cat((top[:, :-1], top[:, :1]), 1), 8)["exact"]  # duplicate
+    out, lse = torch.randn(2, 4, 16), torch.randn(2, 4)
+    assert B._check_attention(out, lse, out.clone(), lse.clone())["ok"]
+    assert not B._check_attention(out, lse + 0.01, out, lse)["ok"]
+
+
+# ---- the timed path, timer faked ---------------------------------------------------------------------
+
+@cpu_only
+def test_timed_rows_table_and_roofline(monkeypatch):
+    calls = fake_timer(monkeypatch, us=10.0)
+    status = B.peer_status()
+    topk = [c for c in B.cases(tiny=True) if c.kind == "topk" and not c.params["pages"]][0]
+    (row,) = B.run_case(topk, torch.device("cpu"), status, CEILINGS)
+    R, L, k = topk.params["R"], topk.params["L"], topk.params["k"]
+    assert row["ours_us"] == 10.0 and row["check"]["ok"]
+    assert row["GBps"] == pytest.approx((4 * R * L + 4 * R * k) / 10.0 / 1e3)
+    assert row["roof_us"] == pytest.approx((4 * R * L + 4 * R * k) / CEILINGS["copy_GBps"] / 1e3)
+    assert [p["name"] for p in row["peers"]] == ["torch.topk"] and row["peers"][0]["ratio"] == 1.0
+    assert len(calls) == 2  # ours and the peer
+
+    layer = [c for c in B.cases(tiny=True) if c.kind == "layer"][0]
+    rows = B.run_case(layer, torch.device("cpu"), status, CEILINGS)
+    assert [r["check"]["ok"] for r in rows] == [True] * 4
+    assert rows[-1]["roof_us"] == pytest.approx(sum(r["roof_us"] for r in rows[:3]))  # step = its stages
+    assert rows[0]["TFLOPs"] > 0 and rows[1]["TFLOPs"] is None  # top-k moves bytes only
+
+    table = B.format_table([row] + rows)
+    head = table.splitlines()[0]
+    for col in ("op", "case", "ours_us", "peer", "peer_us", "ours/peer", "GB/s", "TFLOP/s", "roof_us", "check"):
+        assert col in head
+    assert "torch.topk" in table and "ok (same bits)" in table and "ok (stages ok)" in table
+
+
+def test_roof_us_memory_or_compute_bound():
+    mem = B.Bench(None, None, bytes=4.27e9, flops=1e9, dtype="fp8")  # 1 ms of copy, ~1 µs of fp8 math
+    assert B.roof_us(mem, CEILINGS) == pytest.approx(1000.0)
+    math = B.Bench(None, None, bytes=1e6, flops=7.3e11, dtype="bf16")  # 1 ms of bf16 math
+    assert B.roof_us(math, CEILINGS) == pytest.approx(1000.0)
+    assert B.roof_us(B.Bench(None, None, parts=(mem, math)), CEILINGS) == pytest.approx(2000.0)
+    assert B.roof_us(mem, {}) is None
+
+
+def test_json_structure(tmp_path):
+    rows = [{"op": "topk", "case": "c", "ours_us": 12.5, "peers": [{"name": "torch.topk", "us": 20.0, "ratio": 0.625}],
+             "check": {"ok": True, "summary": "same bits"}, "params": {"R": 64, "dtype": torch.float32}}]
+    path = tmp_path / "r.json"
+    B.write_json({"device": {"name": "x"}, "ceilings": CEILINGS, "rows": rows, "ok": True}, str(path))
+    got = json.loads(path.read_text())
+    assert got["rows"][0]["peers"][0]["ratio"] == 0.625 and got["ceilings"] == CEILINGS
+    assert got["rows"][0]["params"]["dtype"] == "torch.float32"  # anything else is written as text
+
+
+# ---- the plot ----------------------------------------------------------------------------------------
+
+def sweep_rows():
+    rows = []
+    for ctx in (4096, 16384, 32768, 65536):
+        rows.append({"op": "indexer", "case": f"paged {ctx}", "sweep": "indexer_paged", "context": ctx,
+                     "ours_us": ctx / 400, "roof_us": ctx / 500, "check": {"ok": True},
+                     "peers": [{"name": "DeepGEMM", "us": ctx / 380, "ratio": 0.95}]})
+        rows.append({"op": "sparse_mla", "case": f"decode {ctx}", "sweep": "sparse_decode", "context": ctx,
+                     "ours_us": 100.0, "roof_us": 60.0, "check": {"ok": True},
+                     "peers": [{"name": "FlashMLA", "error": "RuntimeError"}]})  # a failed peer is left out
+    return rows
+
+
+def test_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "bench.png"
+    assert B.plot(sweep_rows(), CEILINGS, str(path), title="synthetic")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
+    only_topk = tmp_path / "empty.png"  # no sweep rows: both panels say "not measured"
+    assert B.plot([{"op": "topk", "case": "c", "ours_us": 1.0, "peers": []}], CEILINGS, str(only_topk))
+    assert only_topk.exists()
+
+
+def test_from_json_redraws_table_and_plot(tmp_path, capsys):
+    report = {"device": {"name": "H200"}, "date": "2026-11-29T10:00:00", "ceilings": CEILINGS, "measured": True,
+              "ok": True, "rows": sweep_rows()}
+    path = tmp_path / "gpu.json"
+    B.write_json(report, str(path))
+    png = tmp_path / "from.png"
+    rc, out, _ = run_cli(["bench", "--from-json", str(path), "--plot", str(png)], capsys)
+    assert rc == 0
+    assert "paged 32768" in out and "DeepGEMM" in out and "4.27 TB/s" in out
+    assert out.splitlines()[3].startswith("---")  # the Markdown header rule under the column names
+    has_mpl = True
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        has_mpl = False
+    assert png.exists() == has_mpl
+    assert ("wrote" in out) == has_mpl and ("matplotlib does not import" in out) != has_mpl
+    path.write_text("{not json")
+    rc, out, err = run_cli(["bench", "--from-json", str(path)], capsys)
+    assert rc == 2 and err.startswith("flashdsa bench: from-json:")
+
+
+def test_plot_without_matplotlib_says_no(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    assert B.plot(sweep_rows(), CEILINGS, str(tmp_path / "x.png")) is False
+    assert not (tmp_path / "x.png").exists()
+
+
+# ---- arguments and peers -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv, name", [
+    (["--ops", "indexer,flash"], "ops"),
+    (["--json", "/no/such/folder/out.json"], "json"),
+    (["--plot", "/no/such/folder/out.png"], "plot"),
+    (["--peer-libs", "/no/such/folder"], "peer-libs"),
+], ids=["ops", "json", "plot", "peer-libs"])
+def test_bad_arguments_exit_2_naming_the_argument(argv, name, capsys):
+    rc, out, err = run_cli(["bench", *argv], capsys)
+    assert rc == 2
+    assert err.startswith(f"flashdsa bench: {name}:")
+    assert out == ""  # nothing ran
+
+
+def test_unknown_option_exits_2(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--fast"])
+    assert e.value.code == 2
+    assert "--fast" in capsys.readouterr().err
+
+
+def test_peer_libs_folder_without_libraries(tmp_path, monkeypatch):
+    if hasattr(torch.ops.sgl_kernel, "sparse_decode_fwd"):
+        pytest.skip("sgl-kernel's ops are already loaded in this process")
+    status = B.peer_status(str(tmp_path))
+    assert status["FlashMLA"]["ok"] is False and "no *.so" in status["FlashMLA"]["why"]
+    assert status["torch.topk"]["ok"] is True
+    monkeypatch.setenv("FLASHDSA_SGL_KERNEL_LIBS", str(tmp_path))  # the env var is the default folder
+    assert str(tmp_path) in B.peer_status()["fast_topk"]["why"]
+
+
+# ---- GPU -----------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_gpu_quick_topk_is_timed_and_checked(capsys, tmp_path):
+    path = tmp_path / "gpu.json"
+    rc, out, _ = run_cli(["bench", "--quick", "--ops", "topk", "--json", str(path)], capsys)
+    assert rc == 0, out
+    report = json.loads(path.read_text())
+    assert report["measured"] is True and report["ceilings"]["copy_GBps"] > 100
+    assert report["ceilings"]["bf16_TFLOPs"] > 1
+    for r in report["rows"]:
+        assert r["check"]["ok"] and r["ours_us"] > 0 and r["roof_us"] > 0
+        assert any(p["name"] == "torch.topk" and p["us"] > 0 for p in r["peers"])
