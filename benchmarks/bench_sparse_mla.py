@@ -36,23 +36,23 @@ H200 = dict(copy_GBps=4273, bf16_TFLOPs=709)
 
 # configurations tried per shape; {} is default_config(). The first case of each list runs them all.
 DECODE_CONFIGS_BIG_H = [
-    ("default", {}),                                                   # 64 heads x 512 dv, 8 warps
-    ("dv256-w4", dict(block_dv=256, num_warps=4)),                     # 64 heads x 256 dv, 4 warps
-    ("bh128-dv256-bn32", dict(block_h=128, block_dv=256, block_n=32)),  # 128 heads x 256 dv, 8 warps
-    ("bn32", dict(block_n=32)),
-    ("dv256-w4-s3", dict(block_dv=256, num_warps=4, num_stages=3)),
+    ("default", {}),                                                      # h > 64: wide, else heads_m; s3
+    ("heads_m-s3", dict(kernel="heads_m", num_stages=3, slots_ahead=True)),   # 9 tensor-core ops per step
+    ("wide-s3", dict(kernel="wide", num_stages=3, slots_ahead=True)),         # 3 tensor-core ops per step
+    ("prev-default", dict(kernel="heads_m", num_stages=2, slots_ahead=False)),  # before issue 5's tuning
+    ("splits2", dict(num_splits=2)),                                      # flash-decoding over 2 programs
 ]
 DECODE_CONFIGS_SMALL_H = [
-    ("default", {}),
-    ("small_h-w8", dict(kernel="small_h", num_warps=8, block_n=64)),
-    ("bh16-dv256", dict(kernel="heads_m", block_h=16, block_n=32, block_dv=256, num_warps=4)),
-    ("splits1", dict(num_splits=1)),
+    ("default", {}),                                                      # h 17..32: 64-head tiles; <= 16: 16
+    ("bh64-w8-s3", dict(kernel="heads_m", block_h=64, block_n=64, num_warps=8, num_stages=3, slots_ahead=True)),
+    ("bh16-w4-s3", dict(kernel="heads_m", block_h=16, block_n=32, num_warps=4, num_stages=3, slots_ahead=True)),
+    ("prev-default", dict(kernel="heads_m", block_h=16, block_n=32, num_warps=4, num_stages=2, slots_ahead=False)),
 ]
 PREFILL_CONFIGS = [
-    ("default", {}),
-    ("dv256-w4", dict(block_dv=256, num_warps=4)),
-    ("dv256-w4-s3", dict(block_dv=256, num_warps=4, num_stages=3)),
-    ("bh128-dv256-bn32", dict(block_h=128, block_dv=256, block_n=32)),
+    ("default", {}),                                                      # heads_m 64 x 64, 2 stages, in-step slots
+    ("default-hot64", {}),    # same kernel, every step reads the same 64 rows (L2 / L1 hot): the math ceiling
+    ("wide-s2", dict(kernel="wide", num_stages=2)),
+    ("bn32-s3", dict(block_n=32, num_stages=3, slots_ahead=True)),
 ]
 
 
@@ -174,6 +174,7 @@ def run_decode(B, s_q, h_q, configs, peer_ok, graph, rows):
         try:
             extra = agreement(fn, out, lse) if knobs else info
             us = timed(fn, graph)
+            extra = dict(extra, res=resources(lambda: decode_launch(q, cache, idx, knobs)))
         except Exception as e:  # noqa: BLE001 - a configuration that does not compile is reported, not fatal
             print(f"  {cname:12s} failed: {e!r:.200}")
             rows.append(dict(case=name, config=cname, error=repr(e)[:120]))
@@ -222,10 +223,14 @@ def run_prefill(T, N, h_q, configs, peer_ok, graph, rows):
             info["peer_error"] = repr(e)[:160]
     print(f"{name}: " + ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in info.items()))
     for cname, knobs in configs:
-        fn = lambda: tri.sparse_mla_prefill(q, kv, idx, SM_SCALE, 512, **knobs)  # noqa: E731
+        ii = idx
+        if cname.endswith("hot64"):  # every step gathers the same 64 rows: what the math alone costs
+            ii = (torch.arange(TOPK, device=dev, dtype=torch.int32) % min(64, N)).expand_as(idx).contiguous()
+        fn = lambda: tri.sparse_mla_prefill(q, kv, ii, SM_SCALE, 512, **knobs)  # noqa: E731
         try:
-            extra = agreement(fn, out, lse) if knobs else info
+            extra = {} if ii is not idx else agreement(fn, out, lse) if knobs else info
             us = timed(fn, graph)
+            extra = dict(extra, res=resources(lambda: prefill_launch(q, kv, ii, knobs)))
         except Exception as e:  # noqa: BLE001
             print(f"  {cname:12s} failed: {e!r:.200}")
             rows.append(dict(case=name, config=cname, error=repr(e)[:120]))
@@ -244,17 +249,47 @@ def agreement(fn, out, lse) -> dict:
                 vs_default_ok=same_inf and cd < 1e-5 and lse_err < 1e-3 and not torch.isnan(o).any().item())
 
 
+def decode_launch(q, cache, idx, knobs):
+    """One launch of the configuration through the launcher, returning the compiled main kernel."""
+    B, s_q, h_q, _ = q.shape
+    q3, i2 = q.reshape(B * s_q, h_q, 576), idx.reshape(B * s_q, idx.shape[-1])
+    cfg = dict(tri.default_config(h_q, "fp8", B * s_q, i2.shape[1], q.device), **knobs)
+    out = torch.empty(B * s_q, h_q, 512, dtype=torch.bfloat16, device=q.device)
+    lse = torch.empty(B * s_q, h_q, dtype=torch.float32, device=q.device)
+    return tri._launch(cfg, q3, cache, cache.stride(0), cache.stride(1), cache.shape[0] * PAGE_SIZE, "fp8", i2,
+                       SM_SCALE, 512, None, out, lse)
+
+
+def prefill_launch(q, kv, idx, knobs):
+    T, h_q, _ = q.shape
+    cfg = dict(tri.default_config(h_q, "bf16", T, idx.shape[1], q.device), **knobs)
+    out = torch.empty(T, h_q, 512, dtype=torch.bfloat16, device=q.device)
+    lse = torch.empty(T, h_q, dtype=torch.float32, device=q.device)
+    return tri._launch(cfg, q, kv, PAGE_SIZE * kv.stride(0), kv.stride(0), kv.shape[0], "bf16", idx, SM_SCALE, 512,
+                       None, out, lse)
+
+
+def resources(launch) -> str:
+    """'registers / spills / shared bytes' of the compiled main kernel ('-' under the interpreter)."""
+    try:
+        k = launch()
+        return f"{k.n_regs}/{k.n_spills}/{k.metadata.shared}"
+    except Exception:  # noqa: BLE001 - the interpreter returns no compiled kernel
+        return "-"
+
+
 def add_row(rows, name, cname, us, flop, byts, peer_us, info):
     tf, gbs = flop / us / 1e6, byts / us / 1e3
     row = dict(case=name, config=cname, us=round(us, 1), TFLOPs=round(tf, 1), GBps=round(gbs),
                pct_bf16_peak=round(100 * tf / H200["bf16_TFLOPs"]), pct_copy=round(100 * gbs / H200["copy_GBps"]),
                peer_us=None if peer_us is None else round(peer_us, 1),
                ratio=None if peer_us is None else round(us / peer_us, 3))
-    row.update({k: v for k, v in info.items() if k.startswith(("ref_", "peer_", "vs_default"))})
+    row.update({k: v for k, v in info.items() if k.startswith(("ref_", "peer_", "vs_default", "res"))})
     rows.append(row)
     peer = "-" if peer_us is None else f"{peer_us:.1f}"
     ratio = "-" if peer_us is None else f"{us / peer_us:.2f}"
-    print(f"  {cname:12s} {us:8.1f} us | {tf:6.1f} TFLOP/s | {gbs:6.0f} GB/s | peer {peer} us | ratio {ratio}")
+    print(f"  {cname:12s} {us:8.1f} us | {tf:6.1f} TFLOP/s | {gbs:6.0f} GB/s | peer {peer} us | ratio {ratio} | "
+          f"regs/spills/smem {info.get('res', '-')}")
 
 
 def main() -> int:
@@ -286,16 +321,16 @@ def main() -> int:
         decode_cases = [(64, 1, 128, big), (64, 1, 16, small)]
         prefill_cases = [(4096, 8192, 128, pre)]
     else:
-        decode_cases = [(64, 1, 128, big), (128, 1, 128, big[:3]), (64, 2, 128, big[:3]), (128, 2, 128, big[:2]),
-                        (128, 2, 64, big[:2]), (64, 1, 32, small), (64, 1, 16, small), (128, 2, 16, small[:1])]
-        prefill_cases = [(4096, 8192, 128, pre), (4096, 32768, 128, pre[:2]), (4096, 32768, 64, pre[:2])]
+        decode_cases = [(64, 1, 128, big), (128, 1, 128, big[:1]), (64, 2, 128, big[:1]), (128, 2, 128, big[:1]),
+                        (128, 2, 64, big[:3]), (64, 1, 32, small), (64, 1, 16, small), (128, 2, 16, small[:1])]
+        prefill_cases = [(4096, 8192, 128, pre), (4096, 32768, 64, pre[:1])]
     for B, s_q, h_q, cfgs in decode_cases:
         run_decode(B, s_q, h_q, cfgs, peer_ok, graph, rows)
     for T, N, h_q, cfgs in prefill_cases:
         run_prefill(T, N, h_q, cfgs, peer_ok, graph, rows)
     print(f"total {time.time() - t0:.0f} s")
     write_json(rows, "bench_sparse_mla")
-    cols = ("case", "config", "us", "TFLOPs", "GBps", "pct_bf16_peak", "pct_copy", "peer_us", "ratio", "ref_ok",
+    cols = ("case", "config", "us", "TFLOPs", "GBps", "pct_bf16_peak", "pct_copy", "peer_us", "ratio", "res", "ref_ok",
             "ref_max_abs", "ref_cos_diff", "peer_max_abs", "peer_cos_diff", "vs_default_ok", "error")
     print_table([{k: r[k] for k in cols if k in r} for r in rows],
                 "sparse MLA: ours (Triton) vs FlashMLA, H200 ceilings 709 bf16 TFLOP/s, 4273 GB/s copy")

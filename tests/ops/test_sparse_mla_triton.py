@@ -90,6 +90,7 @@ DECODE_CASES = [
     pytest.param("bf16", 1, 1, 128, 63, 2, id="bf16-B1-s1-H128-k63"),
     pytest.param("fp8_raw", 1, 2, 16, 64, 2, id="raw-B1-s2-H16-k64"),
     pytest.param("fp8_raw", 1, 1, 64, 1, 1, id="raw-B1-s1-H64-k1"),
+    pytest.param("fp8_raw", 1, 1, 100, 70, 2, id="raw-B1-s1-H100-k70"),
 ]
 
 
@@ -115,6 +116,11 @@ VARIANTS = [
     pytest.param(dict(kernel="heads_m", block_h=16, block_n=32), id="heads_m-BH16-BN32"),
     pytest.param(dict(kernel="heads_m", block_h=32, block_dv=256, num_splits=2), id="heads_m-BH32-DV256-split2"),
     pytest.param(dict(kernel="heads_m", block_h=64, block_dv=128, block_n=16), id="heads_m-BH64-DV128-BN16"),
+    pytest.param(dict(kernel="heads_m", block_h=16, block_n=16, slots_ahead=False), id="heads_m-BH16-in-step-slots"),
+    pytest.param(dict(kernel="small_h", slots_ahead=True, num_splits=2), id="small_h-slots-ahead-split2"),
+    pytest.param(dict(kernel="wide", block_h=16, block_n=32), id="wide-BH16-BN32"),
+    pytest.param(dict(kernel="wide", block_h=32, block_n=16, slots_ahead=False, num_splits=3),
+                 id="wide-BH32-BN16-split3"),
 ]
 
 
@@ -282,7 +288,7 @@ def test_unknown_knob_is_rejected(device):
     cache = make_cache("bf16", 1, device)
     q = torch.randn(1, 1, 4, 576, device=device).to(torch.bfloat16)
     idx = torch.zeros(1, 1, 4, dtype=torch.int32, device=device)
-    for bad in (dict(blockh=16), dict(block_dv=384), dict(block_n=8), dict(kernel="flash")):
+    for bad in (dict(blockh=16), dict(block_dv=384), dict(block_n=8), dict(kernel="flash"), dict(slots_ahead=1)):
         with pytest.raises(ValueError, match="knobs"):
             tri.sparse_mla_decode(q, cache, idx, SM_SCALE, 512, None, **bad)
 

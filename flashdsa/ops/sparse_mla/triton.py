@@ -1,13 +1,15 @@
 """Sparse MLA in Triton: decode over the paged caches (fp8 656 B, bf16, raw fp8 576 B) and prefill over
-gathered bf16 KV, with one pair of flash-attention kernels for both.
+gathered bf16 KV, with the same flash-attention kernels for both.
 
 Absorbed / MQA form: every query head of a row attends to the SAME selected tokens, so a program owns
 one query row and a block of heads, gathers BLOCK_N selected KV rows per step once, dequantises them
-once and uses the same tiles as K (576 dims: 4 x 128 latent + 64 rope) and as V (the first d_v latent
-dims). ``sparse_mla_fwd_kernel`` puts the heads on the tensor-core M side (h_q > 32, fp8 at any h_q);
-``sparse_mla_fwd_small_h_kernel`` computes the transposed product so that 16 or 32 heads still use
-wgmma. Few rows with long top-k lists split the list over programs (flash-decoding) and
-``sparse_mla_combine_kernel`` merges the partial (out, lse) pairs. Design and roofline: README.md.
+once and uses the same tiles as K (576 dims: 512 latent + 64 rope) and as V (the first d_v latent
+dims). ``sparse_mla_fwd_kernel`` puts the heads on the tensor-core M side with the latent in four
+128-dim chunks (bf16 at h_q > 32, fp8 at h_q <= 64); ``sparse_mla_fwd_wide_kernel`` is the same with
+the latent as one 512-dim tile (fp8 at h_q > 64); ``sparse_mla_fwd_small_h_kernel`` computes the
+transposed product so that 16 or 32 heads still use wgmma (bf16). Few rows with long top-k lists split
+the list over programs (flash-decoding) and ``sparse_mla_combine_kernel`` merges the partial (out, lse)
+pairs. Design, measurements and roofline: README.md.
 """
 
 from __future__ import annotations
@@ -95,19 +97,43 @@ def _load_rope(p_row, valid, kv_scale, FMT: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _gather_rows(p_idx, k0, k_end, n_slots, kv, stride_kv_page, stride_kv_row, BLOCK_N: tl.constexpr):
-    """Slots k0 .. k0 + BLOCK_N of a row's top-k list -> (row pointers [BLOCK_N], valid [BLOCK_N]).
+def _load_slots(p_idx, k0, k_end, BLOCK_N: tl.constexpr):
+    """Slots k0 .. k0 + BLOCK_N of a row's top-k list [BLOCK_N] int32; -1 past k_end."""
+    o_n = k0 + tl.arange(0, BLOCK_N)
+    return tl.load(p_idx + o_n, mask=o_n < k_end, other=-1)
 
-    -1, any negative slot, a slot >= n_slots and positions >= k_end are invalid: their pointer is
+
+@triton.jit
+def _slot_rows(b_slot, n_slots, kv, stride_kv_page, stride_kv_row):
+    """Slots [BLOCK_N] -> (row pointers [BLOCK_N], valid [BLOCK_N]).
+
+    -1, any negative slot, a slot >= n_slots and positions past the list are invalid: their pointer is
     clamped to slot 0 and every load of them is masked, so they are never dereferenced.
     """
-    o_n = k0 + tl.arange(0, BLOCK_N)
-    # [BLOCK_N]
-    b_slot = tl.load(p_idx + o_n, mask=o_n < k_end, other=-1)
     valid = (b_slot >= 0) & (b_slot < n_slots)
     b_slot = tl.where(valid, b_slot, 0)
     p_row = kv + (b_slot // 64).to(tl.int64) * stride_kv_page + (b_slot % 64).to(tl.int64) * stride_kv_row
     return p_row, valid
+
+
+@triton.jit
+def _step_rows(b_slot, p_idx, k0, k_end, n_slots, kv, stride_kv_page, stride_kv_row, BLOCK_N: tl.constexpr,
+               SLOTS_AHEAD: tl.constexpr):
+    """Row pointers and validity of step k0 -> (p_row, valid, slots carried to the next step).
+
+    SLOTS_AHEAD: b_slot holds this step's slots (loaded one step earlier) and the next step's are loaded
+    now. The gathers then depend on a loop-carried value instead of a load of the same step, so Triton's
+    pipeliner can issue them num_stages - 1 steps ahead; with the slots loaded in-step, it issues a
+    step's gathers at the end of the previous step, after its math (no overlap). Ahead pays with
+    num_stages >= 3 (fp8 decode: -8 %); at 2 stages it costs registers (bf16 prefill: +7 %).
+    """
+    if SLOTS_AHEAD:
+        p_row, valid = _slot_rows(b_slot, n_slots, kv, stride_kv_page, stride_kv_row)
+        b_slot = _load_slots(p_idx, k0 + BLOCK_N, k_end, BLOCK_N)
+    else:
+        p_row, valid = _slot_rows(_load_slots(p_idx, k0, k_end, BLOCK_N), n_slots, kv, stride_kv_page,
+                                  stride_kv_row)
+    return p_row, valid, b_slot
 
 
 @triton.jit
@@ -148,7 +174,8 @@ def sparse_mla_fwd_kernel(
     n_slots, h_q, topk, tokens_per_split, num_splits, num_head_blocks,
     qk_scale, kv_scale,
     D_V: tl.constexpr, FMT: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, SLOTS_AHEAD: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     """Heads on the M side: one (query row, BLOCK_H heads, BLOCK_DV value dims, top-k split) per program.
 
@@ -199,8 +226,10 @@ def sparse_mla_fwd_kernel(
     k_start = i_split * tokens_per_split
     k_end = tl.minimum(k_start + tokens_per_split, topk)
     p_idx = idx + i_row * stride_i_row
+    b_slot = _load_slots(p_idx, k_start, k_end, BLOCK_N)
     for k0 in range(k_start, k_end, BLOCK_N):
-        p_row, valid = _gather_rows(p_idx, k0, k_end, n_slots, kv, stride_kv_page, stride_kv_row, BLOCK_N)
+        p_row, valid, b_slot = _step_rows(b_slot, p_idx, k0, k_end, n_slots, kv, stride_kv_page, stride_kv_row,
+                                          BLOCK_N, SLOTS_AHEAD)
         # [BLOCK_N, 128] x 4 latent chunks (K, and V for the first BLOCK_DV // 128), [BLOCK_N, 64] rope; bf16
         b_k0 = _dot_in(_load_chunk(p_row, valid, c0, kv_scale, FMT, UPCAST), UPCAST)
         b_k1 = _dot_in(_load_chunk(p_row, valid, c1, kv_scale, FMT, UPCAST), UPCAST)
@@ -247,6 +276,93 @@ def sparse_mla_fwd_kernel(
 
 
 @triton.jit
+def _load_latent(p_row, valid, kv_scale, BLOCK_N: tl.constexpr, FMT: tl.constexpr, UPCAST: tl.constexpr):
+    """All 512 latent dims of BLOCK_N gathered rows -> [BLOCK_N, 512] bf16, dequantised (one tile, so that
+    the score and value products are one tensor-core op each)."""
+    o_d = tl.arange(0, 512)
+    if FMT == 0:
+        # [BLOCK_N, 512] bf16
+        b_k = tl.load(p_row[:, None] + o_d[None, :], mask=valid[:, None], other=0.0)
+    elif FMT == 1:
+        # [BLOCK_N, 4] fp32 scales at byte 512 of each row, one per 128 dims
+        o_g = tl.arange(0, 4)
+        p_s = (p_row + 512).to(tl.pointer_type(tl.float32))
+        b_sc = tl.load(p_s[:, None] + o_g[None, :], mask=valid[:, None], other=0.0)
+        # [BLOCK_N, 512] e4m3 bytes -> fp32, scaled per 128-dim group, rounded once to bf16
+        b_u = tl.load(p_row[:, None] + o_d[None, :], mask=valid[:, None], other=0)
+        b_f = tl.reshape(b_u.to(tl.float8e4nv, bitcast=True).to(tl.float32), [BLOCK_N, 4, 128]) * b_sc[:, :, None]
+        b_k = _cast(tl.reshape(b_f, [BLOCK_N, 512]), tl.bfloat16, UPCAST)
+    else:
+        # [BLOCK_N, 512] e4m3 bytes, one per-tensor scale
+        b_u = tl.load(p_row[:, None] + o_d[None, :], mask=valid[:, None], other=0)
+        b_k = _cast(b_u.to(tl.float8e4nv, bitcast=True).to(tl.float32) * kv_scale, tl.bfloat16, UPCAST)
+    return b_k
+
+
+@triton.jit
+def sparse_mla_fwd_wide_kernel(
+    q, kv, idx, out, lse,
+    stride_q_row, stride_q_h,
+    stride_kv_page, stride_kv_row,
+    stride_i_row,
+    stride_o_row, stride_o_split, stride_o_h,
+    stride_l_row, stride_l_split,
+    n_slots, h_q, topk, tokens_per_split, num_splits, num_head_blocks,
+    qk_scale, kv_scale,
+    D_V: tl.constexpr, FMT: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SLOTS_AHEAD: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """The contract of :func:`sparse_mla_fwd_kernel` (all D_V value dims per program) with the 512
+    latent dims as one tile: three tensor-core ops per step (rope scores, latent scores, P V as
+    m64n256 wgmma) instead of nine, so three shared-memory fence / issue / drain rounds instead of nine.
+    fp8 rows are dequantised as one [BLOCK_N, 512] tile scaled per 128-dim group through a
+    [BLOCK_N, 4, 128] view. Measured (H200, Triton 3.6): fp8 decode h 128 4 % faster than the chunked
+    kernel; bf16 prefill 13 % slower (it spills there), so prefill keeps the chunked kernel."""
+    i_hb = tl.program_id(0) % num_head_blocks
+    i_rest = tl.program_id(0) // num_head_blocks
+    i_split = i_rest % num_splits
+    i_row = (i_rest // num_splits).to(tl.int64)
+
+    o_h = i_hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    m_h = o_h < h_q
+    o_d = tl.arange(0, 512)
+    o_r = tl.arange(0, 64)
+
+    # [BLOCK_H, 512], [BLOCK_H, 64] queries, loaded once
+    p_q = q + i_row * stride_q_row + o_h[:, None].to(tl.int64) * stride_q_h
+    b_q = _dot_in(tl.load(p_q + o_d[None, :], mask=m_h[:, None], other=0.0), UPCAST)
+    b_qr = _dot_in(tl.load(p_q + 512 + o_r[None, :], mask=m_h[:, None], other=0.0), UPCAST)
+
+    b_m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    b_l = tl.zeros([BLOCK_H], dtype=tl.float32)
+    b_acc = tl.zeros([BLOCK_H, 512], dtype=tl.float32)
+
+    k_start = i_split * tokens_per_split
+    k_end = tl.minimum(k_start + tokens_per_split, topk)
+    p_idx = idx + i_row * stride_i_row
+    b_slot = _load_slots(p_idx, k_start, k_end, BLOCK_N)
+    for k0 in range(k_start, k_end, BLOCK_N):
+        p_row, valid, b_slot = _step_rows(b_slot, p_idx, k0, k_end, n_slots, kv, stride_kv_page, stride_kv_row,
+                                          BLOCK_N, SLOTS_AHEAD)
+        # [BLOCK_N, 512] latent (K and V), [BLOCK_N, 64] rope; bf16
+        b_k = _dot_in(_load_latent(p_row, valid, kv_scale, BLOCK_N, FMT, UPCAST), UPCAST)
+        b_kr = _dot_in(_load_rope(p_row, valid, kv_scale, FMT, UPCAST), UPCAST)
+        b_s = tl.dot(b_qr, tl.trans(b_kr))
+        b_s = tl.dot(b_q, tl.trans(b_k), b_s)
+        b_s = tl.where(valid[None, :], b_s * qk_scale, float("-inf"))
+        b_p, b_alpha, b_m, b_l = _online_softmax(b_s, b_m, b_l, 1)
+        b_acc = tl.dot(_p_operand(b_p, UPCAST), b_k, b_acc * b_alpha[:, None])
+
+    b_empty = b_l == 0.0
+    b_l = tl.where(b_empty, 1.0, b_l)
+    b_lse = tl.where(b_empty, float("-inf"), (b_m + tl.log2(b_l)) * 0.6931471805599453)  # ln 2
+    tl.store(lse + i_row * stride_l_row + i_split * stride_l_split + o_h, b_lse, mask=m_h)
+    p_o = out + i_row * stride_o_row + i_split * stride_o_split + o_h[:, None].to(tl.int64) * stride_o_h
+    tl.store(p_o + o_d[None, :], _cast(b_acc * (1.0 / b_l[:, None]), out.dtype.element_ty, UPCAST),
+             mask=m_h[:, None] & (o_d[None, :] < D_V))
+
+
+@triton.jit
 def sparse_mla_fwd_small_h_kernel(
     q, kv, idx, out, lse,
     stride_q_row, stride_q_h,
@@ -257,7 +373,7 @@ def sparse_mla_fwd_small_h_kernel(
     n_slots, h_q, topk, tokens_per_split, num_splits, num_head_blocks,
     qk_scale, kv_scale,
     D_V: tl.constexpr, FMT: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SLOTS_AHEAD: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """Heads on the N side, for few heads (tensor-parallel shards of 16 or 32): the contract of
     :func:`sparse_mla_fwd_kernel`, computed transposed, ``S^T = K Q^T`` [BLOCK_N, BLOCK_H] and
@@ -292,8 +408,10 @@ def sparse_mla_fwd_small_h_kernel(
     k_start = i_split * tokens_per_split
     k_end = tl.minimum(k_start + tokens_per_split, topk)
     p_idx = idx + i_row * stride_i_row
+    b_slot = _load_slots(p_idx, k_start, k_end, BLOCK_N)
     for k0 in range(k_start, k_end, BLOCK_N):
-        p_row, valid = _gather_rows(p_idx, k0, k_end, n_slots, kv, stride_kv_page, stride_kv_row, BLOCK_N)
+        p_row, valid, b_slot = _step_rows(b_slot, p_idx, k0, k_end, n_slots, kv, stride_kv_page, stride_kv_row,
+                                          BLOCK_N, SLOTS_AHEAD)
         # [BLOCK_N, 128] x 4 latent chunks, [BLOCK_N, 64] rope; bf16
         b_k0 = _dot_in(_load_chunk(p_row, valid, 0, kv_scale, FMT, UPCAST), UPCAST)
         b_k1 = _dot_in(_load_chunk(p_row, valid, 128, kv_scale, FMT, UPCAST), UPCAST)
@@ -393,24 +511,33 @@ def sparse_mla_combine_kernel(
 
 def default_config(h_q: int, fmt: str, rows: int, topk: int, device: torch.device) -> dict:
     """Kernel configuration for a shape: which kernel, heads per program, tokens per step, value dims
-    per program, warps, pipeline stages and top-k splits (the reasoning is in README.md).
+    per program, warps, pipeline stages, whether slots are loaded a step ahead, and top-k splits
+    (measured on an H200 with Triton 3.6; the reasoning and the numbers are in README.md).
 
-    * h_q > 32: heads on M, 64 heads x all 512 value dims per program, 8 warps (the [64, 512] fp32
-      accumulator is 128 registers per thread), 64 tokens per step.
-    * h_q <= 32, bf16 cache: the heads-on-N kernel (64 tokens are the tensor-core M side).
-    * h_q <= 32, fp8 caches: heads on M with 16 heads and 32 tokens per step on 4 warps (216
-      registers, no spills; the heads-on-N kernel spills when it dequantises in registers).
+    * fp8 caches, h_q > 64: "wide" (the 512 latent dims as one tile: 3 tensor-core ops per step),
+      64 heads x 64 tokens, 8 warps, 3 stages with slots ahead (the gathers overlap a step of math).
+    * fp8 caches, 16 < h_q <= 64: the same tiles in the chunked heads-on-M kernel (64 heads even for
+      17..32 heads: wgmma and pipelined gathers beat 16-head mma.sync tiles, 108 vs 167 us).
+    * fp8 caches, h_q <= 16: heads on M with 16 heads and 32 tokens per step on 4 warps (mma.sync,
+      ~227 registers, 2 CTAs per SM), 3 stages with slots ahead.
+    * bf16 (prefill, bf16 paged cache): h_q > 32 heads-on-M 64 x 64 on 8 warps with 2 stages and the
+      slots loaded in-step (3 stages of 64-token bf16 tiles do not fit in shared memory); h_q <= 32 the
+      heads-on-N kernel (64 tokens are the tensor-core M side).
     """
-    if h_q > 32:
-        cfg = dict(kernel="heads_m", block_h=64, block_n=64, block_dv=512, num_warps=8, num_stages=2)
+    common = dict(block_dv=512, slots_ahead=fmt != "bf16")
+    if fmt == "bf16":
+        if h_q > 32:
+            cfg = dict(kernel="heads_m", block_h=64, block_n=64, num_warps=8, num_stages=2)
+        else:
+            cfg = dict(kernel="small_h", block_h=16 if h_q <= 16 else 32, block_n=64, num_warps=4, num_stages=2)
         ctas_per_sm = 1
-    elif fmt == "bf16":
-        cfg = dict(kernel="small_h", block_h=16 if h_q <= 16 else 32, block_n=64, block_dv=512,
-                   num_warps=4, num_stages=2)
+    elif h_q > 16:
+        cfg = dict(kernel="wide" if h_q > 64 else "heads_m", block_h=64, block_n=64, num_warps=8, num_stages=3)
         ctas_per_sm = 1
     else:
-        cfg = dict(kernel="heads_m", block_h=16, block_n=32, block_dv=512, num_warps=4, num_stages=2)
+        cfg = dict(kernel="heads_m", block_h=16, block_n=32, num_warps=4, num_stages=3)
         ctas_per_sm = 2
+    cfg.update(common)
     programs = rows * triton.cdiv(h_q, cfg["block_h"]) * (512 // cfg["block_dv"])
     cfg["num_splits"] = pick_num_splits(programs, topk, num_sms(device), ctas_per_sm)
     return cfg
@@ -441,7 +568,7 @@ def sparse_mla_fwd(q: torch.Tensor, kv: torch.Tensor, stride_kv_page: int, strid
     addressed by ``slot -> (slot // 64) * stride_kv_page + (slot % 64) * stride_kv_row``), ``indices
     [R, topk] int32`` (unit stride last). Returns ``out [R, h_q, d_v] bf16``, ``lse [R, h_q] f32``.
     ``knobs`` override :func:`default_config` keys (kernel, block_h, block_n, block_dv, num_warps,
-    num_stages, num_splits); the benchmark uses them to compare configurations.
+    num_stages, slots_ahead, num_splits); the benchmark uses them to compare configurations.
     """
     R, h_q, _ = q.shape
     topk = indices.shape[1]
@@ -456,22 +583,24 @@ def sparse_mla_fwd(q: torch.Tensor, kv: torch.Tensor, stride_kv_page: int, strid
         raise ValueError(f"knobs: unknown {sorted(unknown)}; expected some of {sorted(cfg)}")
     cfg.update({k: v for k, v in knobs.items() if v is not None})
     pow2 = lambda v: isinstance(v, int) and v >= 16 and v & (v - 1) == 0  # noqa: E731 - tl.dot needs >= 16
-    if (cfg["kernel"] not in ("heads_m", "small_h") or not (pow2(cfg["block_h"]) and pow2(cfg["block_n"]))
-            or cfg["block_dv"] not in (128, 256, 512)):
-        raise ValueError(f"knobs: expected kernel 'heads_m' | 'small_h', block_h and block_n powers of two "
-                         f">= 16, block_dv 128 | 256 | 512, got {cfg}")
+    if (cfg["kernel"] not in ("heads_m", "small_h", "wide") or not (pow2(cfg["block_h"]) and pow2(cfg["block_n"]))
+            or cfg["block_dv"] not in (128, 256, 512) or not isinstance(cfg["slots_ahead"], bool)):
+        raise ValueError(f"knobs: expected kernel 'heads_m' | 'small_h' | 'wide', block_h and block_n powers of "
+                         f"two >= 16, block_dv 128 | 256 | 512, slots_ahead a bool, got {cfg}")
     args = (q, kv, stride_kv_page, stride_kv_row, n_slots, fmt, indices, sm_scale, d_v, kv_scale, out, lse)
     if knobs:  # an explicit configuration runs as asked (the benchmark reports what fails)
         _launch(cfg, *args)
         return out, lse
-    # The default configurations sit close to the 227 KB shared-memory limit (sizes measured with
-    # Triton 3.9); should another Triton version need more, step down once and remember it.
+    # The default configurations sit close to the 227 KB shared-memory limit (fp8 h_q > 16: 226 KB,
+    # bf16 h_q > 32: 216 KB with Triton 3.6); should another Triton version need more, step down once
+    # (fewer stages, then 32 tokens per step) and remember it.
     key = (fmt, d_v, tuple(sorted(cfg.items())))
     cfg = _STEP_DOWN.get(key, cfg)
     try:
         _launch(cfg, *args)
     except OutOfResources as e:
-        for smaller in (dict(cfg, num_stages=1), dict(cfg, num_stages=1, block_n=32)):
+        fewer = [dict(cfg, num_stages=st) for st in range(cfg["num_stages"] - 1, 0, -1)]
+        for smaller in fewer + [dict(cfg, num_stages=1, block_n=32)]:
             try:
                 _launch(smaller, *args)
             except OutOfResources:
@@ -487,12 +616,13 @@ _STEP_DOWN: dict = {}
 
 
 def _launch(cfg, q, kv, stride_kv_page, stride_kv_row, n_slots, fmt, indices, sm_scale, d_v, kv_scale, out, lse):
-    """Launch the kernel of ``cfg`` (and the combine kernel when the top-k list is split) into out / lse."""
+    """Launch the kernel of ``cfg`` (and the combine kernel when the top-k list is split) into out / lse;
+    returns the compiled main kernel (the benchmark reports its registers, spills and shared memory)."""
     R, h_q, _ = q.shape
     topk = indices.shape[1]
     BH, BN = cfg["block_h"], cfg["block_n"]
     small_h = cfg["kernel"] == "small_h"
-    BDV = 512 if small_h else cfg["block_dv"]
+    BDV = 512 if cfg["kernel"] in ("small_h", "wide") else cfg["block_dv"]
     n_hb = triton.cdiv(h_q, BH)
     dv_parts = triton.cdiv(d_v, BDV)
     # every split but the last gets a whole number of BLOCK_N steps
@@ -517,13 +647,15 @@ def _launch(cfg, q, kv, stride_kv_page, stride_kv_row, n_slots, fmt, indices, sm
         stride_l_row=sl_row, stride_l_split=sl_split,
         n_slots=n_slots, h_q=h_q, topk=topk, tokens_per_split=per_split, num_splits=splits,
         num_head_blocks=n_hb, qk_scale=sm_scale * LOG2E, kv_scale=1.0 if kv_scale is None else float(kv_scale),
-        D_V=d_v, FMT=_FMT[fmt], BLOCK_H=BH, BLOCK_N=BN, UPCAST=upcast_bf16(),
+        D_V=d_v, FMT=_FMT[fmt], BLOCK_H=BH, BLOCK_N=BN, SLOTS_AHEAD=cfg["slots_ahead"], UPCAST=upcast_bf16(),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if small_h:
-        sparse_mla_fwd_small_h_kernel[(R * splits * n_hb,)](**args)
+        compiled = sparse_mla_fwd_small_h_kernel[(R * splits * n_hb,)](**args)
+    elif cfg["kernel"] == "wide":
+        compiled = sparse_mla_fwd_wide_kernel[(R * splits * n_hb,)](**args)
     else:
-        sparse_mla_fwd_kernel[(R * splits * dv_parts * n_hb,)](BLOCK_DV=BDV, **args)
+        compiled = sparse_mla_fwd_kernel[(R * splits * dv_parts * n_hb,)](BLOCK_DV=BDV, **args)
     if splits > 1:
         CH = min(64, max(16, triton.next_power_of_2(h_q)))
         n_chb = triton.cdiv(h_q, CH)
@@ -536,6 +668,7 @@ def _launch(cfg, q, kv, stride_kv_page, stride_kv_row, n_slots, fmt, indices, sm
             D_V=d_v, BLOCK_H=CH, BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=128, UPCAST=upcast_bf16(),
             num_warps=4,
         )
+    return compiled
 
 
 def _unit_last(t: torch.Tensor) -> torch.Tensor:
