@@ -79,6 +79,9 @@ PAGED_CASES = [
                  id="B5-n2-H8-one-page-per-program"),
     pytest.param([3, 129, 200], 3, 64, None, 5, K.PagedConfig(block_n=64, chunk=128), id="B3-n3-H64-two-steps"),
     pytest.param([130, 67], 4, 32, None, 64, None, id="B2-n4-H32"),
+    pytest.param([300, 67, 0], 2, 64, None, 3, None, id="B3-n2-H64-default-two-page-steps"),
+    pytest.param([70, 200, 5], 3, 64, None, 2, K.PagedConfig(rows=1, chunk=256, programs_per_sm=4),
+                 id="B3-n3-H64-one-row-per-group-two-page-steps"),
     pytest.param([130, 67], 5, 64, None, 1, None, id="B2-n5-H64-two-row-groups"),
     pytest.param([70, 5], 3, 1, None, 0, K.PagedConfig(rows=1), id="B2-n3-H1-one-row-per-group"),
     pytest.param([65, 130, 1], 4, 3, [[0, 65, 1, 64], [130, 63, 0, 129], [1, 0, 1, 0]], 0,
@@ -137,12 +140,13 @@ def test_paged_zero_width_and_no_rows():
 
 
 def test_paged_config_covers_long_contexts():
-    """The default split gives ~8 programs per SM and whole steps per chunk."""
+    """The default split gives whole steps per chunk, two pages a step up to 128 dot columns."""
     dev = torch.device("cpu")
-    for B, n, L in [(64, 1, 42600), (128, 1, 85000), (1, 4, 300000), (64, 4, 42600)]:
+    for B, n, L in [(64, 1, 42600), (128, 1, 85000), (1, 4, 300000), (64, 4, 42600), (64, 2, 2_000_000)]:
         G, HP, bn, chunk = K.paged_config(B, n, 64, L, dev)
         assert G * HP <= K.MAX_DOT_N and chunk % bn == 0 and 2 * bn <= chunk <= 64 * bn
-        assert -(-L // chunk) <= 65535  # grid dim 1
+        assert bn == (128 if G * HP <= 128 else 64)
+        assert -(-L // chunk) <= 65535  # grid dim 2
 
 
 # ---- ragged -------------------------------------------------------------------------------------------
@@ -427,6 +431,7 @@ def test_topk_ragged_gpu_budget():
 # ---- compiles for real GPUs (no GPU needed) -------------------------------------------------------------
 
 _COMPILE_SCRIPT = r'''
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -434,13 +439,12 @@ from flashdsa.ops.indexer import triton as K
 
 def paged(n, H, cap, fp8):
     cfg = K.PagedConfig()
-    HP = max(16, K._pow2(H))
-    G = min(K._pow2(n), max(1, K.MAX_DOT_N // HP))
+    G, HP, bn, _ = K.paged_config(64, n, H, 32768, torch.device("cpu"), cfg)
     q = "*fp8e4nv" if fp8 else "*u8"
     sig = dict(q=q, keys=q, scales="*fp32", w="*fp32", context_lens="*i32", block_table="*i32", out="*fp32",
                max_len="i32", stride_qb="i32", stride_qn="i32", stride_qh="i32", stride_w="i32", stride_bt="i32",
                stride_o="i32")
-    const = dict(NEXT_N=n, H=H, HP=HP, D=128, G=G, BLOCK_N=cfg.block_n, CHUNK=16 * cfg.block_n, PAGE=64,
+    const = dict(NEXT_N=n, H=H, HP=HP, D=128, G=G, BLOCK_N=bn, CHUNK=16 * bn, PAGE=64,
                  PAGE_BYTES=8448, KEY_BYTES=8192, FP8_DOT=fp8, NUM_STAGES=cfg.num_stages)
     sig.update(dict.fromkeys(const, "constexpr"))
     # what the JIT specialises at launch: 16-byte aligned pointers and strides that are multiples of 16

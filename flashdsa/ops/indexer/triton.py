@@ -103,12 +103,13 @@ def indexer_logits_paged_kernel(
     PAGE: tl.constexpr, PAGE_BYTES: tl.constexpr, KEY_BYTES: tl.constexpr, FP8_DOT: tl.constexpr,
     NUM_STAGES: tl.constexpr,
 ):
-    """Program (b, c, g): request b, output columns [c * CHUNK, (c + 1) * CHUNK), draft rows g * G .. g * G + G - 1.
+    """Program (g, b, c): draft rows g * G .. g * G + G - 1 of request b, output columns [c * CHUNK, (c + 1) * CHUNK).
 
     Each key page of the chunk is loaded once and scored for all G rows and all heads; columns past the
-    group's longest row are only filled with -inf (no key is read there).
+    group's longest row are only filled with -inf (no key is read there). The row groups of one (b, c)
+    are adjacent program ids: they run at the same time, and all but the first read the pages from L2.
     """
-    i_b, i_c, i_g = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_g, i_b, i_c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b64 = i_b.to(tl.int64)
 
     # [G] draft rows of this program; padded rows (j >= NEXT_N) have length 0 and are never stored
@@ -164,31 +165,35 @@ def indexer_logits_paged_kernel(
 class PagedConfig:
     """Launch shape of the paged kernel; ``None`` fields are chosen by :func:`paged_config`.
 
-    Defaults from sm_90 compiles (ptxas): one page a step and one warpgroup keep n = 4 at 230 registers
-    x 128 threads, so two programs share an SM and one's dots overlap the other's relu / head sum;
-    n = 1 fits five. The page-id load feeds the key addresses (one indirection level), and Triton puts
-    ``ceil((num_stages - 2) / 2)`` stages between them: 6 stages keep the keys two steps ahead.
+    Defaults timed on an H200 (README.md "Tuning"): two pages a step (block_n 128) while the dot is at most
+    128 columns wide (n <= 2 at H 64: 0.86x / 0.95x the time of one page a step), one page a step for
+    wider dots (n = 4: its [64, 256] fp32 accumulator already takes 128 registers a thread, two programs
+    an SM). One warpgroup: 8 warps were slower at 32K / 64K. The page-id load feeds the key addresses
+    (one indirection level), and Triton puts ``ceil((num_stages - 2) / 2)`` stages between them: 6 stages
+    keep the keys two steps ahead.
     """
-    block_n: int = 64         # key positions per loop step (64 = one page)
-    chunk: int | None = None  # output columns per program (a multiple of block_n)
-    rows: int | None = None   # draft rows per program (G); n > rows re-reads the pages once per group
+    block_n: int | None = None  # key positions per loop step (64 = one page); None: 128 or 64, see above
+    chunk: int | None = None    # output columns per program (a multiple of block_n)
+    rows: int | None = None     # draft rows per program (G); n > rows re-reads the pages once per group
     num_warps: int = 4
     num_stages: int = 6
+    programs_per_sm: int = 8    # the default chunk gives about this many programs per SM (4 and 16: slower)
+    max_regs: int | None = None  # ptxas register cap (maxnreg); n = 4 at 168 spills and runs 2.2x slower
 
 
 def paged_config(B: int, n: int, H: int, max_len: int, device: torch.device,
                  cfg: PagedConfig | None = None) -> tuple[int, int, int, int]:
     """``(G, HP, block_n, chunk)`` for a launch: G draft rows x HP heads per dot; columns split into chunks
-    so that about 8 programs per SM run (B = 64 fills 132 SMs), chunks of 2 .. 64 steps."""
+    so that about ``programs_per_sm`` (8) programs per SM exist, chunks of 2 .. 64 steps."""
     cfg = cfg or PagedConfig()
     HP = max(16, _pow2(H))
     G = cfg.rows or min(_pow2(n), max(1, MAX_DOT_N // HP))
-    bn = cfg.block_n
+    bn = cfg.block_n or (128 if G * HP <= 128 else 64)
     if cfg.chunk is not None:
         chunk = cfg.chunk
     else:
         groups = triton.cdiv(n, G)
-        per_prog = B * groups * max(max_len, 1) // (8 * num_sms(device))
+        per_prog = B * groups * max(max_len, 1) // (cfg.programs_per_sm * num_sms(device))
         chunk = 1 << max(0, per_prog.bit_length() - 1)  # round down to a power of two
         chunk = min(max(chunk, 2 * bn), 64 * bn)
     if bn < 16 or bn & (bn - 1) or chunk % bn:
@@ -223,7 +228,7 @@ def indexer_logits_paged(q_fp8: torch.Tensor, index_cache: torch.Tensor, weights
     index_cache = index_cache.contiguous()
     keys = index_cache.view(torch.float8_e4m3fn) if fp8_dot else index_cache
     q_in = q_fp8 if fp8_dot else q_fp8.view(torch.uint8)
-    grid = (B, triton.cdiv(max_context_len, chunk), triton.cdiv(n, G))
+    grid = (triton.cdiv(n, G), B, triton.cdiv(max_context_len, chunk))
     indexer_logits_paged_kernel[grid](
         q=q_in, keys=keys, scales=index_cache.view(torch.float32), w=weights,
         context_lens=context_lens.contiguous(), block_table=block_table, out=out, max_len=max_context_len,
@@ -232,6 +237,7 @@ def indexer_logits_paged(q_fp8: torch.Tensor, index_cache: torch.Tensor, weights
         NEXT_N=n, H=H, HP=HP, D=D, G=G, BLOCK_N=bn, CHUNK=chunk,
         PAGE=PAGE_SIZE, PAGE_BYTES=INDEX_PAGE_BYTES, KEY_BYTES=INDEX_KEY_BYTES, FP8_DOT=fp8_dot,
         NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **({} if cfg.max_regs is None else {"maxnreg": cfg.max_regs}),
     )
     return out
 
