@@ -18,8 +18,8 @@ Timings: median of triton.testing.do_bench (L2 flushed each rep) of a CUDA-graph
 for all three (GPU time without Python / launch overhead, as decode runs it); "ours_eager_us" is our
 plain call, overhead included. Value checks are off (the production decode setting: no host sync).
 torch.topk returns (values, indices) in value order, untranslated.
-``--sweep`` times a few launch shapes of ours per random shape (defaults: launch_config() in
-flashdsa/ops/topk/triton.py). ``--smoke`` runs tiny shapes (CPU through the interpreter when there is no
+``--sweep`` times other knob sets of ours per random shape (split chunks, register cap / programs per
+SM, sample size, digit bits; defaults: launch_config() in flashdsa/ops/topk/triton.py). ``--smoke`` runs tiny shapes (CPU through the interpreter when there is no
 GPU) to check the script itself; its times mean nothing.
 """
 
@@ -163,6 +163,14 @@ def run_case(name: str, kind: str, R: int, L: int, sgl: bool, rows: list, pages:
     print({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
 
 
+# --sweep: knob sets per regime (the defaults are launch_config() in flashdsa/ops/topk/triton.py)
+SWEEP_FEW = [dict(chunks=2), dict(chunks=4), dict(chunks=8), dict(chunks=16), dict(chunks=1, num_warps=16, block=4096),
+             dict(bits_w=5), dict(lg_sample=8), dict(finish_warps=8)]
+SWEEP_MANY = [dict(maxnreg=128, per_sm=2), dict(maxnreg=80, per_sm=3), dict(maxnreg=64, per_sm=4),
+              dict(maxnreg=48, per_sm=5), dict(lg_sample=8), dict(bits_w=5), dict(lg_sample=8, bits_w=5),
+              dict(num_warps=4, block=1024, maxnreg=64, per_sm=8)]
+
+
 def run_sweep(shapes, rows: list) -> None:
     from flashdsa.ops._triton_utils import num_sms
     sms = num_sms(torch.device(DEV))
@@ -171,16 +179,14 @@ def run_sweep(shapes, rows: list) -> None:
         lengths = torch.full((R,), L, dtype=torch.int32, device=DEV)
         want = T.topk_transform(x, lengths, K, None, None, None, 64)
         base = _time_graph(lambda: T.topk_transform(x, lengths, K, None, None, None, 64))
-        # (num_warps, block, stages, programs per SM, register cap); the defaults are among them
-        for nw, block, st, per_sm, cap in [(8, 2048, 3, 2, 128), (8, 2048, 2, 2, 128), (8, 2048, 4, 2, 128),
-                                           (8, 2048, 3, 1, 0), (4, 1024, 3, 4, 128), (16, 4096, 3, 1, 128),
-                                           (16, 4096, 4, 1, 128), (16, 8192, 2, 1, 128)]:
-            grid = min(R, per_sm * sms)
-            kw = dict(num_warps=nw, block=block, stages=st, grid=grid, maxnreg=cap)
+        for knobs in SWEEP_FEW if R <= sms and L >= 16384 else SWEEP_MANY:
+            kw = dict(knobs)
+            if "per_sm" in kw:
+                kw["grid"] = min(R, kw.pop("per_sm") * sms)
             got = T.topk_transform(x, lengths, K, None, None, None, 64, **kw)
             t = _time_graph(lambda: T.topk_transform(x, lengths, K, None, None, None, 64, **kw))
-            rows.append({"case": f"sweep {R}x{L}", "num_warps": nw, "block": block, "stages": st, "grid": grid,
-                         "maxnreg": cap, "us": t, "vs_default": t / base, "same": bool(torch.equal(got, want))})
+            rows.append({"case": f"sweep {R}x{L}", "knobs": str(knobs), "us": t, "vs_default": t / base,
+                         "same": bool(torch.equal(got, want))})
 
 
 def main() -> None:

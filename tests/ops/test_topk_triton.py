@@ -3,11 +3,12 @@
 Rows are adversarial (all equal, two values, heavy ties at the k-th value, 16 / 256 levels, narrow
 ranges, -inf runs, denormals, NaN, -0.0 / +0.0, +inf) with lengths 0, < k, = k, = k + 1 and longer;
 hypothesis draws the row kinds, lengths, k, the output mode (plain / out_offsets / page table shared
-by g rows), row_starts, a strided logits view and the kernel's buffer sizes. Small buffers (U of 256,
-W of 128, samples of 16..64) make every path reachable on rows of a few thousand: the sampled
-threshold, its two misses (forced), selection on the row, compaction at every level, ping-pong
-buffers, early exits. Outputs are poisoned (INT32_MAX) so an unwritten slot fails; runs repeat bit
-for bit. Realistic sizes (k = 2048, rows of 32K / 128K) and CUDA-graph capture are GPU-only.
+by g rows), row_starts, a strided logits view and the kernel's knobs. Small buffers (U of 256, W of
+16 or 256, samples of 32) make every path reachable on rows of a few thousand: the sampled threshold, its
+two misses (forced), levels on the row, on U and on W, early exits, and split mode (a row's
+compaction over several programs, then a second kernel) next to the fused kernel. Outputs are
+poisoned (INT32_MAX) so an unwritten slot fails; runs repeat bit for bit. Realistic sizes (k = 2048,
+rows of 8K / 32K / 128K) and CUDA-graph capture are GPU-only.
 """
 
 from __future__ import annotations
@@ -29,15 +30,19 @@ KINDS = ("randn", "equal", "two", "levels16", "levels256", "ties_at_k", "narrow"
          "denormal", "nan", "signed_zero", "posinf", "allnan")
 
 # Buffer sizes for the interpreter: small enough that rows of ~1000-3000 reach every path.
-SMALL = dict(cand=256, wcap=128, lg_sample=(4, 6), block=128)
+SMALL = dict(cand=256, lg_sample=5, block=128)  # U of 256 slots, 32 samples
 KNOBS = {
     "default": {},
     "small": SMALL,
     "small-b8": dict(SMALL, bits=8, block=64),
-    "small-b3": dict(SMALL, bits=3, block=256),
+    "small-b3": dict(SMALL, bits=3, bits_w=3, block=256),
+    "small-w16": dict(SMALL, wcap=16),    # W smaller than most buckets: more levels on U first
     "miss-high": dict(SMALL, force=1),   # guess = largest sampled key: < k candidates, some above
     "miss-none": dict(SMALL, force=2),   # no guess: every key a candidate, more than U holds
     "miss-low": dict(SMALL, force=3),    # guess = smallest sampled key: > U candidates, some below
+    "split": dict(SMALL, chunks=3),      # split mode: a row's compaction over 3 programs
+    "split-miss-high": dict(SMALL, chunks=4, force=1),
+    "split-default": dict(chunks=2),
 }
 
 
@@ -270,6 +275,20 @@ def test_gpu_realistic(R, L, kind):
     _assert_same(out.cpu(), ref.cpu(), f"{R}x{L} {kind}")
     _tie_safe(logits, lengths, out, k)
     assert torch.equal(out, K.topk_transform(logits, lengths, k, None, None, None, 64))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("knobs", [dict(chunks=1), dict(chunks=8), dict(chunks=1, maxnreg=128, grid=64)],
+                         ids=["fused", "split8", "fused-r128"])
+@pytest.mark.parametrize("kind", ["randn", "levels16", "narrow"])
+def test_gpu_modes(knobs, kind):
+    # both kernels at k = 2048 whatever launch_config() picks for the shape
+    k, R, L = 2048, 64, 32768
+    gen = torch.Generator().manual_seed(L)
+    logits = torch.stack([_row(kind, L, k, gen) for _ in range(R)]).cuda()
+    lengths = torch.randint(k - 5, L + 1, (R,), generator=gen, dtype=torch.int32).cuda()
+    out = K.topk_transform(logits, lengths, k, None, None, None, 64, **knobs)
+    _assert_same(out.cpu(), ref_impl(logits, lengths, k, None, None, None, 64).cpu(), f"{knobs} {kind}")
 
 
 @pytest.mark.gpu
