@@ -21,11 +21,22 @@ from flashdsa.cache import layouts
 from flashdsa.config import DSAConfig
 from flashdsa.engine import DSAModel, Runner
 
-TOL = 3e-2  # relative to the logits' scale: bf16 activations through random layers
+# The checks compare logits of two runs that differ only in how the work was batched. Both sides
+# round in bf16, and on a GPU cuBLAS picks other GEMM algorithms for other row counts, so the bits
+# differ; random weights then amplify rounding through the layers (and can flip a top-k boundary).
+# A real bug (a chunk not seeing its prefix, a draft seeing its future) moves the logits by O(1), so
+# ok is judged on the relative RMS error, with the max abs error (relative to the logits' scale)
+# reported beside it. The rounding noise grows about linearly with depth (v32 shapes on an H200:
+# 0.26-0.40 % RMS after 1 layer, 0.8 % after 2, 1.5-2.0 % after 4), hence a budget per layer.
+TOL_RMS_PER_LAYER = 6e-3
 
 
 def _rel_max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1.0))
+
+
+def _rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).float().norm() / b.float().norm().clamp_min(1e-30))
 
 
 def run_demo(preset: str = "tiny", device: str = "cpu", next_n: int = 2, seed: int = 0, backend: str | None = None,
@@ -111,17 +122,17 @@ def run_demo(preset: str = "tiny", device: str = "cpu", next_n: int = 2, seed: i
     verify_ref.extend(dict(prompts), force_sparse=True)
     v = verify_ref.verify(drafts)
     d = torch.stack([ref.decode({r: drafts[r][j] for r in lens}) for j in range(next_n)], dim=1)
-    verify_err = _rel_max_abs(v, d)
+    verify_err, verify_rms = _rel_max_abs(v, d), _rel_rms(v, d)
 
     log("[demo] checking: chunked vs one-shot prefill, sparse vs dense ...")
     one = runner().extend({"long": long}, force_sparse=True)
     chunked = runner()
     parts = [chunked.extend({"long": long[cuts[i]:cuts[i + 1]]}, force_sparse=True) for i in range(3)]
-    chunk_err = _rel_max_abs(torch.cat(parts), one)
+    chunk_err, chunk_rms = _rel_max_abs(torch.cat(parts), one), _rel_rms(torch.cat(parts), one)
     fit = {r: prompts[r] for r in ("short", "at_topk")}
     dense = runner().extend(fit)
     sparse = runner().extend(fit, force_sparse=True)
-    dense_err = _rel_max_abs(sparse, dense)
+    dense_err, dense_rms = _rel_max_abs(sparse, dense), _rel_rms(sparse, dense)
 
     total_s = sum(t for name, t in stages.items() if name != "build")
     n_index = len(cfg.topk_layers)
@@ -129,23 +140,27 @@ def run_demo(preset: str = "tiny", device: str = "cpu", next_n: int = 2, seed: i
     kv_bytes = {"bf16": layouts.MLA_BF16_BYTES * L, "fp8": layouts.MLA_FP8_BYTES * L,
                 "fp8_raw": layouts.MLA_FP8_RAW_BYTES * L, "index": layouts.INDEX_BYTES_PER_TOKEN * n_index,
                 "total": run.pool.bytes_per_token()}
-    ok = dense_err < TOL and chunk_err < TOL and verify_err < TOL and skip_ok
+    tol = TOL_RMS_PER_LAYER * cfg.num_hidden_layers
+    ok = max(dense_rms, chunk_rms, verify_rms) < tol and skip_ok
     report = {
         "ok": ok, "device": device, "preset": preset, "layers": L, "kv_format": kv_format, "next_n": next_n,
         "backend": backend or ("triton" if dev.type == "cuda" else "torch"), "prompt_lens": list(lens.values()),
         "stages_s": {n: round(t, 4) for n, t in stages.items()}, "tokens_per_s": tokens / total_s,
         "kv_bytes_per_token": kv_bytes, "dense_equivalence_max_abs": dense_err,
         "chunked_vs_oneshot_max_abs": chunk_err, "verify_vs_decode_max_abs": verify_err,
+        "dense_equivalence_rel_rms": dense_rms, "chunked_vs_oneshot_rel_rms": chunk_rms,
+        "verify_vs_decode_rel_rms": verify_rms,
         "skip_layers": cfg.skip_topk_layers, "skip_layers_reuse_exact": skip_ok,
-        "tolerance": TOL,
+        "tolerance_rel_rms": tol,
     }
     for name, t in stages.items():
         log(f"[demo] {name:<8} {t * 1e3:10.1f} ms")
     log(f"[demo] {tokens} tokens in {total_s:.3f} s: {report['tokens_per_s']:.1f} tokens/s")
     log(f"[demo] KV bytes/token (all layers): MLA fp8 {kv_bytes['fp8']} | bf16 {kv_bytes['bf16']} | raw "
         f"{kv_bytes['fp8_raw']} | indexer {kv_bytes['index']} | this pool {kv_bytes['total']:.0f}")
-    log(f"[demo] checks (max |diff| / scale, tolerance {TOL}): dense equivalence {dense_err:.2e}, "
-        f"chunked vs one-shot {chunk_err:.2e}, verify vs decode {verify_err:.2e}, skip layers reuse "
+    log(f"[demo] checks, relative RMS (tolerance {tol:.3g}) | max |diff| / scale: dense equivalence "
+        f"{dense_rms:.2e} | {dense_err:.2e}, chunked vs one-shot {chunk_rms:.2e} | {chunk_err:.2e}, "
+        f"verify vs decode {verify_rms:.2e} | {verify_err:.2e}, skip layers reuse "
         f"{'exact' if skip_ok else 'BROKEN'} (layers {cfg.skip_topk_layers})")
     log(f"[demo] {'ok' if ok else 'FAILED'}")
     return report

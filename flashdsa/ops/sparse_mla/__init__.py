@@ -77,6 +77,7 @@ def sparse_mla_prefill(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
 
     Returns:
         ``out [T, h_q, d_v] bfloat16``, ``lse [T, h_q] float32`` (natural log; -inf for empty rows).
+        A row's result does not depend on the other rows of the call (chunked prefill == one-shot).
     """
     check_tensor("q", q, dtype=torch.bfloat16, ndim=3)
     T, h_q, d = q.shape

@@ -695,6 +695,9 @@ def sparse_mla_prefill(q, kv, indices, sm_scale, d_v, **knobs):
     """Triton backend of :func:`flashdsa.ops.sparse_mla_prefill` (inputs already validated)."""
     assert kv.shape[1] == MLA_DIM
     kv = _unit_last(kv)
+    # No split-K in prefill: a row's bits must not depend on how many rows share the call, so chunked
+    # prefill equals one-shot prefill exactly (split-K's merge order would differ for small chunks).
+    knobs.setdefault("num_splits", 1)
     # a flat [N, 576] buffer is a paged one whose pages are 64 consecutive rows
     return sparse_mla_fwd(_unit_last(q), kv, PAGE_SIZE * kv.stride(0), kv.stride(0), kv.shape[0], "bf16",
                           _unit_last(indices), sm_scale, d_v, None, **knobs)
