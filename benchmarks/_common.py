@@ -1,8 +1,9 @@
 """Shared by the benchmark scripts: loading the peer kernels, timing, the result table.
 
 Peers (DeepGEMM, FlashMLA / sgl-kernel fast_topk) are optional: a script skips a peer that does not
-import. On the GPU machine they come from .anchors/ (see ../shared/anchors/README.md of the workspace
-or `pip install sgl-deep-gemm sglang-kernel` on a user's box).
+import. Install them with `pip install sgl-deep-gemm sglang-kernel` (versions matching your torch), or
+put their wheels and the two sgl-kernel libraries (flashmla_ops.abi3.so, common_ops.abi3.so) under
+.anchors/ and .anchors/sglk/ in the repository root.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from flashdsa.bench import cos_diff, time_us  # noqa: E402,F401 (shared with `flashdsa bench`)
 
 
 def load_deep_gemm():
@@ -49,12 +52,6 @@ def bench(fn, warmup_ms: int = 25, rep_ms: int = 100) -> float:
     return 1e3 * triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
 
 
-def cos_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    m = torch.isfinite(a) & torch.isfinite(b)
-    a, b = a[m], b[m]
-    d = (a * a + b * b).sum()
-    return 0.0 if d == 0 else float(1 - 2 * (a * b).sum() / d)
 
 
 def print_table(rows: list[dict], title: str) -> None:

@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from _common import bench, cos_diff, load_sgl_ops, print_table, write_json
+from _common import cos_diff, load_sgl_ops, print_table, time_us, write_json
 
 from flashdsa.cache.layouts import PAGE_SIZE, quantize_mla_656
 from flashdsa.ops.sparse_mla import reference
@@ -62,23 +62,7 @@ def timed(fn, graph: bool) -> float:
         t = time.perf_counter()
         fn()
         return 1e6 * (time.perf_counter() - t)
-    fn()
-    torch.cuda.synchronize()
-    if graph:
-        try:
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                fn()
-            torch.cuda.current_stream().wait_stream(s)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                fn()
-            return bench(g.replay)
-        except Exception as e:  # noqa: BLE001 - a peer that cannot be captured is timed plainly
-            print(f"  [graph capture failed, timing the plain call: {e!r:.120}]")
-            torch.cuda.synchronize()
-    return bench(fn)
+    return time_us(fn, graph)
 
 
 def lse_relation(peer_lse: torch.Tensor, ours: torch.Tensor) -> str:

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One device call on the GPU machine: peers in, then the named stages; logs and JSON under $OUT.
+# One run on a GPU box: peer wheels from .anchors/ (if any), then the named stages; logs and JSON
+# under $OUT (default ./out).
 #   bash benchmarks/gpu_session.sh tests indexer topk sparse_mla demo hf
 # Stages: tests (compiled Triton kernels vs the references), <op> (benchmarks/bench_<op>.py),
 # demo (flashdsa demo on v32, few layers), hf (benchmarks/bench_hf.py). BENCH_ARGS go to every bench.

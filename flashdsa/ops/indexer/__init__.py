@@ -28,6 +28,20 @@ _RAGGED = {"torch": reference.indexer_logits_ragged, "triton": _triton_ragged}
 _PAGED = {"torch": reference.indexer_logits_paged, "triton": _triton_paged}
 
 
+def _check_ragged(q_fp8, k_fp8, k_scale, weights, ks, ke) -> tuple[int, int]:
+    """Shapes, dtypes and devices of the ragged indexer inputs; returns (T, N)."""
+    check_tensor("q_fp8", q_fp8, dtype=FP8, ndim=3)
+    T, H, D = q_fp8.shape
+    dev = q_fp8.device
+    check_tensor("k_fp8", k_fp8, dtype=FP8, shape=(None, D), device=dev)
+    N = k_fp8.shape[0]
+    check_tensor("k_scale", k_scale, dtype=torch.float32, shape=(N,), device=dev)
+    check_tensor("weights", weights, dtype=torch.float32, shape=(T, H), device=dev)
+    check_tensor("ks", ks, dtype=torch.int32, shape=(T,), device=dev)
+    check_tensor("ke", ke, dtype=torch.int32, shape=(T,), device=dev)
+    return T, N
+
+
 def indexer_logits_ragged(q_fp8: torch.Tensor, k_fp8: torch.Tensor, k_scale: torch.Tensor, weights: torch.Tensor,
                           ks: torch.Tensor, ke: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
     """Indexer logits of T queries against N concatenated keys (prefill / extend).
@@ -43,15 +57,8 @@ def indexer_logits_ragged(q_fp8: torch.Tensor, k_fp8: torch.Tensor, k_scale: tor
         ``[T, N] float32``: ``k_scale[s] * sum_h weights[i, h] * relu(q[i, h] . k[s])`` inside the
         row's range, ``-inf`` everywhere else.
     """
-    check_tensor("q_fp8", q_fp8, dtype=FP8, ndim=3)
-    T, H, D = q_fp8.shape
+    T, N = _check_ragged(q_fp8, k_fp8, k_scale, weights, ks, ke)
     dev = q_fp8.device
-    check_tensor("k_fp8", k_fp8, dtype=FP8, shape=(None, D), device=dev)
-    N = k_fp8.shape[0]
-    check_tensor("k_scale", k_scale, dtype=torch.float32, shape=(N,), device=dev)
-    check_tensor("weights", weights, dtype=torch.float32, shape=(T, H), device=dev)
-    check_tensor("ks", ks, dtype=torch.int32, shape=(T,), device=dev)
-    check_tensor("ke", ke, dtype=torch.int32, shape=(T,), device=dev)
     check_range("ks", ks, 0, N)
     check_range("ke", ke, 0, N)
     check_range("ke - ks", ke - ks, 0, None, what="ke >= ks, i.e. values")
@@ -157,15 +164,8 @@ def indexer_topk_ragged(q_fp8: torch.Tensor, k_fp8: torch.Tensor, k_scale: torch
     Chunk bounds must be known on the host, so this op reads ks / ke back (one device sync) whatever
     the value-check setting; it is a prefill op and not CUDA-graph capturable.
     """
-    check_tensor("q_fp8", q_fp8, dtype=FP8, ndim=3)
-    T, H, D = q_fp8.shape
+    T, N = _check_ragged(q_fp8, k_fp8, k_scale, weights, ks, ke)
     dev = q_fp8.device
-    check_tensor("k_fp8", k_fp8, dtype=FP8, shape=(None, D), device=dev)
-    N = k_fp8.shape[0]
-    check_tensor("k_scale", k_scale, dtype=torch.float32, shape=(N,), device=dev)
-    check_tensor("weights", weights, dtype=torch.float32, shape=(T, H), device=dev)
-    check_tensor("ks", ks, dtype=torch.int32, shape=(T,), device=dev)
-    check_tensor("ke", ke, dtype=torch.int32, shape=(T,), device=dev)
     if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
         fail("topk", "an int >= 1", topk)
     if out_offsets is not None:
