@@ -110,7 +110,7 @@ def run_demo(preset: str = "tiny", device: str = "cpu", next_n: int = 2, seed: i
 
     # ---- MTP verify: next_n drafts per request ---------------------------------------------------
     drafts = {r: [(t + j) % cfg.vocab_size for j in range(next_n)] for r, t in nxt.items()}
-    ver = timed("verify", lambda: run.verify(drafts))
+    timed("verify", lambda: run.verify(drafts))
     tokens += next_n * len(lens)
     log(f"[demo] verified {next_n} drafts x {len(lens)} requests")
 

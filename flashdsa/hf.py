@@ -76,7 +76,7 @@ except ImportError as e:  # pragma: no cover - the optional dependency is missin
 from flashdsa.cache.allocator import OutOfPagesError
 from flashdsa.cache.layouts import INDEX_DIM, MLA_DIM
 from flashdsa.config import DSAConfig, is_dsa
-from flashdsa.engine.metadata import DECODE, BatchMetadata, build_decode, build_extend
+from flashdsa.engine.metadata import DECODE, BatchMetadata, build_decode
 from flashdsa.engine.runner import Runner
 from flashdsa.layers.attention import DSAAttention
 from flashdsa.layers.indexer import PRECISIONS
@@ -236,7 +236,7 @@ class FlashDSACache(Cache):
         q_lens = [S] * B if real is None else real.sum(1).tolist()
         before = [alloc.seq_len(r) for r in self.rows]
         try:
-            runner._reserve(dict(zip(self.rows, q_lens)))
+            runner.reserve(dict(zip(self.rows, q_lens)))
         except OutOfPagesError as e:
             raise OutOfPagesError(e.req_id, e.needed, e.free) from ValueError(
                 f"flashdsa.hf: the pool holds {runner.pool.capacity_tokens} tokens; pass a larger max_tokens to "
@@ -244,9 +244,7 @@ class FlashDSACache(Cache):
         if S == 1 and all(q == 1 for q in q_lens) and all(n > 0 for n in before):
             meta = build_decode(alloc, self.rows, 1, DECODE)
         else:
-            meta = build_extend(alloc, self.rows, q_lens, dense_threshold=runner.dense_threshold,
-                                dense_allowed=runner.pool.kv_format != "fp8_raw",
-                                max_dense_tokens=runner.max_dense_tokens)
+            meta = runner.extend_metadata(self.rows, q_lens)
         self._real = torch.cat((self._real, torch.ones(B, S, dtype=torch.bool) if real is None else real), dim=1)
         return meta
 

@@ -316,7 +316,7 @@ def test_exact_logits_ragged_and_paged(dtype):
     H, D, lens = 4, 128, [63, 1, 65, 130]
     N = sum(lens)
     k = torch.randn(N, D, generator=g).to(dtype)
-    ks, ke, qrows = [], [], []
+    ks, ke = [], []
     off = 0
     for L in lens:  # each request queries its last 5 tokens (or all of them)
         for p in range(max(0, L - 5), L):

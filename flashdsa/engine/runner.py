@@ -67,8 +67,8 @@ class Runner:
     def free(self, req_id: Hashable) -> None:
         self.alloc.free(req_id)
 
-    def _reserve(self, new_tokens: dict[Hashable, int]) -> None:
-        """Reserve tokens for a whole batch, all or nothing."""
+    def reserve(self, new_tokens: dict[Hashable, int]) -> None:
+        """Reserve tokens for a whole batch (new requests are created), all or nothing."""
         need = 0
         for r, n in new_tokens.items():
             cur = self.alloc.seq_len(r) if r in self.alloc else 0
@@ -90,16 +90,20 @@ class Runner:
         Returns ``[T, vocab] float32`` logits of every new token, requests in dict order.
         """
         ids = [torch.as_tensor(t, dtype=torch.int64).flatten() for t in chunks.values()]
-        self._reserve({r: len(t) for r, t in zip(chunks, ids)})
-        meta = build_extend(self.alloc, list(chunks), [len(t) for t in ids], dense_threshold=self.dense_threshold,
+        self.reserve({r: len(t) for r, t in zip(chunks, ids)})
+        meta = self.extend_metadata(list(chunks), [len(t) for t in ids], force_sparse=force_sparse)
+        return self.forward(torch.cat(ids).to(self.pool.device), meta)
+
+    def extend_metadata(self, req_ids: list, q_lens: list[int], *, force_sparse: bool = False) -> BatchMetadata:
+        """Metadata of an extend whose tokens are reserved, with this runner's dense-fallback rule."""
+        return build_extend(self.alloc, req_ids, q_lens, dense_threshold=self.dense_threshold,
                             dense_allowed=not force_sparse and self.pool.kv_format != "fp8_raw",
                             max_dense_tokens=self.max_dense_tokens)
-        return self.forward(torch.cat(ids).to(self.pool.device), meta)
 
     @torch.no_grad()
     def decode(self, tokens: dict[Hashable, int]) -> torch.Tensor:
         """One token per live request. Returns ``[B, vocab] float32``."""
-        self._reserve({r: 1 for r in tokens})
+        self.reserve({r: 1 for r in tokens})
         meta = build_decode(self.alloc, list(tokens), 1, DECODE)
         ids = torch.tensor(list(tokens.values()), dtype=torch.int64, device=self.pool.device)
         return self.forward(ids, meta)
@@ -116,7 +120,7 @@ class Runner:
         n = len(rows[0]) if rows else 0
         if n < 1 or any(len(d) != n for d in rows):
             raise ValueError(f"drafts: expected the same number (>= 1) of tokens per request, got {[len(d) for d in rows]}")
-        self._reserve({r: n for r in drafts})
+        self.reserve({r: n for r in drafts})
         meta = build_decode(self.alloc, list(drafts), n, mode)
         ids = torch.tensor(rows, dtype=torch.int64, device=self.pool.device).flatten()
         return self.forward(ids, meta).view(len(rows), n, -1)
@@ -231,7 +235,7 @@ class DecodeGraph:
     def replay(self, tokens: Sequence[int]) -> torch.Tensor:
         """One decode step for the captured batch: ``tokens [B]`` -> ``[B, vocab] float32`` (a view into
         the graph's output buffer; copy it to keep it past the next replay)."""
-        self.runner._reserve({r: 1 for r in self.req_ids})
+        self.runner.reserve({r: 1 for r in self.req_ids})
         fresh = build_decode(self.runner.alloc, self.req_ids, 1, DECODE, max_pages=self.max_pages)
         for name in ("positions", "slot_mapping", "block_table", "context_lens"):
             getattr(self.meta, name).copy_(getattr(fresh, name))

@@ -193,7 +193,7 @@ def test_topk_narrow_range_large_row():
 
 def test_topk_page_table_shared_by_next_n_rows():
     """R = B * g rows; row r reads page_table[r // g]; page ids beyond R, shuffled."""
-    B, g, k = 2, 3, 4
+    g, k = 3, 4  # B = 2 requests
     lens = torch.tensor([70, 71, 72, 5, 6, 7], dtype=torch.int32)
     logits = torch.randn(6, 72)
     table = torch.tensor([[900, 17], [33, -1]], dtype=torch.int32)  # -1 past the pages a table needs
