@@ -264,17 +264,6 @@ class _NoMasks(dict):
 
 # ---- the patch --------------------------------------------------------------------------------------
 
-class _EngineModel:
-    """What :class:`Runner` reads of a model: its DSAConfig and, through ``parameters()``, the device."""
-
-    def __init__(self, config: DSAConfig, device: torch.device):
-        self.config = config
-        self._probe = torch.empty(0, device=device)
-
-    def parameters(self):
-        return iter((self._probe,))
-
-
 @dataclass
 class _Forward:
     """One model forward: the metadata every layer shares, the real tokens, the selection handed on."""
@@ -394,8 +383,8 @@ class Patch:
             raise ValueError(f"flashdsa.hf: the model moved to {device} while caches on {self.runner.pool.device} "
                              "are live; drop or reset them first")
         num_pages = math.ceil(self.max_tokens / self.config.page_size)
-        self.runner = Runner(_EngineModel(self.config, device), num_pages, self.kv_format, backend=self.backend,
-                             record=self.record)
+        self.runner = Runner.for_layers(self.config, device, num_pages, self.kv_format, backend=self.backend,
+                                        record=self.record)
         return self.runner
 
     # ---- the attention layers -----------------------------------------------------------------------
@@ -410,7 +399,7 @@ class Patch:
         if fwd.cos is None:
             fwd.cos, fwd.sin = (_rope_half(t, B, S, fwd.tok_idx) for t in position_embeddings)
         with torch.no_grad():
-            out, fwd.prev = self.runner._attention(self.attentions[lid], x, fwd.cos, fwd.sin, fwd.meta, fwd.prev)
+            out, fwd.prev = self.runner.attention(self.attentions[lid], x, fwd.cos, fwd.sin, fwd.meta, fwd.prev)
         self.calls[lid] += 1
         if fwd.tok_idx is not None:
             full = out.new_zeros(B * S, D)

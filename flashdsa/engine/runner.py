@@ -23,7 +23,9 @@ from flashdsa.cache.layouts import PAGE_SIZE
 from flashdsa.cache.pool import KVPool
 from flashdsa.engine.metadata import (DECODE, DRAFT_EXTEND, EXTEND, TARGET_VERIFY, BatchMetadata, build_decode,
                                       build_extend)
+from flashdsa.config import DSAConfig
 from flashdsa.engine.model import DSAModel
+from flashdsa.layers.attention import DSAAttention
 from flashdsa.layers.indexer import exact_logits_paged, exact_logits_ragged
 
 
@@ -31,7 +33,9 @@ class Runner:
     """Owns the KV pool of one model and runs batches through it.
 
     Args:
-        model:           a :class:`DSAModel` (weights on the device the caches should live on).
+        model:           a :class:`DSAModel` (weights on the device the caches should live on). A caller that
+                         runs its own model (``flashdsa.hf``) makes the runner with :meth:`for_layers` and
+                         calls :meth:`attention` per layer instead of :meth:`forward`.
         num_pages:       pages in the pool (each ``config.page_size`` tokens, every layer).
         kv_format:       MLA cache format: "fp8" (656 B, default), "bf16" or "fp8_raw" (needs kv_scale).
         backend:         force the ops' backend ("torch" / "triton"); default per device.
@@ -44,15 +48,20 @@ class Runner:
     128]`` store per top-k layer, made on first use) instead of the fp8 pages, and is scored in fp32.
     """
 
-    def __init__(self, model: DSAModel, num_pages: int, kv_format: str = "fp8", *, backend: str | None = None,
-                 dense_threshold: int | None = None, kv_scale: float | None = None, record: bool = False,
-                 max_dense_tokens: int = 1 << 16, max_logits_bytes: int = 1 << 30):
+    def __init__(self, model: DSAModel | None, num_pages: int, kv_format: str = "fp8", *,
+                 backend: str | None = None, dense_threshold: int | None = None, kv_scale: float | None = None,
+                 record: bool = False, max_dense_tokens: int = 1 << 16, max_logits_bytes: int = 1 << 30,
+                 config: DSAConfig | None = None, device: torch.device | str | None = None):
+        if model is not None:
+            config, device = model.config, next(model.parameters()).device
+        elif config is None or device is None:
+            raise ValueError("model: expected a DSAModel, or model=None with config= and device= (Runner.for_layers)")
         self.model = model
-        self.cfg = model.config
+        self.cfg = config
         if self.cfg.index_kpool > 1:
             raise NotImplementedError("index_kpool > 1: the pooled-key indexer path (SPEC §7) is not built yet; "
                                       "the pool and config support it, the runner does not")
-        device = next(model.parameters()).device
+        device = torch.device(device)
         self.pool = KVPool(self.cfg, num_pages, kv_format, device, kv_scale)
         self.alloc = self.pool.allocator
         self.backend = backend
@@ -62,6 +71,14 @@ class Runner:
         self.record = record
         self.selections: dict[int, torch.Tensor] = {}
         self.exact_keys: dict[int, torch.Tensor] = {}
+
+    @classmethod
+    def for_layers(cls, config: DSAConfig, device: torch.device | str, num_pages: int, kv_format: str = "fp8",
+                   **kwargs) -> "Runner":
+        """A runner that owns the caches but not the model: its caller runs the rest of the model and calls
+        :meth:`attention` for each layer (how ``flashdsa.hf`` drives HF's own models). Keywords as in
+        the constructor."""
+        return cls(None, num_pages, kv_format, config=config, device=device, **kwargs)
 
     # ---- requests ------------------------------------------------------------------------------
     def free(self, req_id: Hashable) -> None:
@@ -133,18 +150,34 @@ class Runner:
     def forward(self, input_ids: torch.Tensor, meta: BatchMetadata) -> torch.Tensor:
         """``input_ids [T] int64`` with their metadata -> ``[T, vocab] float32`` logits."""
         m = self.model
+        if m is None:
+            raise ValueError("this runner has no model (Runner.for_layers): call attention() per layer")
         x = m.embed_tokens(input_ids)
         cos, sin = m.rotary(meta.positions)
         selection = None
         if self.record:
             self.selections = {}
         for layer in m.layers:
-            attn_out, selection = self._attention(layer.self_attn, layer.input_layernorm(x), cos, sin, meta, selection)
+            attn_out, selection = self.attention(layer.self_attn, layer.input_layernorm(x), cos, sin, meta, selection)
             x = x + attn_out
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return m.lm_head(m.norm(x)).float()
 
-    def _attention(self, attn, h, cos, sin, meta: BatchMetadata, prev: torch.Tensor | None):
+    def attention(self, attn: DSAAttention, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  meta: BatchMetadata, prev: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One DSA attention layer over the paged caches: write the new tokens' KV (and indexer keys), select
+        (indexer -> top-k; a skip-top-k layer reuses ``prev``) and attend (sparse, or the dense fallback).
+
+        Args:
+            attn: the layer's :class:`DSAAttention` (its ``layer_id`` picks the caches).
+            h:    ``[T, hidden]`` the normed hidden states of the batch's T new tokens, in ``meta``'s order.
+            cos, sin: ``[T, rope_dim / 2] float32`` RoPE tables of the tokens' positions.
+            meta: the batch's :class:`BatchMetadata` (shared by every layer of one forward).
+            prev: the previous layer's selection (``[T, topk] int32``) or None.
+
+        Returns ``([T, hidden] out, selection)``: the selection to hand to the next layer (None after the
+        dense fallback).
+        """
         lid = attn.layer_id
         q, kv_rows, qr = attn.prepare(h, cos, sin)
         idx = attn.indexer(h, qr, cos, sin) if attn.indexer is not None else None

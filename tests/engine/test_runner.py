@@ -150,3 +150,26 @@ def test_prefill_logits_budget_does_not_change_results(model):
     assert torch.equal(budget.extend(p, force_sparse=True), free.extend(p, force_sparse=True))
     for layer in CFG.topk_layers:
         assert torch.equal(budget.selections[layer], free.selections[layer])
+
+
+def test_runner_for_layers_drives_attention_per_layer(model):
+    """A model-less runner (how flashdsa.hf drives HF's models) gives the same logits as forward()."""
+    p = prompt(2 * TOPK + 3, seed=7)
+    want = Runner(model, 16, "fp8").extend({"a": p}, force_sparse=True)
+    run = Runner.for_layers(CFG, "cpu", 16, "fp8")
+    run.reserve({"a": len(p)})
+    meta = run.extend_metadata(["a"], [len(p)], force_sparse=True)
+    x = model.embed_tokens(p)
+    cos, sin = model.rotary(meta.positions)
+    sel = None
+    with torch.no_grad():
+        for layer in model.layers:
+            out, sel = run.attention(layer.self_attn, layer.input_layernorm(x), cos, sin, meta, sel)
+            x = x + out
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        got = model.lm_head(model.norm(x)).float()
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="no model"):
+        run.forward(p, meta)
+    with pytest.raises(ValueError, match="model"):
+        Runner(None, 16, "fp8")
