@@ -164,7 +164,7 @@ def run_decode(B, s_q, h_q, configs, peer_ok, graph, rows):
             rows.append(dict(case=name, config=cname, error=repr(e)[:120]))
             continue
         add_row(rows, name, cname, us, flop, byts, peer_us, extra)
-    del cache
+    cache = None  # free the pool before the next case (the timed lambdas are done with it)
     if DEV == "cuda":
         torch.cuda.empty_cache()
 

@@ -602,7 +602,7 @@ def measure_ceilings(dev) -> dict:
     src = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
     dst = torch.empty_like(src)
     out["copy_GBps"] = 2 * src.numel() / _do_bench(lambda: dst.copy_(src)) / 1e3
-    del src, dst
+    src = dst = None  # free the 2 GiB now (the lambda above is done with them)
     m = 8192
     a, b = torch.randn(m, m, device=dev, dtype=torch.bfloat16), torch.randn(m, m, device=dev, dtype=torch.bfloat16)
     out["bf16_TFLOPs"] = 2 * m ** 3 / _do_bench(lambda: a @ b) / 1e6
