@@ -65,7 +65,9 @@ class DSAAttention(nn.Module):
         q = self.q_b_proj(qr).view(T, self.h, self.nope + self.rope)
         q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
         w_uk, _ = self._w_kv_b()
-        q_lat = torch.einsum("thn,hnc->thc", q_nope.float(), w_uk.float())
+        # In the weights' dtype (fp32 accumulation inside the GEMM): an fp32 copy of W_uk per call would
+        # move 3x its bytes every decode step, and q is rounded to bf16 for the kernels anyway.
+        q_lat = torch.einsum("thn,hnc->thc", q_nope.to(w_uk.dtype), w_uk)
         q_pe = apply_rope(q_pe, cos, sin, interleave=True)
         q_abs = torch.cat((q_lat, q_pe), dim=-1).to(torch.bfloat16)
         kv = self.kv_a_proj_with_mqa(x)
@@ -77,5 +79,5 @@ class DSAAttention(nn.Module):
     def finish(self, out_latent: torch.Tensor) -> torch.Tensor:
         """``out_latent [T, h, 512] bf16`` -> ``[T, hidden]`` (W_uv per head, then o_proj)."""
         _, w_uv = self._w_kv_b()
-        o = torch.einsum("thc,hvc->thv", out_latent.float(), w_uv.float()).to(self.o_proj.weight.dtype)
+        o = torch.einsum("thc,hvc->thv", out_latent.to(w_uv.dtype), w_uv).to(self.o_proj.weight.dtype)
         return self.o_proj(o.flatten(1))
