@@ -206,29 +206,39 @@ def run_paged(cases, dg, rows: list[dict], sweep: bool) -> None:
 
 
 def _shapes(G: int, HP: int, stages: tuple[int, ...], chunk: int | None = None, bn_default: int = 64):
-    """(block_n, num_warps, num_stages, chunk): every step shape at the default chunk, then the default
-    step shape at half and twice the chunk; the fp32 accumulator must fit 128 registers a thread."""
-    d = K.PagedConfig()
-    out = [(bn, nw, ns, chunk) for bn in (64, 128) for nw in (4, 8) for ns in stages
-           if bn * G * HP // (32 * nw) <= 128]
-    if chunk is not None:
-        out += [(bn_default, d.num_warps, d.num_stages, c) for c in (chunk // 2, chunk * 2) if c >= bn_default]
-    return out
+    """Ragged: (block_n, num_warps, num_stages, chunk), every step shape whose fp32 accumulator fits 128
+    registers a thread."""
+    return [(bn, nw, ns, chunk) for bn in (64, 128) for nw in (4, 8) for ns in stages
+            if bn * G * HP // (32 * nw) <= 128]
+
+
+def _paged_shapes(G: int, HP: int, chunk: int) -> list[K.PagedConfig]:
+    """Paged: block_n {64, 128} x rows per dot (1, 2 or 4 dots a step) x head sum (fma chain / tl.sum) with
+    an accumulator of <= 128 registers a thread, 6 or 8 stages, then the default at half / twice the chunk."""
+    out = []
+    for bn in (64, 128):
+        for GS in sorted({G, max(1, G // 2), max(1, G // 4)}):
+            if bn * GS * HP // 128 > 128:
+                continue
+            for chain in ((False, True) if HP == 64 else (False,)):
+                out += [K.PagedConfig(block_n=bn, sub_rows=GS, chain=chain, num_stages=ns) for ns in (6, 8)]
+    return out + [K.PagedConfig(chunk=c) for c in (chunk // 2, chunk * 2)]
 
 
 def _sweep_paged(c, args, t_default, rows, name):
     base = K.indexer_logits_paged(*args)
     B, n, Hq, _ = c["q_fp8"].shape
-    G, HP, bn_default, chunk = K.paged_config(B, n, Hq, c["max_len"], c["q_fp8"].device)
-    shapes = dict.fromkeys((bn, nw, ns, max(ch, 2 * bn))
-                           for bn, nw, ns, ch in _shapes(G, HP, (4, 6), chunk, bn_default))
-    for bn, nw, ns, ch in shapes:
-        cfg = K.PagedConfig(block_n=bn, chunk=ch, num_warps=nw, num_stages=ns)
+    G, _, HP, bn, chunk, _ = K.paged_config(B, n, Hq, c["max_len"], c["q_fp8"].device)
+    for cfg in _paged_shapes(G, HP, chunk):
+        if cfg.chunk is not None and cfg.chunk < 2 * bn:
+            continue
         out = K.indexer_logits_paged(*args, config=cfg)
         ok = torch.equal(torch.isneginf(out), torch.isneginf(base)) and cos_diff(out, base) < 1e-9
         t = _time(lambda: K.indexer_logits_paged(*args, config=cfg), warmup_ms=10, rep_ms=40)
-        rows.append({"case": f"sweep {name}", "config": f"bn{bn} w{nw} s{ns} chunk{ch}",
-                     "ours_us": t, "vs_default": t / t_default, "same_logits": ok})
+        desc = (f"chunk{cfg.chunk}" if cfg.chunk else
+                f"bn{cfg.block_n} rows/dot {cfg.sub_rows} {'chain' if cfg.chain else 'sum'} s{cfg.num_stages}")
+        rows.append({"case": f"sweep {name}", "config": desc, "ours_us": t, "vs_default": t / t_default,
+                     "same_logits": ok})
 
 
 def run_ragged(cases, dg, rows: list[dict], sweep: bool) -> None:

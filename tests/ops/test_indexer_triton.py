@@ -78,6 +78,7 @@ PAGED_CASES = [
     pytest.param([2, 63, 64, 65, 132], 2, 8, None, 0, K.PagedConfig(block_n=64, chunk=64),
                  id="B5-n2-H8-one-page-per-program"),
     pytest.param([3, 129, 200], 3, 64, None, 5, K.PagedConfig(block_n=64, chunk=128), id="B3-n3-H64-two-steps"),
+    pytest.param([64, 129, 300], 3, 64, None, 0, None, id="B3-n3-H64-default-three-dots-chain"),
     pytest.param([130, 67], 4, 32, None, 64, None, id="B2-n4-H32"),
     pytest.param([300, 67, 0], 2, 64, None, 3, None, id="B3-n2-H64-default-two-page-steps"),
     pytest.param([70, 200, 5], 3, 64, None, 2, K.PagedConfig(rows=1, chunk=256, programs_per_sm=4),
@@ -88,6 +89,15 @@ PAGED_CASES = [
                  K.PagedConfig(block_n=16, chunk=32, rows=2), id="B3-n4-H3-arbitrary-lens-subpage-steps"),
     pytest.param([300], 1, 64, None, 0, K.PagedConfig(block_n=64, chunk=256), id="B1-n1-H64-ctx300-exact-width"),
     pytest.param([0, 0], 2, 8, None, 70, None, id="B2-n2-H8-all-empty"),
+    # G / GS dots a step sharing one key block, the head sum as an fma chain (64-head groups) or tl.sum
+    pytest.param([130, 67], 4, 64, None, 3, K.PagedConfig(sub_rows=2, chain=True),
+                 id="B2-n4-H64-two-dots-chain"),
+    pytest.param([129, 64, 1], 4, 64, None, 0, K.PagedConfig(sub_rows=1, block_n=128, chunk=256, chain=False),
+                 id="B3-n4-H64-four-dots-tree-two-page-steps"),
+    pytest.param([300, 67, 0], 2, 64, None, 3, K.PagedConfig(sub_rows=2, chain=False),
+                 id="B3-n2-H64-one-dot-tree"),
+    pytest.param([100, 65], 3, 32, None, 7, K.PagedConfig(chain=True), id="B2-n3-H32-two-dots-no-chain-at-hp32"),
+    pytest.param([130, 3], 6, 64, None, 2, K.PagedConfig(sub_rows=1, chunk=128), id="B2-n6-H64-two-groups-four-dots"),
 ]
 
 
@@ -110,7 +120,8 @@ def _with_upcast(cases, upcast_ids):
 
 
 @pytest.mark.parametrize("seq_lens,n,H,lens,extra,cfg,fp8_dot",
-                         _with_upcast(PAGED_CASES, {"B5-n2-H8-one-page-per-program", "B2-n4-H32"}))
+                         _with_upcast(PAGED_CASES, {"B5-n2-H8-one-page-per-program", "B2-n4-H32",
+                                                       "B2-n4-H64-two-dots-chain"}))
 def test_paged_matches_reference(seq_lens, n, H, lens, extra, cfg, fp8_dot):
     q, cache, w, ctx, bt, width = _paged_inputs(seq_lens, n, H, lens, extra, seed=len(seq_lens) * 100 + n * 10 + H)
     out = K.indexer_logits_paged(q, cache, w, ctx, bt, width, config=cfg, fp8_dot=fp8_dot,
@@ -140,13 +151,21 @@ def test_paged_zero_width_and_no_rows():
 
 
 def test_paged_config_covers_long_contexts():
-    """The default split gives whole steps per chunk, two pages a step up to 128 dot columns."""
+    """The default split gives whole steps per chunk, two pages a step up to 128 dot columns, 1 / 2 / 4
+    dots a step."""
     dev = torch.device("cpu")
-    for B, n, L in [(64, 1, 42600), (128, 1, 85000), (1, 4, 300000), (64, 4, 42600), (64, 2, 2_000_000)]:
-        G, HP, bn, chunk = K.paged_config(B, n, 64, L, dev)
-        assert G * HP <= K.MAX_DOT_N and chunk % bn == 0 and 2 * bn <= chunk <= 64 * bn
-        assert bn == (128 if G * HP <= 128 else 64)
-        assert -(-L // chunk) <= 65535  # grid dim 2
+    for B, n, L in [(64, 1, 42600), (128, 1, 85000), (1, 4, 300000), (64, 4, 42600), (64, 2, 2_000_000),
+                    (64, 3, 42600)]:
+        for H in (64, 32, 128, 3):
+            G, GS, HP, bn, chunk, chain = K.paged_config(B, n, H, L, dev)
+            padded = G * HP == K.MAX_DOT_N and n < G  # n = 3 at H 64: three 64-column dots, two pages a step
+            assert G * HP <= K.MAX_DOT_N and chunk % bn == 0 and 2 * bn <= chunk <= 64 * bn
+            assert bn == (128 if G * HP <= 128 or padded else 64)
+            assert G % GS == 0 and G // GS in (1, 2, 4) and (GS * HP == 64 if padded else True)
+            assert chain == (HP == 64 and padded)  # measured on only there
+            assert -(-L // chunk) <= 65535  # grid dim 2
+    with pytest.raises(ValueError, match="sub_rows"):
+        K.paged_config(2, 4, 64, 100, dev, K.PagedConfig(sub_rows=3))
 
 
 # ---- ragged -------------------------------------------------------------------------------------------
@@ -439,13 +458,13 @@ from flashdsa.ops.indexer import triton as K
 
 def paged(n, H, cap, fp8):
     cfg = K.PagedConfig()
-    G, HP, bn, _ = K.paged_config(64, n, H, 32768, torch.device("cpu"), cfg)
+    G, GS, HP, bn, _, chain = K.paged_config(64, n, H, 32768, torch.device("cpu"), cfg)
     q = "*fp8e4nv" if fp8 else "*u8"
     sig = dict(q=q, keys=q, scales="*fp32", w="*fp32", context_lens="*i32", block_table="*i32", out="*fp32",
                max_len="i32", stride_qb="i32", stride_qn="i32", stride_qh="i32", stride_w="i32", stride_bt="i32",
                stride_o="i32")
-    const = dict(NEXT_N=n, H=H, HP=HP, D=128, G=G, BLOCK_N=bn, CHUNK=16 * bn, PAGE=64,
-                 PAGE_BYTES=8448, KEY_BYTES=8192, FP8_DOT=fp8, NUM_STAGES=cfg.num_stages)
+    const = dict(NEXT_N=n, H=H, HP=HP, D=128, G=G, GS=GS, BLOCK_N=bn, CHUNK=16 * bn, PAGE=64,
+                 PAGE_BYTES=8448, KEY_BYTES=8192, FP8_DOT=fp8, CHAIN=chain, NUM_STAGES=cfg.num_stages)
     sig.update(dict.fromkeys(const, "constexpr"))
     # what the JIT specialises at launch: 16-byte aligned pointers and strides that are multiples of 16
     attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 5, 6, 8, 9, 10, 11)}
@@ -465,7 +484,7 @@ def ragged(H, cap, fp8):
     triton.compile(ASTSource(K.indexer_logits_ragged_kernel, sig, const, attrs), target=GPUTarget("cuda", cap, 32),
                    options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
 
-for n in (1, 2, 4):
+for n in (1, 2, 3, 4):
     paged(n, 64, 90, True)
 paged(2, 32, 80, False)
 ragged(64, 90, True)

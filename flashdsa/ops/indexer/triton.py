@@ -1,17 +1,19 @@
 """Lightning-indexer logits in Triton: paged (decode / MTP verify) and ragged (prefill / extend).
 
-Both kernels share one inner step (``_gated_relu_sum``): a block of ``BLOCK_N`` keys is the M side of one
-fp8 tensor-core dot against ``G`` query rows x ``HP`` heads folded into the N side,
+Both kernels score a block of ``BLOCK_N`` keys as the M side of fp8 tensor-core dots against query rows x
+``HP`` heads folded into the N side,
 
-    s[t, g * HP + h] = k[t] . q[g, h]            # tl.dot([BLOCK_N, D] e4m3, [D, G * HP] e4m3) -> fp32
+    s[t, g * HP + h] = k[t] . q[g, h]            # tl.dot([BLOCK_N, D] e4m3, [D, rows * HP] e4m3) -> fp32
     logit[t, g]      = k_scale[t] * sum_h w[g, h] * relu(s[t, g * HP + h])
 
 so the head sum runs along the dot's N dim (inside a thread and its quad on Hopper, no shared memory) and
-each key is loaded once for all G rows. Padded heads / rows have q = w = 0 and add exactly 0.
-Derivation, roofline and tuning notes: README.md next to this file.
+each key is loaded once for all rows. The ragged kernel does it in one dot (``_gated_relu_sum``); the
+paged kernel splits a program's G draft rows into 1, 2 or 4 dots of GS rows that share the step's keys
+(``_score_rows``; narrower accumulators, and a padded row's dot is compiled out). Padded heads / rows
+have q = w = 0 and add exactly 0. Derivation, roofline and tuning notes: README.md next to this file.
 
 The kernels write every output element (logits inside each row's range, -inf elsewhere), use no atomics
-and a fixed reduction order: the same input gives the same bits.
+and a fixed reduction order: the same input and launch shape give the same bits.
 """
 
 from __future__ import annotations
@@ -87,6 +89,93 @@ def _fill_neg_inf(p_rows, m_rows, start, stop, BLOCK_N: tl.constexpr, G: tl.cons
 # ---- paged --------------------------------------------------------------------------------------------
 
 @triton.jit
+def _head_sum_chain(b_r, b_w, BLOCK_N: tl.constexpr, GS: tl.constexpr):
+    """``b_r [BLOCK_N, GS * 64]`` (relu'd scores), ``b_w [GS * 64]`` -> ``[BLOCK_N, GS]``: the head sum as one
+    fma chain per thread.
+
+    A Hopper accumulator gives a thread columns ``8 * blk + 2 * (lane % 4) + reg``: the reshapes / permute
+    / splits below only relabel those registers (no data moves) and peel the 8 column blocks ``blk`` into
+    8 tensors, so ``s = r_0 w_0 + r_1 w_1 + ...`` is 1 multiply and 7 fmas per register pair instead of the
+    multiply / fma pairs and add tree of ``tl.sum`` over 64 heads. The quad (``lane % 4``) and the two
+    registers are summed after. Same value up to fp32 rounding order.
+    """
+    # [BLOCK_N, GS, 8 (lane, reg), 8 (blk)] -> split the blk bits, highest first
+    r = tl.reshape(tl.permute(tl.reshape(b_r, [BLOCK_N, GS, 8, 8]), [0, 1, 3, 2]), [BLOCK_N, GS, 8, 2, 2, 2])
+    w = tl.reshape(tl.permute(tl.reshape(b_w, [GS, 8, 8]), [0, 2, 1]), [GS, 8, 2, 2, 2])
+    r0, r1 = tl.split(r)
+    w0, w1 = tl.split(w)
+    r00, r01 = tl.split(r0)
+    r10, r11 = tl.split(r1)
+    w00, w01 = tl.split(w0)
+    w10, w11 = tl.split(w1)
+    ra, rb = tl.split(r00)
+    rc, rd = tl.split(r01)
+    re, rf = tl.split(r10)
+    rg, rh = tl.split(r11)
+    wa, wb = tl.split(w00)
+    wc, wd = tl.split(w01)
+    we, wf = tl.split(w10)
+    wg, wh = tl.split(w11)
+    # [BLOCK_N, GS, 8]
+    s = ra * wa[None]
+    s += rb * wb[None]
+    s += rc * wc[None]
+    s += rd * wd[None]
+    s += re * we[None]
+    s += rf * wf[None]
+    s += rg * wg[None]
+    s += rh * wh[None]
+    return tl.sum(s, axis=2)
+
+
+@triton.jit
+def _draft_rows(q, w, context_lens, out, i_b64, j0, o_d, stride_qn, stride_qh, stride_w, stride_o,
+                NEXT_N: tl.constexpr, H: tl.constexpr, HP: tl.constexpr, GS: tl.constexpr, FP8_DOT: tl.constexpr):
+    """Draft rows ``j0 .. j0 + GS - 1`` of one request (``q`` already offset to it): ``q^T [D, GS * HP]``,
+    gates ``[GS * HP] f32``, lengths ``[GS] i32``, output row pointers ``[GS]`` and row mask ``[GS]``.
+    Padded heads / rows get q = w = 0 (they add exactly 0) and length 0."""
+    o_j = j0 + tl.arange(0, GS)
+    m_j = o_j < NEXT_N
+    b_len = tl.load(context_lens + i_b64 * NEXT_N + o_j, mask=m_j, other=0)
+    p_rows = out + (i_b64 * NEXT_N + o_j) * stride_o
+    # [GS * HP] (row, head) pairs folded into the dot's N side
+    o_r = tl.arange(0, GS * HP)
+    r_j = j0 + o_r // HP
+    r_h = o_r % HP
+    m_r = (r_j < NEXT_N) & (r_h < H)
+    # [D, GS * HP], loaded already transposed: Triton then copies it to shared memory once, before the
+    # loop (a tl.trans of a [GS * HP, D] tile is re-stored to shared memory every step)
+    b_qt = tl.load(q + r_j[None, :] * stride_qn + r_h[None, :] * stride_qh + o_d[:, None], mask=m_r[None, :], other=0.0)
+    if not FP8_DOT:
+        b_qt = _e4m3_bits_to_f16(b_qt)
+    # [GS * HP]
+    b_w = tl.load(w + (i_b64 * NEXT_N + r_j) * stride_w + r_h, mask=m_r, other=0.0)
+    return b_qt, b_w, b_len, p_rows, m_j
+
+
+@triton.jit
+def _score_rows(b_k, b_ks, b_qt, b_w, b_len, p_rows, m_j, o_t, c1, GS: tl.constexpr, HP: tl.constexpr,
+                CHAIN: tl.constexpr):
+    """Score one step's keys ``b_k [BLOCK_N, D]`` (scales ``b_ks [BLOCK_N]``, positions ``o_t``) for GS draft
+    rows and store them: ``k_scale * sum_h w * relu(k . q)`` below each row's length, -inf from it on."""
+    BLOCK_N: tl.constexpr = b_k.shape[0]
+    # [BLOCK_N, GS * HP]; fp32 accumulation on the tensor cores
+    b_s = tl.dot(b_k, b_qt)
+    if CHAIN:
+        b_l = _head_sum_chain(tl.maximum(b_s, 0.0), b_w, BLOCK_N, GS)
+    else:
+        b_s = tl.maximum(b_s, 0.0) * b_w[None, :]
+        # row g's heads are the contiguous columns g * HP .. g * HP + HP - 1 (a free reshape of the
+        # accumulator's layout: no data moves)
+        b_l = tl.sum(tl.reshape(b_s, [BLOCK_N, GS, HP]), axis=2)
+    # [BLOCK_N, GS]; k_scale > 0 leaves the relu and the head sum: one multiply per (key, row)
+    b_l = b_l * b_ks[:, None]
+    # per-row causal length: draft j never sees draft j + 1 (and junk past a length is discarded here)
+    b_l = tl.where(o_t[:, None] < b_len[None, :], b_l, float("-inf"))
+    tl.store(p_rows[None, :] + o_t[:, None], b_l, mask=m_j[None, :] & (o_t[:, None] < c1))
+
+
+@triton.jit
 def indexer_logits_paged_kernel(
     q,             # [B, NEXT_N, H, D] e4m3 (uint8 bits when not FP8_DOT)
     keys,          # [P, 8448] the cache viewed as e4m3 bytes (uint8 when not FP8_DOT)
@@ -99,40 +188,40 @@ def indexer_logits_paged_kernel(
     stride_qb, stride_qn, stride_qh,
     stride_w, stride_bt, stride_o,
     NEXT_N: tl.constexpr, H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr,
-    G: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
+    G: tl.constexpr, GS: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
     PAGE: tl.constexpr, PAGE_BYTES: tl.constexpr, KEY_BYTES: tl.constexpr, FP8_DOT: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
+    CHAIN: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     """Program (g, b, c): draft rows g * G .. g * G + G - 1 of request b, output columns [c * CHUNK, (c + 1) * CHUNK).
 
-    Each key page of the chunk is loaded once and scored for all G rows and all heads; columns past the
-    group's longest row are only filled with -inf (no key is read there). The row groups of one (b, c)
-    are adjacent program ids: they run at the same time, and all but the first read the pages from L2.
+    Each key block of the chunk is loaded once and scored for all G rows and all heads, as G / GS dots of
+    GS rows each (1, 2 or 4 sub-groups: a narrower dot needs fewer accumulator registers; sub-groups past
+    NEXT_N are compiled out). Columns past the group's longest row are only filled with -inf (no key is
+    read there). The row groups of one (b, c) are adjacent program ids: they run at the same time, and
+    all but the first read the pages from L2.
     """
+    SUB: tl.constexpr = G // GS
     i_g, i_b, i_c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b64 = i_b.to(tl.int64)
-
-    # [G] draft rows of this program; padded rows (j >= NEXT_N) have length 0 and are never stored
-    o_j = i_g * G + tl.arange(0, G)
-    m_j = o_j < NEXT_N
-    b_len = tl.load(context_lens + i_b * NEXT_N + o_j, mask=m_j, other=0)
-    reach = tl.max(b_len, axis=0)
-    p_rows = out + (i_b64 * NEXT_N + o_j) * stride_o
-
-    # [G * HP] (row, head) pairs folded into the dot's N side; padded heads get q = w = 0
-    o_r = tl.arange(0, G * HP)
-    r_j = i_g * G + o_r // HP
-    r_h = o_r % HP
-    m_r = (r_j < NEXT_N) & (r_h < H)
+    j0 = i_g * G
+    q += i_b64 * stride_qb
     o_d = tl.arange(0, D)
-    # [D, G * HP], loaded already transposed: Triton then copies it to shared memory once, before the
-    # loop (a tl.trans of a [G * HP, D] tile is re-stored to shared memory every step)
-    b_qt = tl.load(q + i_b64 * stride_qb + r_j[None, :] * stride_qn + r_h[None, :] * stride_qh + o_d[:, None],
-                   mask=m_r[None, :], other=0.0)
-    if not FP8_DOT:
-        b_qt = _e4m3_bits_to_f16(b_qt)
-    # [G * HP]
-    b_w = tl.load(w + (i_b64 * NEXT_N + r_j) * stride_w + r_h, mask=m_r, other=0.0)
+
+    b_q0, b_w0, b_len0, p_r0, m_j0 = _draft_rows(q, w, context_lens, out, i_b64, j0, o_d, stride_qn, stride_qh,
+                                                 stride_w, stride_o, NEXT_N, H, HP, GS, FP8_DOT)
+    reach = tl.max(b_len0, axis=0)
+    if SUB > 1 and GS < NEXT_N:
+        b_q1, b_w1, b_len1, p_r1, m_j1 = _draft_rows(q, w, context_lens, out, i_b64, j0 + GS, o_d, stride_qn,
+                                                     stride_qh, stride_w, stride_o, NEXT_N, H, HP, GS, FP8_DOT)
+        reach = tl.maximum(reach, tl.max(b_len1, axis=0))
+    if SUB > 2 and 2 * GS < NEXT_N:
+        b_q2, b_w2, b_len2, p_r2, m_j2 = _draft_rows(q, w, context_lens, out, i_b64, j0 + 2 * GS, o_d, stride_qn,
+                                                     stride_qh, stride_w, stride_o, NEXT_N, H, HP, GS, FP8_DOT)
+        reach = tl.maximum(reach, tl.max(b_len2, axis=0))
+    if SUB > 3 and 3 * GS < NEXT_N:
+        b_q3, b_w3, b_len3, p_r3, m_j3 = _draft_rows(q, w, context_lens, out, i_b64, j0 + 3 * GS, o_d, stride_qn,
+                                                     stride_qh, stride_w, stride_o, NEXT_N, H, HP, GS, FP8_DOT)
+        reach = tl.maximum(reach, tl.max(b_len3, axis=0))
 
     c0 = i_c * CHUNK
     c1 = tl.minimum(c0 + CHUNK, max_len)
@@ -153,42 +242,64 @@ def indexer_logits_paged_kernel(
         b_ks = tl.load(scales + i_p * (PAGE_BYTES // 4) + KEY_BYTES // 4 + o_in)
         if not FP8_DOT:
             b_k = _e4m3_bits_to_f16(b_k)
-        # [BLOCK_N, G]
-        b_l = _gated_relu_sum(b_k, b_qt, b_w, G, HP) * b_ks[:, None]
-        # per-row causal length: draft j never sees draft j + 1 (and junk past a length is discarded here)
-        b_l = tl.where(o_t[:, None] < b_len[None, :], b_l, float("-inf"))
-        tl.store(p_rows[None, :] + o_t[:, None], b_l, mask=m_j[None, :] & (o_t[:, None] < c1))
-    _fill_neg_inf(p_rows, m_j, end, c1, BLOCK_N, G)
+        _score_rows(b_k, b_ks, b_q0, b_w0, b_len0, p_r0, m_j0, o_t, c1, GS, HP, CHAIN)
+        if SUB > 1 and GS < NEXT_N:
+            _score_rows(b_k, b_ks, b_q1, b_w1, b_len1, p_r1, m_j1, o_t, c1, GS, HP, CHAIN)
+        if SUB > 2 and 2 * GS < NEXT_N:
+            _score_rows(b_k, b_ks, b_q2, b_w2, b_len2, p_r2, m_j2, o_t, c1, GS, HP, CHAIN)
+        if SUB > 3 and 3 * GS < NEXT_N:
+            _score_rows(b_k, b_ks, b_q3, b_w3, b_len3, p_r3, m_j3, o_t, c1, GS, HP, CHAIN)
+    _fill_neg_inf(p_r0, m_j0, end, c1, BLOCK_N, GS)
+    if SUB > 1 and GS < NEXT_N:
+        _fill_neg_inf(p_r1, m_j1, end, c1, BLOCK_N, GS)
+    if SUB > 2 and 2 * GS < NEXT_N:
+        _fill_neg_inf(p_r2, m_j2, end, c1, BLOCK_N, GS)
+    if SUB > 3 and 3 * GS < NEXT_N:
+        _fill_neg_inf(p_r3, m_j3, end, c1, BLOCK_N, GS)
 
 
 @dataclass(frozen=True)
 class PagedConfig:
     """Launch shape of the paged kernel; ``None`` fields are chosen by :func:`paged_config`.
 
-    Defaults timed on an H200 (README.md "Tuning"): two pages a step (block_n 128) while the dot is at most
-    128 columns wide (n <= 2 at H 64: 0.86x / 0.95x the time of one page a step), one page a step for
-    wider dots (n = 4: its [64, 256] fp32 accumulator already takes 128 registers a thread, two programs
-    an SM). One warpgroup: 8 warps were slower at 32K / 64K. The page-id load feeds the key addresses
-    (one indirection level), and Triton puts ``ceil((num_stages - 2) / 2)`` stages between them: 6 stages
-    keep the keys two steps ahead.
+    Defaults timed on an H200 (triton 3.6, README.md "Tuning"), B 64, H 64, ctx ~32K, do_bench µs:
+    n = 1: one 64-column dot, two pages a step (90.7). n = 2: two 64-column dots a step sharing the keys,
+    two pages a step (117.0; one 128-column dot: 122.4). n = 3 (its group of 4 has a padded row): three
+    64-column dots with the fma-chain head sum, two pages a step (164.2; one padded 256-column dot: 196.4).
+    n = 4: one 256-column dot, one page a step (197.1; two or four narrower dots: 201.5 - 204.8). One
+    warpgroup (8 warps: 1.3x slower at n = 4). More stages than 6 do not help (the kernel is compute-bound).
     """
-    block_n: int | None = None  # key positions per loop step (64 = one page); None: 128 or 64, see above
-    chunk: int | None = None    # output columns per program (a multiple of block_n)
-    rows: int | None = None     # draft rows per program (G); n > rows re-reads the pages once per group
+    block_n: int | None = None   # key positions per loop step (64 = one page); None: 128 or 64, see above
+    chunk: int | None = None     # output columns per program (a multiple of block_n)
+    rows: int | None = None      # draft rows per program (G); n > rows re-reads the pages once per group
+    sub_rows: int | None = None  # draft rows per dot (GS); G / GS in {1, 2, 4} dots a step share the keys
+    chain: bool | None = None    # head sum as an explicit fma chain (64-head groups only), else tl.sum
     num_warps: int = 4
     num_stages: int = 6
-    programs_per_sm: int = 8    # the default chunk gives about this many programs per SM (4 and 16: slower)
+    programs_per_sm: int = 8     # the default chunk gives about this many programs per SM (4 and 16: slower)
     max_regs: int | None = None  # ptxas register cap (maxnreg); n = 4 at 168 spills and runs 2.2x slower
 
 
 def paged_config(B: int, n: int, H: int, max_len: int, device: torch.device,
-                 cfg: PagedConfig | None = None) -> tuple[int, int, int, int]:
-    """``(G, HP, block_n, chunk)`` for a launch: G draft rows x HP heads per dot; columns split into chunks
-    so that about ``programs_per_sm`` (8) programs per SM exist, chunks of 2 .. 64 steps."""
+                 cfg: PagedConfig | None = None) -> tuple[int, int, int, int, int, bool]:
+    """``(G, GS, HP, block_n, chunk, chain)`` for a launch: G draft rows x HP heads per program, scored as
+    G / GS dots of GS rows; columns split into chunks so that about ``programs_per_sm`` (8) programs per
+    SM exist, chunks of 2 .. 64 steps."""
     cfg = cfg or PagedConfig()
     HP = max(16, _pow2(H))
     G = cfg.rows or min(_pow2(n), max(1, MAX_DOT_N // HP))
-    bn = cfg.block_n or (128 if G * HP <= 128 else 64)
+    width = G * HP
+    padded = width == MAX_DOT_N and n < G  # e.g. n = 3 at H 64: one of the group's 4 rows is padding
+    if cfg.sub_rows is not None:
+        GS = cfg.sub_rows
+    elif padded:
+        GS = max(1, G // 4)  # 64-column dots (at H 64): the padded row's dot is compiled out
+    elif width == MAX_DOT_N // 2:
+        GS = max(1, G // 2)  # n = 2 at H 64: two 64-column dots a step
+    else:
+        GS = G
+    bn = cfg.block_n or (128 if width <= 128 or padded else 64)
+    chain = (padded if cfg.chain is None else cfg.chain) and HP == 64
     if cfg.chunk is not None:
         chunk = cfg.chunk
     else:
@@ -198,7 +309,9 @@ def paged_config(B: int, n: int, H: int, max_len: int, device: torch.device,
         chunk = min(max(chunk, 2 * bn), 64 * bn)
     if bn < 16 or bn & (bn - 1) or chunk % bn:
         raise ValueError(f"config: block_n must be a power of two >= 16 dividing chunk, got {bn}, {chunk}")
-    return G, HP, bn, chunk
+    if GS < 1 or G % GS or G // GS not in (1, 2, 4):
+        raise ValueError(f"config: sub_rows must divide rows into 1, 2 or 4 dots, got {GS} of {G}")
+    return G, GS, HP, bn, chunk, chain
 
 
 def indexer_logits_paged(q_fp8: torch.Tensor, index_cache: torch.Tensor, weights: torch.Tensor,
@@ -217,7 +330,7 @@ def indexer_logits_paged(q_fp8: torch.Tensor, index_cache: torch.Tensor, weights
     if out.numel() == 0:
         return out
     cfg = config or PagedConfig()
-    G, HP, bn, chunk = paged_config(B, n, H, max_context_len, q_fp8.device, cfg)
+    G, GS, HP, bn, chunk, chain = paged_config(B, n, H, max_context_len, q_fp8.device, cfg)
     fp8_dot = _fp8_dot_supported(q_fp8.device) if fp8_dot is None else fp8_dot
     if q_fp8.stride(-1) != 1:
         q_fp8 = q_fp8.contiguous()
@@ -234,9 +347,9 @@ def indexer_logits_paged(q_fp8: torch.Tensor, index_cache: torch.Tensor, weights
         context_lens=context_lens.contiguous(), block_table=block_table, out=out, max_len=max_context_len,
         stride_qb=q_in.stride(0), stride_qn=q_in.stride(1), stride_qh=q_in.stride(2),
         stride_w=weights.stride(0), stride_bt=block_table.stride(0), stride_o=out.stride(0),
-        NEXT_N=n, H=H, HP=HP, D=D, G=G, BLOCK_N=bn, CHUNK=chunk,
+        NEXT_N=n, H=H, HP=HP, D=D, G=G, GS=GS, BLOCK_N=bn, CHUNK=chunk,
         PAGE=PAGE_SIZE, PAGE_BYTES=INDEX_PAGE_BYTES, KEY_BYTES=INDEX_KEY_BYTES, FP8_DOT=fp8_dot,
-        NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        CHAIN=chain, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({} if cfg.max_regs is None else {"maxnreg": cfg.max_regs}),
     )
     return out
