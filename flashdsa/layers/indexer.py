@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from flashdsa.config import DSAConfig
+from flashdsa.ops.indexer_quant import HEAD_DIM, ROPE_HALF, indexer_quant
 from flashdsa.quant import FP8, act_quant, hadamard, indexer_rope
 
 PRECISIONS = ("fp8", "exact")
@@ -97,15 +98,26 @@ class Indexer(nn.Module):
                                      kn.eps).to(x.dtype)
         # weights_proj may be kept in fp32 (HF's _keep_in_fp32_modules) while x is bf16
         gate = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.n_heads ** -0.5
-        # RoPE on the first rope_dim dims ([rope | nope]), rounded to the model dtype as deployed.
-        q = indexer_rope(q, cos, sin, self.interleave).to(x.dtype)
-        k = indexer_rope(k, cos, sin, self.interleave).to(x.dtype)
         if self.precision == "exact":
+            # RoPE on the first rope_dim dims ([rope | nope]), rounded to the model dtype as deployed.
+            q = indexer_rope(q, cos, sin, self.interleave).to(x.dtype)
+            k = indexer_rope(k, cos, sin, self.interleave).to(x.dtype)
             return IndexerOutput(q, gate * self.head_dim ** -0.5, k, None)
-        q_fp8, q_scale = act_quant(hadamard(q), block=self.head_dim)
-        k_fp8, k_scale = act_quant(hadamard(k), block=self.head_dim)
-        w = gate * q_scale[..., 0] * self.head_dim ** -0.5
-        return IndexerOutput(q_fp8, w, k_fp8, k_scale[..., 0])
+        q_fp8, q_scale = self._quant(q, cos, sin)
+        k_fp8, k_scale = self._quant(k, cos, sin)
+        w = gate * q_scale * self.head_dim ** -0.5
+        return IndexerOutput(q_fp8, w, k_fp8, k_scale)
+
+    def _quant(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE, rounding to the model dtype, Hadamard, act_quant: ``[T, ..., D] -> e4m3 [T, ..., D], f32 [T, ...]``.
+
+        One fused op for the shapes of V3.2 / GLM-5 (D 128, rope 64, bf16 / fp32); the same composition
+        in plain torch otherwise."""
+        if x.shape[-1] == HEAD_DIM and cos.shape[-1] == ROPE_HALF and x.dtype in (torch.bfloat16, torch.float32):
+            return indexer_quant(x, cos, sin, self.interleave)
+        y = indexer_rope(x, cos, sin, self.interleave).to(x.dtype)
+        x_fp8, scale = act_quant(hadamard(y), block=self.head_dim)
+        return x_fp8, scale[..., 0]
 
 
 def _f32(p: torch.Tensor | None) -> torch.Tensor | None:

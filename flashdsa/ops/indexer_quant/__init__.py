@@ -1,0 +1,54 @@
+"""The indexer's deployment numerics in one op: RoPE, Hadamard rotation, block fp8 quantisation."""
+
+from __future__ import annotations
+
+import torch
+
+from flashdsa.ops._common import check_tensor, fail, pick_backend
+from flashdsa.ops.indexer_quant import reference
+
+HEAD_DIM = 128
+ROPE_HALF = 32
+
+
+def _triton_indexer_quant(*args, **kwargs):
+    # imported on first use: importing triton is slow and CPU-only users never need it
+    from flashdsa.ops.indexer_quant import triton as impl
+    return impl.indexer_quant(*args, **kwargs)
+
+
+_IMPLS = {"torch": reference.indexer_quant, "triton": _triton_indexer_quant}
+
+
+def indexer_quant(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool, *,
+                  backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE on the first 64 dims, rounding to the model dtype, Sylvester Hadamard, fp8 with a UE8M0 scale.
+
+    Per head (SPEC §3), exactly as ``flashdsa.quant`` composes it::
+
+        y = x.dtype(indexer_rope(x, cos, sin, interleave))   # layout [rope 64 | nope 64]
+        z = x.dtype(H128 y / sqrt(128))                        # hadamard(): fp32 butterflies
+        x_fp8, scale = act_quant(z, block=128)                 # scale = 2^ceil(log2(max(amax, 1e-4) / 448))
+
+    Both backends give the same bits for finite inputs; the Triton one (default on CUDA) is one launch
+    for any T and head count. Use it for the queries ``[T, H, 128]`` and the key ``[T, 128]`` alike.
+
+    Args:
+        x:          ``[T, ..., 128]`` bfloat16 or float32 (the model dtype), unit stride not required.
+        cos, sin:   ``[T, 32] float32`` RoPE tables of each row's position.
+        interleave: ``False``: NeoX pairs (i, i + 32); ``True``: GPT-J pairs (2i, 2i + 1).
+
+    Returns:
+        ``x_fp8 [T, ..., 128] float8_e4m3fn`` and ``scale [T, ...] float32`` (powers of two) with
+        ``z ≈ x_fp8 * scale[..., None]``.
+    """
+    check_tensor("x", x, dtype=(torch.bfloat16, torch.float32))
+    if x.dim() < 2 or x.shape[-1] != HEAD_DIM:
+        fail("x", f"a [T, ..., {HEAD_DIM}] tensor", f"shape {list(x.shape)}")
+    T = x.shape[0]
+    check_tensor("cos", cos, dtype=torch.float32, shape=(T, ROPE_HALF), device=x.device)
+    check_tensor("sin", sin, dtype=torch.float32, shape=(T, ROPE_HALF), device=x.device)
+    if not isinstance(interleave, bool):
+        fail("interleave", "a bool", type(interleave).__name__)
+    impl = pick_backend(backend, _IMPLS, x.device, "indexer_quant")
+    return impl(x, cos, sin, interleave)
