@@ -18,9 +18,10 @@ Timings: median of triton.testing.do_bench (L2 flushed each rep) of a CUDA-graph
 for all three (GPU time without Python / launch overhead, as decode runs it); "ours_eager_us" is our
 plain call, overhead included. Value checks are off (the production decode setting: no host sync).
 torch.topk returns (values, indices) in value order, untranslated.
-``--sweep`` times other knob sets of ours per random shape (split chunks, register cap / programs per
-SM, sample size, digit bits; defaults: launch_config() in flashdsa/ops/topk/triton.py). ``--smoke`` runs tiny shapes (CPU through the interpreter when there is no
-GPU) to check the script itself; its times mean nothing.
+``--sweep`` times other knob sets of ours per random shape (split chunks, warps a program and programs
+per SM, streamed vs in-register radix levels, register cap, unroll, digit bits; defaults:
+launch_config() in flashdsa/ops/topk/triton.py). ``--smoke`` runs tiny shapes (CPU through the
+interpreter when there is no GPU) to check the script itself; its times mean nothing.
 """
 
 from __future__ import annotations
@@ -164,11 +165,13 @@ def run_case(name: str, kind: str, R: int, L: int, sgl: bool, rows: list, pages:
 
 
 # --sweep: knob sets per regime (the defaults are launch_config() in flashdsa/ops/topk/triton.py)
-SWEEP_FEW = [dict(chunks=2), dict(chunks=4), dict(chunks=8), dict(chunks=16), dict(chunks=1, num_warps=16, block=4096),
-             dict(bits_w=5), dict(lg_sample=8), dict(finish_warps=8)]
-SWEEP_MANY = [dict(maxnreg=128, per_sm=2), dict(maxnreg=80, per_sm=3), dict(maxnreg=64, per_sm=4),
-              dict(maxnreg=48, per_sm=5), dict(lg_sample=8), dict(bits_w=5), dict(lg_sample=8, bits_w=5),
-              dict(num_warps=4, block=1024, maxnreg=64, per_sm=8)]
+SWEEP_FEW = [dict(chunks=2), dict(chunks=8), dict(chunks=16), dict(num_warps=4, stream=True, chunks=8),
+             dict(finish_warps=16), dict(finish_stream=True, finish_warps=4, cand=8192), dict(unroll=4)]
+SWEEP_MANY = [dict(num_warps=1, stream=True, maxnreg=0, per_sm=32),
+              dict(num_warps=2, stream=True, maxnreg=0, per_sm=16),
+              dict(num_warps=4, stream=True, maxnreg=0, per_sm=8),
+              dict(num_warps=8, stream=False, maxnreg=64, per_sm=4),
+              dict(num_warps=8, stream=False, maxnreg=80, per_sm=3), dict(unroll=4), dict(bits_w=8)]
 
 
 def run_sweep(shapes, rows: list) -> None:

@@ -5,7 +5,8 @@ ranges, -inf runs, denormals, NaN, -0.0 / +0.0, +inf) with lengths 0, < k, = k, 
 hypothesis draws the row kinds, lengths, k, the output mode (plain / out_offsets / page table shared
 by g rows), row_starts, a strided logits view and the kernel's knobs. Small buffers (U of 256, W of
 16 or 256, samples of 32) make every path reachable on rows of a few thousand: the sampled threshold, its
-two misses (forced), levels on the row, on U and on W, early exits, and split mode (a row's
+two misses (forced), levels on the row, on U and on W, early exits, warp segments spanning several
+tiles, radix levels in registers and streamed from memory (one-warp programs), and split mode (a row's
 compaction over several programs, then a second kernel) next to the fused kernel. Outputs are
 poisoned (INT32_MAX) so an unwritten slot fails; runs repeat bit for bit. Realistic sizes (k = 2048,
 rows of 8K / 32K / 128K) and CUDA-graph capture are GPU-only.
@@ -31,18 +32,31 @@ KINDS = ("randn", "equal", "two", "levels16", "levels256", "ties_at_k", "narrow"
 
 # Buffer sizes for the interpreter: small enough that rows of ~1000-3000 reach every path.
 SMALL = dict(cand=256, lg_sample=5, block=128)  # U of 256 slots, 32 samples
+# Compaction tiles of num_warps * unroll * 128 scores: 2 warps, 1 tile -> a row of 3000 is several tiles
+# and split chunks of 256.
+TILES = dict(num_warps=2, unroll=1)
 KNOBS = {
     "default": {},
     "small": SMALL,
-    "small-b8": dict(SMALL, bits=8, block=64),
-    "small-b3": dict(SMALL, bits=3, bits_w=3, block=256),
+    "small-b8": dict(SMALL, bits=8, bits_w=8, bits_s=8, block=64),
+    "small-b3": dict(SMALL, bits=3, bits_w=3, bits_s=3, block=256),
     "small-w16": dict(SMALL, wcap=16),    # W smaller than most buckets: more levels on U first
+    "small-tiles": dict(SMALL, num_warps=4, unroll=1),  # a warp's segment over several tiles
     "miss-high": dict(SMALL, force=1),   # guess = largest sampled key: < k candidates, some above
     "miss-none": dict(SMALL, force=2),   # no guess: every key a candidate, more than U holds
     "miss-low": dict(SMALL, force=3),    # guess = smallest sampled key: > U candidates, some below
-    "split": dict(SMALL, chunks=3),      # split mode: a row's compaction over 3 programs
-    "split-miss-high": dict(SMALL, chunks=4, force=1),
+    "split": dict(SMALL, chunks=3, **TILES),      # split mode: a row's compaction over 3 programs
+    "split-miss-high": dict(SMALL, chunks=4, force=1, **TILES),
     "split-default": dict(chunks=2),
+    "regs-default": dict(stream=False, num_warps=8),   # 8-warp programs, radix levels in registers
+    "split-regs": dict(chunks=2, stream=False, num_warps=8),
+    # one-warp programs: the radix levels stream U / W / the sample from memory
+    "stream": dict(SMALL, stream=True, num_warps=1),
+    "stream-w16": dict(SMALL, stream=True, num_warps=1, wcap=16, lg_sample=3),
+    "stream-miss-low": dict(SMALL, stream=True, num_warps=1, force=3),
+    "stream-1warp": dict(stream=True, num_warps=1),
+    "split-stream": dict(SMALL, chunks=3, stream=True, **TILES),
+    "split-finish-stream": dict(SMALL, chunks=2, finish_stream=True, **TILES),
 }
 
 
@@ -278,11 +292,16 @@ def test_gpu_realistic(R, L, kind):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("knobs", [dict(chunks=1), dict(chunks=8), dict(chunks=1, maxnreg=128, grid=64)],
-                         ids=["fused", "split8", "fused-r128"])
+@pytest.mark.parametrize("knobs", [dict(chunks=1, num_warps=1, stream=True),
+                                   dict(chunks=1, num_warps=4, stream=True),
+                                   dict(chunks=1, num_warps=8, stream=False, maxnreg=64, grid=64),
+                                   dict(chunks=8, num_warps=8, stream=False),
+                                   dict(chunks=16, num_warps=2, stream=True, finish_stream=True, finish_warps=4,
+                                        cand=8192)],
+                         ids=["fused-stream1", "fused-stream4", "fused-regs", "split8-regs", "split16-stream"])
 @pytest.mark.parametrize("kind", ["randn", "levels16", "narrow"])
 def test_gpu_modes(knobs, kind):
-    # both kernels at k = 2048 whatever launch_config() picks for the shape
+    # both kernels, levels in registers and streamed, at k = 2048 whatever launch_config() picks
     k, R, L = 2048, 64, 32768
     gen = torch.Generator().manual_seed(L)
     logits = torch.stack([_row(kind, L, k, gen) for _ in range(R)]).cuda()

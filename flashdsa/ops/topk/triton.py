@@ -2,22 +2,27 @@
 
 Each row is worked on as order-preserving int32 keys:
 
-1. sample:   ``S`` keys of the row (runs of 8 at evenly spaced positions), radix-selected in
-             registers -> a low threshold ``t_lo`` that ~1.5 k keys reach (a guess: speed only);
-2. compact:  one streaming pass keeps every key ``>= t_lo`` with its position, in position order,
-             in a scratch buffer ``U`` (prefix sums, no atomics);
-3. select:   ``U`` in registers; one radix level (32 linear buckets, shrunk to the chosen bucket's
-             min / max) usually leaves a bucket of a few hundred keys, copied to ``W``; levels on ``W``
-             find the k-th key ``T`` and ``need``, how many keys equal to ``T`` are taken (first positions);
-4. emit:     every key of ``U`` ``> T`` and the first ``need`` keys ``== T``, in position order,
+1. sample:   ``S`` keys of the row (runs of 8 at evenly spaced positions), radix-selected -> a low
+             threshold ``t_lo`` that ~1.4 k keys reach (a guess: speed only);
+2. compact:  one streaming pass keeps every score whose key is ``>= t_lo`` (three integer compares on
+             the raw bits, no key computed) with its position. Each warp owns a contiguous segment of
+             the row and appends to its own list with warp-local prefix sums: no barrier in the pass;
+3. move:     the warp lists are concatenated in position order into ``U`` (scores -> keys on the way);
+4. select:   radix levels on ``U`` (32 linear buckets a level) until the bucket of the k-th key holds at
+             most WCAP keys, copied to ``W``; levels on ``W`` find the k-th key ``T`` and ``need``, how many
+             keys equal to ``T`` are taken (first positions);
+5. emit:     every key of ``U`` ``> T`` and the first ``need`` keys ``== T``, in position order,
              translated (page table / offset / plain) in the same store.
 
-Many rows: ``topk_transform_kernel`` does all four, a persistent grid walking the rows. Few long rows:
-``topk_chunk_kernel`` spreads steps 1-2 of a row over several programs, ``topk_finish_kernel`` does 3-4.
+The levels hold their keys in registers (8-warp programs), or stream them from memory a tile at a
+time (``STREAM``: few-warp programs, registers independent of the candidate count).
+
+Many rows: ``topk_transform_kernel`` does all five, a persistent grid walking the rows. Few long rows:
+``topk_chunk_kernel`` spreads steps 1-3 of a row over several programs, ``topk_finish_kernel`` does 4-5.
 If the guess fails (fewer than k keys reach ``t_lo``, or more than ``U`` holds) the levels run on the row
 itself until the bucket fits ``U``: slower, same answer. Rows with ``length <= k`` are copied. Scratch
-is sized from shapes only, nothing is synchronised with the host, every count is a reduction, so the
-output is the same bits on every run.
+is sized from shapes only, nothing is synchronised with the host, every count is a reduction or a
+prefix sum in position order, so the output is the same bits on every run.
 """
 
 from __future__ import annotations
@@ -35,24 +40,45 @@ _INT_MIN = tl.constexpr(-2147483648)
 _INT_MAX = tl.constexpr(2147483647)
 _KEY_MIN = tl.constexpr(-2139095041)      # key of -inf (0xFF800000) and of every NaN
 _KEY_MAX = tl.constexpr(2139095040)       # key of +inf (0x7F800000)
+_POS_INF_BITS = tl.constexpr(2139095040)  # 0x7F800000
 _NEG_INF_BITS = tl.constexpr(-8388608)    # 0xFF800000 as int32
 _MAX_LEVELS = tl.constexpr(40)            # > 32 bits / 1 bit per level: a hang guard, never reached
 
 DEFAULT_BITS = 5          # digit bits of a level on U (32 bins: the cheapest per resolved bit in triton 3.6)
-DEFAULT_BITS_W = 8        # digit bits on the small tensors (sample, W): fewer levels, each one cheap
-WCAP = 1024               # W: the bucket small enough to leave U's registers for
-LG_SAMPLE_MIN, LG_SAMPLE_MAX = 10, 12
-SCRATCH_BUDGET = 256 << 20   # bytes of scratch; fewer programs when k is huge
+DEFAULT_BITS_W = 5        # digit bits on W
+DEFAULT_BITS_S = 5        # digit bits on the sample
+WCAP = 512                # W: the bucket small enough to leave U's registers for
+LG_SAMPLE_MIN, LG_SAMPLE_MAX = 9, 12
+SCRATCH_BUDGET = 1 << 30     # bytes of scratch; fewer programs when k is huge
 
 
 @triton.jit
 def _order_key(x):
     """``float32 -> int32`` with the same order (NaN -> -inf, -0.0 -> +0.0)."""
-    b = x.to(tl.int32, bitcast=True)
+    return _bits_key(x.to(tl.int32, bitcast=True))
+
+
+@triton.jit
+def _bits_key(b):
+    """The key of the float32 whose bits are ``b`` (int32)."""
     b = tl.where(b == _INT_MIN, 0, b)
-    b = tl.where((b & 0x7FFFFFFF) > 0x7F800000, _NEG_INF_BITS, b)
+    b = tl.where((b & 0x7FFFFFFF) > _POS_INF_BITS, _NEG_INF_BITS, b)
     # Negative floats order backwards as integers: flip their magnitude bits.
     return b ^ ((b >> 31) & 0x7FFFFFFF)
+
+
+@triton.jit
+def _bits_bounds(t):
+    """``(t_a, t_p, t_b)`` with ``key(b) >= t  <=>  (t_a <= b <= t_p) | (b < t_b)`` for float bits ``b``.
+
+    Non-negative floats (b >= 0) pass when ``max(t, 0) <= b <= bits(+inf)`` (positive NaNs fail);
+    negative floats order backwards, and -0.0 (b = INT_MIN, key 0) is first: they pass when
+    ``b < INT_MIN - min(t, -1)`` (none when t > 0). ``t <= key(-inf)``: everything passes, NaNs too."""
+    every = t <= _KEY_MIN
+    t_a = tl.where(every, _INT_MIN, tl.maximum(t, 0))
+    t_p = tl.where(every, _INT_MAX, _POS_INF_BITS)
+    t_b = tl.where(t > 0, _INT_MIN, _INT_MIN - tl.minimum(t, -1))
+    return t_a, t_p, t_b
 
 
 @triton.jit
@@ -83,6 +109,18 @@ def _store(ptr, val, pred, ASM: tl.constexpr):
 
 
 @triton.jit
+def _store2(ptr, lo, hi, pred, ASM: tl.constexpr):
+    """``ptr[i] = hi << 32 | lo`` (int64 pointer, int32 halves) where ``pred``: one 8-byte store, no 64-bit
+    value built."""
+    if ASM:
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $4, 0; @p st.global.v2.b32 [$1], {$2, $3}; mov.b32 $0, 0; }",
+            "=r,l,r,r,r", [ptr, lo, hi, pred.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        tl.store(ptr, (hi.to(tl.int64) << 32) | (lo.to(tl.int64) & 0xFFFFFFFF), mask=pred)
+
+
+@triton.jit
 def _translate(p, m, table_row, off_r, MODE: tl.constexpr, PAGE_SIZE: tl.constexpr):
     """Row-relative position -> what the attention reads (MODE 0 plain, 1 offset, 2 page table)."""
     if MODE == 2:
@@ -94,10 +132,121 @@ def _translate(p, m, table_row, off_r, MODE: tl.constexpr, PAGE_SIZE: tl.constex
         return p
 
 
+# ---- warp lists: tiles [NW, 128], warp w owns row w (4 scores a lane: 128-bit loads) ------------------
+
+@triton.jit
+def _excl_sum(v, NW: tl.constexpr):
+    """Exclusive prefix sums of the NW per-warp values ``v [NW]``, without a scan over a tiny tensor."""
+    iw = tl.arange(0, NW)
+    return tl.sum(tl.where(iw[None, :] < iw[:, None], v[None, :], 0), axis=1)
+
+
+@triton.jit
+def _compact_tile(row, p, s1, t_a, t_p, t_b, dst, cw, CAP: tl.constexpr, ASM: tl.constexpr):
+    """One tile ``p [NW, 128]`` of positions: warp w appends the passing scores (bits << 32 | position) to its
+    list ``dst[w]`` after its ``cw[w]`` entries (stores stop at CAP). Returns the new counts."""
+    m = p < s1
+    # [NW, 128] raw score bits of the row
+    b = tl.load(row + p, mask=m, other=0.0).to(tl.int32, bitcast=True)
+    f = m & (((b >= t_a) & (b <= t_p)) | (b < t_b))
+    fi = f.to(tl.int32)
+    slot = cw[:, None] + tl.cumsum(fi, axis=1) - 1
+    _store2(dst + slot, p, b, f & (slot < CAP), ASM)
+    return cw + tl.sum(fi, axis=1)
+
+
+@triton.jit
+def _compact_seg(row, s0, s1, t_a, t_p, t_b, useg, CAP: tl.constexpr, NW: tl.constexpr, UN: tl.constexpr,
+                 ASM: tl.constexpr):
+    """Positions ``[s0, s1)`` of the row split into NW contiguous segments, one a warp: warp w appends
+    ``bits << 32 | position`` of every score passing ``(t_a <= b <= t_p) | (b < t_b)`` to its own list
+    ``useg[w * CAP:]`` (at most CAP stored), in position order, with warp-local prefix sums (no
+    barrier). A warp loads UN tiles of 128 scores at once. Returns the uncapped counts ``[NW]``.
+    s0 is a multiple of 4 (128-bit loads)."""
+    w = tl.arange(0, NW)
+    j = tl.arange(0, 128)
+    seg = tl.cdiv(tl.cdiv(s1 - s0, NW), UN * 128) * (UN * 128)
+    start = (s0 + w * seg)[:, None] + j[None, :]
+    dst = useg + (w.to(tl.int64) * CAP)[:, None]
+    cw = tl.zeros([NW], dtype=tl.int32)
+    for it in tl.range(0, seg, UN * 128, num_stages=1):
+        p = start + it
+        if UN == 1:
+            cw = _compact_tile(row, p, s1, t_a, t_p, t_b, dst, cw, CAP, ASM)
+        elif UN == 2:
+            cw = _compact_tile(row, p, s1, t_a, t_p, t_b, dst, cw, CAP, ASM)
+            cw = _compact_tile(row, p + 128, s1, t_a, t_p, t_b, dst, cw, CAP, ASM)
+        else:
+            tl.static_assert(UN == 4)
+            cw = _compact_tile(row, p, s1, t_a, t_p, t_b, dst, cw, CAP, ASM)
+            cw = _compact_tile(row, p + 128, s1, t_a, t_p, t_b, dst, cw, CAP, ASM)
+            cw = _compact_tile(row, p + 256, s1, t_a, t_p, t_b, dst, cw, CAP, ASM)
+            cw = _compact_tile(row, p + 384, s1, t_a, t_p, t_b, dst, cw, CAP, ASM)
+    return cw
+
+
+@triton.jit
+def _move(useg, cw, uk, CAP: tl.constexpr, CAND: tl.constexpr, NW: tl.constexpr, ASM: tl.constexpr):
+    """The warp lists (``cw [NW]`` entries each) -> U in position order: keys to ``uk[:CAND]``, positions
+    to ``uk[CAND:2 CAND]`` (at most CAND). Returns the largest key moved."""
+    w = tl.arange(0, NW)
+    j = tl.arange(0, 64)[None, :]
+    base = _excl_sum(cw, NW)[:, None]
+    top = tl.max(tl.minimum(cw, CAP), axis=0)
+    cnt = tl.minimum(cw, CAP)[:, None]
+    src = useg + (w.to(tl.int64) * CAP)[:, None]
+    vmax = tl.full([NW, 64], _INT_MIN, tl.int32)
+    for it in tl.range(0, top, 64, num_stages=1):
+        jj = it + j
+        m = (jj < cnt) & (base + jj < CAND)
+        # [NW, 64] bits << 32 | position
+        v = tl.load(src + jj, mask=m, other=0)
+        key = _bits_key((v >> 32).to(tl.int32))
+        vmax = tl.maximum(vmax, tl.where(m, key, _INT_MIN))
+        _store(uk + base + jj, key, m, ASM)
+        _store(uk + CAND + base + jj, (v & 0xFFFFFFFF).to(tl.int32), m, ASM)
+    return tl.max(tl.max(vmax, axis=1), axis=0)
+
+
+@triton.jit
+def _emit_u(uk, c, T, need, K, out_row, table_row, off_r, CAND: tl.constexpr, UB: tl.constexpr, MODE: tl.constexpr,
+            PAGE_SIZE: tl.constexpr, ASM: tl.constexpr):
+    """Write, in U order, the positions (``uk[CAND:]``) of every key (``uk[:c]``) ``> T`` and of the first
+    ``need`` keys ``== T``, UB slots at a time; stops once K are out."""
+    zero = tl.full([], 0, tl.int32)
+    gt_base = zero
+    eq_base = zero
+    taken = zero
+    start = zero
+    while (start < c) & (taken < K):
+        offs = start + tl.arange(0, UB)
+        m = offs < c
+        # [UB] keys of U (empty slots: INT_MIN, below every T)
+        x = tl.load(uk + offs, mask=m, other=_INT_MIN)
+        gt = (x > T).to(tl.int32)
+        eq = (x == T).to(tl.int32)
+        # One scan counts both: greater-than in the low 16 bits, equal in the high (CAND < 2^15).
+        v = gt + (eq << 16)
+        ex = tl.cumsum(v, axis=0) - v
+        gt_ex = gt_base + (ex & 0xFFFF)
+        eq_ex = eq_base + (ex >> 16)
+        sel = (gt != 0) | ((eq != 0) & (eq_ex < need))
+        slot = gt_ex + tl.minimum(eq_ex, need)
+        pos = tl.load(uk + CAND + offs, mask=sel, other=0)
+        _store(out_row + slot, _translate(pos, sel, table_row, off_r, MODE, PAGE_SIZE), sel, ASM)
+        tot = tl.sum(v, axis=0)
+        gt_base += tot & 0xFFFF
+        eq_base += tot >> 16
+        taken = gt_base + tl.minimum(eq_base, need)
+        start += UB
+
+
+# ---- the 1-D streaming helpers of the row fallback ------------------------------------------------------
+
 @triton.jit
 def _compact_block(row, offs, m, lo, hi, dst, c, CAND: tl.constexpr, MASKED: tl.constexpr, ASM: tl.constexpr):
-    """Append the keys of one block that lie in ``[lo, hi]`` (key << 32 | position, int64) to ``dst``
-    after the ``c`` already there, in position order; stores stop at CAND. Returns the new count."""
+    """Append the keys of one block that lie in ``[lo, hi]`` to ``dst`` (int32) after the ``c`` already
+    there, in position order; stores stop at CAND. Returns the new count."""
     if MASKED:
         # [BLOCK] scores of the row
         s = _order_key(tl.load(row + offs, mask=m, other=float("-inf")))
@@ -107,7 +256,7 @@ def _compact_block(row, offs, m, lo, hi, dst, c, CAND: tl.constexpr, MASKED: tl.
         f = (s >= lo) & (s <= hi)
     fi = f.to(tl.int32)
     slot = c + tl.cumsum(fi, axis=0) - 1
-    _store(dst + slot, (s.to(tl.int64) << 32) | offs.to(tl.int64), f & (slot < CAND), ASM)
+    _store(dst + slot, s, f & (slot < CAND), ASM)
     return c + tl.sum(fi, axis=0)
 
 
@@ -148,21 +297,6 @@ def _row_hist(row, n, lo, hi, shift, BITS: tl.constexpr, BLOCK: tl.constexpr, ST
 
 
 @triton.jit
-def _emit_regs(x, pos, m, T, need, out_row, table_row, off_r, MODE: tl.constexpr, PAGE_SIZE: tl.constexpr,
-               ASM: tl.constexpr):
-    """Write, in the (position) order of ``x``, every key ``> T`` and the first ``need`` keys ``== T``."""
-    gt = (m & (x > T)).to(tl.int32)
-    eq = (m & (x == T)).to(tl.int32)
-    # One scan counts both: greater-than in the low 16 bits, equal in the high (CAND < 2^15).
-    incl = tl.cumsum(gt + (eq << 16), axis=0)
-    gt_ex = (incl & 0xFFFF) - gt
-    eq_ex = (incl >> 16) - eq
-    sel = (gt != 0) | ((eq != 0) & (eq_ex < need))
-    slot = gt_ex + tl.minimum(eq_ex, need)
-    _store(out_row + slot, _translate(pos, sel, table_row, off_r, MODE, PAGE_SIZE), sel, ASM)
-
-
-@triton.jit
 def _emit_row(row, n, T, need, K, out_row, table_row, off_r, MODE: tl.constexpr, PAGE_SIZE: tl.constexpr,
               BLOCK: tl.constexpr, ASM: tl.constexpr):
     """The same from the row itself (the fallback), block by block; stops once K are out."""
@@ -191,6 +325,8 @@ def _emit_row(row, n, T, need, K, out_row, table_row, off_r, MODE: tl.constexpr,
         start += BLOCK
 
 
+# ---- radix select in registers --------------------------------------------------------------------------
+
 @triton.jit
 def _min_max_combine(a_min, a_max, b_min, b_max):
     return tl.minimum(a_min, b_min), tl.maximum(a_max, b_max)
@@ -218,19 +354,22 @@ def _pick_bucket(hist, kk):
 
 
 @triton.jit
-def _select_regs(x, m, lo, hi, kk, tol, stop, BITS: tl.constexpr):
-    """Radix levels on the keys ``x`` (a register tensor; ``m`` marks the set) that lie in ``[lo, hi]``,
-    towards the kk-th largest of them.
+def _select_regs(x, lo, hi, kk, tol, stop, BITS: tl.constexpr):
+    """Radix levels on the keys ``x`` (a 1-D register tensor; empty slots hold INT_MIN, below every key)
+    that lie in ``[lo, hi]`` (lo >= key(-inf)), towards the kk-th largest of them.
 
-    Precondition: at least kk keys of the set lie in ``[lo, hi]`` and every key of the set above ``hi``
+    Precondition: at least kk keys of x lie in ``[lo, hi]`` and every key of x above ``hi``
     is taken. A level histograms the digit ``((x - lo) >> shift) & (2^BITS - 1)``: 2^BITS equal buckets
     laid from lo up (``shift = bitwidth(hi - lo) - BITS``; ``x - lo`` wraps in int32 but its low
-    ``shift + BITS <= 32`` bits are right), keeps the bucket where the count from the top reaches kk
-    and shrinks ``[lo, hi]`` to the min / max key in that bucket. It stops when
+    ``shift + BITS <= 32`` bits are right) and keeps the bucket where the count from the top reaches kk.
+    It stops when
     - one key value is left: ``T = lo``, ``need = kk`` (kk copies of T taken, first positions first);
     - the bucket is taken whole (at most ``kk + tol`` keys; ``tol > 0`` only for the sample's
-      threshold, where more than kk may be "taken"): ``T = lo - 1``, ``need = 0``;
-    - the bucket holds at most ``stop`` keys (``done = 0``): the caller continues on a smaller copy.
+      threshold, where more than kk may be "taken"): ``T`` = the bucket's lower edge - 1, ``need = 0``;
+    - the bucket holds at most ``stop`` keys (``done = 0``): ``[lo, hi]`` = the bucket's edges, and the
+      caller continues on a smaller copy.
+    Otherwise ``[lo, hi]`` shrinks to the min / max key in the bucket (narrow data collapses at once)
+    and the next level runs.
     Returns ``(done, T, need, lo, hi, kk, in_bin)``; with done the answer is every key of the range
     ``> T`` plus the first ``need`` keys ``== T``.
     """
@@ -252,73 +391,175 @@ def _select_regs(x, m, lo, hi, kk, tol, stop, BITS: tl.constexpr):
             done = zero + 1
         else:
             shift = tl.maximum(width - BITS, 0).to(tl.int32)
-            inr = m & (x >= lo) & (x <= hi)
-            d = ((x - lo) >> shift) & ((1 << BITS) - 1)
-            dsel, above, in_bin = _pick_bucket(tl.histogram(d, 1 << BITS, mask=inr), kk)
+            # the digit, -1 outside the range
+            d = tl.where((x >= lo) & (x <= hi), ((x - lo) >> shift) & ((1 << BITS) - 1), -1)
+            dsel, above, in_bin = _pick_bucket(tl.histogram(d, 1 << BITS, mask=d >= 0), kk)
             kk = kk - above
-            lo, hi = _min_max(x, inr & (d == dsel))
+            b_lo = lo.to(tl.int64) + (dsel.to(tl.int64) << shift)
             if in_bin <= kk + tol:
-                # The whole bucket is taken: T sits just below it (lo >= _KEY_MIN: no overflow).
-                T = lo - 1
+                # The whole bucket is taken: T sits just below it (b_lo >= lo >= key(-inf): no overflow).
+                T = b_lo.to(tl.int32) - 1
                 need = zero
                 done = zero + 1
+            elif in_bin <= stop:
+                hi = tl.minimum(b_lo + (1 << shift.to(tl.int64)) - 1, hi.to(tl.int64)).to(tl.int32)
+                lo = b_lo.to(tl.int32)
+            else:
+                lo, hi = _min_max(x, d == dsel)
     return done, T, need, lo, hi, kk, in_bin
 
 
 @triton.jit
-def _finish(x, m, lo, hi, kk, w, WCAP: tl.constexpr, BITS: tl.constexpr, BITS_W: tl.constexpr, ASM: tl.constexpr):
-    """``(T, need)`` for the kk-th largest of the keys ``x[m]`` in ``[lo, hi]``: levels on ``x`` until the
-    bucket holds at most WCAP keys, then those keys are copied to ``w`` and the levels go on there."""
-    done, T, need, lo, hi, kk, in_bin = _select_regs(x, m, lo, hi, kk, 0, WCAP, BITS)
+def _select_stream(src, c, lo, hi, kk, tol, stop, BITS: tl.constexpr, UB: tl.constexpr):
+    """:func:`_select_regs` on the keys ``src[:c]`` read from memory UB at a time at each level (registers
+    independent of c: the form for one-warp programs). Same contract and returns."""
+    zero = tl.full([], 0, tl.int32)
+    done = zero
+    T = zero
+    need = zero
+    it = zero
+    lo = lo + zero
+    hi = hi + zero
+    kk = kk + zero
+    in_bin = zero + _INT_MAX
+    while (done == 0) & (in_bin > stop) & (it < _MAX_LEVELS):
+        it += 1
+        width = _bit_width(hi.to(tl.int64) - lo.to(tl.int64))
+        if width == 0:
+            T = lo
+            need = kk
+            done = zero + 1
+        else:
+            shift = tl.maximum(width - BITS, 0).to(tl.int32)
+            hist = tl.zeros([1 << BITS], dtype=tl.int32)
+            for start in tl.range(0, c, UB, num_stages=1):
+                offs = start + tl.arange(0, UB)
+                # [UB] keys (empty slots: INT_MIN, below every key)
+                x = tl.load(src + offs, mask=offs < c, other=_INT_MIN)
+                d = tl.where((x >= lo) & (x <= hi), ((x - lo) >> shift) & ((1 << BITS) - 1), -1)
+                hist += tl.histogram(d, 1 << BITS, mask=d >= 0)
+            dsel, above, in_bin = _pick_bucket(hist, kk)
+            kk = kk - above
+            b_lo = lo.to(tl.int64) + (dsel.to(tl.int64) << shift)
+            b_hi = tl.minimum(b_lo + (1 << shift.to(tl.int64)) - 1, hi.to(tl.int64)).to(tl.int32)
+            if in_bin <= kk + tol:
+                T = b_lo.to(tl.int32) - 1
+                need = zero
+                done = zero + 1
+            elif in_bin <= stop:
+                lo = b_lo.to(tl.int32)
+                hi = b_hi
+            else:
+                # one more pass: the bucket's min / max (narrow data collapses at once)
+                vmin = tl.full([UB], _INT_MAX, tl.int32)
+                vmax = tl.full([UB], _INT_MIN, tl.int32)
+                b_lo32 = b_lo.to(tl.int32)
+                for start in tl.range(0, c, UB, num_stages=1):
+                    offs = start + tl.arange(0, UB)
+                    x = tl.load(src + offs, mask=offs < c, other=_INT_MIN)
+                    inb = (x >= b_lo32) & (x <= b_hi)
+                    vmin = tl.minimum(vmin, tl.where(inb, x, _INT_MAX))
+                    vmax = tl.maximum(vmax, tl.where(inb, x, _INT_MIN))
+                lo = tl.min(vmin, axis=0)
+                hi = tl.max(vmax, axis=0)
+    return done, T, need, lo, hi, kk, in_bin
+
+
+@triton.jit
+def _finish(uk, c, lo, hi, kk, w, CAND: tl.constexpr, WCAP: tl.constexpr, UB: tl.constexpr, BITS: tl.constexpr,
+            BITS_W: tl.constexpr, STREAM: tl.constexpr, ASM: tl.constexpr):
+    """``(T, need)`` for the kk-th largest of the keys ``uk[:c]`` in ``[lo, hi]``: levels on U (in registers,
+    or streamed when STREAM) until the bucket holds at most WCAP keys, then those keys are copied to ``w``
+    and the levels go on there."""
+    if STREAM:
+        done, T, need, lo, hi, kk, in_bin = _select_stream(uk, c, lo, hi, kk, 0, WCAP, BITS, UB)
+    else:
+        iu = tl.arange(0, CAND)
+        # [CAND] keys of U (empty slots: INT_MIN, below every key)
+        x = tl.load(uk + iu, mask=iu < c, other=_INT_MIN)
+        done, T, need, lo, hi, kk, in_bin = _select_regs(x, lo, hi, kk, 0, WCAP, BITS)
     if done == 0:
-        f = m & (x >= lo) & (x <= hi)
-        _store(w + tl.cumsum(f.to(tl.int32), axis=0) - 1, x, f, ASM)
+        # the bucket -> w, UB slots of U at a time (reloaded: fewer live registers than keeping x)
+        cnt = tl.full([], 0, tl.int32)
+        for start in tl.range(0, c, UB, num_stages=1):
+            offs = start + tl.arange(0, UB)
+            xb = tl.load(uk + offs, mask=offs < c, other=_INT_MIN)
+            f = (xb >= lo) & (xb <= hi)
+            fi = f.to(tl.int32)
+            _store(w + cnt + tl.cumsum(fi, axis=0) - 1, xb, f, ASM)
+            cnt += tl.sum(fi, axis=0)
         # Other threads read what this one wrote.
         tl.debug_barrier()
-        iw = tl.arange(0, WCAP)
-        mw = iw < in_bin
-        # [WCAP] the bucket's keys
-        xw = tl.load(w + iw, mask=mw, other=0)
-        done, T, need, lo, hi, kk, in_bin = _select_regs(xw, mw, lo, hi, kk, 0, 0, BITS_W)
+        if STREAM:
+            done, T, need, lo, hi, kk, in_bin = _select_stream(w, in_bin, lo, hi, kk, 0, 0, BITS_W, UB)
+        else:
+            iw = tl.arange(0, WCAP)
+            # [WCAP] the bucket's keys
+            xw = tl.load(w + iw, mask=iw < in_bin, other=_INT_MIN)
+            done, T, need, lo, hi, kk, in_bin = _select_regs(xw, lo, hi, kk, 0, 0, BITS_W)
         # The next row's copy into w waits for these reads.
         tl.debug_barrier()
     return T, need
 
 
 @triton.jit
-def _sample_threshold(row, n, K, CAND: tl.constexpr, LG_S: tl.constexpr, BITS_W: tl.constexpr,
-                      FORCE: tl.constexpr):
-    """Threshold guess ``t_lo`` for a row with ``n > K`` keys: the m-th largest of S sampled keys, m chosen
-    so that P(fewer than K row keys reach it) is ~4 sigma small (expected count K + 4 sqrt(K n / S)).
-    The samples come in runs of 8 adjacent keys (one 32-byte sector each) at evenly spaced positions.
+def _sample_threshold(row, n, K, sbuf, CAND: tl.constexpr, LG_S: tl.constexpr, BITS_S: tl.constexpr,
+                      FORCE: tl.constexpr, STREAM: tl.constexpr, UB: tl.constexpr, ASM: tl.constexpr):
+    """Threshold guess ``t_lo`` for a row with ``n > K`` keys: about the m-th largest of S sampled keys, m
+    chosen so that P(fewer than K row keys reach it) is ~4 sigma small (expected count K + 4 sqrt(K n / S)).
+    The radix levels stop early once the bucket's lower edge is reached by at most ``m + tol`` samples,
+    tol = m / 16. The samples come in runs of 8 adjacent keys (one 32-byte sector each) at evenly spaced
+    positions; they are selected in registers, or (STREAM) copied to ``sbuf [S]`` and streamed from there.
     Rows that fit U (n <= CAND) need no guess: every key is a candidate (``_KEY_MIN``)."""
     S: tl.constexpr = 1 << LG_S
     t_lo = n * 0 + _KEY_MIN
     if ((n > CAND) & (FORCE != 2)) | (FORCE == 1) | (FORCE == 3):
-        i = tl.arange(0, S)
-        p = (((i // 8).to(tl.int64) * n) >> (LG_S - 3)).to(tl.int32)
-        p = tl.minimum((p & -8) + i % 8, n - 1)
-        # [S] sampled keys
-        xs = _order_key(tl.load(row + p))
         mu = S * (K + 0.0) / n.to(tl.float32)
         m_s = (mu + 4.0 * tl.sqrt(mu)).to(tl.int32) + 1
-        smin, smax = _min_max(xs, i < S)
+        if STREAM:
+            vmin = tl.full([UB], _INT_MAX, tl.int32)
+            vmax = tl.full([UB], _INT_MIN, tl.int32)
+            for start in tl.range(0, S, UB, num_stages=1):
+                i = start + tl.arange(0, UB)
+                p = (((i // 8).to(tl.int64) * n) >> (LG_S - 3)).to(tl.int32)
+                p = tl.minimum((p & -8) + i % 8, n - 1)
+                # [UB] sampled keys
+                xs = _order_key(tl.load(row + p, mask=i < S, other=float("-inf")))
+                vmin = tl.minimum(vmin, tl.where(i < S, xs, _INT_MAX))
+                vmax = tl.maximum(vmax, tl.where(i < S, xs, _INT_MIN))
+                _store(sbuf + i, xs, i < S, ASM)
+            smin = tl.min(vmin, axis=0)
+            smax = tl.max(vmax, axis=0)
+            # Other threads read what this one wrote.
+            tl.debug_barrier()
+        else:
+            i = tl.arange(0, S)
+            p = (((i // 8).to(tl.int64) * n) >> (LG_S - 3)).to(tl.int32)
+            p = tl.minimum((p & -8) + i % 8, n - 1)
+            # [S] sampled keys
+            xs = _order_key(tl.load(row + p))
+            smin, smax = _min_max(xs, i < S)
         if FORCE == 1:
             t_lo = smax
         elif FORCE == 3:
             t_lo = smin
         elif m_s < S:
-            done, T, need, lo, hi, kk, in_bin = _select_regs(xs, i < S, smin, smax, m_s, m_s // 16, 0, BITS_W)
+            if STREAM:
+                done, T, need, lo, hi, kk, in_bin = _select_stream(sbuf, S, smin, smax, m_s, m_s // 16, 0, BITS_S,
+                                                                   UB)
+            else:
+                done, T, need, lo, hi, kk, in_bin = _select_regs(xs, smin, smax, m_s, m_s // 16, 0, BITS_S)
             t_lo = tl.where(need > 0, T, T + 1)
     return t_lo
 
 
 @triton.jit
-def _fallback(row, n, K, c, t_lo, u, w, out_row, table_row, off_r, CAND: tl.constexpr, WCAP: tl.constexpr,
-              BITS: tl.constexpr, BITS_W: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr,
-              MODE: tl.constexpr, PAGE_SIZE: tl.constexpr, ASM: tl.constexpr, EMIT: tl.constexpr):
+def _fallback(row, n, K, c, t_lo, uk, w, out_row, table_row, off_r, CAND: tl.constexpr, WCAP: tl.constexpr,
+              UB: tl.constexpr, BITS: tl.constexpr, BITS_W: tl.constexpr, STREAM: tl.constexpr,
+              BLOCK: tl.constexpr, STAGES: tl.constexpr, MODE: tl.constexpr, PAGE_SIZE: tl.constexpr,
+              ASM: tl.constexpr, EMIT: tl.constexpr):
     """The guess missed (``c`` keys reached ``t_lo``: fewer than K, or more than U holds). Levels on the
-    row itself until the bucket fits U, then in registers; emit from the row."""
+    row itself until the bucket fits U (its keys copied to ``uk``), then in registers; emit from the row."""
     if c > CAND:
         lo = t_lo
         hi = n * 0 + _KEY_MAX
@@ -357,13 +598,10 @@ def _fallback(row, n, K, c, t_lo, u, w, out_row, table_row, off_r, CAND: tl.cons
             elif in_bin <= CAND:
                 # Small enough: copy the bucket's keys into U and finish in registers.
                 tl.debug_barrier()
-                _compact_row(row, 0, n, lo, hi, u, CAND, BLOCK, STAGES, ASM)
+                _compact_row(row, 0, n, lo, hi, uk, CAND, BLOCK, STAGES, ASM)
                 tl.debug_barrier()
-                iu = tl.arange(0, CAND)
-                mu = iu < in_bin
-                # [CAND] the bucket's keys (emit reads the row: positions are not needed)
-                x = (tl.load(u + iu, mask=mu, other=0) >> 32).to(tl.int32)
-                T, need = _finish(x, mu, lo, hi, kk, w, WCAP, BITS, BITS_W, ASM)
+                # the bucket's keys in U (emit reads the row: positions are not needed)
+                T, need = _finish(uk, in_bin, lo, hi, kk, w, CAND, WCAP, UB, BITS, BITS_W, STREAM, ASM)
                 done = n * 0 + 1
     if EMIT:
         _emit_row(row, n, T, need, K, out_row, table_row, off_r, MODE, PAGE_SIZE, BLOCK, ASM)
@@ -383,24 +621,31 @@ def _copy_short(out_row, n, K, table_row, off_r, MODE: tl.constexpr, PAGE_SIZE: 
 @triton.jit
 def topk_transform_kernel(
     logits, stride_l, lengths, row_starts, out_offsets, table, stride_t, rows_per_table,
-    out, scr, wscr, R, K,
+    out, scr, sscr, wscr, R, K,
     HAS_STARTS: tl.constexpr, MODE: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    CAND: tl.constexpr, WCAP: tl.constexpr, LG_S: tl.constexpr, BITS: tl.constexpr, BITS_W: tl.constexpr,
-    BLOCK: tl.constexpr, STAGES: tl.constexpr, ASM: tl.constexpr, FORCE: tl.constexpr, PROFILE: tl.constexpr,
+    CAND: tl.constexpr, NW: tl.constexpr, CAP: tl.constexpr,
+    UN: tl.constexpr, WCAP: tl.constexpr, UB: tl.constexpr, LG_S: tl.constexpr, BITS: tl.constexpr,
+    BITS_W: tl.constexpr, BITS_S: tl.constexpr, STREAM: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr,
+    ASM: tl.constexpr, FORCE: tl.constexpr, PROFILE: tl.constexpr,
 ):
     """Top-K of each row, translated. A persistent program walks rows pid, pid + G, ...
 
     logits [R, *] f32 (row stride ``stride_l``), lengths [R] i32, row_starts [R] i32 (HAS_STARTS),
     out_offsets [R] i32 (MODE 1), table [R / rows_per_table, *] i32 (MODE 2, row stride stride_t),
-    out [R, K] i32, scratch per program: scr [G, CAND] i64 the candidates U (key << 32 | position),
-    wscr [G, WCAP] i32 the keys of a small bucket W.
+    out [R, K] i32, scratch per program: scr [G, 2, CAND] i32 the candidates U (keys, then positions),
+    sscr [G, NW, CAP] i64 the warp lists of the compaction (score bits << 32 | position), wscr [G, WCAP]
+    i32 the keys of a small bucket W (and, STREAM, first the sample: WCAP >= S). The compaction runs NW
+    warp lists (NW = num_warps). STREAM: the radix levels read U / W / the sample from memory, UB at a
+    time, instead of holding them in registers (for one-warp programs).
     FORCE (tests only) replaces the threshold guess: 1 = the largest sampled key (too high: fewer
     than K candidates), 2 = none (every key a candidate), 3 = the smallest sampled key (too low).
-    PROFILE (benchmarks only) stops early: 1 after the sample, 2 after the compaction, 3 before emit.
+    PROFILE (benchmarks only) stops early: 1 after the sample, 2 after the compaction, 3 after the
+    move, 4 before emit.
     """
     pid = tl.program_id(0)
     G = tl.num_programs(0)
-    u = scr + pid.to(tl.int64) * CAND
+    uk = scr + pid.to(tl.int64) * (2 * CAND)
+    useg = sscr + pid.to(tl.int64) * (NW * CAP)
     w = wscr + pid.to(tl.int64) * WCAP
     for r in range(pid, R, G):
         r = r + tl.full([], 0, tl.int32)   # a tensor also in the interpreter, which loops on ints
@@ -421,47 +666,51 @@ def topk_transform_kernel(
             _copy_short(out_row, n, K, table_row, off_r, MODE, PAGE_SIZE, BLOCK)
         else:
             # ---- 1. threshold guess from a sample
-            t_lo = _sample_threshold(row, n, K, CAND, LG_S, BITS_W, FORCE)
+            t_lo = _sample_threshold(row, n, K, w, CAND, LG_S, BITS_S, FORCE, STREAM, UB, ASM)
             if PROFILE == 1:
                 tl.store(out_row, t_lo)
             else:
-                # ---- 2. one pass over the row: keys >= t_lo (and positions) -> U in position order.
-                c = _compact_row(row, 0, n, t_lo, _INT_MAX, u, CAND, BLOCK, STAGES, ASM)
+                # ---- 2. one pass over the row: scores with key >= t_lo -> the warps' lists
+                t_a, t_p, t_b = _bits_bounds(t_lo)
+                cw = _compact_seg(row, 0, n, t_a, t_p, t_b, useg, CAP, NW, UN, ASM)
+                c = tl.sum(cw, axis=0)
+                # The lists are read by other threads below.
+                tl.debug_barrier()
                 if PROFILE == 2:
                     tl.store(out_row, c)
                 elif (c >= K) & (c <= CAND):
-                    # ---- 3./4. the fast path: select and emit from U in registers.
+                    # ---- 3. the lists -> U, in position order, as keys
+                    umax = _move(useg, cw, uk, CAP, CAND, NW, ASM)
                     tl.debug_barrier()
-                    iu = tl.arange(0, CAND)
-                    mu = iu < c
-                    # [CAND] candidate keys (U holds key << 32 | position)
-                    x = (tl.load(u + iu, mask=mu, other=0) >> 32).to(tl.int32)
-                    lo, hi = _min_max(x, mu)
-                    T, need = _finish(x, mu, lo, hi, K, w, WCAP, BITS, BITS_W, ASM)
                     if PROFILE == 3:
-                        tl.store(out_row, T + need)
+                        tl.store(out_row, umax)
                     else:
-                        # loaded again rather than kept: fewer live registers, more programs per SM
-                        cand = tl.load(u + iu, mask=mu, other=0)
-                        _emit_regs((cand >> 32).to(tl.int32), (cand & 0xFFFFFFFF).to(tl.int32), mu, T, need,
-                                   out_row, table_row, off_r, MODE, PAGE_SIZE, ASM)
+                        # ---- 4./5. select in registers, emit from U
+                        T, need = _finish(uk, c, t_lo, umax, K, w, CAND, WCAP, UB, BITS, BITS_W, STREAM, ASM)
+                        if PROFILE == 4:
+                            tl.store(out_row, T + need)
+                        else:
+                            _emit_u(uk, c, T, need, K, out_row, table_row, off_r, CAND, UB, MODE, PAGE_SIZE, ASM)
                 else:
-                    _fallback(row, n, K, c, t_lo, u, w, out_row, table_row, off_r, CAND, WCAP, BITS, BITS_W,
-                              BLOCK, STAGES, MODE, PAGE_SIZE, ASM, PROFILE == 0)
+                    _fallback(row, n, K, c, t_lo, uk, w, out_row, table_row, off_r, CAND, WCAP, UB, BITS,
+                              BITS_W, STREAM, BLOCK, STAGES, MODE, PAGE_SIZE, ASM, PROFILE == 0)
 
 
 @triton.jit
 def topk_chunk_kernel(
-    logits, stride_l, lengths, row_starts, scr, counts, R, K,
-    HAS_STARTS: tl.constexpr, CAND: tl.constexpr, LG_S: tl.constexpr, BITS_W: tl.constexpr, CHUNKS: tl.constexpr,
-    BLOCK: tl.constexpr, STAGES: tl.constexpr, ASM: tl.constexpr, FORCE: tl.constexpr,
+    logits, stride_l, lengths, row_starts, scr, sscr, counts, sampscr, R, K,
+    HAS_STARTS: tl.constexpr, CAND: tl.constexpr, NW: tl.constexpr, CAP: tl.constexpr, UN: tl.constexpr,
+    LG_S: tl.constexpr, BITS_S: tl.constexpr, CHUNKS: tl.constexpr, STREAM: tl.constexpr, ASM: tl.constexpr,
+    FORCE: tl.constexpr,
 ):
     """Split mode, step 1 of 2 (few long rows): program (r, j) compacts chunk j of row r.
 
     Every program of a row draws the same sample, so they agree on ``t_lo``. Chunk j is
-    ``[j * CH, (j + 1) * CH)`` with ``CH = BLOCK * ceil(n / (CHUNKS * BLOCK))``; its keys ``>= t_lo`` go to
-    scr[r, j] (``[R, CHUNKS, CAND] i64``, key << 32 | position, at most CAND stored) and their number
-    (uncapped) to counts[r, j] (``[R, CHUNKS + 1] i32``; counts[r, CHUNKS] = t_lo).
+    ``[j * CH, (j + 1) * CH)`` with CH a multiple of ``NW * UN * 128`` near ``n / CHUNKS``; its keys
+    ``>= t_lo`` go through the warp lists (sscr ``[R * CHUNKS, NW, CAP] i64``) to scr[r, j]
+    (``[R, CHUNKS, 2, CAND] i32``: keys, then positions; at most CAND stored), their number (uncapped) to
+    counts[r, j] and their largest key to counts[r, CHUNKS + 1 + j] (counts ``[R, 2 CHUNKS + 1] i32``;
+    counts[r, CHUNKS] = t_lo). STREAM: the sample is selected through sampscr ``[R * CHUNKS, S] i32``.
     """
     r = tl.program_id(0)
     j = tl.program_id(1)
@@ -471,45 +720,57 @@ def topk_chunk_kernel(
     else:
         row = logits + r.to(tl.int64) * stride_l
     if n > K:
-        t_lo = _sample_threshold(row, n, K, CAND, LG_S, BITS_W, FORCE)
-        ch = tl.cdiv(tl.cdiv(n, CHUNKS), BLOCK) * BLOCK
-        s0 = tl.minimum(j * ch, n)
-        c = _compact_row(row, s0, tl.minimum(s0 + ch, n), t_lo, _INT_MAX,
-                         scr + (r * CHUNKS + j).to(tl.int64) * CAND, CAND, BLOCK, STAGES, ASM)
-        tl.store(counts + r * (CHUNKS + 1) + j, c)
+        prog = (r * CHUNKS + j).to(tl.int64)
+        t_lo = _sample_threshold(row, n, K, sampscr + prog * (1 << LG_S), CAND, LG_S, BITS_S, FORCE, STREAM, 128 * NW,
+                                 ASM)
+        t_a, t_p, t_b = _bits_bounds(t_lo)
+        ch = tl.cdiv(tl.cdiv(n, CHUNKS), NW * UN * 128) * (NW * UN * 128)
+        # s0 stays a multiple of the tile (aligned loads); an empty chunk has s1 == s0
+        s0 = j * ch
+        cw = _compact_seg(row, s0, tl.maximum(tl.minimum(s0 + ch, n), s0), t_a, t_p, t_b, sscr + prog * (NW * CAP),
+                          CAP, NW, UN, ASM)
+        tl.debug_barrier()
+        umax = _move(sscr + prog * (NW * CAP), cw, scr + prog * (2 * CAND), CAP, CAND, NW, ASM)
+        counts_r = counts + r * (2 * CHUNKS + 1)
+        tl.store(counts_r + j, tl.sum(cw, axis=0))
+        tl.store(counts_r + CHUNKS + 1 + j, umax)
         if j == 0:
-            tl.store(counts + r * (CHUNKS + 1) + CHUNKS, t_lo)
+            tl.store(counts_r + CHUNKS, t_lo)
 
 
 @triton.jit
-def _gather_chunks(scr_r, counts_r, iu, CAND: tl.constexpr, CHUNKS: tl.constexpr):
-    """U of a split row as one register tensor: slot i of the concatenated chunks (position order),
-    key << 32 | position. Returns (U, c = total count, uncapped)."""
+def _gather_chunks(scr_r, counts_r, uk, CAND: tl.constexpr, CHUNKS: tl.constexpr, UB: tl.constexpr, ASM: tl.constexpr):
+    """The chunks' candidates of a split row (``scr_r [CHUNKS, 2, CAND]``) concatenated, in position order,
+    into ``uk [2, CAND]`` (keys, then positions; at most CAND)."""
     base = tl.full([], 0, tl.int32)
-    off = iu.to(tl.int64) * 0
     for jj in tl.static_range(CHUNKS):
-        cnt = tl.load(counts_r + jj)
-        in_j = (iu >= base) & (iu < base + cnt)
-        off = tl.where(in_j, jj * CAND + (iu - base).to(tl.int64), off)
+        cnt = tl.minimum(tl.load(counts_r + jj), CAND - base)
+        for start in tl.range(0, cnt, UB, num_stages=1):
+            offs = start + tl.arange(0, UB)
+            m = offs < cnt
+            # [UB] keys and positions of chunk jj (cache-global: another SM wrote them)
+            x = tl.load(scr_r + jj * (2 * CAND) + offs, mask=m, other=0, cache_modifier=".cg")
+            p = tl.load(scr_r + jj * (2 * CAND) + CAND + offs, mask=m, other=0, cache_modifier=".cg")
+            _store(uk + base + offs, x, m, ASM)
+            _store(uk + CAND + base + offs, p, m, ASM)
         base += cnt
-    # [CAND] candidates (cache-global: another SM wrote them)
-    cand = tl.load(scr_r + off, mask=iu < base, other=0, cache_modifier=".cg")
-    return cand, base
 
 
 @triton.jit
 def topk_finish_kernel(
     logits, stride_l, lengths, row_starts, out_offsets, table, stride_t, rows_per_table,
-    out, scr, counts, wscr, R, K,
+    out, scr, counts, uscr, wscr, R, K,
     HAS_STARTS: tl.constexpr, MODE: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    CAND: tl.constexpr, WCAP: tl.constexpr, BITS: tl.constexpr, BITS_W: tl.constexpr, CHUNKS: tl.constexpr,
+    CAND: tl.constexpr, WCAP: tl.constexpr, UB: tl.constexpr, BITS: tl.constexpr, BITS_W: tl.constexpr,
+    CHUNKS: tl.constexpr, STREAM: tl.constexpr,
     BLOCK: tl.constexpr, STAGES: tl.constexpr, ASM: tl.constexpr, PROFILE: tl.constexpr,
 ):
     """Split mode, step 2 of 2: select and emit each row from its chunks' candidates (one program a row,
-    persistent). scr / counts as written by ``topk_chunk_kernel``; wscr [G, WCAP] i32; the rest as in
-    ``topk_transform_kernel``. The fallback re-uses chunk 0's buffer as U."""
+    persistent). scr / counts as written by ``topk_chunk_kernel``; per program: uscr [G, 2, CAND] i32
+    the row's U gathered from its chunks, wscr [G, WCAP] i32; the rest as in ``topk_transform_kernel``."""
     pid = tl.program_id(0)
     G = tl.num_programs(0)
+    uk = uscr + pid.to(tl.int64) * (2 * CAND)
     w = wscr + pid.to(tl.int64) * WCAP
     for r in range(pid, R, G):
         r = r + tl.full([], 0, tl.int32)
@@ -525,84 +786,112 @@ def topk_finish_kernel(
             off_r = tl.load(out_offsets + r)
         else:
             off_r = 0
-        scr_r = scr + r.to(tl.int64) * (CHUNKS * CAND)
-        counts_r = counts + r * (CHUNKS + 1)
+        scr_r = scr + r.to(tl.int64) * (CHUNKS * 2 * CAND)
+        counts_r = counts + r * (2 * CHUNKS + 1)
         if n <= K:
             _copy_short(out_row, n, K, table_row, off_r, MODE, PAGE_SIZE, BLOCK)
         else:
-            iu = tl.arange(0, CAND)
-            cand, c = _gather_chunks(scr_r, counts_r, iu, CAND, CHUNKS)
+            c = tl.full([], 0, tl.int32)
+            umax = tl.full([], _INT_MIN, tl.int32)
+            for jj in tl.static_range(CHUNKS):
+                c += tl.load(counts_r + jj)
+                umax = tl.maximum(umax, tl.load(counts_r + CHUNKS + 1 + jj))
             t_lo = tl.load(counts_r + CHUNKS)
             if (c >= K) & (c <= CAND):
-                mu = iu < c
-                x = (cand >> 32).to(tl.int32)
-                lo, hi = _min_max(x, mu)
-                T, need = _finish(x, mu, lo, hi, K, w, WCAP, BITS, BITS_W, ASM)
-                if PROFILE == 3:
+                _gather_chunks(scr_r, counts_r, uk, CAND, CHUNKS, UB, ASM)
+                tl.debug_barrier()
+                T, need = _finish(uk, c, t_lo, umax, K, w, CAND, WCAP, UB, BITS, BITS_W, STREAM, ASM)
+                if PROFILE == 4:
                     tl.store(out_row, T + need)
                 else:
-                    cand, c = _gather_chunks(scr_r, counts_r, iu, CAND, CHUNKS)
-                    _emit_regs((cand >> 32).to(tl.int32), (cand & 0xFFFFFFFF).to(tl.int32), mu, T, need,
-                               out_row, table_row, off_r, MODE, PAGE_SIZE, ASM)
+                    _emit_u(uk, c, T, need, K, out_row, table_row, off_r, CAND, UB, MODE, PAGE_SIZE, ASM)
             else:
-                _fallback(row, n, K, c, t_lo, scr_r, w, out_row, table_row, off_r, CAND, WCAP, BITS, BITS_W,
-                          BLOCK, STAGES, MODE, PAGE_SIZE, ASM, PROFILE == 0)
+                _fallback(row, n, K, c, t_lo, uk, w, out_row, table_row, off_r, CAND, WCAP, UB, BITS,
+                          BITS_W, STREAM, BLOCK, STAGES, MODE, PAGE_SIZE, ASM, PROFILE == 0)
 
 
 def _next_pow2(x: int) -> int:
     return 1 << max(0, (int(x) - 1).bit_length())
 
 
-def sizes(K: int, L: int, cand: int | None = None, lg_sample: int | None = None,
-          max_lg_sample: int = LG_SAMPLE_MAX) -> tuple[int, int]:
-    """(CAND, LG_S): U's capacity and log2 of the sample size for top-K over rows of up to L keys.
-
-    S ~ 64 L / K puts mu = S K / L ~ 64 samples in a full row's top K; the guess then leaves
-    ``K + 4 sqrt(K L / S) + L / S`` candidates on average, and U holds that plus 4 sigma more.
-    """
-    if lg_sample is None:
-        lg_sample = min(max((64 * max(L, 1) // K - 1).bit_length(), LG_SAMPLE_MIN), max_lg_sample)
-    if cand is None:
-        S = 1 << lg_sample
-        c_hi = K + 4 * math.sqrt(K * L / S) + L / S + 1
-        cand = max(_next_pow2(int(c_hi + 4 * math.sqrt(c_hi)) + 1), 256)
-    return cand, lg_sample
-
-
-def launch_config(R: int, L: int, sms: int) -> dict:
-    """Launch shapes, chosen on the H200 (triton 3.6; README "Tuning").
-
-    Few long rows (R <= SMs): split mode. A row's sample + compaction is spread over ``chunks``
-    programs of 8 warps (64 x 32K: 4 chunks, 64 x 128K: 8; more was slower), then one 16-warp program
-    a row selects and emits. Many rows: the fused kernel, 8 warps capped at 64 registers so 4 programs
-    share an SM (one's reductions overlap the others' streaming; 2 or 3 a SM were slower), and a
-    persistent grid of exactly what fits at once.
-    """
-    if R <= sms and L >= 16384:
-        chunks = max(2, min(16, L // 8192, _prev_pow2(4 * sms // R)))
-        return dict(chunks=chunks, num_warps=8, block=2048, stages=2, maxnreg=0, grid=R,
-                    finish_warps=16, max_lg_sample=10)
-    return dict(chunks=1, num_warps=8, block=2048, stages=2, maxnreg=64, grid=min(R, 4 * sms),
-                finish_warps=8, max_lg_sample=LG_SAMPLE_MAX)
-
-
 def _prev_pow2(x: int) -> int:
     return 1 << max(0, int(x).bit_length() - 1)
 
 
+def sizes(K: int, L: int, cand: int | None = None, lg_sample: int | None = None,
+          max_lg_sample: int = LG_SAMPLE_MAX) -> tuple[int, int]:
+    """(CAND, LG_S): U's capacity and log2 of the sample size for top-K over rows of up to L keys.
+
+    S ~ 128 L / K puts mu = S K / L ~ 128 samples in a full row's top K. The threshold is about the
+    m-th largest sample, m = mu + 4 sqrt(mu) + 1 (+ m / 16 of early-stop slack), reached by about
+    ``c = m L / S`` keys with a relative spread of 1 / sqrt(m): fewer than K is a 4-sigma event, and U
+    holds c plus 5 sigma (a miss either way costs speed, never the answer).
+    """
+    if lg_sample is None:
+        lg_sample = min(max((128 * max(L, 1) // K - 1).bit_length(), LG_SAMPLE_MIN), max_lg_sample)
+    if cand is None:
+        S = 1 << lg_sample
+        mu = S * K / max(L, 1)
+        m = min(mu + 4 * math.sqrt(mu) + 1, S)
+        c = m * (1 + 1 / 16) * L / S
+        cand = max(_next_pow2(int(c + 5 * c / math.sqrt(m)) + 1), 256)
+    return cand, lg_sample
+
+
+def launch_config(R: int, L: int, sms: int) -> dict:
+    """Launch shapes, chosen on the H200 (triton 3.6, 2026-11-29; README "Measured").
+
+    Few long rows (R <= SMs, L >= 16K): split mode. A row's sample + compaction is spread over
+    ``chunks`` programs of 8 warps (64 x 32K: 4, 64 x 128K: 8; 2-warp programs x 8 / 16 and 1-warp
+    x 32 were slower), then one program a row (8 warps, 16 past 64K) selects in registers and emits.
+    Many rows: the fused kernel on a persistent grid of what fits at once. Rows up to 16K: 4-warp
+    programs, 8 an SM, levels streamed from memory (4096 x 8K: 275 us; 1 / 2 warps 295 / 290, 8 warps in
+    registers 304). Longer rows: 8 warps capped at 64 registers, 4 an SM, levels in registers
+    (4096 x 32K: 527 us; streamed with 1 / 2 / 4 warps 647 / 623 / 628).
+    """
+    if R <= sms and L >= 16384:
+        chunks = max(2, min(16, L // 8192, _prev_pow2(4 * sms // R)))
+        return dict(chunks=chunks, num_warps=8, maxnreg=0, grid=R, unroll=2, finish_warps=8 if L <= 65536 else 16,
+                    stream=False, finish_stream=False, max_lg_sample=11)
+    if L <= 16384:
+        return dict(chunks=1, num_warps=4, maxnreg=0, grid=min(R, 8 * sms), unroll=2, finish_warps=8,
+                    stream=True, finish_stream=False, max_lg_sample=11)
+    return dict(chunks=1, num_warps=8, maxnreg=64, grid=min(R, 4 * sms), unroll=2, finish_warps=8,
+                stream=False, finish_stream=False, max_lg_sample=11)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _ub(num_warps: int) -> int:
+    """Slots a step of the streaming loops over U / W / the sample handles: 4 a thread (128-bit loads)."""
+    return 128 * num_warps
+
+
+def _seg_cap(cand: int, nw: int, un: int, length: int) -> int:
+    """Entries a warp list may need: its segment of a ``length``-key span, at most CAND (more: fallback)."""
+    tile = un * 128
+    return min(cand, _cdiv(_cdiv(length, nw), tile) * tile)
+
+
 def topk_transform(logits, lengths, topk, page_table, row_starts, out_offsets, page_size, *,
-                   out=None, cand=None, wcap=None, lg_sample=None, bits=None, bits_w=None, block=None, grid=None,
-                   num_warps=None, stages=None, maxnreg=None, chunks=None, finish_warps=None, force=0, profile=0):
+                   out=None, cand=None, wcap=None, lg_sample=None, bits=None, bits_w=None, bits_s=None, block=None,
+                   grid=None, num_warps=None, stages=None, maxnreg=None, chunks=None, finish_warps=None, unroll=None,
+                   stream=None, finish_stream=None, force=0, profile=0):
     """Launcher; arguments as in :func:`flashdsa.ops.topk.topk_transform` (already validated).
 
     Keyword knobs are for tests and tuning (small buffers reach every path on small rows):
     ``out`` [R, topk] int32 to write into, ``cand`` U capacity, ``wcap`` W capacity, ``lg_sample``
-    log2 sample size, ``bits`` / ``bits_w`` digit widths on U / on W and the sample, ``block``
-    streaming step, ``grid`` programs, ``num_warps``, ``stages`` (software-pipeline depth of the
-    streaming loops), ``maxnreg`` (register cap, 0 = none), ``chunks`` (> 1: split mode, programs per
-    row in its first kernel), ``finish_warps`` (split mode's second kernel), ``force`` (threshold guess
-    replaced by 1: the largest sampled key, 2: none, 3: the smallest sampled key), ``profile``
-    (benchmarks: stop after stage 1 / 2 / 3, output garbage).
+    log2 sample size, ``bits`` / ``bits_w`` / ``bits_s`` digit widths on U / on W / on the sample,
+    ``block`` streaming step of the row fallback, ``grid`` programs, ``num_warps``, ``stages``
+    (software-pipeline depth of the fallback's streaming loops), ``maxnreg`` (register cap, 0 = none),
+    ``chunks`` (> 1: split mode, programs per row in its first kernel), ``finish_warps`` (split mode's
+    second kernel), ``unroll`` ([NW, 128] tiles a warp loads at once in the compaction), ``stream``
+    (radix levels read from memory instead of registers: one-warp programs) and ``finish_stream`` (the
+    same for split mode's second kernel), ``force`` (threshold guess replaced by 1: the largest sampled
+    key, 2: none, 3: the smallest sampled key), ``profile`` (benchmarks: stop after stage 1 / 2 / 3 / 4,
+    output garbage).
     """
     R, L = logits.shape
     dev = logits.device
@@ -613,12 +902,18 @@ def topk_transform(logits, lengths, topk, page_table, row_starts, out_offsets, p
         return out
     cfg = launch_config(R, L, num_sms(dev))
     pick = lambda v, key: cfg[key] if v is None else v  # noqa: E731
-    block, num_warps, stages = pick(block, "block"), pick(num_warps, "num_warps"), pick(stages, "stages")
-    maxnreg, chunks, finish_warps = pick(maxnreg, "maxnreg"), pick(chunks, "chunks"), pick(finish_warps, "finish_warps")
+    num_warps, maxnreg, chunks = pick(num_warps, "num_warps"), pick(maxnreg, "maxnreg"), pick(chunks, "chunks")
+    finish_warps, stream, finish_stream = pick(finish_warps, "finish_warps"), pick(stream, "stream"), pick(
+        finish_stream, "finish_stream")
+    # the fallback's streaming step: 4 scores a thread
+    block = block or 128 * (finish_warps if chunks > 1 else num_warps)
+    stages = stages or 1
     assert block <= 16384 and block & (block - 1) == 0, "emit packs two block counts in one int32"
     bits = DEFAULT_BITS if bits is None else bits
     bits_w = DEFAULT_BITS_W if bits_w is None else bits_w
-    cand, lg_s = sizes(K, L, cand, lg_sample, cfg["max_lg_sample"] if chunks > 1 else LG_SAMPLE_MAX)
+    bits_s = DEFAULT_BITS_S if bits_s is None else bits_s
+    un = pick(unroll, "unroll")
+    cand, lg_s = sizes(K, L, cand, lg_sample, cfg["max_lg_sample"])
     assert lg_s >= 3, "the sample comes in runs of 8"
     assert cand <= 16384 and cand & (cand - 1) == 0, "emit packs two candidate counts in one int32"
     wcap = min(WCAP, cand) if wcap is None else wcap
@@ -628,31 +923,45 @@ def topk_transform(logits, lengths, topk, page_table, row_starts, out_offsets, p
     starts = row_starts if row_starts is not None else lengths
     interp = interpreting()
     regs = {"maxnreg": maxnreg} if maxnreg and not interp else {}
-    common = dict(HAS_STARTS=row_starts is not None, CAND=cand, BLOCK=block, STAGES=stages, ASM=not interp)
+    common = dict(HAS_STARTS=row_starts is not None, CAND=cand, ASM=not interp)
     translate = (out_offsets if out_offsets is not None else lengths, table,
                  table.stride(0) if page_table is not None else 0, rows_per_table)
     if chunks > 1:
         # split mode: scratch per row, not per program
-        scr = torch.empty(R * chunks * cand, dtype=torch.int64, device=dev)
-        counts = torch.empty(R * (chunks + 1), dtype=torch.int32, device=dev)
+        span = -(-L // chunks)
+        cap = _seg_cap(cand, num_warps, un, span + num_warps * un * 128)
+        scr = torch.empty(R * chunks * 2 * cand, dtype=torch.int32, device=dev)
+        sscr = torch.empty(R * chunks * num_warps * cap, dtype=torch.int64, device=dev)
+        counts = torch.empty(R * (2 * chunks + 1), dtype=torch.int32, device=dev)
+        samp = torch.empty(R * chunks << lg_s, dtype=torch.int32, device=dev) if stream else lengths
         topk_chunk_kernel[(R, chunks)](
-            logits, logits.stride(0), lengths, starts, scr, counts, R, K,
-            LG_S=lg_s, BITS_W=bits_w, CHUNKS=chunks, FORCE=force, **common, num_warps=num_warps, **regs)
-        if profile in (1, 2):
+            logits, logits.stride(0), lengths, starts, scr, sscr, counts, samp, R, K,
+            NW=num_warps, CAP=cap, UN=un, LG_S=lg_s, BITS_S=bits_s, CHUNKS=chunks, STREAM=stream, FORCE=force,
+            **common, num_warps=num_warps, **regs)
+        if profile in (1, 2, 3):
             return out
         grid = min(R, 4 * num_sms(dev)) if grid is None else grid
+        uscr = torch.empty(grid * 2 * cand, dtype=torch.int32, device=dev)
         wscr = torch.empty(grid * wcap, dtype=torch.int32, device=dev)
         topk_finish_kernel[(grid,)](
-            logits, logits.stride(0), lengths, starts, *translate, out, scr, counts, wscr, R, K,
-            MODE=mode, PAGE_SIZE=page_size, WCAP=wcap, BITS=bits, BITS_W=bits_w, CHUNKS=chunks, PROFILE=profile,
-            **common, num_warps=finish_warps)
+            logits, logits.stride(0), lengths, starts, *translate, out, scr, counts, uscr, wscr, R, K,
+            MODE=mode, PAGE_SIZE=page_size, WCAP=wcap, UB=_ub(finish_warps), BITS=bits, BITS_W=bits_w,
+            CHUNKS=chunks, STREAM=finish_stream, BLOCK=block, STAGES=stages, PROFILE=profile, **common,
+            num_warps=finish_warps)
         return out
+    cap = _seg_cap(cand, num_warps, un, L)
+    # W doubles as the sample's buffer when the levels stream
+    wlen = max(wcap, 1 << lg_s) if stream else wcap
     if grid is None:
-        grid = min(cfg["grid"], max(1, SCRATCH_BUDGET // (8 * cand + 4 * wcap)))
-    scr = torch.empty(grid * cand, dtype=torch.int64, device=dev)
-    wscr = torch.empty(grid * wcap, dtype=torch.int32, device=dev)
+        per_sm = max(1, cfg["grid"] // num_sms(dev)) if num_warps == cfg["num_warps"] else max(1, 32 // num_warps)
+        grid = min(R, per_sm * num_sms(dev))
+    grid = min(grid, max(1, SCRATCH_BUDGET // (8 * cand + 8 * num_warps * cap + 4 * wlen)))
+    scr = torch.empty(grid * 2 * cand, dtype=torch.int32, device=dev)
+    sscr = torch.empty(grid * num_warps * cap, dtype=torch.int64, device=dev)
+    wscr = torch.empty(grid * wlen, dtype=torch.int32, device=dev)
     topk_transform_kernel[(grid,)](
-        logits, logits.stride(0), lengths, starts, *translate, out, scr, wscr, R, K,
-        MODE=mode, PAGE_SIZE=page_size, WCAP=wcap, LG_S=lg_s, BITS=bits, BITS_W=bits_w, FORCE=force,
+        logits, logits.stride(0), lengths, starts, *translate, out, scr, sscr, wscr, R, K,
+        MODE=mode, PAGE_SIZE=page_size, NW=num_warps, CAP=cap, UN=un, WCAP=wlen, UB=_ub(num_warps), LG_S=lg_s,
+        BITS=bits, BITS_W=bits_w, BITS_S=bits_s, STREAM=stream, BLOCK=block, STAGES=stages, FORCE=force,
         PROFILE=profile, **common, num_warps=num_warps, **regs)
     return out
