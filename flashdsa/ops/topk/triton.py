@@ -841,15 +841,17 @@ def sizes(K: int, L: int, cand: int | None = None, lg_sample: int | None = None,
 def launch_config(R: int, L: int, sms: int) -> dict:
     """Launch shapes, chosen on the H200 (triton 3.6, 2026-11-29; README "Measured").
 
-    Few long rows (R <= SMs, L >= 16K): split mode. A row's sample + compaction is spread over
-    ``chunks`` programs of 8 warps (64 x 32K: 4, 64 x 128K: 8; 2-warp programs x 8 / 16 and 1-warp
-    x 32 were slower), then one program a row (8 warps, 16 past 64K) selects in registers and emits.
+    Few rows (R <= SMs, L >= 4K): split mode. A row's sample + compaction is spread over ``chunks``
+    programs of 8 warps (64 x 32K: 4, 64 x 128K: 8; 2-warp programs x 8 / 16 and 1-warp x 32 were
+    slower), then one program a row (8 warps, 16 past 64K) selects in registers and emits. Below 16K two
+    chunks (the decode batch: 64 x 8K 24.2 -> 18.7 us, 64 x 10.6K 32.3 -> 21.3, 128 x 8K 24.4 -> 21.6,
+    64 x 4K 24.3 -> 19.0 against one fused 4-warp program a row; CUDA-graph replays, page table fused).
     Many rows: the fused kernel on a persistent grid of what fits at once. Rows up to 16K: 4-warp
     programs, 8 an SM, levels streamed from memory (4096 x 8K: 275 us; 1 / 2 warps 295 / 290, 8 warps in
     registers 304). Longer rows: 8 warps capped at 64 registers, 4 an SM, levels in registers
     (4096 x 32K: 527 us; streamed with 1 / 2 / 4 warps 647 / 623 / 628).
     """
-    if R <= sms and L >= 16384:
+    if R <= sms and L >= 4096:
         chunks = max(2, min(16, L // 8192, _prev_pow2(4 * sms // R)))
         return dict(chunks=chunks, num_warps=8, maxnreg=0, grid=R, unroll=2, finish_warps=8 if L <= 65536 else 16,
                     stream=False, finish_stream=False, max_lg_sample=11)
