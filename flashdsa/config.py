@@ -129,7 +129,7 @@ class DSAConfig:
                 raise ValueError(f"index_topk_pattern: expected only 'F' (full) and 'S' (shared), got {bad}")
         if self.index_topk_freq is not None and (isinstance(self.index_topk_freq, bool) or not isinstance(self.index_topk_freq, int) or self.index_topk_freq < 1):
             raise ValueError(f"index_topk_freq: expected an integer >= 1, got {self.index_topk_freq!r}")
-        if self.index_skip_topk_offset is not None and (not isinstance(self.index_skip_topk_offset, int) or self.index_skip_topk_offset < 0):
+        if self.index_skip_topk_offset is not None and (isinstance(self.index_skip_topk_offset, bool) or not isinstance(self.index_skip_topk_offset, int) or self.index_skip_topk_offset < 0):
             raise ValueError(f"index_skip_topk_offset: expected an integer >= 0, got {self.index_skip_topk_offset!r}")
         if self.skip_topk_layers and self.skip_topk_layers[0] == 0:
             raise ValueError("indexer_types/index_topk_pattern/index_topk_freq: layer 0 cannot skip top-k "

@@ -319,3 +319,9 @@ def test_layer0_cannot_skip(changes, key):
 def test_missing_file(tmp_path):
     with pytest.raises(FileNotFoundError):
         DSAConfig.from_hf(tmp_path / "nope")
+
+
+@pytest.mark.parametrize("bad", [-1, 1.0, True, "2"])
+def test_skip_offset_errors(bad):
+    with pytest.raises(ValueError, match="index_skip_topk_offset"):
+        DSAConfig.from_hf(_hf(index_topk_freq=2, index_skip_topk_offset=bad))
