@@ -8,7 +8,15 @@ from flashdsa.cache.layouts import MLA_DIM, MLA_LATENT
 from flashdsa.ops._common import check_range, check_scalar, check_tensor, fail, pick_backend, value_checks_enabled
 from flashdsa.ops.dense_mla import reference
 
-_IMPLS = {"torch": reference.dense_mla_prefill}
+
+
+def _triton(*args, **kwargs):
+    # imported on first use: importing triton is slow and CPU-only users never need it
+    from flashdsa.ops.dense_mla import triton as impl
+    return impl.dense_mla_prefill(*args, **kwargs)
+
+
+_IMPLS = {"torch": reference.dense_mla_prefill, "triton": _triton}
 
 
 def dense_mla_prefill(q: torch.Tensor, kv: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_kv: torch.Tensor,
@@ -24,6 +32,9 @@ def dense_mla_prefill(q: torch.Tensor, kv: torch.Tensor, cu_seqlens_q: torch.Ten
 
     Returns:
         ``out [T, h_q, d_v] bfloat16``, ``lse [T, h_q] float32`` (natural log).
+
+    Backends: "torch" (fp32 math, the reference) and "triton" (default on CUDA: the sparse prefill
+    kernel over every visible key, bf16 operands with fp32 accumulation).
     """
     check_tensor("q", q, dtype=torch.bfloat16, ndim=3)
     T, h_q, d = q.shape
