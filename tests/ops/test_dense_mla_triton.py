@@ -1,6 +1,13 @@
 """dense_mla_prefill, Triton backend (the sparse prefill kernel over every visible key) against the fp32
 torch reference: causal masks with cached prefixes, requests without new queries, chunked index lists,
-poisoned outputs. Runs under TRITON_INTERPRET=1 on CPU; a v32-sized case on the GPU."""
+poisoned outputs. Runs under TRITON_INTERPRET=1 on CPU; a v32-sized case on the GPU.
+
+The tolerance on ``out``: on the GPU the kernel rounds the softmax weights P to bf16 for the PV dot
+(as FlashMLA does) and rounds out to bf16, so |out - ref| <= 2^-9 sum_i p_i |v_i| + 2^-9 |out| <=
+2^-8 max|v|. Causal rows that see a handful of keys do not average that error away (the sparse kernel's
+tests, with ~100 random keys a row, do): a fixed atol of 8e-4 failed 6 of these cases on the H200,
+exactly the 6 a torch emulation of those numerics fails, while the emulation stays within 2^-8 max|v|
+(up to 0.93 of it) and its cosine diff within 2.7e-6. A wrong visible key moves out by O(p v), far above."""
 
 from __future__ import annotations
 
@@ -12,7 +19,7 @@ from flashdsa import ops
 from flashdsa.ops.dense_mla import triton as tri
 
 SM_SCALE = 576 ** -0.5
-OUT_TOL = dict(atol=8e-4, rtol=3.01 / 128, max_cos_diff=7e-6)   # bf16 output of an fp32-accumulated kernel
+P_BF16 = 2.0 ** -8  # bound of |out - ref| / max|v| from bf16 P and bf16 out (module docstring)
 LSE_TOL = dict(atol=1e-6, rtol=8.01 / 65536)
 
 
@@ -44,7 +51,8 @@ def _run(q_lens, kv_lens, h, device, d_v=512):
     assert out.shape == ref_out.shape and out.dtype == torch.bfloat16 and lse.dtype == torch.float32
     assert not torch.isnan(out).any() and not torch.isnan(lse).any()
     assert_close(lse, ref_lse, name="lse", **LSE_TOL)
-    assert_close(out, ref_out, name="out", **OUT_TOL)
+    assert_close(out, ref_out, name="out", atol=P_BF16 * float(kv[:, :d_v].float().abs().max()), rtol=0.0,
+                 max_cos_diff=7e-6)
     return out, lse
 
 
