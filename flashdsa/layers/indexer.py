@@ -23,7 +23,8 @@ from torch import nn
 
 from flashdsa.config import DSAConfig
 from flashdsa.ops.indexer_quant import HEAD_DIM, ROPE_HALF, indexer_quant
-from flashdsa.quant import FP8, act_quant, hadamard, indexer_rope
+from flashdsa.ops.indexer_quant.reference import indexer_quant as indexer_quant_reference
+from flashdsa.quant import FP8, indexer_rope
 
 PRECISIONS = ("fp8", "exact")
 _CHUNK_BYTES = 256 << 20  # bound on the [rows, H, keys] fp32 intermediate of the exact scores
@@ -115,9 +116,7 @@ class Indexer(nn.Module):
         in plain torch otherwise."""
         if x.shape[-1] == HEAD_DIM and cos.shape[-1] == ROPE_HALF and x.dtype in (torch.bfloat16, torch.float32):
             return indexer_quant(x, cos, sin, self.interleave)
-        y = indexer_rope(x, cos, sin, self.interleave).to(x.dtype)
-        x_fp8, scale = act_quant(hadamard(y), block=self.head_dim)
-        return x_fp8, scale[..., 0]
+        return indexer_quant_reference(x, cos, sin, self.interleave)  # any head dim / rope width
 
 
 def _f32(p: torch.Tensor | None) -> torch.Tensor | None:
