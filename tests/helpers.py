@@ -14,6 +14,22 @@ def poison(shape, dtype=torch.float32, device="cpu") -> torch.Tensor:
     return torch.full(shape, torch.iinfo(dtype).max, dtype=dtype, device=device)
 
 
+def poison_torch_empty(monkeypatch) -> None:
+    """Make every ``torch.empty`` an op allocates start as NaN (0x7F.. for ints), so an unwritten element
+    fails. For an autouse fixture of a test module: ``poison_torch_empty(monkeypatch)``."""
+    real_empty = torch.empty
+
+    def empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        if t.dtype.is_floating_point:
+            t.fill_(float("nan"))
+        elif t.dtype != torch.bool:
+            t.fill_(torch.iinfo(t.dtype).max)
+        return t
+
+    monkeypatch.setattr(torch, "empty", empty)
+
+
 def cos_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     """``1 - 2ab / (a² + b²)`` over the finite elements, in float64 (0 = identical)."""
     a, b = a.double(), b.double()

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import assert_close
+from helpers import assert_close, poison_torch_empty
 
 from flashdsa import ops
 from flashdsa.ops.dense_mla import triton as tri
@@ -25,16 +25,7 @@ LSE_TOL = dict(atol=1e-6, rtol=8.01 / 65536)
 
 @pytest.fixture(autouse=True)
 def _poison_empty(monkeypatch):
-    """Every buffer the op allocates starts as NaN, so an unwritten element fails."""
-    real_empty = torch.empty
-
-    def empty(*args, **kwargs):
-        t = real_empty(*args, **kwargs)
-        if t.dtype.is_floating_point:
-            t.fill_(float("nan"))
-        return t
-
-    monkeypatch.setattr(torch, "empty", empty)
+    poison_torch_empty(monkeypatch)
 
 
 def _cu(lens, device):

@@ -13,7 +13,7 @@ import math
 
 import pytest
 import torch
-from helpers import assert_close
+from helpers import assert_close, poison_torch_empty
 
 from flashdsa.cache.layouts import PAGE_SIZE, encode_mla
 from flashdsa.ops import merge_attention, sparse_mla_decode, sparse_mla_prefill
@@ -30,18 +30,7 @@ LSE_TOL = dict(atol=1e-6, rtol=8.01 / 65536)
 
 @pytest.fixture(autouse=True)
 def _poison_empty(monkeypatch):
-    """Every buffer the op allocates starts as NaN (0x7F.. for ints), so an unwritten element fails."""
-    real_empty = torch.empty
-
-    def empty(*args, **kwargs):
-        t = real_empty(*args, **kwargs)
-        if t.dtype.is_floating_point:
-            t.fill_(float("nan"))
-        elif t.dtype != torch.bool:
-            t.fill_(torch.iinfo(t.dtype).max)
-        return t
-
-    monkeypatch.setattr(torch, "empty", empty)
+    poison_torch_empty(monkeypatch)
 
 
 def make_cache(fmt: str, pages: int, device, scale: float = RAW_SCALE):
