@@ -128,7 +128,7 @@ def main() -> None:
                 key = "soft" if "soft_casts" in kw else f"b{kw['block_r']}w{kw['num_warps']}"
                 row[f"{key}_us"] = time_us(lambda: K.indexer_quant(x, cos, sin, False, **kw))
         rows.append(row)
-        del x, cos, sin
+        x = cos = sin = None  # free this case before the next (the timed lambdas are done with them)
         if DEV == "cuda":
             torch.cuda.empty_cache()
     write_json(rows, "bench_indexer_quant")
