@@ -21,9 +21,9 @@ from flashdsa import ops
 from flashdsa.cache.allocator import OutOfPagesError
 from flashdsa.cache.layouts import PAGE_SIZE
 from flashdsa.cache.pool import KVPool
+from flashdsa.config import DSAConfig
 from flashdsa.engine.metadata import (DECODE, DRAFT_EXTEND, EXTEND, TARGET_VERIFY, BatchMetadata, build_decode,
                                       build_extend)
-from flashdsa.config import DSAConfig
 from flashdsa.engine.model import DSAModel
 from flashdsa.layers.attention import DSAAttention
 from flashdsa.layers.indexer import exact_logits_paged, exact_logits_ragged

@@ -9,7 +9,6 @@ from flashdsa.ops._common import check_range, check_scalar, check_tensor, fail, 
 from flashdsa.ops.dense_mla import reference
 
 
-
 def _triton(*args, **kwargs):
     # imported on first use: importing triton is slow and CPU-only users never need it
     from flashdsa.ops.dense_mla import triton as impl
