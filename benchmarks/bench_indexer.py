@@ -212,33 +212,41 @@ def _shapes(G: int, HP: int, stages: tuple[int, ...], chunk: int | None = None, 
             if bn * G * HP // (32 * nw) <= 128]
 
 
-def _paged_shapes(G: int, HP: int, chunk: int) -> list[K.PagedConfig]:
-    """Paged: block_n {64, 128} x rows per dot (1, 2 or 4 dots a step) x head sum (fma chain / tl.sum) with
-    an accumulator of <= 128 registers a thread, 6 or 8 stages, then the default at half / twice the chunk."""
+def _paged_shapes(G: int, HP: int, tma: bool) -> list[K.PagedConfig]:
+    """Paged, either kernel: block_n {64, 128} x rows per dot (1, 2 or 4 dots a step) with an accumulator of
+    <= 128 registers a thread (TMA: or one 256-column dot over 8 warps) x 6 / 8 stages x ~8 / 16 programs
+    a SM; the pointer kernel also with the fma-chain head sum, the TMA kernel also storing through tl.store."""
     out = []
     for bn in (64, 128):
         for GS in sorted({G, max(1, G // 2), max(1, G // 4)}):
-            if bn * GS * HP // 128 > 128:
+            warps = 8 if tma and GS * HP == K.MAX_DOT_N else 4
+            if bn * GS * HP // (32 * warps) > 128:
                 continue
-            for chain in ((False, True) if HP == 64 else (False,)):
-                out += [K.PagedConfig(block_n=bn, sub_rows=GS, chain=chain, num_stages=ns) for ns in (6, 8)]
-    return out + [K.PagedConfig(chunk=c) for c in (chunk // 2, chunk * 2)]
+            for ns in (6, 8):
+                for pps in (8, 16):
+                    base = {"block_n": bn, "sub_rows": GS, "num_stages": ns, "programs_per_sm": pps,
+                            "num_warps": warps, "tma": tma}
+                    if tma:
+                        out += [K.PagedConfig(**base), K.PagedConfig(**base, asm_store=False)]
+                    else:
+                        out += [K.PagedConfig(**base, chain=c) for c in ((False, True) if HP == 64 else (False,))]
+    return out
 
 
 def _sweep_paged(c, args, t_default, rows, name):
     base = K.indexer_logits_paged(*args)
     B, n, Hq, _ = c["q_fp8"].shape
-    G, _, HP, bn, chunk, _ = K.paged_config(B, n, Hq, c["max_len"], c["q_fp8"].device)
-    for cfg in _paged_shapes(G, HP, chunk):
-        if cfg.chunk is not None and cfg.chunk < 2 * bn:
-            continue
-        out = K.indexer_logits_paged(*args, config=cfg)
-        ok = torch.equal(torch.isneginf(out), torch.isneginf(base)) and cos_diff(out, base) < 1e-9
-        t = _time(lambda: K.indexer_logits_paged(*args, config=cfg), warmup_ms=10, rep_ms=40)
-        desc = (f"chunk{cfg.chunk}" if cfg.chunk else
-                f"bn{cfg.block_n} rows/dot {cfg.sub_rows} {'chain' if cfg.chain else 'sum'} s{cfg.num_stages}")
-        rows.append({"case": f"sweep {name}", "config": desc, "ours_us": t, "vs_default": t / t_default,
-                     "same_logits": ok})
+    shape = K.paged_config(B, n, Hq, c["max_len"], c["q_fp8"].device)
+    for tma in (True, False):
+        for cfg in _paged_shapes(shape.G, shape.HP, tma):
+            out = K.indexer_logits_paged(*args, config=cfg)
+            ok = torch.equal(torch.isneginf(out), torch.isneginf(base)) and cos_diff(out, base) < 1e-9
+            t = _time(lambda: K.indexer_logits_paged(*args, config=cfg), warmup_ms=10, rep_ms=40)
+            desc = (f"{'tma' if tma else 'ptr'} bn{cfg.block_n} rows/dot {cfg.sub_rows} w{cfg.num_warps} "
+                    f"s{cfg.num_stages} pps{cfg.programs_per_sm}"
+                    + (f" {'chain' if cfg.chain else 'sum'}" if not tma else "" if cfg.asm_store else " tl.store"))
+            rows.append({"case": f"sweep {name}", "config": desc, "ours_us": t, "vs_default": t / t_default,
+                         "same_logits": ok})
 
 
 def run_ragged(cases, dg, rows: list[dict], sweep: bool) -> None:

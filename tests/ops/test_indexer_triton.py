@@ -3,8 +3,10 @@
 Paged: shuffled block tables, junk page ids past each request's pages, junk bytes (NaN keys and scales
 included) in every page slot past a length, verify rows with per-row causal lengths, any next_n (one
 and several row groups), padded head counts, launch shapes that give one page per program, several
-steps per program and sub-page steps. Ragged: random [ks, ke) incl. empty and full rows, causal
-prefill over cached prefixes, head dims other than 128, many key chunks per row block. Outputs are
+steps per program and sub-page steps; both paged kernels (pointer gathers, and TMA page copies through
+``PagedConfig(tma=True)``, the sm_90 default), compiled on a GPU in the ``gpu`` tests. Ragged: random
+[ks, ke) incl. empty and full rows, causal prefill over cached prefixes, head dims other than 128, many
+key chunks per row block. Outputs are
 poisoned with NaN so an unwritten element fails; every case repeats bit for bit. The budgeted top-k
 is checked against the unbudgeted composition with budgets that force many chunks.
 """
@@ -133,6 +135,53 @@ def test_paged_matches_reference(seq_lens, n, H, lens, extra, cfg, fp8_dot):
     assert torch.equal(_bits(out), _bits(again))
 
 
+# The TMA kernel (the default on sm_90) runs in the interpreter too: the same inputs (junk pages and page ids
+# past each length included) through PagedConfig(tma=True); the interpreter stores with tl.store, the
+# compiled kernel from registers (test_kernels_compile_for_hopper_and_ampere, the GPU tests).
+PAGED_TMA_CASES = [
+    pytest.param([0, 1, 63, 64, 65, 130], 1, 4, None, 37, K.PagedConfig(tma=True), id="B6-n1-H4-lens0..130"),
+    pytest.param([300, 67, 0], 2, 64, None, 3, K.PagedConfig(tma=True, chunk=128), id="B3-n2-H64-two-dots"),
+    pytest.param([64, 129, 300], 3, 64, None, 5, K.PagedConfig(tma=True), id="B3-n3-H64-padded-dot-compiled-out"),
+    pytest.param([130, 67], 4, 64, None, 64, K.PagedConfig(tma=True, chunk=128), id="B2-n4-H64-one-256-column-dot"),
+    pytest.param([130, 3], 5, 64, None, 2, K.PagedConfig(tma=True), id="B2-n5-H64-two-row-groups"),
+    pytest.param([129, 64, 1], 4, 64, None, 0, K.PagedConfig(tma=True, block_n=128, chunk=256, sub_rows=1),
+                 id="B3-n4-H64-two-pages-a-step-four-dots"),
+    pytest.param([65, 130, 1], 4, 3, [[0, 65, 1, 64], [130, 63, 0, 129], [1, 0, 1, 0]], 0,
+                 K.PagedConfig(tma=True, chunk=64, rows=2), id="B3-n4-H3-arbitrary-lens-one-page-per-program"),
+    pytest.param([100, 65], 2, 128, None, 7, K.PagedConfig(tma=True), id="B2-n2-H128-one-256-column-dot"),
+    pytest.param([200, 70], 3, 32, None, 1, K.PagedConfig(tma=True, chunk=128, chain=True),
+                 id="B2-n3-H32-two-dots-no-chain-at-hp32"),
+    pytest.param([0, 0], 2, 8, None, 70, K.PagedConfig(tma=True), id="B2-n2-H8-all-empty"),
+]
+
+
+@pytest.mark.parametrize("seq_lens,n,H,lens,extra,cfg", PAGED_TMA_CASES)
+def test_paged_tma_matches_reference(seq_lens, n, H, lens, extra, cfg, monkeypatch):
+    # the pointer kernel must not run: a silent fallback would leave the TMA kernel untested
+    monkeypatch.setattr(K, "indexer_logits_paged_kernel", None)
+    q, cache, w, ctx, bt, width = _paged_inputs(seq_lens, n, H, lens, extra, seed=len(seq_lens) * 100 + n * 10 + H + 1)
+    out = K.indexer_logits_paged(q, cache, w, ctx, bt, width, config=cfg, out=poison((q.shape[0] * n, width)))
+    ref = indexer_logits_paged(q, cache, w, ctx, bt, width, backend="torch")
+    _check(out, ref)
+    again = K.indexer_logits_paged(q, cache, w, ctx, bt, width, config=cfg, out=poison((q.shape[0] * n, width)))
+    assert torch.equal(_bits(out), _bits(again))
+
+
+def test_paged_tma_dispatch():
+    """The interpreter runs the pointer kernel unless asked for the TMA one; a TMA request it cannot honour
+    (sub-page steps, the fp16-upcast path) is an error, not a silent fallback."""
+    q, cache, w, ctx, bt, width = _paged_inputs([70, 5], 2, 8, None, 0, seed=3)
+    assert not K._use_tma(K.PagedConfig(), cache, True)
+    assert K._use_tma(K.PagedConfig(tma=True), cache, True)
+    assert not K._use_tma(K.PagedConfig(tma=True), cache[:0], True)  # no pages: no descriptor
+    for cfg, fp8_dot in [(K.PagedConfig(tma=True, block_n=32), True), (K.PagedConfig(tma=True), False)]:
+        with pytest.raises(ValueError, match="tma"):
+            K.indexer_logits_paged(q, cache, w, ctx, bt, width, config=cfg, fp8_dot=fp8_dot)
+    want = K.indexer_logits_paged(q, cache, w, ctx, bt, width)
+    got = K.indexer_logits_paged(q, cache, w, ctx, bt, width, config=K.PagedConfig(tma=True))
+    assert torch.equal(torch.isneginf(got), torch.isneginf(want)) and cos_diff(got, want) < 1e-12
+
+
 def test_paged_public_op_dispatches_to_triton():
     q, cache, w, ctx, bt, width = _paged_inputs([65, 130], 2, 8, None, 3, seed=5)
     out = indexer_logits_paged(q, cache, w, ctx, bt, width, backend="triton")
@@ -151,21 +200,30 @@ def test_paged_zero_width_and_no_rows():
 
 
 def test_paged_config_covers_long_contexts():
-    """The default split gives whole steps per chunk, two pages a step up to 128 dot columns, 1 / 2 / 4
-    dots a step."""
+    """The default split gives whole steps per chunk; pointer kernel: two pages a step up to 128 dot
+    columns, 1 / 2 / 4 dots a step; TMA kernel: one page a step, a dot per row of 64 heads, one 256-column
+    dot over 8 warps for a full group of 4 rows, chunks of >= 8 pages."""
     dev = torch.device("cpu")
     for B, n, L in [(64, 1, 42600), (128, 1, 85000), (1, 4, 300000), (64, 4, 42600), (64, 2, 2_000_000),
-                    (64, 3, 42600)]:
+                    (64, 3, 42600), (1, 2, 100)]:
         for H in (64, 32, 128, 3):
-            G, GS, HP, bn, chunk, chain = K.paged_config(B, n, H, L, dev)
+            G, GS, HP, bn, chunk, chain, warps = K.paged_config(B, n, H, L, dev)
             padded = G * HP == K.MAX_DOT_N and n < G  # n = 3 at H 64: three 64-column dots, two pages a step
             assert G * HP <= K.MAX_DOT_N and chunk % bn == 0 and 2 * bn <= chunk <= 64 * bn
-            assert bn == (128 if G * HP <= 128 or padded else 64)
+            assert bn == (128 if G * HP <= 128 or padded else 64) and warps == 4
             assert G % GS == 0 and G // GS in (1, 2, 4) and (GS * HP == 64 if padded else True)
             assert chain == (HP == 64 and padded)  # measured on only there
             assert -(-L // chunk) <= 65535  # grid dim 2
+            t = K.paged_config(B, n, H, L, dev, tma=True)
+            assert t.G == G and t.block_n == 64 and t.chunk % 64 == 0 and 512 <= t.chunk <= 64 * 64
+            assert t.G % t.GS == 0 and t.G // t.GS in (1, 2, 4) and not t.chain
+            assert t.GS == (G if G * HP == K.MAX_DOT_N and not padded else max(1, min(G, 64 // HP)))
+            assert t.num_warps == (8 if t.GS * HP == K.MAX_DOT_N else 4)
+            assert -(-L // t.chunk) <= 65535
     with pytest.raises(ValueError, match="sub_rows"):
         K.paged_config(2, 4, 64, 100, dev, K.PagedConfig(sub_rows=3))
+    with pytest.raises(ValueError, match="block_n"):
+        K.paged_config(2, 4, 64, 100, dev, K.PagedConfig(block_n=32), tma=True)
 
 
 # ---- ragged -------------------------------------------------------------------------------------------
@@ -396,6 +454,30 @@ def test_paged_gpu_against_fp32_and_reference(n):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tma", [True, False], ids=["tma", "pointer"])
+@pytest.mark.parametrize("n,H,cfg", [
+    (1, 64, None), (2, 64, None), (3, 64, None), (4, 64, None), (5, 64, None), (2, 32, None), (2, 128, None),
+    (2, 64, {"block_n": 128}), (4, 64, {"sub_rows": 1, "num_warps": 4}),
+], ids=["n1", "n2", "n3", "n4", "n5", "n2-H32", "n2-H128", "n2-two-pages", "n4-four-dots"])
+def test_paged_gpu_both_kernels_junk_pages(n, H, cfg, tma):
+    """Both paged kernels, compiled (the TMA one stores from registers), on pages holding junk (NaN keys /
+    scales) past every length and junk page ids past each request's pages, chunks of many steps."""
+    seq_lens = [3000, 1, 64, 65, 700, 0, 2049]
+    q, cache, w, ctx, bt, width = _paged_inputs(seq_lens, n, H, None, 77, seed=n * 7 + H, device="cuda")
+    config = K.PagedConfig(tma=tma, **(cfg or {}))
+    out = K.indexer_logits_paged(q, cache, w, ctx, bt, width, config=config,
+                                 out=poison((q.shape[0] * n, width), device="cuda"))
+    ref = indexer_logits_paged(*(t.cpu() for t in (q, cache, w, ctx, bt)), width, backend="torch")
+    # Hopper's fp8 wgmma accumulates in less than fp32 (bench_indexer: max error ~2e-4 of the largest
+    # logit), so the interpreter's 1e-5 bound does not apply: exact inf / NaN pattern, 1e-3, cosine 1e-6
+    fin = torch.isfinite(ref)
+    mag = float(ref[fin].abs().max()) if fin.any() else 1.0
+    assert_close(out.cpu(), ref, atol=1e-3 * mag, max_cos_diff=1e-6)
+    again = K.indexer_logits_paged(q, cache, w, ctx, bt, width, config=config)
+    assert torch.equal(_bits(out), _bits(again))
+
+
+@pytest.mark.gpu
 def test_paged_gpu_cuda_graph_replay():
     """Decode is captured once and replayed with lengths and tables refreshed in place (SPEC §6)."""
     dev = "cuda"
@@ -458,7 +540,7 @@ from flashdsa.ops.indexer import triton as K
 
 def paged(n, H, cap, fp8):
     cfg = K.PagedConfig()
-    G, GS, HP, bn, _, chain = K.paged_config(64, n, H, 32768, torch.device("cpu"), cfg)
+    G, GS, HP, bn, _, chain, warps = K.paged_config(64, n, H, 32768, torch.device("cpu"), cfg)
     q = "*fp8e4nv" if fp8 else "*u8"
     sig = dict(q=q, keys=q, scales="*fp32", w="*fp32", context_lens="*i32", block_table="*i32", out="*fp32",
                max_len="i32", stride_qb="i32", stride_qn="i32", stride_qh="i32", stride_w="i32", stride_bt="i32",
@@ -469,7 +551,20 @@ def paged(n, H, cap, fp8):
     # what the JIT specialises at launch: 16-byte aligned pointers and strides that are multiples of 16
     attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 5, 6, 8, 9, 10, 11)}
     triton.compile(ASTSource(K.indexer_logits_paged_kernel, sig, const, attrs), target=GPUTarget("cuda", cap, 32),
-                   options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+                   options=dict(num_warps=warps, num_stages=cfg.num_stages))
+
+def paged_tma(n, H):
+    cfg = K.PagedConfig()
+    G, GS, HP, bn, _, chain, warps = K.paged_config(64, n, H, 32768, torch.device("cpu"), cfg, tma=True)
+    sig = dict(q="*fp8e4nv", key_desc="tensordesc<fp8e4nv[64, 128]>", scales="*fp32", w="*fp32",
+               context_lens="*i32", block_table="*i32", out="*fp32", max_len="i32", stride_qb="i32",
+               stride_qn="i32", stride_qh="i32", stride_w="i32", stride_bt="i32", stride_o="i32")
+    const = dict(NEXT_N=n, H=H, HP=HP, D=128, G=G, GS=GS, PAGES=bn // 64, CHUNK=16 * bn, PAGE=64, PAGE_ROWS=66,
+                 PAGE_WORDS=2112, KEY_WORDS=2048, CHAIN=chain, NUM_STAGES=cfg.num_stages, ASM_STORE=cfg.asm_store)
+    sig.update(dict.fromkeys(const, "constexpr"))
+    attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 2, 3, 4, 5, 6, 8, 9, 10, 11)}
+    triton.compile(ASTSource(K.indexer_logits_paged_tma_kernel, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
+                   options=dict(num_warps=warps, num_stages=cfg.num_stages))
 
 def ragged(H, cap, fp8):
     cfg = K.RaggedConfig()
@@ -486,6 +581,7 @@ def ragged(H, cap, fp8):
 
 for n in (1, 2, 3, 4):
     paged(n, 64, 90, True)
+    paged_tma(n, 64)
 paged(2, 32, 80, False)
 ragged(64, 90, True)
 ragged(32, 80, False)
@@ -494,8 +590,9 @@ print("compiled")
 
 
 def test_kernels_compile_for_hopper_and_ampere():
-    """The default launch shapes compile for sm_90 (fp8 wgmma) and sm_80 (fp16 upcast) through Triton's
-    real code generator and ptxas, without a GPU (the interpreter never compiles anything)."""
+    """The default launch shapes compile for sm_90 (fp8 wgmma; the TMA paged kernel with its inline-PTX
+    store) and sm_80 (fp16 upcast) through Triton's real code generator and ptxas, without a GPU (the
+    interpreter never compiles anything)."""
     import os
     import subprocess
     import sys

@@ -8,9 +8,14 @@ Both kernels score a block of ``BLOCK_N`` keys as the M side of fp8 tensor-core 
 
 so the head sum runs along the dot's N dim (inside a thread and its quad on Hopper, no shared memory) and
 each key is loaded once for all rows. The ragged kernel does it in one dot (``_gated_relu_sum``); the
-paged kernel splits a program's G draft rows into 1, 2 or 4 dots of GS rows that share the step's keys
-(``_score_rows``; narrower accumulators, and a padded row's dot is compiled out). Padded heads / rows
+paged kernels split a program's G draft rows into 1, 2 or 4 dots of GS rows that share the step's keys
+(``_row_logits``; narrower accumulators, and a padded row's dot is compiled out). Padded heads / rows
 have q = w = 0 and add exactly 0. Derivation, roofline and tuning notes: README.md next to this file.
+
+Two paged kernels, one contract: ``indexer_logits_paged_tma_kernel`` copies each page's keys with one TMA
+load (the default on sm_90, and tested in the interpreter with ``PagedConfig(tma=True)``);
+``indexer_logits_paged_kernel`` gathers them with pointer loads (other GPUs incl. the fp16-upcast path
+before sm_89, and the interpreter by default).
 
 The kernels write every output element (logits inside each row's range, -inf elsewhere), use no atomics
 and a fixed reduction order: the same input and launch shape give the same bits.
@@ -19,16 +24,20 @@ and a fixed reduction order: the same input and launch shape give the same bits.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from flashdsa.cache.layouts import INDEX_KEY_BYTES, INDEX_PAGE_BYTES, PAGE_SIZE
-from flashdsa.ops._triton_utils import num_sms
+from flashdsa.ops._triton_utils import interpreting, num_sms
 
 # One dot's N side (G rows x HP heads) is capped so the fp32 accumulator stays <= 128 registers a thread.
 MAX_DOT_N = 256
+# an indexer page as rows of one key (128 B): 64 rows of keys, then 2 of scales (TMA kernel's cache view)
+PAGE_ROWS = INDEX_PAGE_BYTES // (INDEX_KEY_BYTES // PAGE_SIZE)  # 66
 
 
 def _pow2(x: int) -> int:
@@ -158,6 +167,14 @@ def _score_rows(b_k, b_ks, b_qt, b_w, b_len, p_rows, m_j, o_t, c1, GS: tl.conste
                 CHAIN: tl.constexpr):
     """Score one step's keys ``b_k [BLOCK_N, D]`` (scales ``b_ks [BLOCK_N]``, positions ``o_t``) for GS draft
     rows and store them: ``k_scale * sum_h w * relu(k . q)`` below each row's length, -inf from it on."""
+    b_l = _row_logits(b_k, b_ks, b_qt, b_w, b_len, o_t, GS, HP, CHAIN)
+    tl.store(p_rows[None, :] + o_t[:, None], b_l, mask=m_j[None, :] & (o_t[:, None] < c1))
+
+
+@triton.jit
+def _row_logits(b_k, b_ks, b_qt, b_w, b_len, o_t, GS: tl.constexpr, HP: tl.constexpr, CHAIN: tl.constexpr):
+    """``[BLOCK_N, GS]`` logits of keys ``b_k [BLOCK_N, D]`` (scales ``b_ks``, positions ``o_t``) for GS draft rows,
+    -inf at and past each row's length."""
     BLOCK_N: tl.constexpr = b_k.shape[0]
     # [BLOCK_N, GS * HP]; fp32 accumulation on the tensor cores
     b_s = tl.dot(b_k, b_qt)
@@ -171,8 +188,26 @@ def _score_rows(b_k, b_ks, b_qt, b_w, b_len, p_rows, m_j, o_t, c1, GS: tl.conste
     # [BLOCK_N, GS]; k_scale > 0 leaves the relu and the head sum: one multiply per (key, row)
     b_l = b_l * b_ks[:, None]
     # per-row causal length: draft j never sees draft j + 1 (and junk past a length is discarded here)
-    b_l = tl.where(o_t[:, None] < b_len[None, :], b_l, float("-inf"))
-    tl.store(p_rows[None, :] + o_t[:, None], b_l, mask=m_j[None, :] & (o_t[:, None] < c1))
+    return tl.where(o_t[:, None] < b_len[None, :], b_l, float("-inf"))
+
+
+@triton.jit
+def _store_logits(p_rows, m_j, o_t, c1, b_l, ASM_STORE: tl.constexpr):
+    """Store ``b_l [BLOCK_N, GS]`` at columns ``o_t`` (< c1) of the rows ``p_rows [GS]`` (valid: ``m_j``).
+
+    ``ASM_STORE`` stores straight from the dot accumulator's layout with a predicated ``st.global`` (the
+    4 threads of a quad hold the same logit and write the same word); ``tl.store`` would first move the
+    tile through shared memory for coalescing, at 2 CTA barriers a store. Not for the interpreter.
+    """
+    p_out = p_rows[None, :] + o_t[:, None]
+    m_out = m_j[None, :] & (o_t[:, None] < c1)
+    if ASM_STORE:
+        # the value goes in as its int32 bits: triton 3.6 refuses a pointer and a float in one inline-asm call
+        tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.b32 [$1], $2; mov.b32 $0, 0; }",
+                                  "=r,l,r,r", [p_out, b_l.to(tl.int32, bitcast=True), m_out.to(tl.int32)],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        tl.store(p_out, b_l, mask=m_out)
 
 
 @triton.jit
@@ -258,60 +293,214 @@ def indexer_logits_paged_kernel(
         _fill_neg_inf(p_r3, m_j3, end, c1, BLOCK_N, GS)
 
 
+@triton.jit
+def _score_page(key_desc, scales, p_bt, t0, reach, o_n,
+                b_q0, b_w0, b_len0, p_r0, m_j0, b_q1, b_w1, b_len1, p_r1, m_j1,
+                b_q2, b_w2, b_len2, p_r2, m_j2, b_q3, b_w3, b_len3, p_r3, m_j3, c1,
+                NEXT_N: tl.constexpr, GS: tl.constexpr, SUB: tl.constexpr, HP: tl.constexpr, PAGE: tl.constexpr,
+                PAGE_ROWS: tl.constexpr, PAGE_WORDS: tl.constexpr, KEY_WORDS: tl.constexpr, CHAIN: tl.constexpr,
+                ASM_STORE: tl.constexpr):
+    """Score and store the page holding positions ``t0 .. t0 + PAGE - 1`` (``t0`` a multiple of PAGE) for
+    all the program's draft rows. A page past ``reach`` reads page 0 instead of a junk table entry (never
+    stored as a logit: every row masks it to -inf)."""
+    # scalar page id: one TMA copy per page, no per-element address arithmetic
+    i_p = tl.load(p_bt + t0 // PAGE, mask=t0 < reach, other=0)
+    # [PAGE, D] keys: rows i_p * PAGE_ROWS .. + PAGE - 1 of the cache viewed as [P * PAGE_ROWS, D] e4m3
+    b_k = key_desc.load([i_p * PAGE_ROWS, 0])
+    # [PAGE] per-key scales after the page's keys (cp.async; by TMA too it measured 15 % slower)
+    b_ks = tl.load(scales + i_p.to(tl.int64) * PAGE_WORDS + KEY_WORDS + o_n)
+    # positions relative to t0: the per-element masks compare the page offset o_n against per-row scalars
+    # (32-bit, one compare) instead of the absolute position against the row length
+    b_l0 = _row_logits(b_k, b_ks, b_q0, b_w0, b_len0 - t0, o_n, GS, HP, CHAIN)
+    _store_logits(p_r0 + t0, m_j0, o_n, c1 - t0, b_l0, ASM_STORE)
+    if SUB > 1 and GS < NEXT_N:
+        b_l1 = _row_logits(b_k, b_ks, b_q1, b_w1, b_len1 - t0, o_n, GS, HP, CHAIN)
+        _store_logits(p_r1 + t0, m_j1, o_n, c1 - t0, b_l1, ASM_STORE)
+    if SUB > 2 and 2 * GS < NEXT_N:
+        b_l2 = _row_logits(b_k, b_ks, b_q2, b_w2, b_len2 - t0, o_n, GS, HP, CHAIN)
+        _store_logits(p_r2 + t0, m_j2, o_n, c1 - t0, b_l2, ASM_STORE)
+    if SUB > 3 and 3 * GS < NEXT_N:
+        b_l3 = _row_logits(b_k, b_ks, b_q3, b_w3, b_len3 - t0, o_n, GS, HP, CHAIN)
+        _store_logits(p_r3 + t0, m_j3, o_n, c1 - t0, b_l3, ASM_STORE)
+
+
+@triton.jit
+def indexer_logits_paged_tma_kernel(
+    q,             # [B, NEXT_N, H, D] e4m3
+    key_desc,      # TMA descriptor of the cache viewed as [P * PAGE_ROWS, D] e4m3, block [PAGE, D]
+    scales,        # [P, PAGE_WORDS] the same cache viewed as fp32
+    w,             # [B * NEXT_N, H] f32
+    context_lens,  # [B, NEXT_N] i32, contiguous
+    block_table,   # [B, maxp] i32
+    out,           # [B * NEXT_N, max_len] f32
+    max_len,
+    stride_qb, stride_qn, stride_qh,
+    stride_w, stride_bt, stride_o,
+    NEXT_N: tl.constexpr, H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr,
+    G: tl.constexpr, GS: tl.constexpr, PAGES: tl.constexpr, CHUNK: tl.constexpr,
+    PAGE: tl.constexpr, PAGE_ROWS: tl.constexpr, PAGE_WORDS: tl.constexpr, KEY_WORDS: tl.constexpr,
+    CHAIN: tl.constexpr, NUM_STAGES: tl.constexpr, ASM_STORE: tl.constexpr,
+):
+    """The paged kernel with the keys copied by TMA (sm_90+; the interpreter runs it too): program
+    (g, b, c) as in :func:`indexer_logits_paged_kernel`, ``PAGES`` (1 or 2) whole pages a loop step.
+
+    A page's 64 keys are one contiguous [64, 128] e4m3 tile: row ``i_p * 66`` of the cache viewed as
+    [P * 66, 128] (8448 B = 66 rows of 128 B; the scales are rows 64-65). So one TMA copy per page,
+    addressed by the scalar page id, replaces the per-element address arithmetic of the pointer
+    kernel, and Triton pipelines it with mbarriers straight into the swizzled shared tile wgmma reads.
+    With ``ASM_STORE`` the logits leave from the accumulator's registers (see :func:`_store_logits`).
+    """
+    SUB: tl.constexpr = G // GS
+    BLOCK_N: tl.constexpr = PAGES * PAGE
+    i_g, i_b, i_c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b64 = i_b.to(tl.int64)
+    j0 = i_g * G
+    q += i_b64 * stride_qb
+    o_d = tl.arange(0, D)
+
+    b_q0, b_w0, b_len0, p_r0, m_j0 = _draft_rows(q, w, context_lens, out, i_b64, j0, o_d, stride_qn, stride_qh,
+                                                 stride_w, stride_o, NEXT_N, H, HP, GS, True)
+    reach = tl.max(b_len0, axis=0)
+    # unused sub-groups alias group 0 (their dots are compiled out)
+    b_q1, b_w1, b_len1, p_r1, m_j1 = b_q0, b_w0, b_len0, p_r0, m_j0
+    b_q2, b_w2, b_len2, p_r2, m_j2 = b_q0, b_w0, b_len0, p_r0, m_j0
+    b_q3, b_w3, b_len3, p_r3, m_j3 = b_q0, b_w0, b_len0, p_r0, m_j0
+    if SUB > 1 and GS < NEXT_N:
+        b_q1, b_w1, b_len1, p_r1, m_j1 = _draft_rows(q, w, context_lens, out, i_b64, j0 + GS, o_d, stride_qn,
+                                                     stride_qh, stride_w, stride_o, NEXT_N, H, HP, GS, True)
+        reach = tl.maximum(reach, tl.max(b_len1, axis=0))
+    if SUB > 2 and 2 * GS < NEXT_N:
+        b_q2, b_w2, b_len2, p_r2, m_j2 = _draft_rows(q, w, context_lens, out, i_b64, j0 + 2 * GS, o_d, stride_qn,
+                                                     stride_qh, stride_w, stride_o, NEXT_N, H, HP, GS, True)
+        reach = tl.maximum(reach, tl.max(b_len2, axis=0))
+    if SUB > 3 and 3 * GS < NEXT_N:
+        b_q3, b_w3, b_len3, p_r3, m_j3 = _draft_rows(q, w, context_lens, out, i_b64, j0 + 3 * GS, o_d, stride_qn,
+                                                     stride_qh, stride_w, stride_o, NEXT_N, H, HP, GS, True)
+        reach = tl.maximum(reach, tl.max(b_len3, axis=0))
+
+    c0 = i_c * CHUNK
+    c1 = tl.minimum(c0 + CHUNK, max_len)
+    end = c0 + tl.cdiv(tl.maximum(tl.minimum(c1, reach) - c0, 0), BLOCK_N) * BLOCK_N
+    p_bt = block_table + i_b64 * stride_bt
+    o_n = tl.arange(0, PAGE)
+    for t0 in tl.range(c0, end, BLOCK_N, num_stages=NUM_STAGES):
+        t0 = tl.multiple_of(t0, BLOCK_N)
+        _score_page(key_desc, scales, p_bt, t0, reach, o_n,
+                    b_q0, b_w0, b_len0, p_r0, m_j0, b_q1, b_w1, b_len1, p_r1, m_j1,
+                    b_q2, b_w2, b_len2, p_r2, m_j2, b_q3, b_w3, b_len3, p_r3, m_j3, c1,
+                    NEXT_N, GS, SUB, HP, PAGE, PAGE_ROWS, PAGE_WORDS, KEY_WORDS, CHAIN, ASM_STORE)
+        if PAGES > 1:
+            _score_page(key_desc, scales, p_bt, t0 + PAGE, reach, o_n,
+                        b_q0, b_w0, b_len0, p_r0, m_j0, b_q1, b_w1, b_len1, p_r1, m_j1,
+                        b_q2, b_w2, b_len2, p_r2, m_j2, b_q3, b_w3, b_len3, p_r3, m_j3, c1,
+                        NEXT_N, GS, SUB, HP, PAGE, PAGE_ROWS, PAGE_WORDS, KEY_WORDS, CHAIN, ASM_STORE)
+    _fill_neg_inf(p_r0, m_j0, end, c1, BLOCK_N, GS)
+    if SUB > 1 and GS < NEXT_N:
+        _fill_neg_inf(p_r1, m_j1, end, c1, BLOCK_N, GS)
+    if SUB > 2 and 2 * GS < NEXT_N:
+        _fill_neg_inf(p_r2, m_j2, end, c1, BLOCK_N, GS)
+    if SUB > 3 and 3 * GS < NEXT_N:
+        _fill_neg_inf(p_r3, m_j3, end, c1, BLOCK_N, GS)
+
+
 @dataclass(frozen=True)
 class PagedConfig:
-    """Launch shape of the paged kernel; ``None`` fields are chosen by :func:`paged_config`.
+    """Launch shape of the paged kernels; ``None`` fields are chosen by :func:`paged_config`.
 
-    Defaults timed on an H200 (triton 3.6, README.md "Tuning"), B 64, H 64, ctx ~32K, do_bench µs:
-    n = 1: one 64-column dot, two pages a step (90.7). n = 2: two 64-column dots a step sharing the keys,
-    two pages a step (117.0; one 128-column dot: 122.4). n = 3 (its group of 4 has a padded row): three
-    64-column dots with the fma-chain head sum, two pages a step (164.2; one padded 256-column dot: 196.4).
-    n = 4: one 256-column dot, one page a step (197.1; two or four narrower dots: 201.5 - 204.8). One
-    warpgroup (8 warps: 1.3x slower at n = 4). More stages than 6 do not help (the kernel is compute-bound).
+    Defaults timed on an H200 (triton 3.6, README.md "Tuning"), B 64, H 64, ctx ~32K. TMA kernel (the
+    default on sm_90): one page a step, 64-column dots (one per draft row; n = 4: one 256-column dot over
+    8 warps), 6 stages, logits stored from registers, chunks for ~16 programs a SM (~8 at 8 warps), at
+    least 8 pages. Graph replay µs, n = 1 / 2 / 3 / 4: 76.7 / 95.3 / 132.4 / 185.9 (pointer kernel 82.6 /
+    111.1 / 159.1 / 192.7; DeepGEMM n = 1 / 2: 75.5 / 80.5). Pointer kernel (other GPUs, and the
+    interpreter unless ``tma=True``): n = 1: one 64-column dot, two pages a step; n = 2: two 64-column
+    dots sharing two pages a step; n = 3: three 64-column dots with the fma-chain head sum; n = 4: one
+    256-column dot, one page a step; 4 warps, 6 stages, ~8 programs a SM.
     """
-    block_n: int | None = None   # key positions per loop step (64 = one page); None: 128 or 64, see above
+    block_n: int | None = None   # key positions per loop step (64 = one page); None: see above
     chunk: int | None = None     # output columns per program (a multiple of block_n)
     rows: int | None = None      # draft rows per program (G); n > rows re-reads the pages once per group
     sub_rows: int | None = None  # draft rows per dot (GS); G / GS in {1, 2, 4} dots a step share the keys
     chain: bool | None = None    # head sum as an explicit fma chain (64-head groups only), else tl.sum
-    num_warps: int = 4
+    num_warps: int | None = None  # None: 8 for a 256-column dot on the TMA path, else 4
     num_stages: int = 6
-    programs_per_sm: int = 8     # the default chunk gives about this many programs per SM (4 and 16: slower)
+    programs_per_sm: int | None = None  # the default chunk gives about this many programs a SM; None: above
     max_regs: int | None = None  # ptxas register cap (maxnreg); n = 4 at 168 spills and runs 2.2x slower
+    tma: bool | None = None      # keys by TMA copies (whole-page steps); None: on sm_90 CUDA devices
+    asm_store: bool = True       # TMA path: store the logits from registers by inline PTX (not interpreted)
 
 
-def paged_config(B: int, n: int, H: int, max_len: int, device: torch.device,
-                 cfg: PagedConfig | None = None) -> tuple[int, int, int, int, int, bool]:
-    """``(G, GS, HP, block_n, chunk, chain)`` for a launch: G draft rows x HP heads per program, scored as
-    G / GS dots of GS rows; columns split into chunks so that about ``programs_per_sm`` (8) programs per
-    SM exist, chunks of 2 .. 64 steps."""
+class PagedShape(NamedTuple):
+    G: int          # draft rows per program
+    GS: int         # draft rows per dot
+    HP: int         # heads padded to a power of two >= 16
+    block_n: int    # key positions per loop step
+    chunk: int      # output columns per program
+    chain: bool     # fma-chain head sum
+    num_warps: int
+
+
+def paged_config(B: int, n: int, H: int, max_len: int, device: torch.device, cfg: PagedConfig | None = None,
+                 tma: bool = False) -> PagedShape:
+    """Launch shape: G draft rows x HP heads per program, scored as G / GS dots of GS rows a step; columns
+    split into chunks so that about ``programs_per_sm`` programs per SM exist, chunks of 2 .. 64 steps
+    (TMA path: at least 8 pages)."""
     cfg = cfg or PagedConfig()
     HP = max(16, _pow2(H))
     G = cfg.rows or min(_pow2(n), max(1, MAX_DOT_N // HP))
     width = G * HP
     padded = width == MAX_DOT_N and n < G  # e.g. n = 3 at H 64: one of the group's 4 rows is padding
-    if cfg.sub_rows is not None:
-        GS = cfg.sub_rows
-    elif padded:
-        GS = max(1, G // 4)  # 64-column dots (at H 64): the padded row's dot is compiled out
-    elif width == MAX_DOT_N // 2:
-        GS = max(1, G // 2)  # n = 2 at H 64: two 64-column dots a step
+    if tma:
+        # measured (H 64): a dot per draft row, except a full 256-column group: one dot over two warpgroups
+        GS = cfg.sub_rows or (G if width == MAX_DOT_N and not padded else max(1, min(G, 64 // HP)))
+        bn = cfg.block_n or PAGE_SIZE
+        chain = bool(cfg.chain) and HP == 64  # tl.sum lowers to an fma chain on triton 3.6 already
+        warps = cfg.num_warps or (8 if GS * HP == MAX_DOT_N else 4)
+        # ~16 programs a SM (n = 2: 95 vs 101 µs graph at 8), ~8 for the 8-warp dot (n = 4: 186 vs 192)
+        per_sm, min_chunk = cfg.programs_per_sm or (8 if warps == 8 else 16), 8 * PAGE_SIZE
     else:
-        GS = G
-    bn = cfg.block_n or (128 if width <= 128 or padded else 64)
-    chain = (padded if cfg.chain is None else cfg.chain) and HP == 64
+        if cfg.sub_rows is not None:
+            GS = cfg.sub_rows
+        elif padded:
+            GS = max(1, G // 4)  # 64-column dots (at H 64): the padded row's dot is compiled out
+        elif width == MAX_DOT_N // 2:
+            GS = max(1, G // 2)  # n = 2 at H 64: two 64-column dots a step
+        else:
+            GS = G
+        bn = cfg.block_n or (128 if width <= 128 or padded else 64)
+        chain = (padded if cfg.chain is None else cfg.chain) and HP == 64
+        warps = cfg.num_warps or 4
+        per_sm, min_chunk = cfg.programs_per_sm or 8, 0
     if cfg.chunk is not None:
         chunk = cfg.chunk
     else:
         groups = triton.cdiv(n, G)
-        per_prog = B * groups * max(max_len, 1) // (cfg.programs_per_sm * num_sms(device))
+        per_prog = B * groups * max(max_len, 1) // (per_sm * num_sms(device))
         chunk = 1 << max(0, per_prog.bit_length() - 1)  # round down to a power of two
-        chunk = min(max(chunk, 2 * bn), 64 * bn)
+        chunk = min(max(chunk, 2 * bn, min_chunk), 64 * bn)
     if bn < 16 or bn & (bn - 1) or chunk % bn:
         raise ValueError(f"config: block_n must be a power of two >= 16 dividing chunk, got {bn}, {chunk}")
+    if tma and bn not in (PAGE_SIZE, 2 * PAGE_SIZE):
+        raise ValueError(f"config: the TMA kernel steps whole pages, block_n 64 or 128, got {bn}")
     if GS < 1 or G % GS or G // GS not in (1, 2, 4):
         raise ValueError(f"config: sub_rows must divide rows into 1, 2 or 4 dots, got {GS} of {G}")
-    return G, GS, HP, bn, chunk, chain
+    return PagedShape(G, GS, HP, bn, chunk, chain, warps)
+
+
+def _use_tma(cfg: PagedConfig, index_cache: torch.Tensor, fp8_dot: bool) -> bool:
+    """The TMA kernel: by default on sm_90 (where it was measured), on request (``tma=True``) on any sm_90+
+    GPU or in the interpreter. It needs fp8 dots, whole-page steps, a 16-byte aligned cache and page rows
+    (66 P) that fit TMA's int32 coordinates; without them the pointer kernel runs."""
+    dev = index_cache.device
+    if cfg.tma is False or not fp8_dot or cfg.block_n not in (None, PAGE_SIZE, 2 * PAGE_SIZE):
+        return False
+    if dev.type == "cuda":
+        cap = torch.cuda.get_device_capability(dev)
+        if cap < (9, 0) or (cfg.tma is None and cap != (9, 0)):
+            return False
+    elif not cfg.tma:
+        return False
+    pages = index_cache.shape[0]
+    return index_cache.data_ptr() % 16 == 0 and 0 < pages * PAGE_ROWS < 2 ** 31
 
 
 def indexer_logits_paged(q_fp8: torch.Tensor, index_cache: torch.Tensor, weights: torch.Tensor,
@@ -324,24 +513,47 @@ def indexer_logits_paged(q_fp8: torch.Tensor, index_cache: torch.Tensor, weights
     ``context_lens [B, n] i32``, ``block_table [B, maxp] i32`` -> ``[B * n, max_context_len] f32``.
     ``config`` overrides the launch shape (benchmarks); ``fp8_dot=False`` forces the fp16 upcast path;
     ``out`` is an optional preallocated ``[B * n, max_context_len] f32`` buffer (every element is written).
+    Dispatch: the TMA kernel on sm_90 (see :func:`_use_tma`), the pointer kernel elsewhere.
     """
     B, n, H, D = q_fp8.shape
     out = _output(out, (B * n, max_context_len), q_fp8.device)
     if out.numel() == 0:
         return out
     cfg = config or PagedConfig()
-    G, GS, HP, bn, chunk, chain = paged_config(B, n, H, max_context_len, q_fp8.device, cfg)
     fp8_dot = _fp8_dot_supported(q_fp8.device) if fp8_dot is None else fp8_dot
+    index_cache = index_cache.contiguous()
+    tma = _use_tma(cfg, index_cache, fp8_dot)
+    if cfg.tma and not tma:
+        raise ValueError("config: tma=True needs fp8 dots, block_n 64 or 128, an sm_90+ GPU (or the interpreter) "
+                         "and a 16-byte aligned cache of < 2^31 / 66 pages")
+    G, GS, HP, bn, chunk, chain, warps = paged_config(B, n, H, max_context_len, q_fp8.device, cfg, tma)
     if q_fp8.stride(-1) != 1:
         q_fp8 = q_fp8.contiguous()
     if weights.stride(-1) != 1:
         weights = weights.contiguous()
     if block_table.stride(-1) != 1:
         block_table = block_table.contiguous()
-    index_cache = index_cache.contiguous()
+    grid = (triton.cdiv(n, G), B, triton.cdiv(max_context_len, chunk))
+    launch = {"num_warps": warps, "num_stages": cfg.num_stages}
+    if cfg.max_regs is not None:
+        launch["maxnreg"] = cfg.max_regs
+    if tma:
+        P = index_cache.shape[0]
+        # [P * 66, 128] e4m3; the [64, 128] block at row 66 p is page p's keys
+        key_desc = TensorDescriptor(index_cache.view(torch.float8_e4m3fn).view(P * PAGE_ROWS, D),
+                                    shape=[P * PAGE_ROWS, D], strides=[D, 1], block_shape=[PAGE_SIZE, D])
+        indexer_logits_paged_tma_kernel[grid](
+            q=q_fp8, key_desc=key_desc, scales=index_cache.view(torch.float32), w=weights,
+            context_lens=context_lens.contiguous(), block_table=block_table, out=out, max_len=max_context_len,
+            stride_qb=q_fp8.stride(0), stride_qn=q_fp8.stride(1), stride_qh=q_fp8.stride(2),
+            stride_w=weights.stride(0), stride_bt=block_table.stride(0), stride_o=out.stride(0),
+            NEXT_N=n, H=H, HP=HP, D=D, G=G, GS=GS, PAGES=bn // PAGE_SIZE, CHUNK=chunk,
+            PAGE=PAGE_SIZE, PAGE_ROWS=PAGE_ROWS, PAGE_WORDS=INDEX_PAGE_BYTES // 4, KEY_WORDS=INDEX_KEY_BYTES // 4,
+            CHAIN=chain, NUM_STAGES=cfg.num_stages, ASM_STORE=cfg.asm_store and not interpreting(), **launch,
+        )
+        return out
     keys = index_cache.view(torch.float8_e4m3fn) if fp8_dot else index_cache
     q_in = q_fp8 if fp8_dot else q_fp8.view(torch.uint8)
-    grid = (triton.cdiv(n, G), B, triton.cdiv(max_context_len, chunk))
     indexer_logits_paged_kernel[grid](
         q=q_in, keys=keys, scales=index_cache.view(torch.float32), w=weights,
         context_lens=context_lens.contiguous(), block_table=block_table, out=out, max_len=max_context_len,
@@ -349,8 +561,7 @@ def indexer_logits_paged(q_fp8: torch.Tensor, index_cache: torch.Tensor, weights
         stride_w=weights.stride(0), stride_bt=block_table.stride(0), stride_o=out.stride(0),
         NEXT_N=n, H=H, HP=HP, D=D, G=G, GS=GS, BLOCK_N=bn, CHUNK=chunk,
         PAGE=PAGE_SIZE, PAGE_BYTES=INDEX_PAGE_BYTES, KEY_BYTES=INDEX_KEY_BYTES, FP8_DOT=fp8_dot,
-        CHAIN=chain, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **({} if cfg.max_regs is None else {"maxnreg": cfg.max_regs}),
+        CHAIN=chain, NUM_STAGES=cfg.num_stages, **launch,
     )
     return out
 
