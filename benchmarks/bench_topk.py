@@ -3,9 +3,10 @@
     PYTHONPATH=. python benchmarks/bench_topk.py [--quick] [--sweep] [--smoke]
 
 Shapes (rows x length, every row full, k = 2048): 64 x 32K, 64 x 128K, 4096 x 8K, 4096 x 32K on
-random N(0, 1) fp32 scores; plus 64 x 32K with a compact page table (the decode call: translation
-fused). Adversarial rows, 64 x 32K and 64 x 128K: scores quantised to 256 and to 16 distinct levels,
-all equal, and the narrow range 1000 + U(0, 1e-3) (16 distinct fp32 values).
+random N(0, 1) fp32 scores; plus 64 x 8K and 64 x 32K with a compact page table (the decode call:
+translation fused; fast_topk is timed on the same scores without translation). Adversarial rows,
+64 x 32K and 64 x 128K: scores quantised to 256 and to 16 distinct levels, all equal, and the narrow
+range 1000 + U(0, 1e-3) (16 distinct fp32 values).
 
 Checks per case, before timing:
 - ours == a GPU torch oracle of the same order (int64 key = order-preserving score bits << 32 |
@@ -43,7 +44,8 @@ from flashdsa.ops.topk import triton as T
 
 K = 2048
 SHAPES = [(64, 32768), (64, 131072), (4096, 8192), (4096, 32768)]
-SHAPES_QUICK = [(64, 32768), (64, 131072), (4096, 8192)]
+SHAPES_QUICK = SHAPES
+PAGES = [(64, 8192), (64, 32768)]
 ADV = [(64, 32768), (64, 131072)]
 ADV_QUICK = [(64, 32768)]
 KINDS = ("levels256", "levels16", "equal", "narrow")
@@ -166,12 +168,14 @@ def run_case(name: str, kind: str, R: int, L: int, sgl: bool, rows: list, pages:
 
 # --sweep: knob sets per regime (the defaults are launch_config() in flashdsa/ops/topk/triton.py)
 SWEEP_FEW = [dict(chunks=2), dict(chunks=8), dict(chunks=16), dict(num_warps=4, stream=True, chunks=8),
-             dict(finish_warps=16), dict(finish_stream=True, finish_warps=4, cand=8192), dict(unroll=4)]
-SWEEP_MANY = [dict(num_warps=1, stream=True, maxnreg=0, per_sm=32),
-              dict(num_warps=2, stream=True, maxnreg=0, per_sm=16),
+             dict(finish_stream=True), dict(unroll=4), dict(cached_counters=False)]
+SWEEP_MANY = [dict(num_warps=1, stream=True, maxnreg=64, per_sm=32),
+              dict(num_warps=2, stream=True, maxnreg=64, per_sm=16),
+              dict(num_warps=4, stream=True, maxnreg=64, per_sm=8),
               dict(num_warps=4, stream=True, maxnreg=0, per_sm=8),
               dict(num_warps=8, stream=False, maxnreg=64, per_sm=4),
-              dict(num_warps=8, stream=False, maxnreg=80, per_sm=3), dict(unroll=4), dict(bits_w=8)]
+              dict(num_warps=8, stream=False, maxnreg=80, per_sm=3), dict(unroll=4), dict(move_step=128),
+              dict(bits_w=8)]
 
 
 def run_sweep(shapes, rows: list) -> None:
@@ -198,13 +202,13 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="also time a few launch shapes of ours")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, to check the script (CPU ok)")
     a = ap.parse_args()
-    global DEV, K, SHAPES, ADV
+    global DEV, K, SHAPES, ADV, PAGES
     if not torch.cuda.is_available():
         if not a.smoke:
             raise SystemExit("needs a CUDA GPU (or --smoke)")
         DEV = "cpu"
     if a.smoke:
-        K, SHAPES, ADV = 64, [(3, 700), (5, 300)], [(3, 700)]
+        K, SHAPES, ADV, PAGES = 64, [(3, 700), (5, 300)], [(3, 700)], [(3, 700)]
     elif a.quick:
         SHAPES, ADV = SHAPES_QUICK, ADV_QUICK
     import triton
@@ -217,7 +221,8 @@ def main() -> None:
     rows: list[dict] = []
     for R, L in SHAPES:
         run_case(f"{R}x{L}", "randn", R, L, sgl, rows)
-    run_case(f"{SHAPES[0][0]}x{SHAPES[0][1]} pages", "randn", *SHAPES[0], sgl, rows, pages=True)
+    for R, L in PAGES:
+        run_case(f"{R}x{L} pages", "randn", R, L, sgl, rows, pages=True)
     for R, L in ADV:
         for kind in KINDS:
             run_case(f"{R}x{L}", kind, R, L, sgl, rows)

@@ -7,9 +7,9 @@ by g rows), row_starts, a strided logits view and the kernel's knobs. Small buff
 16 or 256, samples of 32) make every path reachable on rows of a few thousand: the sampled threshold, its
 two misses (forced), levels on the row, on U and on W, early exits, warp segments spanning several
 tiles, radix levels in registers and streamed from memory (one-warp programs), and split mode (a row's
-compaction over several programs, then a second kernel) next to the fused kernel. Outputs are
-poisoned (INT32_MAX) so an unwritten slot fails; runs repeat bit for bit. Realistic sizes (k = 2048,
-rows of 8K / 32K / 128K) and CUDA-graph capture are GPU-only.
+compaction over several programs, the last of them to arrive selecting and emitting, one launch) next to
+the fused kernel. Outputs are poisoned (INT32_MAX) so an unwritten slot fails; runs repeat bit for bit.
+Realistic sizes (k = 2048, rows of 8K / 32K / 128K) and CUDA-graph capture are GPU-only.
 """
 
 from __future__ import annotations
@@ -46,15 +46,18 @@ KNOBS = {
     "miss-none": dict(SMALL, force=2),   # no guess: every key a candidate, more than U holds
     "miss-low": dict(SMALL, force=3),    # guess = smallest sampled key: > U candidates, some below
     "split": dict(SMALL, chunks=3, **TILES),      # split mode: a row's compaction over 3 programs
+    "split-zeroed": dict(SMALL, chunks=3, cached_counters=False, **TILES),  # arrival counters zeroed per call
     "split-miss-high": dict(SMALL, chunks=4, force=1, **TILES),
     "split-default": dict(chunks=2),
     "regs-default": dict(stream=False, num_warps=8),   # 8-warp programs, radix levels in registers
     "split-regs": dict(chunks=2, stream=False, num_warps=8),
-    # one-warp programs: the radix levels stream U / W / the sample from memory
+    # one-warp programs: the radix levels stream U / W (and, sample_stream, the sample) from memory
     "stream": dict(SMALL, stream=True, num_warps=1),
+    "stream-sample": dict(SMALL, stream=True, num_warps=1, sample_stream=True),
     "stream-w16": dict(SMALL, stream=True, num_warps=1, wcap=16, lg_sample=3),
     "stream-miss-low": dict(SMALL, stream=True, num_warps=1, force=3),
     "stream-1warp": dict(stream=True, num_warps=1),
+    "move-32": dict(SMALL, move_step=32),   # [NW, 32] list entries moved to U a step (default 128 / 64)
     "split-stream": dict(SMALL, chunks=3, stream=True, **TILES),
     "split-finish-stream": dict(SMALL, chunks=2, finish_stream=True, **TILES),
 }
@@ -221,6 +224,53 @@ def test_triton_is_the_cuda_default():
     assert pick_backend(None, _IMPLS, torch.device("cuda"), "topk_transform") is _IMPLS["triton"]
 
 
+@pytest.mark.parametrize("mode,g", [("plain", 1), ("offsets", 1), ("pages", 2)], ids=["plain", "offsets", "pages-g2"])
+@pytest.mark.parametrize("chunks", [2, 4])
+def test_split_one_launch(mode, g, chunks):
+    # split mode's single launch: ragged rows, rows of length <= k mixed in (copied by chunk 0 alone, no
+    # arrival), every translation; the arrival counters are back at zero after each call, so a second
+    # call (same cached counters) gives the same bits
+    k = 64
+    lens = [1500, 40, 1437, 64, 65, 0, 1500, 999]
+    kinds = ["randn", "levels16", "ties_at_k", "two", "randn", "equal", "nan", "levels256"]
+    logits, lengths, kw = _case(len(lens), 1500, k, kinds, lens, seed=17 + chunks, mode=mode, g=g, starts=True)
+    knobs = dict(SMALL, chunks=chunks, **TILES)
+    got, ref = _run_both(logits, lengths, k, kw, knobs)
+    _assert_same(got, ref, f"{mode} chunks={chunks}")
+    assert all(not bool(buf.any()) for buf in K._ARRIVE.values()), "arrival counters not reset"
+    again, _ = _run_both(logits, lengths, k, kw, knobs)
+    assert torch.equal(again, got)
+
+
+def _order_keys(x: torch.Tensor) -> torch.Tensor:
+    """int32 keys whose signed order is the score order (NaN = -inf, -0.0 = +0.0), as the kernel's."""
+    b = x.contiguous().view(torch.int32)
+    b = torch.where(b == -2 ** 31, 0, b)
+    b = torch.where((b & 0x7FFFFFFF) > 0x7F800000, -8388608, b)
+    return b ^ ((b >> 31) & 0x7FFFFFFF)
+
+
+@pytest.mark.parametrize("cached", [True, False], ids=["cached-counters", "zeroed-counters"])
+@pytest.mark.parametrize("chunks", [2, 3])
+def test_split_finisher_selects_from_all_chunks(chunks, cached):
+    # the finisher takes the fast path on every chunk's candidates (the row fallback, exact whatever the
+    # chunks wrote, would hide a finisher that read too early): profile=4 stops it before the emit with
+    # T + need in slot 0 (the fallback writes nothing there). The answer is "keys > T and the first need
+    # keys == T": T = the k-th largest key with need = its copies taken, or, when its bucket was taken
+    # whole, any T between the (k+1)-th largest key and the k-th one with need = 0.
+    k, R, L = 64, 4, 1500
+    logits, lengths, _ = _case(R, L, k, ["randn", "levels256"], [L] * R, seed=23)
+    out = torch.full((R, k), torch.iinfo(torch.int32).max, dtype=torch.int32, device=DEVICE)
+    K.topk_transform(logits.to(DEVICE), lengths.to(DEVICE), k, None, None, None, 64, out=out, chunks=chunks,
+                     profile=4, cached_counters=cached, **TILES)
+    got = out[:, 0].cpu().long()
+    top = _order_keys(logits).sort(dim=1, descending=True).values.long()
+    kth, next_key = top[:, k - 1], top[:, k]
+    need = k - (top > kth[:, None]).sum(dim=1)
+    ok = (got == kth + need) | ((got >= next_key) & (got < kth))
+    assert bool(ok.all()), (got.tolist(), kth.tolist(), need.tolist())
+
+
 def test_grid_smaller_than_rows():
     # one program walks several rows: scratch reuse between rows must not leak
     kinds = ["equal", "randn", "levels16", "nan", "randn", "two", "narrow", "randn", "levels256"]
@@ -296,8 +346,7 @@ def test_gpu_realistic(R, L, kind):
                                    dict(chunks=1, num_warps=4, stream=True),
                                    dict(chunks=1, num_warps=8, stream=False, maxnreg=64, grid=64),
                                    dict(chunks=8, num_warps=8, stream=False),
-                                   dict(chunks=16, num_warps=2, stream=True, finish_stream=True, finish_warps=4,
-                                        cand=8192)],
+                                   dict(chunks=16, num_warps=2, stream=True, finish_stream=True, cand=8192)],
                          ids=["fused-stream1", "fused-stream4", "fused-regs", "split8-regs", "split16-stream"])
 @pytest.mark.parametrize("kind", ["randn", "levels16", "narrow"])
 def test_gpu_modes(knobs, kind):

@@ -18,9 +18,10 @@ The levels hold their keys in registers (8-warp programs), or stream them from m
 time (``STREAM``: few-warp programs, registers independent of the candidate count).
 
 Many rows: ``topk_transform_kernel`` does all five, a persistent grid walking the rows. Few long rows:
-``topk_chunk_kernel`` spreads steps 1-3 of a row over several programs, ``topk_finish_kernel`` does 4-5.
-If the guess fails (fewer than k keys reach ``t_lo``, or more than ``U`` holds) the levels run on the row
-itself until the bucket fits ``U``: slower, same answer. Rows with ``length <= k`` are copied. Scratch
+``topk_split_kernel`` spreads steps 1-3 of a row over several programs; the last of them to finish
+(a per-row arrival counter) does 4-5 for the row, in the same launch. If the guess fails (fewer than k
+keys reach ``t_lo``, or more than ``U`` holds) the levels run on the row itself until the bucket fits
+``U``: slower, same answer. Rows with ``length <= k`` are copied. Scratch
 is sized from shapes only, nothing is synchronised with the host, every count is a reduction or a
 prefix sum in position order, so the output is the same bits on every run.
 """
@@ -147,7 +148,8 @@ def _compact_tile(row, p, s1, t_a, t_p, t_b, dst, cw, CAP: tl.constexpr, ASM: tl
     list ``dst[w]`` after its ``cw[w]`` entries (stores stop at CAP). Returns the new counts."""
     m = p < s1
     # [NW, 128] raw score bits of the row
-    b = tl.load(row + p, mask=m, other=0.0).to(tl.int32, bitcast=True)
+    # read once: evict-first keeps in L2 the scratch that the later steps read back
+    b = tl.load(row + p, mask=m, other=0.0, eviction_policy="evict_first").to(tl.int32, bitcast=True)
     f = m & (((b >= t_a) & (b <= t_p)) | (b < t_b))
     fi = f.to(tl.int32)
     slot = cw[:, None] + tl.cumsum(fi, axis=1) - 1
@@ -186,20 +188,21 @@ def _compact_seg(row, s0, s1, t_a, t_p, t_b, useg, CAP: tl.constexpr, NW: tl.con
 
 
 @triton.jit
-def _move(useg, cw, uk, CAP: tl.constexpr, CAND: tl.constexpr, NW: tl.constexpr, ASM: tl.constexpr):
-    """The warp lists (``cw [NW]`` entries each) -> U in position order: keys to ``uk[:CAND]``, positions
-    to ``uk[CAND:2 CAND]`` (at most CAND). Returns the largest key moved."""
+def _move(useg, cw, uk, CAP: tl.constexpr, CAND: tl.constexpr, NW: tl.constexpr, MJ: tl.constexpr,
+          ASM: tl.constexpr):
+    """The warp lists (``cw [NW]`` entries each) -> U in position order, MJ entries of each a step: keys to
+    ``uk[:CAND]``, positions to ``uk[CAND:2 CAND]`` (at most CAND). Returns the largest key moved."""
     w = tl.arange(0, NW)
-    j = tl.arange(0, 64)[None, :]
+    j = tl.arange(0, MJ)[None, :]
     base = _excl_sum(cw, NW)[:, None]
     top = tl.max(tl.minimum(cw, CAP), axis=0)
     cnt = tl.minimum(cw, CAP)[:, None]
     src = useg + (w.to(tl.int64) * CAP)[:, None]
-    vmax = tl.full([NW, 64], _INT_MIN, tl.int32)
-    for it in tl.range(0, top, 64, num_stages=1):
+    vmax = tl.full([NW, MJ], _INT_MIN, tl.int32)
+    for it in tl.range(0, top, MJ, num_stages=1):
         jj = it + j
         m = (jj < cnt) & (base + jj < CAND)
-        # [NW, 64] bits << 32 | position
+        # [NW, MJ] bits << 32 | position
         v = tl.load(src + jj, mask=m, other=0)
         key = _bits_key((v >> 32).to(tl.int32))
         vmax = tl.maximum(vmax, tl.where(m, key, _INT_MIN))
@@ -625,8 +628,9 @@ def topk_transform_kernel(
     HAS_STARTS: tl.constexpr, MODE: tl.constexpr, PAGE_SIZE: tl.constexpr,
     CAND: tl.constexpr, NW: tl.constexpr, CAP: tl.constexpr,
     UN: tl.constexpr, WCAP: tl.constexpr, UB: tl.constexpr, LG_S: tl.constexpr, BITS: tl.constexpr,
-    BITS_W: tl.constexpr, BITS_S: tl.constexpr, STREAM: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr,
-    ASM: tl.constexpr, FORCE: tl.constexpr, PROFILE: tl.constexpr,
+    BITS_W: tl.constexpr, BITS_S: tl.constexpr, STREAM: tl.constexpr, MJ: tl.constexpr, BLOCK: tl.constexpr,
+    STAGES: tl.constexpr, ASM: tl.constexpr, FORCE: tl.constexpr, PROFILE: tl.constexpr,
+    SAMPLE_STREAM: tl.constexpr,
 ):
     """Top-K of each row, translated. A persistent program walks rows pid, pid + G, ...
 
@@ -636,7 +640,7 @@ def topk_transform_kernel(
     sscr [G, NW, CAP] i64 the warp lists of the compaction (score bits << 32 | position), wscr [G, WCAP]
     i32 the keys of a small bucket W (and, STREAM, first the sample: WCAP >= S). The compaction runs NW
     warp lists (NW = num_warps). STREAM: the radix levels read U / W / the sample from memory, UB at a
-    time, instead of holding them in registers (for one-warp programs).
+    time, instead of holding them in registers (for one-warp programs). MJ: list entries a warp moves a step.
     FORCE (tests only) replaces the threshold guess: 1 = the largest sampled key (too high: fewer
     than K candidates), 2 = none (every key a candidate), 3 = the smallest sampled key (too low).
     PROFILE (benchmarks only) stops early: 1 after the sample, 2 after the compaction, 3 after the
@@ -666,7 +670,7 @@ def topk_transform_kernel(
             _copy_short(out_row, n, K, table_row, off_r, MODE, PAGE_SIZE, BLOCK)
         else:
             # ---- 1. threshold guess from a sample
-            t_lo = _sample_threshold(row, n, K, w, CAND, LG_S, BITS_S, FORCE, STREAM, UB, ASM)
+            t_lo = _sample_threshold(row, n, K, w, CAND, LG_S, BITS_S, FORCE, SAMPLE_STREAM, UB, ASM)
             if PROFILE == 1:
                 tl.store(out_row, t_lo)
             else:
@@ -680,7 +684,7 @@ def topk_transform_kernel(
                     tl.store(out_row, c)
                 elif (c >= K) & (c <= CAND):
                     # ---- 3. the lists -> U, in position order, as keys
-                    umax = _move(useg, cw, uk, CAP, CAND, NW, ASM)
+                    umax = _move(useg, cw, uk, CAP, CAND, NW, MJ, ASM)
                     tl.debug_barrier()
                     if PROFILE == 3:
                         tl.store(out_row, umax)
@@ -697,58 +701,16 @@ def topk_transform_kernel(
 
 
 @triton.jit
-def topk_chunk_kernel(
-    logits, stride_l, lengths, row_starts, scr, sscr, counts, sampscr, R, K,
-    HAS_STARTS: tl.constexpr, CAND: tl.constexpr, NW: tl.constexpr, CAP: tl.constexpr, UN: tl.constexpr,
-    LG_S: tl.constexpr, BITS_S: tl.constexpr, CHUNKS: tl.constexpr, STREAM: tl.constexpr, ASM: tl.constexpr,
-    FORCE: tl.constexpr,
-):
-    """Split mode, step 1 of 2 (few long rows): program (r, j) compacts chunk j of row r.
-
-    Every program of a row draws the same sample, so they agree on ``t_lo``. Chunk j is
-    ``[j * CH, (j + 1) * CH)`` with CH a multiple of ``NW * UN * 128`` near ``n / CHUNKS``; its keys
-    ``>= t_lo`` go through the warp lists (sscr ``[R * CHUNKS, NW, CAP] i64``) to scr[r, j]
-    (``[R, CHUNKS, 2, CAND] i32``: keys, then positions; at most CAND stored), their number (uncapped) to
-    counts[r, j] and their largest key to counts[r, CHUNKS + 1 + j] (counts ``[R, 2 CHUNKS + 1] i32``;
-    counts[r, CHUNKS] = t_lo). STREAM: the sample is selected through sampscr ``[R * CHUNKS, S] i32``.
-    """
-    r = tl.program_id(0)
-    j = tl.program_id(1)
-    n = tl.load(lengths + r)
-    if HAS_STARTS:
-        row = logits + r.to(tl.int64) * stride_l + tl.load(row_starts + r)
-    else:
-        row = logits + r.to(tl.int64) * stride_l
-    if n > K:
-        prog = (r * CHUNKS + j).to(tl.int64)
-        t_lo = _sample_threshold(row, n, K, sampscr + prog * (1 << LG_S), CAND, LG_S, BITS_S, FORCE, STREAM, 128 * NW,
-                                 ASM)
-        t_a, t_p, t_b = _bits_bounds(t_lo)
-        ch = tl.cdiv(tl.cdiv(n, CHUNKS), NW * UN * 128) * (NW * UN * 128)
-        # s0 stays a multiple of the tile (aligned loads); an empty chunk has s1 == s0
-        s0 = j * ch
-        cw = _compact_seg(row, s0, tl.maximum(tl.minimum(s0 + ch, n), s0), t_a, t_p, t_b, sscr + prog * (NW * CAP),
-                          CAP, NW, UN, ASM)
-        tl.debug_barrier()
-        umax = _move(sscr + prog * (NW * CAP), cw, scr + prog * (2 * CAND), CAP, CAND, NW, ASM)
-        counts_r = counts + r * (2 * CHUNKS + 1)
-        tl.store(counts_r + j, tl.sum(cw, axis=0))
-        tl.store(counts_r + CHUNKS + 1 + j, umax)
-        if j == 0:
-            tl.store(counts_r + CHUNKS, t_lo)
-
-
-@triton.jit
 def _gather_chunks(scr_r, counts_r, uk, CAND: tl.constexpr, CHUNKS: tl.constexpr, UB: tl.constexpr, ASM: tl.constexpr):
     """The chunks' candidates of a split row (``scr_r [CHUNKS, 2, CAND]``) concatenated, in position order,
-    into ``uk [2, CAND]`` (keys, then positions; at most CAND)."""
+    into ``uk [2, CAND]`` (keys, then positions; at most CAND). Cache-global loads: other SMs wrote them."""
     base = tl.full([], 0, tl.int32)
     for jj in tl.static_range(CHUNKS):
-        cnt = tl.minimum(tl.load(counts_r + jj), CAND - base)
+        cnt = tl.minimum(tl.load(counts_r + jj, cache_modifier=".cg"), CAND - base)
         for start in tl.range(0, cnt, UB, num_stages=1):
             offs = start + tl.arange(0, UB)
             m = offs < cnt
-            # [UB] keys and positions of chunk jj (cache-global: another SM wrote them)
+            # [UB] keys and positions of chunk jj
             x = tl.load(scr_r + jj * (2 * CAND) + offs, mask=m, other=0, cache_modifier=".cg")
             p = tl.load(scr_r + jj * (2 * CAND) + CAND + offs, mask=m, other=0, cache_modifier=".cg")
             _store(uk + base + offs, x, m, ASM)
@@ -757,57 +719,99 @@ def _gather_chunks(scr_r, counts_r, uk, CAND: tl.constexpr, CHUNKS: tl.constexpr
 
 
 @triton.jit
-def topk_finish_kernel(
+def topk_split_kernel(
     logits, stride_l, lengths, row_starts, out_offsets, table, stride_t, rows_per_table,
-    out, scr, counts, uscr, wscr, R, K,
+    out, scr, sscr, counts, arrive, uscr, wscr, sampscr, R, K,
     HAS_STARTS: tl.constexpr, MODE: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    CAND: tl.constexpr, WCAP: tl.constexpr, UB: tl.constexpr, BITS: tl.constexpr, BITS_W: tl.constexpr,
-    CHUNKS: tl.constexpr, STREAM: tl.constexpr,
-    BLOCK: tl.constexpr, STAGES: tl.constexpr, ASM: tl.constexpr, PROFILE: tl.constexpr,
+    CAND: tl.constexpr, NW: tl.constexpr, CAP: tl.constexpr, UN: tl.constexpr, WCAP: tl.constexpr,
+    UB: tl.constexpr, LG_S: tl.constexpr, BITS: tl.constexpr, BITS_W: tl.constexpr, BITS_S: tl.constexpr,
+    CHUNKS: tl.constexpr, STREAM: tl.constexpr, FINISH_STREAM: tl.constexpr, BLOCK: tl.constexpr,
+    STAGES: tl.constexpr, RESET: tl.constexpr, MJ: tl.constexpr, ASM: tl.constexpr, FORCE: tl.constexpr,
+    PROFILE: tl.constexpr,
 ):
-    """Split mode, step 2 of 2: select and emit each row from its chunks' candidates (one program a row,
-    persistent). scr / counts as written by ``topk_chunk_kernel``; per program: uscr [G, 2, CAND] i32
-    the row's U gathered from its chunks, wscr [G, WCAP] i32; the rest as in ``topk_transform_kernel``."""
-    pid = tl.program_id(0)
-    G = tl.num_programs(0)
-    uk = uscr + pid.to(tl.int64) * (2 * CAND)
-    w = wscr + pid.to(tl.int64) * WCAP
-    for r in range(pid, R, G):
-        r = r + tl.full([], 0, tl.int32)
-        tl.debug_barrier()
-        n = tl.load(lengths + r)
-        if HAS_STARTS:
-            row = logits + r.to(tl.int64) * stride_l + tl.load(row_starts + r)
-        else:
-            row = logits + r.to(tl.int64) * stride_l
-        out_row = out + r.to(tl.int64) * K
-        table_row = table + (r // rows_per_table).to(tl.int64) * stride_t
-        if MODE == 1:
-            off_r = tl.load(out_offsets + r)
-        else:
-            off_r = 0
-        scr_r = scr + r.to(tl.int64) * (CHUNKS * 2 * CAND)
-        counts_r = counts + r * (2 * CHUNKS + 1)
-        if n <= K:
+    """Split mode (few long rows), one launch: program (r, j) does steps 1-3 on chunk j of row r, and the
+    last program of row r to finish them does steps 4-5 for the whole row.
+
+    Every program of a row draws the same sample, so they agree on ``t_lo``. Chunk j is
+    ``[j * CH, (j + 1) * CH)`` with CH a multiple of ``NW * UN * 128`` near ``n / CHUNKS``; its keys
+    ``>= t_lo`` go through the warp lists (sscr ``[R * CHUNKS, NW, CAP] i64``) to scr[r, j]
+    (``[R, CHUNKS, 2, CAND] i32``: keys, then positions; at most CAND stored), their number (uncapped) to
+    counts[r, j] and their largest key to counts[r, CHUNKS + j] (counts ``[R, 2 CHUNKS] i32``). Then the
+    program adds 1 to arrive[r] (``[R] i32``, zero at launch; RESET: set back to zero by the finisher).
+    The one that sees CHUNKS - 1 arrived last: it reads chunks 0 .. CHUNKS - 1 in order (whoever it is,
+    so the output does not depend on the arrival order) into uscr[r] (``[R, 2, CAND] i32``) and selects
+    there (W: wscr ``[R, WCAP] i32``), or runs the row fallback. STREAM: the sample is selected through
+    sampscr ``[R * CHUNKS, S] i32``; FINISH_STREAM: the finisher's levels stream U / W from memory.
+    PROFILE (benchmarks): 1 / 2 / 3 stop after the sample / compaction / move (no finisher), 4 before emit.
+    """
+    r = tl.program_id(0)
+    j = tl.program_id(1)
+    n = tl.load(lengths + r)
+    if HAS_STARTS:
+        row = logits + r.to(tl.int64) * stride_l + tl.load(row_starts + r)
+    else:
+        row = logits + r.to(tl.int64) * stride_l
+    out_row = out + r.to(tl.int64) * K
+    table_row = table + (r // rows_per_table).to(tl.int64) * stride_t
+    if MODE == 1:
+        off_r = tl.load(out_offsets + r)
+    else:
+        off_r = 0
+    if n <= K:
+        if j == 0:
             _copy_short(out_row, n, K, table_row, off_r, MODE, PAGE_SIZE, BLOCK)
+    else:
+        prog = (r * CHUNKS + j).to(tl.int64)
+        t_lo = _sample_threshold(row, n, K, sampscr + prog * (1 << LG_S), CAND, LG_S, BITS_S, FORCE, STREAM, UB, ASM)
+        if PROFILE == 1:
+            tl.store(out_row + j, t_lo)
         else:
-            c = tl.full([], 0, tl.int32)
-            umax = tl.full([], _INT_MIN, tl.int32)
-            for jj in tl.static_range(CHUNKS):
-                c += tl.load(counts_r + jj)
-                umax = tl.maximum(umax, tl.load(counts_r + CHUNKS + 1 + jj))
-            t_lo = tl.load(counts_r + CHUNKS)
-            if (c >= K) & (c <= CAND):
-                _gather_chunks(scr_r, counts_r, uk, CAND, CHUNKS, UB, ASM)
-                tl.debug_barrier()
-                T, need = _finish(uk, c, t_lo, umax, K, w, CAND, WCAP, UB, BITS, BITS_W, STREAM, ASM)
-                if PROFILE == 4:
-                    tl.store(out_row, T + need)
-                else:
-                    _emit_u(uk, c, T, need, K, out_row, table_row, off_r, CAND, UB, MODE, PAGE_SIZE, ASM)
+            t_a, t_p, t_b = _bits_bounds(t_lo)
+            ch = tl.cdiv(tl.cdiv(n, CHUNKS), NW * UN * 128) * (NW * UN * 128)
+            # s0 stays a multiple of the tile (aligned loads); an empty chunk has s1 == s0
+            s0 = j * ch
+            cw = _compact_seg(row, s0, tl.maximum(tl.minimum(s0 + ch, n), s0), t_a, t_p, t_b,
+                              sscr + prog * (NW * CAP), CAP, NW, UN, ASM)
+            tl.debug_barrier()
+            if PROFILE == 2:
+                tl.store(out_row + j, tl.sum(cw, axis=0))
             else:
-                _fallback(row, n, K, c, t_lo, uk, w, out_row, table_row, off_r, CAND, WCAP, UB, BITS,
-                          BITS_W, STREAM, BLOCK, STAGES, MODE, PAGE_SIZE, ASM, PROFILE == 0)
+                umax = _move(sscr + prog * (NW * CAP), cw, scr + prog * (2 * CAND), CAP, CAND, NW, MJ, ASM)
+                counts_r = counts + r * (2 * CHUNKS)
+                tl.store(counts_r + j, tl.sum(cw, axis=0))
+                tl.store(counts_r + CHUNKS + j, umax)
+                if PROFILE == 3:
+                    tl.store(out_row + j, umax)
+                else:
+                    # Every thread's stores of this chunk happen before the arrival, whose release (one
+                    # thread, after the barrier) publishes them at gpu scope; its acquire makes the
+                    # other chunks' stores visible to the last program (the result is broadcast to
+                    # all threads behind a barrier).
+                    tl.debug_barrier()
+                    arrived = tl.atomic_add(arrive + r, 1, sem="acq_rel", scope="gpu")
+                    if arrived == CHUNKS - 1:
+                        if RESET:
+                            tl.store(arrive + r, 0)
+                        uk = uscr + r.to(tl.int64) * (2 * CAND)
+                        w = wscr + r.to(tl.int64) * WCAP
+                        c = tl.full([], 0, tl.int32)
+                        umax = tl.full([], _INT_MIN, tl.int32)
+                        for jj in tl.static_range(CHUNKS):
+                            c += tl.load(counts_r + jj, cache_modifier=".cg")
+                            umax = tl.maximum(umax, tl.load(counts_r + CHUNKS + jj, cache_modifier=".cg"))
+                        if (c >= K) & (c <= CAND):
+                            _gather_chunks(scr + r.to(tl.int64) * (CHUNKS * 2 * CAND), counts_r, uk, CAND, CHUNKS,
+                                           UB, ASM)
+                            tl.debug_barrier()
+                            T, need = _finish(uk, c, t_lo, umax, K, w, CAND, WCAP, UB, BITS, BITS_W, FINISH_STREAM,
+                                              ASM)
+                            if PROFILE == 4:
+                                tl.store(out_row, T + need)
+                            else:
+                                _emit_u(uk, c, T, need, K, out_row, table_row, off_r, CAND, UB, MODE, PAGE_SIZE, ASM)
+                        else:
+                            _fallback(row, n, K, c, t_lo, uk, w, out_row, table_row, off_r, CAND, WCAP, UB, BITS,
+                                      BITS_W, FINISH_STREAM, BLOCK, STAGES, MODE, PAGE_SIZE, ASM, PROFILE == 0)
 
 
 def _next_pow2(x: int) -> int:
@@ -838,28 +842,32 @@ def sizes(K: int, L: int, cand: int | None = None, lg_sample: int | None = None,
     return cand, lg_sample
 
 
-def launch_config(R: int, L: int, sms: int) -> dict:
-    """Launch shapes, chosen on the H200 (triton 3.6, 2026-11-29; README "Measured").
+def launch_config(R: int, L: int, sms: int, kind: str | None = None) -> dict:
+    """Launch shapes, chosen on the H200 (triton 3.6; README "Measured").
 
-    Few rows (R <= SMs, L >= 4K): split mode. A row's sample + compaction is spread over ``chunks``
-    programs of 8 warps (64 x 32K: 4, 64 x 128K: 8; 2-warp programs x 8 / 16 and 1-warp x 32 were
-    slower), then one program a row (8 warps, 16 past 64K) selects in registers and emits. Below 16K two
-    chunks (the decode batch: 64 x 8K 24.2 -> 18.7 us, 64 x 10.6K 32.3 -> 21.3, 128 x 8K 24.4 -> 21.6,
-    64 x 4K 24.3 -> 19.0 against one fused 4-warp program a row; CUDA-graph replays, page table fused).
-    Many rows: the fused kernel on a persistent grid of what fits at once. Rows up to 16K: 4-warp
-    programs, 8 an SM, levels streamed from memory (4096 x 8K: 275 us; 1 / 2 warps 295 / 290, 8 warps in
-    registers 304). Longer rows: 8 warps capped at 64 registers, 4 an SM, levels in registers
-    (4096 x 32K: 527 us; streamed with 1 / 2 / 4 warps 647 / 623 / 628).
+    Few rows (R <= SMs, L >= 4K, ``kind="split"``): :func:`topk_split_kernel`; a row's sample + compaction
+    is spread over ``chunks`` programs of 8 warps (64 x 32K: 4, 64 x 128K: 8; 2-warp programs x 8 / 16
+    and 1-warp x 32 were slower), the last of them selects (levels in registers up to CAND 4096, streamed
+    above: the register form needs 127 registers at CAND 8192, two waves at 64 x 128K) and emits.
+    Many rows (``"fused"``): :func:`topk_transform_kernel` on a persistent grid of what fits at once.
+    Rows up to 16K: 4-warp programs, 8 an SM, capped at 64 registers (the persistent grid assumes all
+    of them resident: uncapped, a few registers more left programs waiting for a whole other one), levels
+    on U / W streamed from memory but on the sample (<= 2048 keys) in registers (4096 x 16K 319 -> 310 us,
+    4096 x 8K 240 -> 238, 2026-11-29 12:53 UTC), 128 list entries a warp moved to U a step (1 / 2 warps,
+    8 warps in registers were slower). Longer rows: 8 warps capped
+    at 64 registers, 4 an SM, levels in registers (4096 x 32K: streamed with 1 / 2 / 4 warps was slower).
     """
-    if R <= sms and L >= 4096:
-        chunks = max(2, min(16, L // 8192, _prev_pow2(4 * sms // R)))
-        return dict(chunks=chunks, num_warps=8, maxnreg=0, grid=R, unroll=2, finish_warps=8 if L <= 65536 else 16,
-                    stream=False, finish_stream=False, max_lg_sample=11)
+    if kind is None:
+        kind = "split" if R <= sms and L >= 4096 else "fused"
+    if kind == "split":
+        chunks = max(2, min(16, L // 8192, _prev_pow2(4 * sms // max(R, 1))))
+        return dict(kind=kind, chunks=chunks, num_warps=8, maxnreg=0, unroll=2, stream=False, finish_stream=None,
+                    move_step=64, max_lg_sample=11)
     if L <= 16384:
-        return dict(chunks=1, num_warps=4, maxnreg=0, grid=min(R, 8 * sms), unroll=2, finish_warps=8,
-                    stream=True, finish_stream=False, max_lg_sample=11)
-    return dict(chunks=1, num_warps=8, maxnreg=64, grid=min(R, 4 * sms), unroll=2, finish_warps=8,
-                stream=False, finish_stream=False, max_lg_sample=11)
+        return dict(kind=kind, num_warps=4, maxnreg=64, grid=min(R, 8 * sms), unroll=2, stream=True, move_step=128,
+                    sample_stream=False, max_lg_sample=11)
+    return dict(kind=kind, num_warps=8, maxnreg=64, grid=min(R, 4 * sms), unroll=2, stream=False, move_step=64,
+                max_lg_sample=11)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -877,23 +885,49 @@ def _seg_cap(cand: int, nw: int, un: int, length: int) -> int:
     return min(cand, _cdiv(_cdiv(length, nw), tile) * tile)
 
 
+# Split mode's arrival counters, one buffer per (device, stream). The finisher of each row sets its counter
+# back to zero, so every call leaves the buffer all zero and the next call needs no memset (a memset node
+# cost ~1.1 us of the 31.6 us of 64 x 32K). Calls on one stream run one after another; calls on two
+# streams get two buffers, so concurrent calls never share a counter. (Graph replays reuse the counters
+# of their capture stream, like they reuse their scratch: the same rule as a graph memory pool shared by
+# several graphs, which must not be replayed concurrently either. A first call on a stream inside a
+# capture allocates the buffer there: its zeroing is captured and replayed, correct if slower.)
+_ARRIVE: dict = {}
+
+
+def _arrive_counters(dev: torch.device, R: int, cached: bool) -> torch.Tensor:
+    """Split mode's per-row arrival counters ``[>= R] int32``, zero at launch: cached per device and stream
+    (``cached``), else fresh zeros."""
+    if not cached:
+        return torch.zeros(R, dtype=torch.int32, device=dev)
+    key = (dev, torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else 0)
+    buf = _ARRIVE.get(key)
+    if buf is None or buf.numel() < R:
+        buf = _ARRIVE[key] = torch.zeros(max(R, 1024), dtype=torch.int32, device=dev)
+    return buf
+
+
 def topk_transform(logits, lengths, topk, page_table, row_starts, out_offsets, page_size, *,
-                   out=None, cand=None, wcap=None, lg_sample=None, bits=None, bits_w=None, bits_s=None, block=None,
-                   grid=None, num_warps=None, stages=None, maxnreg=None, chunks=None, finish_warps=None, unroll=None,
-                   stream=None, finish_stream=None, force=0, profile=0):
+                   out=None, kind=None, cand=None, wcap=None, lg_sample=None, bits=None, bits_w=None, bits_s=None,
+                   block=None, grid=None, num_warps=None, stages=None, maxnreg=None, chunks=None, unroll=None,
+                   stream=None, finish_stream=None, move_step=None, cached_counters=True, force=0, profile=0,
+                   sample_stream=None):
     """Launcher; arguments as in :func:`flashdsa.ops.topk.topk_transform` (already validated).
 
     Keyword knobs are for tests and tuning (small buffers reach every path on small rows):
-    ``out`` [R, topk] int32 to write into, ``cand`` U capacity, ``wcap`` W capacity, ``lg_sample``
-    log2 sample size, ``bits`` / ``bits_w`` / ``bits_s`` digit widths on U / on W / on the sample,
-    ``block`` streaming step of the row fallback, ``grid`` programs, ``num_warps``, ``stages``
-    (software-pipeline depth of the fallback's streaming loops), ``maxnreg`` (register cap, 0 = none),
-    ``chunks`` (> 1: split mode, programs per row in its first kernel), ``finish_warps`` (split mode's
-    second kernel), ``unroll`` ([NW, 128] tiles a warp loads at once in the compaction), ``stream``
-    (radix levels read from memory instead of registers: one-warp programs) and ``finish_stream`` (the
-    same for split mode's second kernel), ``force`` (threshold guess replaced by 1: the largest sampled
-    key, 2: none, 3: the smallest sampled key), ``profile`` (benchmarks: stop after stage 1 / 2 / 3 / 4,
-    output garbage).
+    ``out`` [R, topk] int32 to write into, ``kind`` the kernel (``"split"`` or ``"fused"``; ``chunks`` > 1
+    implies split, ``chunks=1`` fused), ``cand`` U capacity, ``wcap`` W capacity,
+    ``lg_sample`` log2 sample size, ``bits`` / ``bits_w`` / ``bits_s`` digit widths on U / on W / on the
+    sample, ``block`` streaming step of the row fallback, ``grid`` programs, ``num_warps``,
+    ``stages`` (software-pipeline depth of the fallback's streaming loops), ``maxnreg`` (register cap, 0 =
+    none), ``chunks`` (split mode: programs per row), ``unroll`` ([NW, 128] tiles a warp loads at once
+    in the compaction), ``stream`` (radix levels read from memory instead of registers) and
+    ``finish_stream`` (the same for split mode's select; default: when CAND > 4096), ``sample_stream``
+    (many-rows kernel with ``stream``: False selects the sample in registers), ``move_step`` (list
+    entries a warp moves to U a step), ``cached_counters`` (split mode: the arrival counters kept per
+    device and stream and reset by the kernel; False: zeroed each call), ``force`` (threshold guess
+    replaced by 1: the largest sampled key, 2: none, 3: the smallest sampled key), ``profile``
+    (benchmarks: stop after stage 1 / 2 / 3 / 4, output garbage).
     """
     R, L = logits.shape
     dev = logits.device
@@ -902,68 +936,67 @@ def topk_transform(logits, lengths, topk, page_table, row_starts, out_offsets, p
         out = torch.empty((R, K), dtype=torch.int32, device=dev)
     if R == 0:
         return out
-    cfg = launch_config(R, L, num_sms(dev))
-    pick = lambda v, key: cfg[key] if v is None else v  # noqa: E731
-    num_warps, maxnreg, chunks = pick(num_warps, "num_warps"), pick(maxnreg, "maxnreg"), pick(chunks, "chunks")
-    finish_warps, stream, finish_stream = pick(finish_warps, "finish_warps"), pick(stream, "stream"), pick(
-        finish_stream, "finish_stream")
-    # the fallback's streaming step: 4 scores a thread
-    block = block or 128 * (finish_warps if chunks > 1 else num_warps)
+    sms = num_sms(dev)
+    if kind is None and chunks is not None:
+        kind = "split" if chunks > 1 else "fused"
+    cfg = launch_config(R, L, sms, kind)
+    kind = cfg["kind"]
+    pick = lambda v, key: cfg.get(key) if v is None else v  # noqa: E731
+    num_warps, maxnreg = pick(num_warps, "num_warps"), pick(maxnreg, "maxnreg")
+    block = block or 128 * num_warps
     stages = stages or 1
     assert block <= 16384 and block & (block - 1) == 0, "emit packs two block counts in one int32"
     bits = DEFAULT_BITS if bits is None else bits
     bits_w = DEFAULT_BITS_W if bits_w is None else bits_w
     bits_s = DEFAULT_BITS_S if bits_s is None else bits_s
-    un = pick(unroll, "unroll")
-    cand, lg_s = sizes(K, L, cand, lg_sample, cfg["max_lg_sample"])
-    assert lg_s >= 3, "the sample comes in runs of 8"
-    assert cand <= 16384 and cand & (cand - 1) == 0, "emit packs two candidate counts in one int32"
-    wcap = min(WCAP, cand) if wcap is None else wcap
     mode = 2 if page_table is not None else 1 if out_offsets is not None else 0
     table = page_table if page_table is not None else lengths
     rows_per_table = R // page_table.shape[0] if page_table is not None else 1
     starts = row_starts if row_starts is not None else lengths
     interp = interpreting()
     regs = {"maxnreg": maxnreg} if maxnreg and not interp else {}
-    common = dict(HAS_STARTS=row_starts is not None, CAND=cand, ASM=not interp)
     translate = (out_offsets if out_offsets is not None else lengths, table,
                  table.stride(0) if page_table is not None else 0, rows_per_table)
-    if chunks > 1:
-        # split mode: scratch per row, not per program
+    un = pick(unroll, "unroll")
+    stream = pick(stream, "stream")
+    cand, lg_s = sizes(K, L, cand, lg_sample, cfg["max_lg_sample"])
+    assert lg_s >= 3, "the sample comes in runs of 8"
+    assert cand <= 16384 and cand & (cand - 1) == 0, "emit packs two candidate counts in one int32"
+    wcap = min(WCAP, cand) if wcap is None else wcap
+    common = dict(HAS_STARTS=row_starts is not None, MODE=mode, PAGE_SIZE=page_size, CAND=cand, NW=num_warps,
+                  UN=un, UB=_ub(num_warps), LG_S=lg_s, BITS=bits, BITS_W=bits_w, BITS_S=bits_s, STREAM=stream,
+                  MJ=pick(move_step, "move_step"), BLOCK=block, STAGES=stages, ASM=not interp, FORCE=force,
+                  PROFILE=profile)
+    finish_stream = cand > 4096 if pick(finish_stream, "finish_stream") is None else finish_stream
+    if kind == "split":
+        # scratch per row, not per program
+        chunks = pick(chunks, "chunks")
         span = -(-L // chunks)
         cap = _seg_cap(cand, num_warps, un, span + num_warps * un * 128)
         scr = torch.empty(R * chunks * 2 * cand, dtype=torch.int32, device=dev)
         sscr = torch.empty(R * chunks * num_warps * cap, dtype=torch.int64, device=dev)
-        counts = torch.empty(R * (2 * chunks + 1), dtype=torch.int32, device=dev)
+        counts = torch.empty(R * 2 * chunks, dtype=torch.int32, device=dev)
+        arrive = _arrive_counters(dev, R, cached_counters)
+        uscr = torch.empty(R * 2 * cand, dtype=torch.int32, device=dev)
+        wscr = torch.empty(R * wcap, dtype=torch.int32, device=dev)
         samp = torch.empty(R * chunks << lg_s, dtype=torch.int32, device=dev) if stream else lengths
-        topk_chunk_kernel[(R, chunks)](
-            logits, logits.stride(0), lengths, starts, scr, sscr, counts, samp, R, K,
-            NW=num_warps, CAP=cap, UN=un, LG_S=lg_s, BITS_S=bits_s, CHUNKS=chunks, STREAM=stream, FORCE=force,
-            **common, num_warps=num_warps, **regs)
-        if profile in (1, 2, 3):
-            return out
-        grid = min(R, 4 * num_sms(dev)) if grid is None else grid
-        uscr = torch.empty(grid * 2 * cand, dtype=torch.int32, device=dev)
-        wscr = torch.empty(grid * wcap, dtype=torch.int32, device=dev)
-        topk_finish_kernel[(grid,)](
-            logits, logits.stride(0), lengths, starts, *translate, out, scr, counts, uscr, wscr, R, K,
-            MODE=mode, PAGE_SIZE=page_size, WCAP=wcap, UB=_ub(finish_warps), BITS=bits, BITS_W=bits_w,
-            CHUNKS=chunks, STREAM=finish_stream, BLOCK=block, STAGES=stages, PROFILE=profile, **common,
-            num_warps=finish_warps)
+        topk_split_kernel[(R, chunks)](
+            logits, logits.stride(0), lengths, starts, *translate, out, scr, sscr, counts, arrive, uscr, wscr, samp,
+            R, K, CAP=cap, WCAP=wcap, CHUNKS=chunks, FINISH_STREAM=finish_stream,
+            RESET=cached_counters, **common, num_warps=num_warps, **regs)
         return out
     cap = _seg_cap(cand, num_warps, un, L)
     # W doubles as the sample's buffer when the levels stream
     wlen = max(wcap, 1 << lg_s) if stream else wcap
     if grid is None:
-        per_sm = max(1, cfg["grid"] // num_sms(dev)) if num_warps == cfg["num_warps"] else max(1, 32 // num_warps)
-        grid = min(R, per_sm * num_sms(dev))
+        per_sm = max(1, cfg["grid"] // sms) if num_warps == cfg["num_warps"] else max(1, 32 // num_warps)
+        grid = min(R, per_sm * sms)
     grid = min(grid, max(1, SCRATCH_BUDGET // (8 * cand + 8 * num_warps * cap + 4 * wlen)))
     scr = torch.empty(grid * 2 * cand, dtype=torch.int32, device=dev)
     sscr = torch.empty(grid * num_warps * cap, dtype=torch.int64, device=dev)
     wscr = torch.empty(grid * wlen, dtype=torch.int32, device=dev)
     topk_transform_kernel[(grid,)](
         logits, logits.stride(0), lengths, starts, *translate, out, scr, sscr, wscr, R, K,
-        MODE=mode, PAGE_SIZE=page_size, NW=num_warps, CAP=cap, UN=un, WCAP=wlen, UB=_ub(num_warps), LG_S=lg_s,
-        BITS=bits, BITS_W=bits_w, BITS_S=bits_s, STREAM=stream, BLOCK=block, STAGES=stages, FORCE=force,
-        PROFILE=profile, **common, num_warps=num_warps, **regs)
+        CAP=cap, WCAP=wlen, SAMPLE_STREAM=stream and pick(sample_stream, "sample_stream") is not False, **common,
+        num_warps=num_warps, **regs)
     return out
