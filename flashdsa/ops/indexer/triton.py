@@ -163,6 +163,47 @@ def _draft_rows(q, w, context_lens, out, i_b64, j0, o_d, stride_qn, stride_qh, s
 
 
 @triton.jit
+def _draft_groups(q, w, context_lens, out, i_b64, j0, o_d, stride_qn, stride_qh, stride_w, stride_o,
+                  NEXT_N: tl.constexpr, H: tl.constexpr, HP: tl.constexpr, GS: tl.constexpr, SUB: tl.constexpr,
+                  FP8_DOT: tl.constexpr):
+    """:func:`_draft_rows` of the program's SUB sub-groups (rows j0 + s * GS ..), as 4 tuples
+    ``(q^T, gates, lengths, row pointers, row mask)``, and the group's reach (its longest length). Sub-groups
+    past SUB or NEXT_N alias sub-group 0: every use of them is compiled out under the same condition."""
+    g0 = _draft_rows(q, w, context_lens, out, i_b64, j0, o_d, stride_qn, stride_qh, stride_w, stride_o,
+                     NEXT_N, H, HP, GS, FP8_DOT)
+    reach = tl.max(g0[2], axis=0)
+    g1 = g0
+    g2 = g0
+    g3 = g0
+    if SUB > 1 and GS < NEXT_N:
+        g1 = _draft_rows(q, w, context_lens, out, i_b64, j0 + GS, o_d, stride_qn, stride_qh, stride_w, stride_o,
+                         NEXT_N, H, HP, GS, FP8_DOT)
+        reach = tl.maximum(reach, tl.max(g1[2], axis=0))
+    if SUB > 2 and 2 * GS < NEXT_N:
+        g2 = _draft_rows(q, w, context_lens, out, i_b64, j0 + 2 * GS, o_d, stride_qn, stride_qh, stride_w,
+                         stride_o, NEXT_N, H, HP, GS, FP8_DOT)
+        reach = tl.maximum(reach, tl.max(g2[2], axis=0))
+    if SUB > 3 and 3 * GS < NEXT_N:
+        g3 = _draft_rows(q, w, context_lens, out, i_b64, j0 + 3 * GS, o_d, stride_qn, stride_qh, stride_w,
+                         stride_o, NEXT_N, H, HP, GS, FP8_DOT)
+        reach = tl.maximum(reach, tl.max(g3[2], axis=0))
+    return g0, g1, g2, g3, reach
+
+
+@triton.jit
+def _fill_groups(p_r0, m_j0, p_r1, m_j1, p_r2, m_j2, p_r3, m_j3, start, stop, BLOCK_N: tl.constexpr,
+                 NEXT_N: tl.constexpr, GS: tl.constexpr, SUB: tl.constexpr):
+    """-inf at columns [start, stop) of every sub-group's rows (the chunk's tail past the group's reach)."""
+    _fill_neg_inf(p_r0, m_j0, start, stop, BLOCK_N, GS)
+    if SUB > 1 and GS < NEXT_N:
+        _fill_neg_inf(p_r1, m_j1, start, stop, BLOCK_N, GS)
+    if SUB > 2 and 2 * GS < NEXT_N:
+        _fill_neg_inf(p_r2, m_j2, start, stop, BLOCK_N, GS)
+    if SUB > 3 and 3 * GS < NEXT_N:
+        _fill_neg_inf(p_r3, m_j3, start, stop, BLOCK_N, GS)
+
+
+@triton.jit
 def _score_rows(b_k, b_ks, b_qt, b_w, b_len, p_rows, m_j, o_t, c1, GS: tl.constexpr, HP: tl.constexpr,
                 CHAIN: tl.constexpr):
     """Score one step's keys ``b_k [BLOCK_N, D]`` (scales ``b_ks [BLOCK_N]``, positions ``o_t``) for GS draft
@@ -242,21 +283,12 @@ def indexer_logits_paged_kernel(
     q += i_b64 * stride_qb
     o_d = tl.arange(0, D)
 
-    b_q0, b_w0, b_len0, p_r0, m_j0 = _draft_rows(q, w, context_lens, out, i_b64, j0, o_d, stride_qn, stride_qh,
-                                                 stride_w, stride_o, NEXT_N, H, HP, GS, FP8_DOT)
-    reach = tl.max(b_len0, axis=0)
-    if SUB > 1 and GS < NEXT_N:
-        b_q1, b_w1, b_len1, p_r1, m_j1 = _draft_rows(q, w, context_lens, out, i_b64, j0 + GS, o_d, stride_qn,
-                                                     stride_qh, stride_w, stride_o, NEXT_N, H, HP, GS, FP8_DOT)
-        reach = tl.maximum(reach, tl.max(b_len1, axis=0))
-    if SUB > 2 and 2 * GS < NEXT_N:
-        b_q2, b_w2, b_len2, p_r2, m_j2 = _draft_rows(q, w, context_lens, out, i_b64, j0 + 2 * GS, o_d, stride_qn,
-                                                     stride_qh, stride_w, stride_o, NEXT_N, H, HP, GS, FP8_DOT)
-        reach = tl.maximum(reach, tl.max(b_len2, axis=0))
-    if SUB > 3 and 3 * GS < NEXT_N:
-        b_q3, b_w3, b_len3, p_r3, m_j3 = _draft_rows(q, w, context_lens, out, i_b64, j0 + 3 * GS, o_d, stride_qn,
-                                                     stride_qh, stride_w, stride_o, NEXT_N, H, HP, GS, FP8_DOT)
-        reach = tl.maximum(reach, tl.max(b_len3, axis=0))
+    g0, g1, g2, g3, reach = _draft_groups(q, w, context_lens, out, i_b64, j0, o_d, stride_qn, stride_qh, stride_w,
+                                          stride_o, NEXT_N, H, HP, GS, SUB, FP8_DOT)
+    b_q0, b_w0, b_len0, p_r0, m_j0 = g0
+    b_q1, b_w1, b_len1, p_r1, m_j1 = g1
+    b_q2, b_w2, b_len2, p_r2, m_j2 = g2
+    b_q3, b_w3, b_len3, p_r3, m_j3 = g3
 
     c0 = i_c * CHUNK
     c1 = tl.minimum(c0 + CHUNK, max_len)
@@ -284,13 +316,7 @@ def indexer_logits_paged_kernel(
             _score_rows(b_k, b_ks, b_q2, b_w2, b_len2, p_r2, m_j2, o_t, c1, GS, HP, CHAIN)
         if SUB > 3 and 3 * GS < NEXT_N:
             _score_rows(b_k, b_ks, b_q3, b_w3, b_len3, p_r3, m_j3, o_t, c1, GS, HP, CHAIN)
-    _fill_neg_inf(p_r0, m_j0, end, c1, BLOCK_N, GS)
-    if SUB > 1 and GS < NEXT_N:
-        _fill_neg_inf(p_r1, m_j1, end, c1, BLOCK_N, GS)
-    if SUB > 2 and 2 * GS < NEXT_N:
-        _fill_neg_inf(p_r2, m_j2, end, c1, BLOCK_N, GS)
-    if SUB > 3 and 3 * GS < NEXT_N:
-        _fill_neg_inf(p_r3, m_j3, end, c1, BLOCK_N, GS)
+    _fill_groups(p_r0, m_j0, p_r1, m_j1, p_r2, m_j2, p_r3, m_j3, end, c1, BLOCK_N, NEXT_N, GS, SUB)
 
 
 @triton.jit
@@ -358,25 +384,12 @@ def indexer_logits_paged_tma_kernel(
     q += i_b64 * stride_qb
     o_d = tl.arange(0, D)
 
-    b_q0, b_w0, b_len0, p_r0, m_j0 = _draft_rows(q, w, context_lens, out, i_b64, j0, o_d, stride_qn, stride_qh,
-                                                 stride_w, stride_o, NEXT_N, H, HP, GS, True)
-    reach = tl.max(b_len0, axis=0)
-    # unused sub-groups alias group 0 (their dots are compiled out)
-    b_q1, b_w1, b_len1, p_r1, m_j1 = b_q0, b_w0, b_len0, p_r0, m_j0
-    b_q2, b_w2, b_len2, p_r2, m_j2 = b_q0, b_w0, b_len0, p_r0, m_j0
-    b_q3, b_w3, b_len3, p_r3, m_j3 = b_q0, b_w0, b_len0, p_r0, m_j0
-    if SUB > 1 and GS < NEXT_N:
-        b_q1, b_w1, b_len1, p_r1, m_j1 = _draft_rows(q, w, context_lens, out, i_b64, j0 + GS, o_d, stride_qn,
-                                                     stride_qh, stride_w, stride_o, NEXT_N, H, HP, GS, True)
-        reach = tl.maximum(reach, tl.max(b_len1, axis=0))
-    if SUB > 2 and 2 * GS < NEXT_N:
-        b_q2, b_w2, b_len2, p_r2, m_j2 = _draft_rows(q, w, context_lens, out, i_b64, j0 + 2 * GS, o_d, stride_qn,
-                                                     stride_qh, stride_w, stride_o, NEXT_N, H, HP, GS, True)
-        reach = tl.maximum(reach, tl.max(b_len2, axis=0))
-    if SUB > 3 and 3 * GS < NEXT_N:
-        b_q3, b_w3, b_len3, p_r3, m_j3 = _draft_rows(q, w, context_lens, out, i_b64, j0 + 3 * GS, o_d, stride_qn,
-                                                     stride_qh, stride_w, stride_o, NEXT_N, H, HP, GS, True)
-        reach = tl.maximum(reach, tl.max(b_len3, axis=0))
+    g0, g1, g2, g3, reach = _draft_groups(q, w, context_lens, out, i_b64, j0, o_d, stride_qn, stride_qh, stride_w,
+                                          stride_o, NEXT_N, H, HP, GS, SUB, True)
+    b_q0, b_w0, b_len0, p_r0, m_j0 = g0
+    b_q1, b_w1, b_len1, p_r1, m_j1 = g1
+    b_q2, b_w2, b_len2, p_r2, m_j2 = g2
+    b_q3, b_w3, b_len3, p_r3, m_j3 = g3
 
     c0 = i_c * CHUNK
     c1 = tl.minimum(c0 + CHUNK, max_len)
@@ -394,13 +407,7 @@ def indexer_logits_paged_tma_kernel(
                         b_q0, b_w0, b_len0, p_r0, m_j0, b_q1, b_w1, b_len1, p_r1, m_j1,
                         b_q2, b_w2, b_len2, p_r2, m_j2, b_q3, b_w3, b_len3, p_r3, m_j3, c1,
                         NEXT_N, GS, SUB, HP, PAGE, PAGE_ROWS, PAGE_WORDS, KEY_WORDS, CHAIN, ASM_STORE)
-    _fill_neg_inf(p_r0, m_j0, end, c1, BLOCK_N, GS)
-    if SUB > 1 and GS < NEXT_N:
-        _fill_neg_inf(p_r1, m_j1, end, c1, BLOCK_N, GS)
-    if SUB > 2 and 2 * GS < NEXT_N:
-        _fill_neg_inf(p_r2, m_j2, end, c1, BLOCK_N, GS)
-    if SUB > 3 and 3 * GS < NEXT_N:
-        _fill_neg_inf(p_r3, m_j3, end, c1, BLOCK_N, GS)
+    _fill_groups(p_r0, m_j0, p_r1, m_j1, p_r2, m_j2, p_r3, m_j3, end, c1, BLOCK_N, NEXT_N, GS, SUB)
 
 
 @dataclass(frozen=True)

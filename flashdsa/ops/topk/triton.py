@@ -622,6 +622,24 @@ def _copy_short(out_row, n, K, table_row, off_r, MODE: tl.constexpr, PAGE_SIZE: 
 
 
 @triton.jit
+def _row_setup(r, logits, stride_l, lengths, row_starts, out_offsets, table, stride_t, rows_per_table, out, K,
+               HAS_STARTS: tl.constexpr, MODE: tl.constexpr):
+    """Row r's length, its first score, its output row, its page-table row and its output offset."""
+    n = tl.load(lengths + r)
+    if HAS_STARTS:
+        row = logits + r.to(tl.int64) * stride_l + tl.load(row_starts + r)
+    else:
+        row = logits + r.to(tl.int64) * stride_l
+    out_row = out + r.to(tl.int64) * K
+    table_row = table + (r // rows_per_table).to(tl.int64) * stride_t
+    if MODE == 1:
+        off_r = tl.load(out_offsets + r)
+    else:
+        off_r = 0
+    return n, row, out_row, table_row, off_r
+
+
+@triton.jit
 def topk_transform_kernel(
     logits, stride_l, lengths, row_starts, out_offsets, table, stride_t, rows_per_table,
     out, scr, sscr, wscr, R, K,
@@ -655,17 +673,8 @@ def topk_transform_kernel(
         r = r + tl.full([], 0, tl.int32)   # a tensor also in the interpreter, which loops on ints
         # The previous row's readers of U are done before this row writes it.
         tl.debug_barrier()
-        n = tl.load(lengths + r)
-        if HAS_STARTS:
-            row = logits + r.to(tl.int64) * stride_l + tl.load(row_starts + r)
-        else:
-            row = logits + r.to(tl.int64) * stride_l
-        out_row = out + r.to(tl.int64) * K
-        table_row = table + (r // rows_per_table).to(tl.int64) * stride_t
-        if MODE == 1:
-            off_r = tl.load(out_offsets + r)
-        else:
-            off_r = 0
+        n, row, out_row, table_row, off_r = _row_setup(r, logits, stride_l, lengths, row_starts, out_offsets, table,
+                                                       stride_t, rows_per_table, out, K, HAS_STARTS, MODE)
         if n <= K:
             _copy_short(out_row, n, K, table_row, off_r, MODE, PAGE_SIZE, BLOCK)
         else:
@@ -746,17 +755,8 @@ def topk_split_kernel(
     """
     r = tl.program_id(0)
     j = tl.program_id(1)
-    n = tl.load(lengths + r)
-    if HAS_STARTS:
-        row = logits + r.to(tl.int64) * stride_l + tl.load(row_starts + r)
-    else:
-        row = logits + r.to(tl.int64) * stride_l
-    out_row = out + r.to(tl.int64) * K
-    table_row = table + (r // rows_per_table).to(tl.int64) * stride_t
-    if MODE == 1:
-        off_r = tl.load(out_offsets + r)
-    else:
-        off_r = 0
+    n, row, out_row, table_row, off_r = _row_setup(r, logits, stride_l, lengths, row_starts, out_offsets, table,
+                                                   stride_t, rows_per_table, out, K, HAS_STARTS, MODE)
     if n <= K:
         if j == 0:
             _copy_short(out_row, n, K, table_row, off_r, MODE, PAGE_SIZE, BLOCK)
