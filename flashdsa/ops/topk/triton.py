@@ -853,7 +853,7 @@ def launch_config(R: int, L: int, sms: int, kind: str | None = None) -> dict:
     Rows up to 16K: 4-warp programs, 8 an SM, capped at 64 registers (the persistent grid assumes all
     of them resident: uncapped, a few registers more left programs waiting for a whole other one), levels
     on U / W streamed from memory but on the sample (<= 2048 keys) in registers (4096 x 16K 319 -> 310 us,
-    4096 x 8K 240 -> 238, 2026-11-29 12:53 UTC), 128 list entries a warp moved to U a step (1 / 2 warps,
+    4096 x 8K 240 -> 238, 2026-11-29 about 12:40 UTC), 128 list entries a warp moved to U a step (1 / 2 warps,
     8 warps in registers were slower). Longer rows: 8 warps capped
     at 64 registers, 4 an SM, levels in registers (4096 x 32K: streamed with 1 / 2 / 4 warps was slower).
     """
