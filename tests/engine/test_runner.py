@@ -173,3 +173,25 @@ def test_runner_for_layers_drives_attention_per_layer(model):
         run.forward(p, meta)
     with pytest.raises(ValueError, match="model"):
         Runner(None, 16, "fp8")
+
+
+def test_layer_ops_skip_value_checks_but_public_calls_keep_them(model, monkeypatch):
+    """The runner's per-layer op calls run on host-built metadata: no value check (each is a device read,
+    a host sync at decode), while the same op called directly still rejects bad values."""
+    from flashdsa import _checks, ops
+
+    seen = []
+    real = ops.topk_transform
+
+    def spy(*args, **kwargs):
+        seen.append(_checks.value_checks_enabled())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ops, "topk_transform", spy)
+    run = Runner(model, 16, "fp8")
+    run.extend({"a": prompt(TOPK + 40)}, force_sparse=True)
+    run.decode({"a": 3})
+    assert seen and not any(seen)
+    assert _checks.value_checks_enabled()
+    with pytest.raises(ValueError, match="lengths"):
+        real(torch.randn(2, 8), torch.tensor([3, 9], dtype=torch.int32), 4)

@@ -537,6 +537,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from flashdsa.ops.indexer import triton as K
+from flashdsa.ops._triton_utils import next_pow2
 
 def paged(n, H, cap, fp8):
     cfg = K.PagedConfig()
@@ -568,7 +569,7 @@ def paged_tma(n, H):
 
 def ragged(H, cap, fp8):
     cfg = K.RaggedConfig()
-    HP = max(16, K._pow2(H))
+    HP = max(16, next_pow2(H))
     q = "*fp8e4nv" if fp8 else "*u8"
     sig = dict(q=q, k=q, k_scale="*fp32", w="*fp32", ks="*i32", ke="*i32", out="*fp32", T="i32", N="i32",
                stride_qt="i32", stride_qh="i32", stride_k="i32", stride_w="i32", stride_o="i32")

@@ -32,16 +32,12 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from flashdsa.cache.layouts import INDEX_KEY_BYTES, INDEX_PAGE_BYTES, PAGE_SIZE
-from flashdsa.ops._triton_utils import interpreting, num_sms
+from flashdsa.ops._triton_utils import cdiv, interpreting, next_pow2, num_sms
 
 # One dot's N side (G rows x HP heads) is capped so the fp32 accumulator stays <= 128 registers a thread.
 MAX_DOT_N = 256
 # an indexer page as rows of one key (128 B): 64 rows of keys, then 2 of scales (TMA kernel's cache view)
 PAGE_ROWS = INDEX_PAGE_BYTES // (INDEX_KEY_BYTES // PAGE_SIZE)  # 66
-
-
-def _pow2(x: int) -> int:
-    return 1 << max(0, int(x) - 1).bit_length()
 
 
 def _fp8_dot_supported(device: torch.device) -> bool:
@@ -452,8 +448,8 @@ def paged_config(B: int, n: int, H: int, max_len: int, device: torch.device, cfg
     split into chunks so that about ``programs_per_sm`` programs per SM exist, chunks of 2 .. 64 steps
     (TMA path: at least 8 pages)."""
     cfg = cfg or PagedConfig()
-    HP = max(16, _pow2(H))
-    G = cfg.rows or min(_pow2(n), max(1, MAX_DOT_N // HP))
+    HP = max(16, next_pow2(H))
+    G = cfg.rows or min(next_pow2(n), max(1, MAX_DOT_N // HP))
     width = G * HP
     padded = width == MAX_DOT_N and n < G  # e.g. n = 3 at H 64: one of the group's 4 rows is padding
     if tma:
@@ -480,7 +476,7 @@ def paged_config(B: int, n: int, H: int, max_len: int, device: torch.device, cfg
     if cfg.chunk is not None:
         chunk = cfg.chunk
     else:
-        groups = triton.cdiv(n, G)
+        groups = cdiv(n, G)
         per_prog = B * groups * max(max_len, 1) // (per_sm * num_sms(device))
         chunk = 1 << max(0, per_prog.bit_length() - 1)  # round down to a power of two
         chunk = min(max(chunk, 2 * bn, min_chunk), 64 * bn)
@@ -540,7 +536,7 @@ def indexer_logits_paged(q_fp8: torch.Tensor, index_cache: torch.Tensor, weights
         weights = weights.contiguous()
     if block_table.stride(-1) != 1:
         block_table = block_table.contiguous()
-    grid = (triton.cdiv(n, G), B, triton.cdiv(max_context_len, chunk))
+    grid = (cdiv(n, G), B, cdiv(max_context_len, chunk))
     launch = {"num_warps": warps, "num_stages": cfg.num_stages}
     if cfg.max_regs is not None:
         launch["maxnreg"] = cfg.max_regs
@@ -665,17 +661,17 @@ def ragged_config(T: int, N: int, H: int, D: int, device: torch.device,
     """``(G, HP, DP, block_n, chunk)``: G rows x HP heads per dot; key columns split only when the row
     blocks alone give fewer than 4 programs per SM."""
     cfg = cfg or RaggedConfig()
-    HP = max(16, _pow2(H))
-    DP = max(32, _pow2(D))
+    HP = max(16, next_pow2(H))
+    DP = max(32, next_pow2(D))
     G = cfg.rows or max(1, MAX_DOT_N // HP)
     bn = cfg.block_n
     if cfg.chunk is not None:
         chunk = cfg.chunk
     else:
-        m_blocks = triton.cdiv(T, G)
-        n_blocks = triton.cdiv(max(N, 1), bn)
-        splits = min(n_blocks, max(1, triton.cdiv(4 * num_sms(device), max(m_blocks, 1))))
-        chunk = triton.cdiv(n_blocks, splits) * bn
+        m_blocks = cdiv(T, G)
+        n_blocks = cdiv(max(N, 1), bn)
+        splits = min(n_blocks, max(1, cdiv(4 * num_sms(device), max(m_blocks, 1))))
+        chunk = cdiv(n_blocks, splits) * bn
     if bn < 16 or bn & (bn - 1) or chunk % bn:
         raise ValueError(f"config: block_n must be a power of two >= 16 dividing chunk, got {bn}, {chunk}")
     return G, HP, DP, bn, chunk
@@ -705,7 +701,7 @@ def indexer_logits_ragged(q_fp8: torch.Tensor, k_fp8: torch.Tensor, k_scale: tor
         weights = weights.contiguous()
     q_in = q_fp8 if fp8_dot else q_fp8.view(torch.uint8)
     k_in = k_fp8 if fp8_dot else k_fp8.view(torch.uint8)
-    grid = (triton.cdiv(T, G), triton.cdiv(N, chunk))
+    grid = (cdiv(T, G), cdiv(N, chunk))
     indexer_logits_ragged_kernel[grid](
         q=q_in, k=k_in, k_scale=k_scale.contiguous(), w=weights, ks=ks.contiguous(), ke=ke.contiguous(),
         out=out, T=T, N=N,

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashdsa.ops._triton_utils import interpreting
+from flashdsa.ops._triton_utils import cdiv, interpreting
 from flashdsa.quant import AMAX_FLOOR, FP8, FP8_MAX
 
 D = 128           # head dim = one act_quant block; RoPE on its first D / 2 dims (32 pairs)
@@ -237,7 +237,7 @@ def indexer_quant(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interle
         block_r = BLOCK_R_INTERPRET if interpreting() else BLOCK_R
     if soft_casts is None:
         soft_casts = interpreting()
-    grid = (triton.cdiv(R, block_r),)
+    grid = (cdiv(R, block_r),)
     indexer_quant_fwd_kernel[grid](
         # bf16 travels as its int16 bits: the kernel widens them to fp32 exactly with a shift
         x=x3.view(torch.int16) if bf16 else x3, cos=cos, sin=sin, x_fp8=x_fp8.view(torch.uint8), scale=scale,

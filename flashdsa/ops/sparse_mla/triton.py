@@ -23,7 +23,7 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from flashdsa.cache.layouts import MLA_DIM, PAGE_SIZE, mla_cache_format
-from flashdsa.ops._triton_utils import num_sms, upcast_bf16
+from flashdsa.ops._triton_utils import cdiv, next_pow2, num_sms, upcast_bf16
 
 LOG2E = 1.4426950408889634
 
@@ -538,7 +538,7 @@ def default_config(h_q: int, fmt: str, rows: int, topk: int, device: torch.devic
         cfg = dict(kernel="heads_m", block_h=16, block_n=32, num_warps=4, num_stages=3)
         ctas_per_sm = 2
     cfg.update(common)
-    programs = rows * triton.cdiv(h_q, cfg["block_h"]) * (512 // cfg["block_dv"])
+    programs = rows * cdiv(h_q, cfg["block_h"]) * (512 // cfg["block_dv"])
     cfg["num_splits"] = pick_num_splits(programs, topk, num_sms(device), ctas_per_sm)
     return cfg
 
@@ -623,12 +623,12 @@ def _launch(cfg, q, kv, stride_kv_page, stride_kv_row, n_slots, fmt, indices, sm
     BH, BN = cfg["block_h"], cfg["block_n"]
     small_h = cfg["kernel"] == "small_h"
     BDV = 512 if cfg["kernel"] in ("small_h", "wide") else cfg["block_dv"]
-    n_hb = triton.cdiv(h_q, BH)
-    dv_parts = triton.cdiv(d_v, BDV)
+    n_hb = cdiv(h_q, BH)
+    dv_parts = cdiv(d_v, BDV)
     # every split but the last gets a whole number of BLOCK_N steps
-    splits = max(1, min(cfg["num_splits"], triton.cdiv(topk, BN)))
-    per_split = max(BN, triton.cdiv(triton.cdiv(topk, splits), BN) * BN)
-    splits = max(1, triton.cdiv(topk, per_split))
+    splits = max(1, min(cfg["num_splits"], cdiv(topk, BN)))
+    per_split = max(BN, cdiv(cdiv(topk, splits), BN) * BN)
+    splits = max(1, cdiv(topk, per_split))
     if splits == 1:
         o, l = out, lse
         so_row, so_split, so_h = out.stride(0), 0, out.stride(1)
@@ -657,15 +657,15 @@ def _launch(cfg, q, kv, stride_kv_page, stride_kv_row, n_slots, fmt, indices, sm
     else:
         compiled = sparse_mla_fwd_kernel[(R * splits * dv_parts * n_hb,)](BLOCK_DV=BDV, **args)
     if splits > 1:
-        CH = min(64, max(16, triton.next_power_of_2(h_q)))
-        n_chb = triton.cdiv(h_q, CH)
+        CH = min(64, max(16, next_pow2(h_q)))
+        n_chb = cdiv(h_q, CH)
         sparse_mla_combine_kernel[(R * n_chb,)](
             part_out=o, part_lse=l, out=out, lse=lse,
             stride_po_row=o.stride(0), stride_po_split=o.stride(1), stride_po_h=o.stride(2),
             stride_pl_row=l.stride(0), stride_pl_split=l.stride(1),
             stride_o_row=out.stride(0), stride_o_h=out.stride(1), stride_l_row=lse.stride(0),
             h_q=h_q, num_splits=splits, num_head_blocks=n_chb,
-            D_V=d_v, BLOCK_H=CH, BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=128, UPCAST=upcast_bf16(),
+            D_V=d_v, BLOCK_H=CH, BLOCK_S=next_pow2(splits), BLOCK_D=128, UPCAST=upcast_bf16(),
             num_warps=4,
         )
     return compiled

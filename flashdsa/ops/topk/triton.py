@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashdsa.ops._triton_utils import interpreting, num_sms
+from flashdsa.ops._triton_utils import cdiv, interpreting, next_pow2, num_sms, prev_pow2
 
 # Keys are int32 whose signed order is the score order: key(-inf) == key(NaN) is the smallest.
 _INT_MIN = tl.constexpr(-2147483648)
@@ -814,14 +814,6 @@ def topk_split_kernel(
                                       BITS_W, FINISH_STREAM, BLOCK, STAGES, MODE, PAGE_SIZE, ASM, PROFILE == 0)
 
 
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, (int(x) - 1).bit_length())
-
-
-def _prev_pow2(x: int) -> int:
-    return 1 << max(0, int(x).bit_length() - 1)
-
-
 def sizes(K: int, L: int, cand: int | None = None, lg_sample: int | None = None,
           max_lg_sample: int = LG_SAMPLE_MAX) -> tuple[int, int]:
     """(CAND, LG_S): U's capacity and log2 of the sample size for top-K over rows of up to L keys.
@@ -838,7 +830,7 @@ def sizes(K: int, L: int, cand: int | None = None, lg_sample: int | None = None,
         mu = S * K / max(L, 1)
         m = min(mu + 4 * math.sqrt(mu) + 1, S)
         c = m * (1 + 1 / 16) * L / S
-        cand = max(_next_pow2(int(c + 5 * c / math.sqrt(m)) + 1), 256)
+        cand = max(next_pow2(int(c + 5 * c / math.sqrt(m)) + 1), 256)
     return cand, lg_sample
 
 
@@ -860,7 +852,7 @@ def launch_config(R: int, L: int, sms: int, kind: str | None = None) -> dict:
     if kind is None:
         kind = "split" if R <= sms and L >= 4096 else "fused"
     if kind == "split":
-        chunks = max(2, min(16, L // 8192, _prev_pow2(4 * sms // max(R, 1))))
+        chunks = max(2, min(16, L // 8192, prev_pow2(4 * sms // max(R, 1))))
         return dict(kind=kind, chunks=chunks, num_warps=8, maxnreg=0, unroll=2, stream=False, finish_stream=None,
                     move_step=64, max_lg_sample=11)
     if L <= 16384:
@@ -868,10 +860,6 @@ def launch_config(R: int, L: int, sms: int, kind: str | None = None) -> dict:
                     sample_stream=False, max_lg_sample=11)
     return dict(kind=kind, num_warps=8, maxnreg=64, grid=min(R, 4 * sms), unroll=2, stream=False, move_step=64,
                 max_lg_sample=11)
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _ub(num_warps: int) -> int:
@@ -882,7 +870,7 @@ def _ub(num_warps: int) -> int:
 def _seg_cap(cand: int, nw: int, un: int, length: int) -> int:
     """Entries a warp list may need: its segment of a ``length``-key span, at most CAND (more: fallback)."""
     tile = un * 128
-    return min(cand, _cdiv(_cdiv(length, nw), tile) * tile)
+    return min(cand, cdiv(cdiv(length, nw), tile) * tile)
 
 
 # Split mode's arrival counters, one buffer per (device, stream). The finisher of each row sets its counter
