@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from flashdsa.ops._triton_utils import cdiv
 from flashdsa.ops.sparse_mla import triton as sparse
 
 INDEX_BYTES = 64 << 20   # int32 index lists built at once: chunks of query rows
@@ -34,7 +35,7 @@ def dense_mla_prefill(q: torch.Tensor, kv: torch.Tensor, cu_seqlens_q: torch.Ten
     start = torch.repeat_interleave(torch.tensor(ck[:-1], dtype=torch.int64), torch.tensor(q_lens, dtype=torch.int64))
     seen = torch.cat([torch.arange(kl - ql + 1, kl + 1) for ql, kl in zip(q_lens, kv_lens)] or [torch.zeros(0)])
     start, seen = start.to(dev), seen.to(device=dev, dtype=torch.int64)
-    width = max(WIDTH_ALIGN, -(-max(kv_lens, default=0) // WIDTH_ALIGN) * WIDTH_ALIGN)
+    width = max(WIDTH_ALIGN, cdiv(max(kv_lens, default=0), WIDTH_ALIGN) * WIDTH_ALIGN)
     cols = torch.arange(width, device=dev)
     out = torch.empty(T, h_q, d_v, dtype=torch.bfloat16, device=dev)
     lse = torch.empty(T, h_q, dtype=torch.float32, device=dev)

@@ -32,7 +32,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from flashdsa.cache.layouts import INDEX_KEY_BYTES, INDEX_PAGE_BYTES, PAGE_SIZE
-from flashdsa.ops._triton_utils import cdiv, interpreting, next_pow2, num_sms
+from flashdsa.ops._triton_utils import cdiv, interpreting, next_pow2, num_sms, prev_pow2
 
 # One dot's N side (G rows x HP heads) is capped so the fp32 accumulator stays <= 128 registers a thread.
 MAX_DOT_N = 256
@@ -478,7 +478,7 @@ def paged_config(B: int, n: int, H: int, max_len: int, device: torch.device, cfg
     else:
         groups = cdiv(n, G)
         per_prog = B * groups * max(max_len, 1) // (per_sm * num_sms(device))
-        chunk = 1 << max(0, per_prog.bit_length() - 1)  # round down to a power of two
+        chunk = prev_pow2(per_prog)
         chunk = min(max(chunk, 2 * bn, min_chunk), 64 * bn)
     if bn < 16 or bn & (bn - 1) or chunk % bn:
         raise ValueError(f"config: block_n must be a power of two >= 16 dividing chunk, got {bn}, {chunk}")

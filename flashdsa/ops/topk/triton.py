@@ -959,7 +959,7 @@ def topk_transform(logits, lengths, topk, page_table, row_starts, out_offsets, p
     if kind == "split":
         # scratch per row, not per program
         chunks = pick(chunks, "chunks")
-        span = -(-L // chunks)
+        span = cdiv(L, chunks)
         cap = _seg_cap(cand, num_warps, un, span + num_warps * un * 128)
         scr = torch.empty(R * chunks * 2 * cand, dtype=torch.int32, device=dev)
         sscr = torch.empty(R * chunks * num_warps * cap, dtype=torch.int64, device=dev)
