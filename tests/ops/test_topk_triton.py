@@ -271,6 +271,24 @@ def test_split_finisher_selects_from_all_chunks(chunks, cached):
     assert bool(ok.all()), (got.tolist(), kth.tolist(), need.tolist())
 
 
+def test_whole_chunk_row_loads():
+    # 128-bit row loads read to the length rounded up to 4 (VEC): only when every row is whole 16-byte
+    # chunks, and the scores read past a row's length (+inf here) never count
+    x = torch.randn(3, 72)
+    assert K._whole_chunks(x, None) and K._whole_chunks(x[:, 4:68], None)
+    assert not K._whole_chunks(x[:, :63], None)                        # length not a multiple of 4
+    assert not K._whole_chunks(x[:, 2:66], None)                       # rows start off a 16-byte boundary
+    assert not K._whole_chunks(x, torch.zeros(3, dtype=torch.int32))   # ragged rows start anywhere
+    k, L = 64, 1500
+    lens = [1499, 1001, 1498, 1497, 65]
+    logits, lengths, kw = _case(len(lens), L, k, ["randn", "levels16", "two", "randn", "randn"], lens, seed=29)
+    for r, n in enumerate(lens):
+        logits[r, n:] = float("inf")
+    for knobs in (dict(SMALL), dict(SMALL, chunks=3, **TILES)):
+        got, ref = _run_both(logits, lengths, k, kw, dict(knobs, vec=True))
+        _assert_same(got, ref, str(knobs))
+
+
 def test_grid_smaller_than_rows():
     # one program walks several rows: scratch reuse between rows must not leak
     kinds = ["equal", "randn", "levels16", "nan", "randn", "two", "narrow", "randn", "levels256"]

@@ -143,14 +143,25 @@ def _excl_sum(v, NW: tl.constexpr):
 
 
 @triton.jit
-def _compact_tile(row, p, s1, t_a, t_p, t_b, dst, cw, CAP: tl.constexpr, ASM: tl.constexpr):
-    """One tile ``p [NW, 128]`` of positions: warp w appends the passing scores (bits << 32 | position) to its
-    list ``dst[w]`` after its ``cw[w]`` entries (stores stop at CAP). Returns the new counts."""
-    m = p < s1
-    # [NW, 128] raw score bits of the row
+def _load_tile(row, p, s1, VEC: tl.constexpr):
+    """``[NW, 128]`` raw score bits at positions ``p < s1`` (0 elsewhere). VEC: the row's 16-byte chunks are
+    whole (launcher: aligned rows, length a multiple of 4), so the mask runs to s1 rounded up to 4 and is
+    the same for a lane's 4 scores: one 128-bit load a lane instead of four 32-bit ones. The scores past
+    s1 that this reads are masked by :func:`_pass_tile`."""
+    if VEC:
+        m = p < (s1 + 3) // 4 * 4
+    else:
+        m = p < s1
     # read once: evict-first keeps in L2 the scratch that the later steps read back
-    b = tl.load(row + p, mask=m, other=0.0, eviction_policy="evict_first").to(tl.int32, bitcast=True)
-    f = m & (((b >= t_a) & (b <= t_p)) | (b < t_b))
+    return tl.load(row + p, mask=m, other=0.0, eviction_policy="evict_first").to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def _pass_tile(b, p, s1, t_a, t_p, t_b, dst, cw, CAP: tl.constexpr, ASM: tl.constexpr):
+    """One tile of score bits ``b`` at positions ``p [NW, 128]``: warp w appends the passing scores
+    (bits << 32 | position) to its list ``dst[w]`` after its ``cw[w]`` entries (stores stop at CAP).
+    Returns the new counts."""
+    f = (p < s1) & (((b >= t_a) & (b <= t_p)) | (b < t_b))
     fi = f.to(tl.int32)
     slot = cw[:, None] + tl.cumsum(fi, axis=1) - 1
     _store2(dst + slot, p, b, f & (slot < CAP), ASM)
@@ -159,12 +170,13 @@ def _compact_tile(row, p, s1, t_a, t_p, t_b, dst, cw, CAP: tl.constexpr, ASM: tl
 
 @triton.jit
 def _compact_seg(row, s0, s1, t_a, t_p, t_b, useg, CAP: tl.constexpr, NW: tl.constexpr, UN: tl.constexpr,
-                 ASM: tl.constexpr):
+                 VEC: tl.constexpr, ASM: tl.constexpr):
     """Positions ``[s0, s1)`` of the row split into NW contiguous segments, one a warp: warp w appends
     ``bits << 32 | position`` of every score passing ``(t_a <= b <= t_p) | (b < t_b)`` to its own list
     ``useg[w * CAP:]`` (at most CAP stored), in position order, with warp-local prefix sums (no
-    barrier). A warp loads UN tiles of 128 scores at once. Returns the uncapped counts ``[NW]``.
-    s0 is a multiple of 4 (128-bit loads)."""
+    barrier). A warp issues the loads of UN tiles of 128 scores before it works on the first of them
+    (the list stores are inline asm with side effects: loads after them in program order wait for
+    them). Returns the uncapped counts ``[NW]``. s0 is a multiple of 4 (128-bit loads)."""
     w = tl.arange(0, NW)
     j = tl.arange(0, 128)
     seg = tl.cdiv(tl.cdiv(s1 - s0, NW), UN * 128) * (UN * 128)
@@ -174,58 +186,90 @@ def _compact_seg(row, s0, s1, t_a, t_p, t_b, useg, CAP: tl.constexpr, NW: tl.con
     for it in tl.range(0, seg, UN * 128, num_stages=1):
         p = start + it
         if UN == 1:
-            cw = _compact_tile(row, p, s1, t_a, t_p, t_b, dst, cw, CAP, ASM)
+            cw = _pass_tile(_load_tile(row, p, s1, VEC), p, s1, t_a, t_p, t_b, dst, cw, CAP, ASM)
         elif UN == 2:
-            cw = _compact_tile(row, p, s1, t_a, t_p, t_b, dst, cw, CAP, ASM)
-            cw = _compact_tile(row, p + 128, s1, t_a, t_p, t_b, dst, cw, CAP, ASM)
+            b0 = _load_tile(row, p, s1, VEC)
+            b1 = _load_tile(row, p + 128, s1, VEC)
+            cw = _pass_tile(b0, p, s1, t_a, t_p, t_b, dst, cw, CAP, ASM)
+            cw = _pass_tile(b1, p + 128, s1, t_a, t_p, t_b, dst, cw, CAP, ASM)
         else:
             tl.static_assert(UN == 4)
-            cw = _compact_tile(row, p, s1, t_a, t_p, t_b, dst, cw, CAP, ASM)
-            cw = _compact_tile(row, p + 128, s1, t_a, t_p, t_b, dst, cw, CAP, ASM)
-            cw = _compact_tile(row, p + 256, s1, t_a, t_p, t_b, dst, cw, CAP, ASM)
-            cw = _compact_tile(row, p + 384, s1, t_a, t_p, t_b, dst, cw, CAP, ASM)
+            b0 = _load_tile(row, p, s1, VEC)
+            b1 = _load_tile(row, p + 128, s1, VEC)
+            b2 = _load_tile(row, p + 256, s1, VEC)
+            b3 = _load_tile(row, p + 384, s1, VEC)
+            cw = _pass_tile(b0, p, s1, t_a, t_p, t_b, dst, cw, CAP, ASM)
+            cw = _pass_tile(b1, p + 128, s1, t_a, t_p, t_b, dst, cw, CAP, ASM)
+            cw = _pass_tile(b2, p + 256, s1, t_a, t_p, t_b, dst, cw, CAP, ASM)
+            cw = _pass_tile(b3, p + 384, s1, t_a, t_p, t_b, dst, cw, CAP, ASM)
     return cw
+
+
+@triton.jit
+def _round4(c):
+    """c rounded up to a multiple of 4: a bound the compiler knows to be one, so masked loads of 4 adjacent
+    int32 a thread stay 128-bit loads (U / W are padded up to it with INT_MIN: :func:`_pad4`)."""
+    return (c + 3) // 4 * 4
+
+
+@triton.jit
+def _pad4(keys, c, CAP: tl.constexpr):
+    """``keys[c : round4(c)] = INT_MIN`` (below every key; CAP a multiple of 4), so loads of U / W may run to
+    the rounded count."""
+    i = c + tl.arange(0, 4)
+    tl.store(keys + i, tl.full([4], _INT_MIN, tl.int32), mask=(i < _round4(c)) & (i < CAP))
 
 
 @triton.jit
 def _move(useg, cw, uk, CAP: tl.constexpr, CAND: tl.constexpr, NW: tl.constexpr, MJ: tl.constexpr,
           ASM: tl.constexpr):
     """The warp lists (``cw [NW]`` entries each) -> U in position order, MJ entries of each a step: keys to
-    ``uk[:CAND]``, positions to ``uk[CAND:2 CAND]`` (at most CAND). Returns the largest key moved."""
+    ``uk[:CAND]``, positions to ``uk[CAND:2 CAND]`` (at most CAND), then U padded to a multiple of 4.
+    The next step's entries are loaded before this step's stores (which the loads would otherwise wait
+    for), two a 128-bit load (the mask runs to the count rounded up to 2: entries inside the list).
+    Returns the largest key moved."""
     w = tl.arange(0, NW)
     j = tl.arange(0, MJ)[None, :]
     base = _excl_sum(cw, NW)[:, None]
     top = tl.max(tl.minimum(cw, CAP), axis=0)
     cnt = tl.minimum(cw, CAP)[:, None]
+    cnt2 = (cnt + 1) // 2 * 2
     src = useg + (w.to(tl.int64) * CAP)[:, None]
     vmax = tl.full([NW, MJ], _INT_MIN, tl.int32)
+    # [NW, MJ] bits << 32 | position
+    v = tl.load(src + j, mask=j < cnt2, other=0)
     for it in tl.range(0, top, MJ, num_stages=1):
         jj = it + j
+        vn = tl.load(src + jj + MJ, mask=jj + MJ < cnt2, other=0)
         m = (jj < cnt) & (base + jj < CAND)
-        # [NW, MJ] bits << 32 | position
-        v = tl.load(src + jj, mask=m, other=0)
         key = _bits_key((v >> 32).to(tl.int32))
         vmax = tl.maximum(vmax, tl.where(m, key, _INT_MIN))
         _store(uk + base + jj, key, m, ASM)
         _store(uk + CAND + base + jj, (v & 0xFFFFFFFF).to(tl.int32), m, ASM)
+        v = vn
+    _pad4(uk, tl.minimum(tl.sum(cw, axis=0), CAND), CAND)
     return tl.max(tl.max(vmax, axis=1), axis=0)
 
 
 @triton.jit
 def _emit_u(uk, c, T, need, K, out_row, table_row, off_r, CAND: tl.constexpr, UB: tl.constexpr, MODE: tl.constexpr,
             PAGE_SIZE: tl.constexpr, ASM: tl.constexpr):
-    """Write, in U order, the positions (``uk[CAND:]``) of every key (``uk[:c]``) ``> T`` and of the first
-    ``need`` keys ``== T``, UB slots at a time; stops once K are out."""
+    """Write, in U order, the positions (``uk[CAND:]``) of every key (``uk[:c]``, padded to a multiple of 4)
+    ``> T`` and of the first ``need`` keys ``== T``, UB slots at a time, the next block loaded before this
+    one's stores. Once K are out nothing more is selected. (A for loop: Triton 3.6's layout pass fails on
+    a while loop carrying the prefetched blocks.)"""
     zero = tl.full([], 0, tl.int32)
     gt_base = zero
     eq_base = zero
-    taken = zero
-    start = zero
-    while (start < c) & (taken < K):
-        offs = start + tl.arange(0, UB)
-        m = offs < c
-        # [UB] keys of U (empty slots: INT_MIN, below every T)
-        x = tl.load(uk + offs, mask=m, other=_INT_MIN)
+    c4 = _round4(c)
+    ar = tl.arange(0, UB)
+    # [UB] keys of U (empty slots: INT_MIN, below every T) and their positions
+    x = tl.load(uk + ar, mask=ar < c4, other=_INT_MIN)
+    pos = tl.load(uk + CAND + ar, mask=ar < c4, other=0)
+    for start in tl.range(0, c, UB, num_stages=1):
+        nxt = start + UB + ar
+        xn = tl.load(uk + nxt, mask=nxt < c4, other=_INT_MIN)
+        pn = tl.load(uk + CAND + nxt, mask=nxt < c4, other=0)
         gt = (x > T).to(tl.int32)
         eq = (x == T).to(tl.int32)
         # One scan counts both: greater-than in the low 16 bits, equal in the high (CAND < 2^15).
@@ -235,13 +279,12 @@ def _emit_u(uk, c, T, need, K, out_row, table_row, off_r, CAND: tl.constexpr, UB
         eq_ex = eq_base + (ex >> 16)
         sel = (gt != 0) | ((eq != 0) & (eq_ex < need))
         slot = gt_ex + tl.minimum(eq_ex, need)
-        pos = tl.load(uk + CAND + offs, mask=sel, other=0)
         _store(out_row + slot, _translate(pos, sel, table_row, off_r, MODE, PAGE_SIZE), sel, ASM)
         tot = tl.sum(v, axis=0)
         gt_base += tot & 0xFFFF
         eq_base += tot >> 16
-        taken = gt_base + tl.minimum(eq_base, need)
-        start += UB
+        x = xn
+        pos = pn
 
 
 # ---- the 1-D streaming helpers of the row fallback ------------------------------------------------------
@@ -414,9 +457,12 @@ def _select_regs(x, lo, hi, kk, tol, stop, BITS: tl.constexpr):
 
 @triton.jit
 def _select_stream(src, c, lo, hi, kk, tol, stop, BITS: tl.constexpr, UB: tl.constexpr):
-    """:func:`_select_regs` on the keys ``src[:c]`` read from memory UB at a time at each level (registers
-    independent of c: the form for one-warp programs). Same contract and returns."""
+    """:func:`_select_regs` on the keys ``src[:c]`` (padded with INT_MIN to a multiple of 4) read from memory
+    UB at a time at each level (registers independent of c: the form for few-warp programs). Same
+    contract and returns."""
     zero = tl.full([], 0, tl.int32)
+    ar = tl.arange(0, UB)
+    c4 = _round4(c)
     done = zero
     T = zero
     need = zero
@@ -435,12 +481,14 @@ def _select_stream(src, c, lo, hi, kk, tol, stop, BITS: tl.constexpr, UB: tl.con
         else:
             shift = tl.maximum(width - BITS, 0).to(tl.int32)
             hist = tl.zeros([1 << BITS], dtype=tl.int32)
+            # [UB] keys (empty slots: INT_MIN, below every key); the next block is loaded a step ahead
+            x = tl.load(src + ar, mask=ar < c4, other=_INT_MIN)
             for start in tl.range(0, c, UB, num_stages=1):
-                offs = start + tl.arange(0, UB)
-                # [UB] keys (empty slots: INT_MIN, below every key)
-                x = tl.load(src + offs, mask=offs < c, other=_INT_MIN)
+                nxt = start + UB + ar
+                xn = tl.load(src + nxt, mask=nxt < c4, other=_INT_MIN)
                 d = tl.where((x >= lo) & (x <= hi), ((x - lo) >> shift) & ((1 << BITS) - 1), -1)
                 hist += tl.histogram(d, 1 << BITS, mask=d >= 0)
+                x = xn
             dsel, above, in_bin = _pick_bucket(hist, kk)
             kk = kk - above
             b_lo = lo.to(tl.int64) + (dsel.to(tl.int64) << shift)
@@ -457,12 +505,14 @@ def _select_stream(src, c, lo, hi, kk, tol, stop, BITS: tl.constexpr, UB: tl.con
                 vmin = tl.full([UB], _INT_MAX, tl.int32)
                 vmax = tl.full([UB], _INT_MIN, tl.int32)
                 b_lo32 = b_lo.to(tl.int32)
+                x = tl.load(src + ar, mask=ar < c4, other=_INT_MIN)
                 for start in tl.range(0, c, UB, num_stages=1):
-                    offs = start + tl.arange(0, UB)
-                    x = tl.load(src + offs, mask=offs < c, other=_INT_MIN)
+                    nxt = start + UB + ar
+                    xn = tl.load(src + nxt, mask=nxt < c4, other=_INT_MIN)
                     inb = (x >= b_lo32) & (x <= b_hi)
                     vmin = tl.minimum(vmin, tl.where(inb, x, _INT_MAX))
                     vmax = tl.maximum(vmax, tl.where(inb, x, _INT_MIN))
+                    x = xn
                 lo = tl.min(vmin, axis=0)
                 hi = tl.max(vmax, axis=0)
     return done, T, need, lo, hi, kk, in_bin
@@ -479,18 +529,19 @@ def _finish(uk, c, lo, hi, kk, w, CAND: tl.constexpr, WCAP: tl.constexpr, UB: tl
     else:
         iu = tl.arange(0, CAND)
         # [CAND] keys of U (empty slots: INT_MIN, below every key)
-        x = tl.load(uk + iu, mask=iu < c, other=_INT_MIN)
+        x = tl.load(uk + iu, mask=iu < _round4(c), other=_INT_MIN)
         done, T, need, lo, hi, kk, in_bin = _select_regs(x, lo, hi, kk, 0, WCAP, BITS)
     if done == 0:
         # the bucket -> w, UB slots of U at a time (reloaded: fewer live registers than keeping x)
         cnt = tl.full([], 0, tl.int32)
         for start in tl.range(0, c, UB, num_stages=1):
             offs = start + tl.arange(0, UB)
-            xb = tl.load(uk + offs, mask=offs < c, other=_INT_MIN)
+            xb = tl.load(uk + offs, mask=offs < _round4(c), other=_INT_MIN)
             f = (xb >= lo) & (xb <= hi)
             fi = f.to(tl.int32)
             _store(w + cnt + tl.cumsum(fi, axis=0) - 1, xb, f, ASM)
             cnt += tl.sum(fi, axis=0)
+        _pad4(w, cnt, WCAP)
         # Other threads read what this one wrote.
         tl.debug_barrier()
         if STREAM:
@@ -498,7 +549,7 @@ def _finish(uk, c, lo, hi, kk, w, CAND: tl.constexpr, WCAP: tl.constexpr, UB: tl
         else:
             iw = tl.arange(0, WCAP)
             # [WCAP] the bucket's keys
-            xw = tl.load(w + iw, mask=iw < in_bin, other=_INT_MIN)
+            xw = tl.load(w + iw, mask=iw < _round4(in_bin), other=_INT_MIN)
             done, T, need, lo, hi, kk, in_bin = _select_regs(xw, lo, hi, kk, 0, 0, BITS_W)
         # The next row's copy into w waits for these reads.
         tl.debug_barrier()
@@ -601,6 +652,7 @@ def _fallback(row, n, K, c, t_lo, uk, w, out_row, table_row, off_r, CAND: tl.con
             elif in_bin <= CAND:
                 # Small enough: copy the bucket's keys into U and finish in registers.
                 tl.debug_barrier()
+                _pad4(uk, in_bin, CAND)
                 _compact_row(row, 0, n, lo, hi, uk, CAND, BLOCK, STAGES, ASM)
                 tl.debug_barrier()
                 # the bucket's keys in U (emit reads the row: positions are not needed)
@@ -648,7 +700,7 @@ def topk_transform_kernel(
     UN: tl.constexpr, WCAP: tl.constexpr, UB: tl.constexpr, LG_S: tl.constexpr, BITS: tl.constexpr,
     BITS_W: tl.constexpr, BITS_S: tl.constexpr, STREAM: tl.constexpr, MJ: tl.constexpr, BLOCK: tl.constexpr,
     STAGES: tl.constexpr, ASM: tl.constexpr, FORCE: tl.constexpr, PROFILE: tl.constexpr,
-    SAMPLE_STREAM: tl.constexpr,
+    SAMPLE_STREAM: tl.constexpr, VEC: tl.constexpr,
 ):
     """Top-K of each row, translated. A persistent program walks rows pid, pid + G, ...
 
@@ -685,7 +737,7 @@ def topk_transform_kernel(
             else:
                 # ---- 2. one pass over the row: scores with key >= t_lo -> the warps' lists
                 t_a, t_p, t_b = _bits_bounds(t_lo)
-                cw = _compact_seg(row, 0, n, t_a, t_p, t_b, useg, CAP, NW, UN, ASM)
+                cw = _compact_seg(row, 0, n, t_a, t_p, t_b, useg, CAP, NW, UN, VEC, ASM)
                 c = tl.sum(cw, axis=0)
                 # The lists are read by other threads below.
                 tl.debug_barrier()
@@ -719,9 +771,10 @@ def _gather_chunks(scr_r, counts_r, uk, CAND: tl.constexpr, CHUNKS: tl.constexpr
         for start in tl.range(0, cnt, UB, num_stages=1):
             offs = start + tl.arange(0, UB)
             m = offs < cnt
-            # [UB] keys and positions of chunk jj
-            x = tl.load(scr_r + jj * (2 * CAND) + offs, mask=m, other=0, cache_modifier=".cg")
-            p = tl.load(scr_r + jj * (2 * CAND) + CAND + offs, mask=m, other=0, cache_modifier=".cg")
+            # [UB] keys and positions of chunk jj (read to the count rounded up to 4: 128-bit loads)
+            x = tl.load(scr_r + jj * (2 * CAND) + offs, mask=offs < _round4(cnt), other=0, cache_modifier=".cg")
+            p = tl.load(scr_r + jj * (2 * CAND) + CAND + offs, mask=offs < _round4(cnt), other=0,
+                        cache_modifier=".cg")
             _store(uk + base + offs, x, m, ASM)
             _store(uk + CAND + base + offs, p, m, ASM)
         base += cnt
@@ -736,7 +789,7 @@ def topk_split_kernel(
     UB: tl.constexpr, LG_S: tl.constexpr, BITS: tl.constexpr, BITS_W: tl.constexpr, BITS_S: tl.constexpr,
     CHUNKS: tl.constexpr, STREAM: tl.constexpr, FINISH_STREAM: tl.constexpr, BLOCK: tl.constexpr,
     STAGES: tl.constexpr, RESET: tl.constexpr, MJ: tl.constexpr, ASM: tl.constexpr, FORCE: tl.constexpr,
-    PROFILE: tl.constexpr,
+    PROFILE: tl.constexpr, VEC: tl.constexpr,
 ):
     """Split mode (few long rows), one launch: program (r, j) does steps 1-3 on chunk j of row r, and the
     last program of row r to finish them does steps 4-5 for the whole row.
@@ -771,7 +824,7 @@ def topk_split_kernel(
             # s0 stays a multiple of the tile (aligned loads); an empty chunk has s1 == s0
             s0 = j * ch
             cw = _compact_seg(row, s0, tl.maximum(tl.minimum(s0 + ch, n), s0), t_a, t_p, t_b,
-                              sscr + prog * (NW * CAP), CAP, NW, UN, ASM)
+                              sscr + prog * (NW * CAP), CAP, NW, UN, VEC, ASM)
             tl.debug_barrier()
             if PROFILE == 2:
                 tl.store(out_row + j, tl.sum(cw, axis=0))
@@ -802,6 +855,7 @@ def topk_split_kernel(
                         if (c >= K) & (c <= CAND):
                             _gather_chunks(scr + r.to(tl.int64) * (CHUNKS * 2 * CAND), counts_r, uk, CAND, CHUNKS,
                                            UB, ASM)
+                            _pad4(uk, c, CAND)
                             tl.debug_barrier()
                             T, need = _finish(uk, c, t_lo, umax, K, w, CAND, WCAP, UB, BITS, BITS_W, FINISH_STREAM,
                                               ASM)
@@ -862,6 +916,13 @@ def launch_config(R: int, L: int, sms: int, kind: str | None = None) -> dict:
                 max_lg_sample=11)
 
 
+def _whole_chunks(logits: torch.Tensor, row_starts) -> bool:
+    """Whether every row is made of whole 16-byte chunks (aligned start, length a multiple of 4), so the
+    compaction may read a row to its length rounded up to 4 with 128-bit loads (the kernels' VEC)."""
+    return (row_starts is None and logits.shape[1] % 4 == 0 and logits.stride(0) % 4 == 0
+            and logits.stride(1) == 1 and logits.data_ptr() % 16 == 0)
+
+
 def _ub(num_warps: int) -> int:
     """Slots a step of the streaming loops over U / W / the sample handles: 4 a thread (128-bit loads)."""
     return 128 * num_warps
@@ -899,7 +960,7 @@ def topk_transform(logits, lengths, topk, page_table, row_starts, out_offsets, p
                    out=None, kind=None, cand=None, wcap=None, lg_sample=None, bits=None, bits_w=None, bits_s=None,
                    block=None, grid=None, num_warps=None, stages=None, maxnreg=None, chunks=None, unroll=None,
                    stream=None, finish_stream=None, move_step=None, cached_counters=True, force=0, profile=0,
-                   sample_stream=None):
+                   sample_stream=None, vec=None):
     """Launcher; arguments as in :func:`flashdsa.ops.topk.topk_transform` (already validated).
 
     Keyword knobs are for tests and tuning (small buffers reach every path on small rows):
@@ -915,7 +976,8 @@ def topk_transform(logits, lengths, topk, page_table, row_starts, out_offsets, p
     entries a warp moves to U a step), ``cached_counters`` (split mode: the arrival counters kept per
     device and stream and reset by the kernel; False: zeroed each call), ``force`` (threshold guess
     replaced by 1: the largest sampled key, 2: none, 3: the smallest sampled key), ``profile``
-    (benchmarks: stop after stage 1 / 2 / 3 / 4, output garbage).
+    (benchmarks: stop after stage 1 / 2 / 3 / 4, output garbage), ``vec`` (128-bit row loads reading to
+    the length rounded up to 4; default: when every row is whole 16-byte chunks).
     """
     R, L = logits.shape
     dev = logits.device
@@ -951,10 +1013,11 @@ def topk_transform(logits, lengths, topk, page_table, row_starts, out_offsets, p
     assert lg_s >= 3, "the sample comes in runs of 8"
     assert cand <= 16384 and cand & (cand - 1) == 0, "emit packs two candidate counts in one int32"
     wcap = min(WCAP, cand) if wcap is None else wcap
+    assert wcap % 4 == 0, "W is read 4 keys a thread, padded to a multiple of 4"
     common = dict(HAS_STARTS=row_starts is not None, MODE=mode, PAGE_SIZE=page_size, CAND=cand, NW=num_warps,
                   UN=un, UB=_ub(num_warps), LG_S=lg_s, BITS=bits, BITS_W=bits_w, BITS_S=bits_s, STREAM=stream,
                   MJ=pick(move_step, "move_step"), BLOCK=block, STAGES=stages, ASM=not interp, FORCE=force,
-                  PROFILE=profile)
+                  PROFILE=profile, VEC=_whole_chunks(logits, row_starts) if vec is None else vec)
     finish_stream = cand > 4096 if pick(finish_stream, "finish_stream") is None else finish_stream
     if kind == "split":
         # scratch per row, not per program

@@ -1,0 +1,136 @@
+"""Compile a Triton kernel for sm_90 on a machine without a GPU and report its registers, spills and
+global load / store widths (what the H200 would run, up to Triton version differences).
+
+    python benchmarks/sass_report.py topk [--sass FILE]
+
+Uses the ptxas / nvdisasm that ship inside Triton, so no CUDA toolkit or GPU is needed. Each case
+below builds the launch the library would make (same constexprs, num_warps, register cap) for one
+shape; the arguments' 16-divisibility is specialised as Triton's launcher does for tensors and for
+integers divisible by 16. The GPU box may run another Triton: treat the numbers as a guide and confirm
+speed there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.pop("TRITON_INTERPRET", None)
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+_BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+_TY = {torch.float32: "*fp32", torch.int32: "*i32", torch.int64: "*i64", torch.uint8: "*u8",
+       torch.float8_e4m3fn: "*fp8e4nv", torch.bfloat16: "*bf16"}
+
+
+def compile_sm90(kernel, args: dict, constexprs: dict, num_warps: int, maxnreg: int = 0):
+    """triton.compile of ``kernel`` for sm_90 with ``args`` (name -> tensor / int) as the launcher would
+    specialise them. Returns the compiled kernel (``.asm['ptx']``, ``.asm['cubin']``)."""
+    fn = kernel
+    names = fn.arg_names
+    sig, attrs = {}, {}
+    for i, name in enumerate(names):
+        if name in constexprs:
+            sig[name] = "constexpr"
+            continue
+        v = args[name]
+        if isinstance(v, torch.Tensor):
+            sig[name] = _TY[v.dtype]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            sig[name] = "i64" if abs(int(v)) >= 2 ** 31 else "i32"
+            if int(v) % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
+    opts = {"num_warps": num_warps}
+    if maxnreg:
+        opts["maxnreg"] = maxnreg
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+
+
+def report(name: str, k, sass_path: str | None = None) -> dict:
+    ptx = k.asm["ptx"]
+    with tempfile.TemporaryDirectory() as d:
+        cubin = Path(d) / "k.cubin"
+        cubin.write_bytes(k.asm["cubin"])
+        sass = subprocess.run([str(_BIN / "nvdisasm"), "-c", str(cubin)], capture_output=True, text=True).stdout
+        res = subprocess.run([str(_BIN / "cuobjdump"), "-res-usage", str(cubin)], capture_output=True, text=True).stdout
+    if sass_path:
+        Path(sass_path).write_text(sass)
+    regs = re.search(r"REG:(\d+)", res)
+    stack = re.search(r"STACK:(\d+)", res)
+    row = {"kernel": name, "regs": int(regs.group(1)) if regs else None,
+           "stack_bytes": int(stack.group(1)) if stack else None,
+           "LDL": len(re.findall(r"\bLDL\b", sass)), "STL": len(re.findall(r"\bSTL\b", sass)),
+           "BAR": len(re.findall(r"\bBAR\.SYNC", sass))}
+    loads = re.findall(r"ld\.global[\w.:]*", ptx)
+    row["ld.global"] = {w: sum(1 for x in loads if x.endswith(w)) for w in ("v4.b32", "v2.b64", "v2.b32", ".b32", ".b64")}
+    row["sass_lines"] = sass.count("\n")
+    return row
+
+
+def topk_cases(module: str | None = None):
+    if module:  # another version of flashdsa/ops/topk/triton.py, to compare
+        import importlib.util
+        spec = importlib.util.spec_from_file_location("topk_other", module)
+        T = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(T)
+    else:
+        from flashdsa.ops.topk import triton as T
+    cases = []
+    for R, L in ((4096, 8192), (64, 32768)):
+        x = torch.empty(R, L)
+        n = torch.empty(R, dtype=torch.int32)
+        captured = {}
+
+        class _Grab:
+            def __init__(self, kern):
+                self.kern = kern
+
+            def __getitem__(self, grid):
+                def launch(*a, **kw):
+                    captured.update(kern=self.kern, args=a, kw=kw)
+                return launch
+        saved = T.topk_transform_kernel, T.topk_split_kernel
+        T.topk_transform_kernel, T.topk_split_kernel = _Grab(saved[0]), _Grab(saved[1])
+        T.interpreting = lambda: False
+        T.num_sms = lambda dev: 132   # an H200
+        try:
+            T.topk_transform(x, n, 2048, None, None, None, 64)
+        finally:
+            T.topk_transform_kernel, T.topk_split_kernel = saved
+        kern, a, kw = captured["kern"], captured["args"], dict(captured["kw"])
+        nw, mr = kw.pop("num_warps"), kw.pop("maxnreg", 0)
+        names = kern.arg_names
+        consts = {k: v for k, v in kw.items() if k in names and not isinstance(v, torch.Tensor)
+                  and k[:1].isupper()}
+        args = dict(zip(names, a))
+        args.update({k: v for k, v in kw.items() if k not in consts})
+        cases.append((f"{kern.fn.__name__} {R}x{L}", kern, args, consts, nw, mr))
+    return cases
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("op", choices=["topk"])
+    ap.add_argument("--sass", help="write the SASS of each case to FILE.<i>")
+    ap.add_argument("--module", help="compile the kernels of this file instead (e.g. an older triton.py)")
+    a = ap.parse_args()
+    for i, (name, kern, args, consts, nw, mr) in enumerate(topk_cases(a.module)):
+        k = compile_sm90(kern, args, consts, nw, mr)
+        print(report(name, k, f"{a.sass}.{i}" if a.sass else None))
+
+
+if __name__ == "__main__":
+    main()
