@@ -252,37 +252,51 @@ def _move(useg, cw, uk, CAP: tl.constexpr, CAND: tl.constexpr, NW: tl.constexpr,
 
 
 @triton.jit
-def _emit_u(uk, c, T, need, K, out_row, table_row, off_r, CAND: tl.constexpr, UB: tl.constexpr, MODE: tl.constexpr,
+def _emit_u(uk, c, T, need, out_row, table_row, off_r, CAND: tl.constexpr, NW: tl.constexpr, MODE: tl.constexpr,
             PAGE_SIZE: tl.constexpr, ASM: tl.constexpr):
     """Write, in U order, the positions (``uk[CAND:]``) of every key (``uk[:c]``, padded to a multiple of 4)
-    ``> T`` and of the first ``need`` keys ``== T``, UB slots at a time, the next block loaded before this
-    one's stores. Once K are out nothing more is selected. (A for loop: Triton 3.6's layout pass fails on
-    a while loop carrying the prefetched blocks.)"""
-    zero = tl.full([], 0, tl.int32)
-    gt_base = zero
-    eq_base = zero
+    ``> T`` and of the first ``need`` keys ``== T``, translated.
+
+    Warp w owns a contiguous span of U and walks it in ``[NW, 128]`` tiles, so every scan and sum stays
+    inside a warp (a block-wide scan costs two barriers a block): a first pass counts each warp's keys
+    ``> T`` and ``== T``, one exclusive sum over the NW totals gives each warp its output offsets, a
+    second pass scans and stores. Each pass loads the next tile before working on this one."""
+    w = tl.arange(0, NW)
+    j = tl.arange(0, 128)
     c4 = _round4(c)
-    ar = tl.arange(0, UB)
-    # [UB] keys of U (empty slots: INT_MIN, below every T) and their positions
-    x = tl.load(uk + ar, mask=ar < c4, other=_INT_MIN)
-    pos = tl.load(uk + CAND + ar, mask=ar < c4, other=0)
-    for start in tl.range(0, c, UB, num_stages=1):
-        nxt = start + UB + ar
+    span = tl.cdiv(tl.cdiv(c4, NW), 128) * 128
+    start = (w * span)[:, None] + j[None, :]
+    # ---- pass 1: per-warp counts, > T in the low 16 bits, == T in the high (CAND < 2^15)
+    acc = tl.zeros([NW, 128], dtype=tl.int32)
+    # [NW, 128] keys of U (empty slots: INT_MIN, below every T)
+    x = tl.load(uk + start, mask=start < c4, other=_INT_MIN)
+    for it in tl.range(0, span, 128, num_stages=1):
+        nxt = start + it + 128
+        xn = tl.load(uk + nxt, mask=nxt < c4, other=_INT_MIN)
+        acc += (x > T).to(tl.int32) + ((x == T).to(tl.int32) << 16)
+        x = xn
+    tot = tl.sum(acc, axis=1)
+    gt_base = _excl_sum(tot & 0xFFFF, NW)
+    eq_base = _excl_sum(tot >> 16, NW)
+    # ---- pass 2: warp-local scans, translated stores
+    x = tl.load(uk + start, mask=start < c4, other=_INT_MIN)
+    pos = tl.load(uk + CAND + start, mask=start < c4, other=0)
+    for it in tl.range(0, span, 128, num_stages=1):
+        nxt = start + it + 128
         xn = tl.load(uk + nxt, mask=nxt < c4, other=_INT_MIN)
         pn = tl.load(uk + CAND + nxt, mask=nxt < c4, other=0)
         gt = (x > T).to(tl.int32)
         eq = (x == T).to(tl.int32)
-        # One scan counts both: greater-than in the low 16 bits, equal in the high (CAND < 2^15).
         v = gt + (eq << 16)
-        ex = tl.cumsum(v, axis=0) - v
-        gt_ex = gt_base + (ex & 0xFFFF)
-        eq_ex = eq_base + (ex >> 16)
+        ex = tl.cumsum(v, axis=1) - v
+        gt_ex = gt_base[:, None] + (ex & 0xFFFF)
+        eq_ex = eq_base[:, None] + (ex >> 16)
         sel = (gt != 0) | ((eq != 0) & (eq_ex < need))
         slot = gt_ex + tl.minimum(eq_ex, need)
         _store(out_row + slot, _translate(pos, sel, table_row, off_r, MODE, PAGE_SIZE), sel, ASM)
-        tot = tl.sum(v, axis=0)
-        gt_base += tot & 0xFFFF
-        eq_base += tot >> 16
+        t = tl.sum(v, axis=1)
+        gt_base += t & 0xFFFF
+        eq_base += t >> 16
         x = xn
         pos = pn
 
@@ -519,8 +533,38 @@ def _select_stream(src, c, lo, hi, kk, tol, stop, BITS: tl.constexpr, UB: tl.con
 
 
 @triton.jit
+def _copy_range(src, c, lo, hi, dst, NW: tl.constexpr, ASM: tl.constexpr):
+    """The keys of ``src[:c]`` (padded with INT_MIN to a multiple of 4) that lie in ``[lo, hi]`` -> ``dst``, in
+    order. Warp spans and two passes as in :func:`_emit_u`: counts, one exclusive sum over the warps,
+    then warp-local scans and stores (no block-wide scan)."""
+    w = tl.arange(0, NW)
+    j = tl.arange(0, 128)
+    c4 = _round4(c)
+    span = tl.cdiv(tl.cdiv(c4, NW), 128) * 128
+    start = (w * span)[:, None] + j[None, :]
+    acc = tl.zeros([NW, 128], dtype=tl.int32)
+    # [NW, 128] keys (empty slots: INT_MIN, never in range)
+    x = tl.load(src + start, mask=start < c4, other=_INT_MIN)
+    for it in tl.range(0, span, 128, num_stages=1):
+        nxt = start + it + 128
+        xn = tl.load(src + nxt, mask=nxt < c4, other=_INT_MIN)
+        acc += ((x >= lo) & (x <= hi)).to(tl.int32)
+        x = xn
+    base = _excl_sum(tl.sum(acc, axis=1), NW)
+    x = tl.load(src + start, mask=start < c4, other=_INT_MIN)
+    for it in tl.range(0, span, 128, num_stages=1):
+        nxt = start + it + 128
+        xn = tl.load(src + nxt, mask=nxt < c4, other=_INT_MIN)
+        f = (x >= lo) & (x <= hi)
+        fi = f.to(tl.int32)
+        _store(dst + base[:, None] + tl.cumsum(fi, axis=1) - 1, x, f, ASM)
+        base += tl.sum(fi, axis=1)
+        x = xn
+
+
+@triton.jit
 def _finish(uk, c, lo, hi, kk, w, CAND: tl.constexpr, WCAP: tl.constexpr, UB: tl.constexpr, BITS: tl.constexpr,
-            BITS_W: tl.constexpr, STREAM: tl.constexpr, ASM: tl.constexpr):
+            BITS_W: tl.constexpr, STREAM: tl.constexpr, NW: tl.constexpr, ASM: tl.constexpr):
     """``(T, need)`` for the kk-th largest of the keys ``uk[:c]`` in ``[lo, hi]``: levels on U (in registers,
     or streamed when STREAM) until the bucket holds at most WCAP keys, then those keys are copied to ``w``
     and the levels go on there."""
@@ -532,16 +576,9 @@ def _finish(uk, c, lo, hi, kk, w, CAND: tl.constexpr, WCAP: tl.constexpr, UB: tl
         x = tl.load(uk + iu, mask=iu < _round4(c), other=_INT_MIN)
         done, T, need, lo, hi, kk, in_bin = _select_regs(x, lo, hi, kk, 0, WCAP, BITS)
     if done == 0:
-        # the bucket -> w, UB slots of U at a time (reloaded: fewer live registers than keeping x)
-        cnt = tl.full([], 0, tl.int32)
-        for start in tl.range(0, c, UB, num_stages=1):
-            offs = start + tl.arange(0, UB)
-            xb = tl.load(uk + offs, mask=offs < _round4(c), other=_INT_MIN)
-            f = (xb >= lo) & (xb <= hi)
-            fi = f.to(tl.int32)
-            _store(w + cnt + tl.cumsum(fi, axis=0) - 1, xb, f, ASM)
-            cnt += tl.sum(fi, axis=0)
-        _pad4(w, cnt, WCAP)
+        # the bucket -> w (U reloaded: fewer live registers than keeping x)
+        _copy_range(uk, c, lo, hi, w, NW, ASM)
+        _pad4(w, in_bin, WCAP)
         # Other threads read what this one wrote.
         tl.debug_barrier()
         if STREAM:
@@ -611,7 +648,7 @@ def _sample_threshold(row, n, K, sbuf, CAND: tl.constexpr, LG_S: tl.constexpr, B
 def _fallback(row, n, K, c, t_lo, uk, w, out_row, table_row, off_r, CAND: tl.constexpr, WCAP: tl.constexpr,
               UB: tl.constexpr, BITS: tl.constexpr, BITS_W: tl.constexpr, STREAM: tl.constexpr,
               BLOCK: tl.constexpr, STAGES: tl.constexpr, MODE: tl.constexpr, PAGE_SIZE: tl.constexpr,
-              ASM: tl.constexpr, EMIT: tl.constexpr):
+              NW: tl.constexpr, ASM: tl.constexpr, EMIT: tl.constexpr):
     """The guess missed (``c`` keys reached ``t_lo``: fewer than K, or more than U holds). Levels on the
     row itself until the bucket fits U (its keys copied to ``uk``), then in registers; emit from the row."""
     if c > CAND:
@@ -656,7 +693,7 @@ def _fallback(row, n, K, c, t_lo, uk, w, out_row, table_row, off_r, CAND: tl.con
                 _compact_row(row, 0, n, lo, hi, uk, CAND, BLOCK, STAGES, ASM)
                 tl.debug_barrier()
                 # the bucket's keys in U (emit reads the row: positions are not needed)
-                T, need = _finish(uk, in_bin, lo, hi, kk, w, CAND, WCAP, UB, BITS, BITS_W, STREAM, ASM)
+                T, need = _finish(uk, in_bin, lo, hi, kk, w, CAND, WCAP, UB, BITS, BITS_W, STREAM, NW, ASM)
                 done = n * 0 + 1
     if EMIT:
         _emit_row(row, n, T, need, K, out_row, table_row, off_r, MODE, PAGE_SIZE, BLOCK, ASM)
@@ -751,33 +788,43 @@ def topk_transform_kernel(
                         tl.store(out_row, umax)
                     else:
                         # ---- 4./5. select in registers, emit from U
-                        T, need = _finish(uk, c, t_lo, umax, K, w, CAND, WCAP, UB, BITS, BITS_W, STREAM, ASM)
+                        T, need = _finish(uk, c, t_lo, umax, K, w, CAND, WCAP, UB, BITS, BITS_W, STREAM, NW, ASM)
                         if PROFILE == 4:
                             tl.store(out_row, T + need)
                         else:
-                            _emit_u(uk, c, T, need, K, out_row, table_row, off_r, CAND, UB, MODE, PAGE_SIZE, ASM)
+                            _emit_u(uk, c, T, need, out_row, table_row, off_r, CAND, NW, MODE, PAGE_SIZE, ASM)
                 else:
                     _fallback(row, n, K, c, t_lo, uk, w, out_row, table_row, off_r, CAND, WCAP, UB, BITS,
-                              BITS_W, STREAM, BLOCK, STAGES, MODE, PAGE_SIZE, ASM, PROFILE == 0)
+                              BITS_W, STREAM, BLOCK, STAGES, MODE, PAGE_SIZE, NW, ASM, PROFILE == 0)
 
 
 @triton.jit
 def _gather_chunks(scr_r, counts_r, uk, CAND: tl.constexpr, CHUNKS: tl.constexpr, UB: tl.constexpr, ASM: tl.constexpr):
-    """The chunks' candidates of a split row (``scr_r [CHUNKS, 2, CAND]``) concatenated, in position order,
-    into ``uk [2, CAND]`` (keys, then positions; at most CAND). Cache-global loads: other SMs wrote them."""
-    base = tl.full([], 0, tl.int32)
-    for jj in tl.static_range(CHUNKS):
-        cnt = tl.minimum(tl.load(counts_r + jj, cache_modifier=".cg"), CAND - base)
-        for start in tl.range(0, cnt, UB, num_stages=1):
-            offs = start + tl.arange(0, UB)
-            m = offs < cnt
-            # [UB] keys and positions of chunk jj (read to the count rounded up to 4: 128-bit loads)
-            x = tl.load(scr_r + jj * (2 * CAND) + offs, mask=offs < _round4(cnt), other=0, cache_modifier=".cg")
-            p = tl.load(scr_r + jj * (2 * CAND) + CAND + offs, mask=offs < _round4(cnt), other=0,
-                        cache_modifier=".cg")
-            _store(uk + base + offs, x, m, ASM)
-            _store(uk + CAND + base + offs, p, m, ASM)
-        base += cnt
+    """The chunks' candidates of a split row (``scr_r [CHUNKS, 2, CAND]``, counts_r[:CHUNKS] of them, at most
+    CAND in all) concatenated, in position order, into ``uk [2, CAND]`` (keys, then positions).
+    Cache-global loads: other SMs wrote them. All chunks move at once, ``[CP, UB / CP]`` slots a step,
+    the next step loaded ahead (one round trip, not one a chunk)."""
+    CP: tl.constexpr = triton.next_power_of_2(CHUNKS)
+    BJ: tl.constexpr = UB // CP
+    jj = tl.arange(0, CP)
+    cnt = tl.load(counts_r + jj, mask=jj < CHUNKS, other=0, cache_modifier=".cg")
+    cnt4 = _round4(cnt)[:, None]
+    dst = uk + _excl_sum(cnt, CP)[:, None]
+    src = scr_r + (jj * (2 * CAND))[:, None]
+    offs = tl.arange(0, BJ)[None, :]
+    # [CP, BJ] keys and positions (read to the counts rounded up to 4: 128-bit loads)
+    x = tl.load(src + offs, mask=offs < cnt4, other=0, cache_modifier=".cg")
+    p = tl.load(src + CAND + offs, mask=offs < cnt4, other=0, cache_modifier=".cg")
+    for start in tl.range(0, tl.max(cnt, axis=0), BJ, num_stages=1):
+        o = start + offs
+        nxt = o + BJ
+        xn = tl.load(src + nxt, mask=nxt < cnt4, other=0, cache_modifier=".cg")
+        pn = tl.load(src + CAND + nxt, mask=nxt < cnt4, other=0, cache_modifier=".cg")
+        m = o < cnt[:, None]
+        _store(dst + o, x, m, ASM)
+        _store(dst + CAND + o, p, m, ASM)
+        x = xn
+        p = pn
 
 
 @triton.jit
@@ -858,14 +905,14 @@ def topk_split_kernel(
                             _pad4(uk, c, CAND)
                             tl.debug_barrier()
                             T, need = _finish(uk, c, t_lo, umax, K, w, CAND, WCAP, UB, BITS, BITS_W, FINISH_STREAM,
-                                              ASM)
+                                              NW, ASM)
                             if PROFILE == 4:
                                 tl.store(out_row, T + need)
                             else:
-                                _emit_u(uk, c, T, need, K, out_row, table_row, off_r, CAND, UB, MODE, PAGE_SIZE, ASM)
+                                _emit_u(uk, c, T, need, out_row, table_row, off_r, CAND, NW, MODE, PAGE_SIZE, ASM)
                         else:
                             _fallback(row, n, K, c, t_lo, uk, w, out_row, table_row, off_r, CAND, WCAP, UB, BITS,
-                                      BITS_W, FINISH_STREAM, BLOCK, STAGES, MODE, PAGE_SIZE, ASM, PROFILE == 0)
+                                      BITS_W, FINISH_STREAM, BLOCK, STAGES, MODE, PAGE_SIZE, NW, ASM, PROFILE == 0)
 
 
 def sizes(K: int, L: int, cand: int | None = None, lg_sample: int | None = None,
@@ -892,27 +939,30 @@ def launch_config(R: int, L: int, sms: int, kind: str | None = None) -> dict:
     """Launch shapes, chosen on the H200 (triton 3.6; README "Measured").
 
     Few rows (R <= SMs, L >= 4K, ``kind="split"``): :func:`topk_split_kernel`; a row's sample + compaction
-    is spread over ``chunks`` programs of 8 warps (64 x 32K: 4, 64 x 128K: 8; 2-warp programs x 8 / 16
-    and 1-warp x 32 were slower), the last of them selects (levels in registers up to CAND 4096, streamed
-    above: the register form needs 127 registers at CAND 8192, two waves at 64 x 128K) and emits.
+    is spread over ``chunks`` programs of 8 warps (one per 32K of row, at least 2: 64 x 32K 2 chunks 26.8
+    against 4 chunks 28.5 us, 64 x 128K 4 chunks 42.1 against 8 chunks 48.7, 2026-11-29 13:40 UTC; 2-warp
+    programs x 8 / 16 and 1-warp x 32 were slower), each compacting 4 tiles a warp at once, 128 list
+    entries a warp moved a step; the last of them selects (levels in registers up to CAND 4096, streamed
+    above: the register form needs 127 registers at CAND 8192) and emits.
     Many rows (``"fused"``): :func:`topk_transform_kernel` on a persistent grid of what fits at once.
     Rows up to 16K: 4-warp programs, 8 an SM, capped at 64 registers (the persistent grid assumes all
     of them resident: uncapped, a few registers more left programs waiting for a whole other one), levels
     on U / W streamed from memory but on the sample (<= 2048 keys) in registers (4096 x 16K 319 -> 310 us,
-    4096 x 8K 240 -> 238, 2026-11-29 about 12:40 UTC), 128 list entries a warp moved to U a step (1 / 2 warps,
-    8 warps in registers were slower). Longer rows: 8 warps capped
-    at 64 registers, 4 an SM, levels in registers (4096 x 32K: streamed with 1 / 2 / 4 warps was slower).
+    4096 x 8K 240 -> 238, 2026-11-29 about 12:40 UTC), 2 tiles a warp compacted at once (4: 218.7 against
+    215.6 us at 4096 x 8K), 128 list entries a warp moved to U a step (1 / 2 warps, 8 warps in registers
+    were slower). Longer rows: 8 warps capped at 64 registers, 4 an SM, levels in registers, 4 tiles a
+    warp at once (4096 x 32K 428 against 457 us with 2; streamed with 1 / 2 / 4 warps was slower).
     """
     if kind is None:
         kind = "split" if R <= sms and L >= 4096 else "fused"
     if kind == "split":
-        chunks = max(2, min(16, L // 8192, prev_pow2(4 * sms // max(R, 1))))
-        return dict(kind=kind, chunks=chunks, num_warps=8, maxnreg=0, unroll=2, stream=False, finish_stream=None,
-                    move_step=64, max_lg_sample=11)
+        chunks = max(2, min(16, L // 32768, prev_pow2(4 * sms // max(R, 1))))
+        return dict(kind=kind, chunks=chunks, num_warps=8, maxnreg=0, unroll=4, stream=False, finish_stream=None,
+                    move_step=128, max_lg_sample=11)
     if L <= 16384:
         return dict(kind=kind, num_warps=4, maxnreg=64, grid=min(R, 8 * sms), unroll=2, stream=True, move_step=128,
                     sample_stream=False, max_lg_sample=11)
-    return dict(kind=kind, num_warps=8, maxnreg=64, grid=min(R, 4 * sms), unroll=2, stream=False, move_step=64,
+    return dict(kind=kind, num_warps=8, maxnreg=64, grid=min(R, 4 * sms), unroll=4, stream=False, move_step=64,
                 max_lg_sample=11)
 
 
