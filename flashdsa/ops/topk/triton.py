@@ -252,6 +252,31 @@ def _move(useg, cw, uk, CAP: tl.constexpr, CAND: tl.constexpr, NW: tl.constexpr,
 
 
 @triton.jit
+def _warp_spans(c, NW: tl.constexpr):
+    """Warp w's span of ``[0, c)`` (c padded to c4, a multiple of 4): ``start [NW, 128]``, the positions of its
+    first tile, and ``span``, a multiple of 128, the same for every warp."""
+    c4 = _round4(c)
+    span = tl.cdiv(tl.cdiv(c4, NW), 128) * 128
+    start = (tl.arange(0, NW) * span)[:, None] + tl.arange(0, 128)[None, :]
+    return start, span, c4
+
+
+@triton.jit
+def _span_counts(src, start, span, c4, a1, b1, a2, b2, NW: tl.constexpr):
+    """Per warp ``[NW]``: how many keys of its span (``src``, INT_MIN past c4) lie in ``[a1, b1]``, plus how many
+    lie in ``[a2, b2]`` shifted left by 16 (each below 2^15). The next tile is loaded a step ahead."""
+    acc = tl.zeros([NW, 128], dtype=tl.int32)
+    # [NW, 128] keys
+    x = tl.load(src + start, mask=start < c4, other=_INT_MIN)
+    for it in tl.range(0, span, 128, num_stages=1):
+        nxt = start + it + 128
+        xn = tl.load(src + nxt, mask=nxt < c4, other=_INT_MIN)
+        acc += ((x >= a1) & (x <= b1)).to(tl.int32) + (((x >= a2) & (x <= b2)).to(tl.int32) << 16)
+        x = xn
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
 def _emit_u(uk, c, T, need, out_row, table_row, off_r, CAND: tl.constexpr, NW: tl.constexpr, MODE: tl.constexpr,
             PAGE_SIZE: tl.constexpr, ASM: tl.constexpr):
     """Write, in U order, the positions (``uk[CAND:]``) of every key (``uk[:c]``, padded to a multiple of 4)
@@ -261,21 +286,9 @@ def _emit_u(uk, c, T, need, out_row, table_row, off_r, CAND: tl.constexpr, NW: t
     inside a warp (a block-wide scan costs two barriers a block): a first pass counts each warp's keys
     ``> T`` and ``== T``, one exclusive sum over the NW totals gives each warp its output offsets, a
     second pass scans and stores. Each pass loads the next tile before working on this one."""
-    w = tl.arange(0, NW)
-    j = tl.arange(0, 128)
-    c4 = _round4(c)
-    span = tl.cdiv(tl.cdiv(c4, NW), 128) * 128
-    start = (w * span)[:, None] + j[None, :]
+    start, span, c4 = _warp_spans(c, NW)
     # ---- pass 1: per-warp counts, > T in the low 16 bits, == T in the high (CAND < 2^15)
-    acc = tl.zeros([NW, 128], dtype=tl.int32)
-    # [NW, 128] keys of U (empty slots: INT_MIN, below every T)
-    x = tl.load(uk + start, mask=start < c4, other=_INT_MIN)
-    for it in tl.range(0, span, 128, num_stages=1):
-        nxt = start + it + 128
-        xn = tl.load(uk + nxt, mask=nxt < c4, other=_INT_MIN)
-        acc += (x > T).to(tl.int32) + ((x == T).to(tl.int32) << 16)
-        x = xn
-    tot = tl.sum(acc, axis=1)
+    tot = _span_counts(uk, start, span, c4, T + 1, _INT_MAX, T, T, NW)
     gt_base = _excl_sum(tot & 0xFFFF, NW)
     eq_base = _excl_sum(tot >> 16, NW)
     # ---- pass 2: warp-local scans, translated stores
@@ -537,20 +550,9 @@ def _copy_range(src, c, lo, hi, dst, NW: tl.constexpr, ASM: tl.constexpr):
     """The keys of ``src[:c]`` (padded with INT_MIN to a multiple of 4) that lie in ``[lo, hi]`` -> ``dst``, in
     order. Warp spans and two passes as in :func:`_emit_u`: counts, one exclusive sum over the warps,
     then warp-local scans and stores (no block-wide scan)."""
-    w = tl.arange(0, NW)
-    j = tl.arange(0, 128)
-    c4 = _round4(c)
-    span = tl.cdiv(tl.cdiv(c4, NW), 128) * 128
-    start = (w * span)[:, None] + j[None, :]
-    acc = tl.zeros([NW, 128], dtype=tl.int32)
-    # [NW, 128] keys (empty slots: INT_MIN, never in range)
-    x = tl.load(src + start, mask=start < c4, other=_INT_MIN)
-    for it in tl.range(0, span, 128, num_stages=1):
-        nxt = start + it + 128
-        xn = tl.load(src + nxt, mask=nxt < c4, other=_INT_MIN)
-        acc += ((x >= lo) & (x <= hi)).to(tl.int32)
-        x = xn
-    base = _excl_sum(tl.sum(acc, axis=1), NW)
+    start, span, c4 = _warp_spans(c, NW)
+    # empty slots (INT_MIN) are never in range; the second range is empty
+    base = _excl_sum(_span_counts(src, start, span, c4, lo, hi, 1, 0, NW), NW)
     x = tl.load(src + start, mask=start < c4, other=_INT_MIN)
     for it in tl.range(0, span, 128, num_stages=1):
         nxt = start + it + 128
