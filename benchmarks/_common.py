@@ -18,7 +18,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from flashdsa.bench import cos_diff, time_us  # noqa: E402,F401 (shared with `flashdsa bench`)
+from flashdsa.bench import capture_graph, cos_diff, time_us  # noqa: E402,F401 (shared with `flashdsa bench`)
 
 
 def load_deep_gemm():

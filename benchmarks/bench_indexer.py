@@ -41,7 +41,7 @@ import torch
 if "--smoke" in sys.argv and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
-from _common import bench, cos_diff, load_deep_gemm, print_table, write_json
+from _common import bench, capture_graph, cos_diff, load_deep_gemm, print_table, write_json
 
 from flashdsa.cache.layouts import INDEX_BYTES_PER_TOKEN, index_page_views
 from flashdsa.ops.indexer import reference
@@ -79,15 +79,7 @@ def _graph_time(fn, reps: int = 20) -> float | None:
     if DEV != "cuda":
         return None
     try:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            fn()
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for _ in range(reps):
-                fn()
+        g = capture_graph(fn, reps)
         ts = []
         for _ in range(5):
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

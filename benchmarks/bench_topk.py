@@ -37,7 +37,7 @@ import torch
 if "--smoke" in sys.argv and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
-from _common import bench, load_sgl_ops, print_table, write_json
+from _common import bench, capture_graph, load_sgl_ops, print_table, write_json
 
 from flashdsa import ops
 from flashdsa.ops.topk import triton as T
@@ -67,10 +67,7 @@ def _time_graph(fn) -> float:
         return _time(fn)
     fn()
     torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return bench(graph.replay)
+    return bench(capture_graph(fn).replay)
 
 
 def make_scores(kind: str, R: int, L: int, seed: int = 0) -> torch.Tensor:

@@ -574,21 +574,28 @@ def _do_bench(fn) -> float:
     return 1e3 * triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
+def capture_graph(fn: Callable[[], Any], reps: int = 1) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of ``reps`` back-to-back calls of ``fn``, after one warm-up call on a side stream (compiles,
+    allocator pools and lazy init happen outside the capture). Raises what capture raises."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            fn()
+    return g
+
+
 def time_us(fn: Callable[[], Any], graph: bool = True) -> float:
     """Median µs of ``fn`` on the GPU: a CUDA-graph replay of one call, or the plain call if capture fails."""
     fn()
     torch.cuda.synchronize()
     if graph:
         try:
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                fn()
-            torch.cuda.current_stream().wait_stream(s)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                fn()
-            return _do_bench(g.replay)
+            return _do_bench(capture_graph(fn).replay)
         except Exception:  # noqa: BLE001 - a call that cannot be captured is timed plainly
             torch.cuda.synchronize()
     return _do_bench(fn)

@@ -427,15 +427,53 @@ def _pick_bucket(hist, kk):
 
 
 @triton.jit
-def _select_regs(x, lo, hi, kk, tol, stop, BITS: tl.constexpr):
-    """Radix levels on the keys ``x`` (a 1-D register tensor; empty slots hold INT_MIN, below every key)
-    that lie in ``[lo, hi]`` (lo >= key(-inf)), towards the kk-th largest of them.
+def _stream_hist(src, c, lo, hi, shift, BITS: tl.constexpr, UB: tl.constexpr):
+    """Histogram of the digit ``((x - lo) >> shift) & (2^BITS - 1)`` over the keys x of ``src[:c]`` (padded with
+    INT_MIN to a multiple of 4) in ``[lo, hi]``, UB at a time, the next block loaded a step ahead."""
+    ar = tl.arange(0, UB)
+    c4 = _round4(c)
+    hist = tl.zeros([1 << BITS], dtype=tl.int32)
+    # [UB] keys (empty slots: INT_MIN, below every key)
+    x = tl.load(src + ar, mask=ar < c4, other=_INT_MIN)
+    for start in tl.range(0, c, UB, num_stages=1):
+        nxt = start + UB + ar
+        xn = tl.load(src + nxt, mask=nxt < c4, other=_INT_MIN)
+        d = tl.where((x >= lo) & (x <= hi), ((x - lo) >> shift) & ((1 << BITS) - 1), -1)
+        hist += tl.histogram(d, 1 << BITS, mask=d >= 0)
+        x = xn
+    return hist
 
-    Precondition: at least kk keys of x lie in ``[lo, hi]`` and every key of x above ``hi``
-    is taken. A level histograms the digit ``((x - lo) >> shift) & (2^BITS - 1)``: 2^BITS equal buckets
-    laid from lo up (``shift = bitwidth(hi - lo) - BITS``; ``x - lo`` wraps in int32 but its low
-    ``shift + BITS <= 32`` bits are right) and keeps the bucket where the count from the top reaches kk.
-    It stops when
+
+@triton.jit
+def _stream_min_max(src, c, lo, hi, UB: tl.constexpr):
+    """(min, max) of the keys of ``src[:c]`` (padded to a multiple of 4) in ``[lo, hi]``, UB at a time."""
+    ar = tl.arange(0, UB)
+    c4 = _round4(c)
+    vmin = tl.full([UB], _INT_MAX, tl.int32)
+    vmax = tl.full([UB], _INT_MIN, tl.int32)
+    x = tl.load(src + ar, mask=ar < c4, other=_INT_MIN)
+    for start in tl.range(0, c, UB, num_stages=1):
+        nxt = start + UB + ar
+        xn = tl.load(src + nxt, mask=nxt < c4, other=_INT_MIN)
+        inb = (x >= lo) & (x <= hi)
+        vmin = tl.minimum(vmin, tl.where(inb, x, _INT_MAX))
+        vmax = tl.maximum(vmax, tl.where(inb, x, _INT_MIN))
+        x = xn
+    return tl.min(vmin, axis=0), tl.max(vmax, axis=0)
+
+
+@triton.jit
+def _select(x, c, lo, hi, kk, tol, stop, BITS: tl.constexpr, UB: tl.constexpr, STREAM: tl.constexpr):
+    """Radix levels on the keys ``x`` (a 1-D register tensor; empty slots hold INT_MIN, below every key), or,
+    STREAM, on the ``c`` keys that the pointer ``x`` points to (padded with INT_MIN to a multiple of 4),
+    read from memory UB at a time at each level (registers independent of c: the form for few-warp
+    programs). Only keys in ``[lo, hi]`` (lo >= key(-inf)) count; the levels go towards the kk-th
+    largest of them.
+
+    Precondition: at least kk keys lie in ``[lo, hi]`` and every key above ``hi`` is taken. A level
+    histograms the digit ``((x - lo) >> shift) & (2^BITS - 1)``: 2^BITS equal buckets laid from lo up
+    (``shift = bitwidth(hi - lo) - BITS``; ``x - lo`` wraps in int32 but its low ``shift + BITS <= 32``
+    bits are right) and keeps the bucket where the count from the top reaches kk. It stops when
     - one key value is left: ``T = lo``, ``need = kk`` (kk copies of T taken, first positions first);
     - the bucket is taken whole (at most ``kk + tol`` keys; ``tol > 0`` only for the sample's
       threshold, where more than kk may be "taken"): ``T`` = the bucket's lower edge - 1, ``need = 0``;
@@ -464,84 +502,29 @@ def _select_regs(x, lo, hi, kk, tol, stop, BITS: tl.constexpr):
             done = zero + 1
         else:
             shift = tl.maximum(width - BITS, 0).to(tl.int32)
-            # the digit, -1 outside the range
-            d = tl.where((x >= lo) & (x <= hi), ((x - lo) >> shift) & ((1 << BITS) - 1), -1)
-            dsel, above, in_bin = _pick_bucket(tl.histogram(d, 1 << BITS, mask=d >= 0), kk)
+            if STREAM:
+                hist = _stream_hist(x, c, lo, hi, shift, BITS, UB)
+            else:
+                # the digit, -1 outside the range
+                d = tl.where((x >= lo) & (x <= hi), ((x - lo) >> shift) & ((1 << BITS) - 1), -1)
+                hist = tl.histogram(d, 1 << BITS, mask=d >= 0)
+            dsel, above, in_bin = _pick_bucket(hist, kk)
             kk = kk - above
             b_lo = lo.to(tl.int64) + (dsel.to(tl.int64) << shift)
+            b_hi = tl.minimum(b_lo + (1 << shift.to(tl.int64)) - 1, hi.to(tl.int64)).to(tl.int32)
             if in_bin <= kk + tol:
                 # The whole bucket is taken: T sits just below it (b_lo >= lo >= key(-inf): no overflow).
                 T = b_lo.to(tl.int32) - 1
                 need = zero
                 done = zero + 1
             elif in_bin <= stop:
-                hi = tl.minimum(b_lo + (1 << shift.to(tl.int64)) - 1, hi.to(tl.int64)).to(tl.int32)
-                lo = b_lo.to(tl.int32)
-            else:
-                lo, hi = _min_max(x, d == dsel)
-    return done, T, need, lo, hi, kk, in_bin
-
-
-@triton.jit
-def _select_stream(src, c, lo, hi, kk, tol, stop, BITS: tl.constexpr, UB: tl.constexpr):
-    """:func:`_select_regs` on the keys ``src[:c]`` (padded with INT_MIN to a multiple of 4) read from memory
-    UB at a time at each level (registers independent of c: the form for few-warp programs). Same
-    contract and returns."""
-    zero = tl.full([], 0, tl.int32)
-    ar = tl.arange(0, UB)
-    c4 = _round4(c)
-    done = zero
-    T = zero
-    need = zero
-    it = zero
-    lo = lo + zero
-    hi = hi + zero
-    kk = kk + zero
-    in_bin = zero + _INT_MAX
-    while (done == 0) & (in_bin > stop) & (it < _MAX_LEVELS):
-        it += 1
-        width = _bit_width(hi.to(tl.int64) - lo.to(tl.int64))
-        if width == 0:
-            T = lo
-            need = kk
-            done = zero + 1
-        else:
-            shift = tl.maximum(width - BITS, 0).to(tl.int32)
-            hist = tl.zeros([1 << BITS], dtype=tl.int32)
-            # [UB] keys (empty slots: INT_MIN, below every key); the next block is loaded a step ahead
-            x = tl.load(src + ar, mask=ar < c4, other=_INT_MIN)
-            for start in tl.range(0, c, UB, num_stages=1):
-                nxt = start + UB + ar
-                xn = tl.load(src + nxt, mask=nxt < c4, other=_INT_MIN)
-                d = tl.where((x >= lo) & (x <= hi), ((x - lo) >> shift) & ((1 << BITS) - 1), -1)
-                hist += tl.histogram(d, 1 << BITS, mask=d >= 0)
-                x = xn
-            dsel, above, in_bin = _pick_bucket(hist, kk)
-            kk = kk - above
-            b_lo = lo.to(tl.int64) + (dsel.to(tl.int64) << shift)
-            b_hi = tl.minimum(b_lo + (1 << shift.to(tl.int64)) - 1, hi.to(tl.int64)).to(tl.int32)
-            if in_bin <= kk + tol:
-                T = b_lo.to(tl.int32) - 1
-                need = zero
-                done = zero + 1
-            elif in_bin <= stop:
                 lo = b_lo.to(tl.int32)
                 hi = b_hi
-            else:
+            elif STREAM:
                 # one more pass: the bucket's min / max (narrow data collapses at once)
-                vmin = tl.full([UB], _INT_MAX, tl.int32)
-                vmax = tl.full([UB], _INT_MIN, tl.int32)
-                b_lo32 = b_lo.to(tl.int32)
-                x = tl.load(src + ar, mask=ar < c4, other=_INT_MIN)
-                for start in tl.range(0, c, UB, num_stages=1):
-                    nxt = start + UB + ar
-                    xn = tl.load(src + nxt, mask=nxt < c4, other=_INT_MIN)
-                    inb = (x >= b_lo32) & (x <= b_hi)
-                    vmin = tl.minimum(vmin, tl.where(inb, x, _INT_MAX))
-                    vmax = tl.maximum(vmax, tl.where(inb, x, _INT_MIN))
-                    x = xn
-                lo = tl.min(vmin, axis=0)
-                hi = tl.max(vmax, axis=0)
+                lo, hi = _stream_min_max(x, c, b_lo.to(tl.int32), b_hi, UB)
+            else:
+                lo, hi = _min_max(x, (x >= b_lo.to(tl.int32)) & (x <= b_hi))
     return done, T, need, lo, hi, kk, in_bin
 
 
@@ -571,12 +554,12 @@ def _finish(uk, c, lo, hi, kk, w, CAND: tl.constexpr, WCAP: tl.constexpr, UB: tl
     or streamed when STREAM) until the bucket holds at most WCAP keys, then those keys are copied to ``w``
     and the levels go on there."""
     if STREAM:
-        done, T, need, lo, hi, kk, in_bin = _select_stream(uk, c, lo, hi, kk, 0, WCAP, BITS, UB)
+        done, T, need, lo, hi, kk, in_bin = _select(uk, c, lo, hi, kk, 0, WCAP, BITS, UB, True)
     else:
         iu = tl.arange(0, CAND)
         # [CAND] keys of U (empty slots: INT_MIN, below every key)
         x = tl.load(uk + iu, mask=iu < _round4(c), other=_INT_MIN)
-        done, T, need, lo, hi, kk, in_bin = _select_regs(x, lo, hi, kk, 0, WCAP, BITS)
+        done, T, need, lo, hi, kk, in_bin = _select(x, c, lo, hi, kk, 0, WCAP, BITS, UB, False)
     if done == 0:
         # the bucket -> w (U reloaded: fewer live registers than keeping x)
         _copy_range(uk, c, lo, hi, w, NW, ASM)
@@ -584,12 +567,12 @@ def _finish(uk, c, lo, hi, kk, w, CAND: tl.constexpr, WCAP: tl.constexpr, UB: tl
         # Other threads read what this one wrote.
         tl.debug_barrier()
         if STREAM:
-            done, T, need, lo, hi, kk, in_bin = _select_stream(w, in_bin, lo, hi, kk, 0, 0, BITS_W, UB)
+            done, T, need, lo, hi, kk, in_bin = _select(w, in_bin, lo, hi, kk, 0, 0, BITS_W, UB, True)
         else:
             iw = tl.arange(0, WCAP)
             # [WCAP] the bucket's keys
             xw = tl.load(w + iw, mask=iw < _round4(in_bin), other=_INT_MIN)
-            done, T, need, lo, hi, kk, in_bin = _select_regs(xw, lo, hi, kk, 0, 0, BITS_W)
+            done, T, need, lo, hi, kk, in_bin = _select(xw, in_bin, lo, hi, kk, 0, 0, BITS_W, UB, False)
         # The next row's copy into w waits for these reads.
         tl.debug_barrier()
     return T, need
@@ -638,10 +621,10 @@ def _sample_threshold(row, n, K, sbuf, CAND: tl.constexpr, LG_S: tl.constexpr, B
             t_lo = smin
         elif m_s < S:
             if STREAM:
-                done, T, need, lo, hi, kk, in_bin = _select_stream(sbuf, S, smin, smax, m_s, m_s // 16, 0, BITS_S,
-                                                                   UB)
+                done, T, need, lo, hi, kk, in_bin = _select(sbuf, S, smin, smax, m_s, m_s // 16, 0, BITS_S, UB,
+                                                            True)
             else:
-                done, T, need, lo, hi, kk, in_bin = _select_regs(xs, smin, smax, m_s, m_s // 16, 0, BITS_S)
+                done, T, need, lo, hi, kk, in_bin = _select(xs, S, smin, smax, m_s, m_s // 16, 0, BITS_S, UB, False)
             t_lo = tl.where(need > 0, T, T + 1)
     return t_lo
 
