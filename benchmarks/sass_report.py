@@ -102,14 +102,14 @@ def topk_cases(module: str | None = None):
                 def launch(*a, **kw):
                     captured.update(kern=self.kern, args=a, kw=kw)
                 return launch
-        saved = T.topk_transform_kernel, T.topk_split_kernel
+        saved = T.topk_transform_kernel, T.topk_split_kernel, T.interpreting, T.num_sms
         T.topk_transform_kernel, T.topk_split_kernel = _Grab(saved[0]), _Grab(saved[1])
         T.interpreting = lambda: False
         T.num_sms = lambda dev: 132   # an H200
         try:
             T.topk_transform(x, n, 2048, None, None, None, 64)
         finally:
-            T.topk_transform_kernel, T.topk_split_kernel = saved
+            T.topk_transform_kernel, T.topk_split_kernel, T.interpreting, T.num_sms = saved
         kern, a, kw = captured["kern"], captured["args"], dict(captured["kw"])
         nw, mr = kw.pop("num_warps"), kw.pop("maxnreg", 0)
         names = kern.arg_names

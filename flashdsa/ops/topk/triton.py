@@ -221,10 +221,11 @@ def _pad4(keys, c, CAP: tl.constexpr):
 
 
 @triton.jit
-def _move(useg, cw, uk, CAP: tl.constexpr, CAND: tl.constexpr, NW: tl.constexpr, MJ: tl.constexpr,
+def _move(useg, cw, c, uk, CAP: tl.constexpr, CAND: tl.constexpr, NW: tl.constexpr, MJ: tl.constexpr,
           ASM: tl.constexpr):
-    """The warp lists (``cw [NW]`` entries each) -> U in position order, MJ entries of each a step: keys to
-    ``uk[:CAND]``, positions to ``uk[CAND:2 CAND]`` (at most CAND), then U padded to a multiple of 4.
+    """The warp lists (``cw [NW]`` entries each, ``c`` in all) -> U in position order, MJ entries of each a
+    step: keys to ``uk[:CAND]``, positions to ``uk[CAND:2 CAND]`` (at most CAND), then U padded to a
+    multiple of 4.
     The next step's entries are loaded before this step's stores (which the loads would otherwise wait
     for), two a 128-bit load (the mask runs to the count rounded up to 2: entries inside the list).
     Returns the largest key moved."""
@@ -247,7 +248,7 @@ def _move(useg, cw, uk, CAP: tl.constexpr, CAND: tl.constexpr, NW: tl.constexpr,
         _store(uk + base + jj, key, m, ASM)
         _store(uk + CAND + base + jj, (v & 0xFFFFFFFF).to(tl.int32), m, ASM)
         v = vn
-    _pad4(uk, tl.minimum(tl.sum(cw, axis=0), CAND), CAND)
+    _pad4(uk, tl.minimum(c, CAND), CAND)
     return tl.max(tl.max(vmax, axis=1), axis=0)
 
 
@@ -579,6 +580,19 @@ def _finish(uk, c, lo, hi, kk, w, CAND: tl.constexpr, WCAP: tl.constexpr, UB: tl
 
 
 @triton.jit
+def _select_emit(uk, c, t_lo, umax, K, w, out_row, table_row, off_r, CAND: tl.constexpr, WCAP: tl.constexpr,
+                 UB: tl.constexpr, BITS: tl.constexpr, BITS_W: tl.constexpr, STREAM: tl.constexpr, NW: tl.constexpr,
+                 MODE: tl.constexpr, PAGE_SIZE: tl.constexpr, ASM: tl.constexpr, PROFILE: tl.constexpr):
+    """Steps 4-5 on a full U (``c`` keys in ``[t_lo, umax]``, K <= c <= CAND): select, then emit (PROFILE 4:
+    stop before the emit with ``T + need`` in the row's first slot)."""
+    T, need = _finish(uk, c, t_lo, umax, K, w, CAND, WCAP, UB, BITS, BITS_W, STREAM, NW, ASM)
+    if PROFILE == 4:
+        tl.store(out_row, T + need)
+    else:
+        _emit_u(uk, c, T, need, out_row, table_row, off_r, CAND, NW, MODE, PAGE_SIZE, ASM)
+
+
+@triton.jit
 def _sample_threshold(row, n, K, sbuf, CAND: tl.constexpr, LG_S: tl.constexpr, BITS_S: tl.constexpr,
                       FORCE: tl.constexpr, STREAM: tl.constexpr, UB: tl.constexpr, ASM: tl.constexpr):
     """Threshold guess ``t_lo`` for a row with ``n > K`` keys: about the m-th largest of S sampled keys, m
@@ -767,17 +781,14 @@ def topk_transform_kernel(
                     tl.store(out_row, c)
                 elif (c >= K) & (c <= CAND):
                     # ---- 3. the lists -> U, in position order, as keys
-                    umax = _move(useg, cw, uk, CAP, CAND, NW, MJ, ASM)
+                    umax = _move(useg, cw, c, uk, CAP, CAND, NW, MJ, ASM)
                     tl.debug_barrier()
                     if PROFILE == 3:
                         tl.store(out_row, umax)
                     else:
-                        # ---- 4./5. select in registers, emit from U
-                        T, need = _finish(uk, c, t_lo, umax, K, w, CAND, WCAP, UB, BITS, BITS_W, STREAM, NW, ASM)
-                        if PROFILE == 4:
-                            tl.store(out_row, T + need)
-                        else:
-                            _emit_u(uk, c, T, need, out_row, table_row, off_r, CAND, NW, MODE, PAGE_SIZE, ASM)
+                        # ---- 4./5. select, emit from U
+                        _select_emit(uk, c, t_lo, umax, K, w, out_row, table_row, off_r, CAND, WCAP, UB, BITS, BITS_W,
+                                     STREAM, NW, MODE, PAGE_SIZE, ASM, PROFILE)
                 else:
                     _fallback(row, n, K, c, t_lo, uk, w, out_row, table_row, off_r, CAND, WCAP, UB, BITS,
                               BITS_W, STREAM, BLOCK, STAGES, MODE, PAGE_SIZE, NW, ASM, PROFILE == 0)
@@ -857,13 +868,14 @@ def topk_split_kernel(
             s0 = j * ch
             cw = _compact_seg(row, s0, tl.maximum(tl.minimum(s0 + ch, n), s0), t_a, t_p, t_b,
                               sscr + prog * (NW * CAP), CAP, NW, UN, VEC, ASM)
+            c_j = tl.sum(cw, axis=0)
             tl.debug_barrier()
             if PROFILE == 2:
-                tl.store(out_row + j, tl.sum(cw, axis=0))
+                tl.store(out_row + j, c_j)
             else:
-                umax = _move(sscr + prog * (NW * CAP), cw, scr + prog * (2 * CAND), CAP, CAND, NW, MJ, ASM)
+                umax = _move(sscr + prog * (NW * CAP), cw, c_j, scr + prog * (2 * CAND), CAP, CAND, NW, MJ, ASM)
                 counts_r = counts + r * (2 * CHUNKS)
-                tl.store(counts_r + j, tl.sum(cw, axis=0))
+                tl.store(counts_r + j, c_j)
                 tl.store(counts_r + CHUNKS + j, umax)
                 if PROFILE == 3:
                     tl.store(out_row + j, umax)
@@ -889,12 +901,8 @@ def topk_split_kernel(
                                            UB, ASM)
                             _pad4(uk, c, CAND)
                             tl.debug_barrier()
-                            T, need = _finish(uk, c, t_lo, umax, K, w, CAND, WCAP, UB, BITS, BITS_W, FINISH_STREAM,
-                                              NW, ASM)
-                            if PROFILE == 4:
-                                tl.store(out_row, T + need)
-                            else:
-                                _emit_u(uk, c, T, need, out_row, table_row, off_r, CAND, NW, MODE, PAGE_SIZE, ASM)
+                            _select_emit(uk, c, t_lo, umax, K, w, out_row, table_row, off_r, CAND, WCAP, UB, BITS,
+                                         BITS_W, FINISH_STREAM, NW, MODE, PAGE_SIZE, ASM, PROFILE)
                         else:
                             _fallback(row, n, K, c, t_lo, uk, w, out_row, table_row, off_r, CAND, WCAP, UB, BITS,
                                       BITS_W, FINISH_STREAM, BLOCK, STAGES, MODE, PAGE_SIZE, NW, ASM, PROFILE == 0)
