@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -50,6 +51,17 @@ def bench(fn, warmup_ms: int = 25, rep_ms: int = 100) -> float:
     """Median time of fn in microseconds (CUDA events via triton.testing.do_bench)."""
     import triton.testing
     return 1e3 * triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+
+
+def timed(fn, dev: str, graph: bool = False, **kw) -> float:
+    """Median µs of ``fn`` on a GPU: :func:`bench` (``kw``: its warm-up / repeat times), or with ``graph`` a
+    CUDA-graph replay of one call (the plain call if capture fails). With ``dev`` "cpu" (the scripts'
+    smoke runs under the interpreter) the wall time of one call, which means nothing."""
+    if dev != "cuda":
+        t = time.perf_counter()
+        fn()
+        return 1e6 * (time.perf_counter() - t)
+    return time_us(fn, graph) if graph else bench(fn, **kw)
 
 
 

@@ -41,7 +41,7 @@ import torch
 if "--smoke" in sys.argv and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
-from _common import bench, capture_graph, cos_diff, load_deep_gemm, print_table, write_json
+from _common import capture_graph, cos_diff, load_deep_gemm, print_table, timed, write_json
 
 from flashdsa.cache.layouts import INDEX_BYTES_PER_TOKEN, index_page_views
 from flashdsa.ops.indexer import reference
@@ -63,14 +63,6 @@ RAGGED_QUICK = [(4096, 16384)]
 PAGED_SMOKE = [(3, 1, 200), (3, 2, 200), (2, 4, 150)]
 RAGGED_SMOKE = [(40, 100)]
 DEV = "cuda"
-
-
-def _time(fn, **kw) -> float:
-    if DEV == "cuda":
-        return bench(fn, **kw)
-    t = time.perf_counter()
-    fn()
-    return 1e6 * (time.perf_counter() - t)
 
 
 def _graph_time(fn, reps: int = 20) -> float | None:
@@ -163,7 +155,7 @@ def run_paged(cases, dg, rows: list[dict], sweep: bool) -> None:
         kv_bytes = int(c["seq"].sum()) * INDEX_BYTES_PER_TOKEN  # each key read once per request
         dg_bytes = c["q_fp8"].numel() + c["w"].numel() * 4 + kv_bytes + 4 * sum_lens
         our_bytes = c["q_fp8"].numel() + c["w"].numel() * 4 + kv_bytes + out.numel() * 4
-        t = _time(lambda: K.indexer_logits_paged(*args))
+        t = timed(lambda: K.indexer_logits_paged(*args), DEV)
         row.update({"ours_us": t, "GB/s": dg_bytes / t / 1e3, "TFLOP/s": 2 * sum_lens * H * D / t / 1e6,
                     "roof_us": our_bytes / COPY_BPS * 1e6, "graph_us": _graph_time(lambda: K.indexer_logits_paged(*args))})
         if n == 2:
@@ -183,7 +175,7 @@ def run_paged(cases, dg, rows: list[dict], sweep: bool) -> None:
             dg_out = dg.fp8_paged_mqa_logits(*dg_args)
             valid = torch.arange(c["max_len"], device=DEV)[None, :] < c["ctx"].view(-1, 1)
             row["cos_dg"] = _masked_cos(out, dg_out.float(), valid)
-            td = _time(lambda: dg.fp8_paged_mqa_logits(*dg_args))
+            td = timed(lambda: dg.fp8_paged_mqa_logits(*dg_args), DEV)
             row.update({"dg_us": td, "ours/dg": t / td, "dg_graph_us": _graph_time(lambda: dg.fp8_paged_mqa_logits(*dg_args))})
             if row["graph_us"] and row["dg_graph_us"]:
                 row["graph ours/dg"] = row["graph_us"] / row["dg_graph_us"]
@@ -233,7 +225,7 @@ def _sweep_paged(c, args, t_default, rows, name):
         for cfg in _paged_shapes(shape.G, shape.HP, tma):
             out = K.indexer_logits_paged(*args, config=cfg)
             ok = torch.equal(torch.isneginf(out), torch.isneginf(base)) and cos_diff(out, base) < 1e-9
-            t = _time(lambda: K.indexer_logits_paged(*args, config=cfg), warmup_ms=10, rep_ms=40)
+            t = timed(lambda: K.indexer_logits_paged(*args, config=cfg), DEV, warmup_ms=10, rep_ms=40)
             desc = (f"{'tma' if tma else 'ptr'} bn{cfg.block_n} rows/dot {cfg.sub_rows} w{cfg.num_warps} "
                     f"s{cfg.num_stages} pps{cfg.programs_per_sm}"
                     + (f" {'chain' if cfg.chain else 'sum'}" if not tma else "" if cfg.asm_store else " tl.store"))
@@ -270,7 +262,7 @@ def run_ragged(cases, dg, rows: list[dict], sweep: bool) -> None:
         del ref, want, o
         pairs = int((ke - ks).clamp(min=0).sum())
         flops = 2 * pairs * H * D
-        t = _time(lambda: K.indexer_logits_ragged(*args))
+        t = timed(lambda: K.indexer_logits_ragged(*args), DEV)
         our_bytes = q_fp8.numel() + w.numel() * 4 + skv * (D + 4) + out.numel() * 4
         row.update({"ours_us": t, "TFLOP/s": flops / t / 1e6, "roof_us": our_bytes / COPY_BPS * 1e6})
         if dg is None:
@@ -281,7 +273,7 @@ def run_ragged(cases, dg, rows: list[dict], sweep: bool) -> None:
             row["cos_dg"] = _masked_cos(out, dg_out.float(), valid)
             row["dg_inf_same"] = torch.equal(torch.isneginf(dg_out), torch.isneginf(out))
             del dg_out
-            td = _time(lambda: dg.fp8_mqa_logits(q_fp8, (k_fp8, k_s), w, ks, ke))
+            td = timed(lambda: dg.fp8_mqa_logits(q_fp8, (k_fp8, k_s), w, ks, ke), DEV)
             row.update({"dg_us": td, "ours/dg": t / td, "dg_TFLOP/s": flops / td / 1e6})
         if sweep:
             _sweep_ragged(args, out, t, rows, row["case"])
@@ -299,7 +291,7 @@ def _sweep_ragged(args, base, t_default, rows, name):
             cfg = K.RaggedConfig(block_n=bn, rows=G, num_warps=nw, num_stages=ns)
             out = K.indexer_logits_ragged(*args, config=cfg)
             ok = torch.equal(torch.isneginf(out), torch.isneginf(base)) and cos_diff(out, base) < 1e-9
-            t = _time(lambda: K.indexer_logits_ragged(*args, config=cfg), warmup_ms=10, rep_ms=40)
+            t = timed(lambda: K.indexer_logits_ragged(*args, config=cfg), DEV, warmup_ms=10, rep_ms=40)
             rows.append({"case": f"sweep {name}", "config": f"bn{bn} G{G} w{nw} s{ns}", "ours_us": t,
                          "vs_default": t / t_default, "same_logits": ok})
             del out

@@ -20,14 +20,13 @@ import argparse
 import datetime
 import os
 import sys
-import time
 
 import torch
 
 if "--smoke" in sys.argv and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
-from _common import bench, print_table, write_json
+from _common import print_table, timed, write_json
 
 from flashdsa import ops
 from flashdsa.ops.indexer_quant import triton as K
@@ -48,14 +47,6 @@ def make_inputs(T: int, heads: int | None, g: torch.Generator):
     x = (torch.randn(shape, generator=g) * scale).to(torch.bfloat16).to(DEV)
     cos, sin = rope_cos_sin(torch.randint(0, 100_000, (T,), generator=g))
     return x, cos.to(DEV), sin.to(DEV)
-
-
-def time_us(fn) -> float:
-    if DEV == "cuda":
-        return bench(fn)
-    t = time.perf_counter()
-    fn()
-    return 1e6 * (time.perf_counter() - t)
 
 
 def e4m3_order(q: torch.Tensor) -> torch.Tensor:
@@ -118,15 +109,15 @@ def main() -> None:
     rows = []
     for name, T, heads in cases:
         x, cos, sin = make_inputs(T, heads, g)
-        ref_us = time_us(lambda: ops.indexer_quant(x, cos, sin, False, backend="torch"))
-        ours_us = time_us(lambda: ops.indexer_quant(x, cos, sin, False, backend="triton"))
+        ref_us = timed(lambda: ops.indexer_quant(x, cos, sin, False, backend="torch"), DEV)
+        ours_us = timed(lambda: ops.indexer_quant(x, cos, sin, False, backend="triton"), DEV)
         nbytes = x.numel() * (x.element_size() + 1) + x[..., 0].numel() * 4 + 2 * cos.numel() * 4
         row = dict(case=name, ref_us=ref_us, ours_us=ours_us, speedup=ref_us / ours_us,
                    ours_GBps=nbytes / ours_us / 1e3)
         if args.sweep:
             for kw in SWEEP:
                 key = "soft" if "soft_casts" in kw else f"b{kw['block_r']}w{kw['num_warps']}"
-                row[f"{key}_us"] = time_us(lambda: K.indexer_quant(x, cos, sin, False, **kw))
+                row[f"{key}_us"] = timed(lambda: K.indexer_quant(x, cos, sin, False, **kw), DEV)
         rows.append(row)
         x = cos = sin = None  # free this case before the next (the timed lambdas are done with them)
         if DEV == "cuda":

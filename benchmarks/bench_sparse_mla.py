@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from _common import cos_diff, load_sgl_ops, print_table, time_us, write_json
+from _common import cos_diff, load_sgl_ops, print_table, timed, write_json
 
 from flashdsa.cache.layouts import PAGE_SIZE, quantize_mla_656
 from flashdsa.ops.sparse_mla import reference
@@ -54,15 +54,6 @@ PREFILL_CONFIGS = [
     ("wide-s2", dict(kernel="wide", num_stages=2)),
     ("bn32-s3", dict(block_n=32, num_stages=3, slots_ahead=True)),
 ]
-
-
-def timed(fn, graph: bool) -> float:
-    """Median µs of fn; through a CUDA graph of one call when asked (falls back to the plain call)."""
-    if DEV == "cpu":  # --cpu-smoke: one interpreted call, wall time
-        t = time.perf_counter()
-        fn()
-        return 1e6 * (time.perf_counter() - t)
-    return time_us(fn, graph)
 
 
 def lse_relation(peer_lse: torch.Tensor, ours: torch.Tensor) -> str:
@@ -149,7 +140,7 @@ def run_decode(B, s_q, h_q, configs, peer_ok, graph, rows):
             info.update(peer_max_abs=float((out.float() - p_out.float()).abs().max()),
                         peer_cos_diff=cos_diff(out.float(), p_out.float()),
                         peer_lse=lse_relation(p_lse, lse))
-            peer_us = timed(peer, graph)
+            peer_us = timed(peer, DEV, graph)
         except Exception as e:  # noqa: BLE001
             info["peer_error"] = repr(e)[:160]
     print(f"{name}: " + ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in info.items()))
@@ -157,7 +148,7 @@ def run_decode(B, s_q, h_q, configs, peer_ok, graph, rows):
         fn = lambda: tri.sparse_mla_decode(q, cache, idx, SM_SCALE, 512, None, **knobs)  # noqa: E731
         try:
             extra = agreement(fn, out, lse) if knobs else info
-            us = timed(fn, graph)
+            us = timed(fn, DEV, graph)
             extra = dict(extra, res=resources(lambda: decode_launch(q, cache, idx, knobs)))
         except Exception as e:  # noqa: BLE001 - a configuration that does not compile is reported, not fatal
             print(f"  {cname:12s} failed: {e!r:.200}")
@@ -202,7 +193,7 @@ def run_prefill(T, N, h_q, configs, peer_ok, graph, rows):
             info.update(peer_max_abs=float((out.float() - p_out.float()).abs().max()),
                         peer_cos_diff=cos_diff(out.float(), p_out.float()),
                         peer_lse=lse_relation(p_lse, lse))
-            peer_us = timed(peer, graph)
+            peer_us = timed(peer, DEV, graph)
         except Exception as e:  # noqa: BLE001
             info["peer_error"] = repr(e)[:160]
     print(f"{name}: " + ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in info.items()))
@@ -213,7 +204,7 @@ def run_prefill(T, N, h_q, configs, peer_ok, graph, rows):
         fn = lambda: tri.sparse_mla_prefill(q, kv, ii, SM_SCALE, 512, **knobs)  # noqa: E731
         try:
             extra = {} if ii is not idx else agreement(fn, out, lse) if knobs else info
-            us = timed(fn, graph)
+            us = timed(fn, DEV, graph)
             extra = dict(extra, res=resources(lambda: prefill_launch(q, kv, ii, knobs)))
         except Exception as e:  # noqa: BLE001
             print(f"  {cname:12s} failed: {e!r:.200}")

@@ -30,14 +30,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 import torch
 
 if "--smoke" in sys.argv and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
-from _common import bench, capture_graph, load_sgl_ops, print_table, write_json
+from _common import bench, capture_graph, load_sgl_ops, print_table, timed, write_json
 
 from flashdsa import ops
 from flashdsa.ops.topk import triton as T
@@ -53,20 +52,11 @@ SGL_PUBLISHED = {(64, 32768): 24, (64, 131072): 78, (4096, 8192): 181, (4096, 32
 DEV = "cuda"
 
 
-def _time(fn) -> float:
-    if DEV == "cuda":
-        return bench(fn)
-    t = time.perf_counter()
-    fn()
-    return 1e6 * (time.perf_counter() - t)
-
-
 def _time_graph(fn) -> float:
-    """GPU time of fn replayed from a CUDA graph (no Python / launch overhead: how decode runs it)."""
+    """GPU time of fn replayed from a CUDA graph (no Python / launch overhead: how decode runs it); a call
+    that cannot be captured fails the run."""
     if DEV != "cuda":
-        return _time(fn)
-    fn()
-    torch.cuda.synchronize()
+        return timed(fn, DEV)
     return bench(capture_graph(fn).replay)
 
 
@@ -148,7 +138,7 @@ def run_case(name: str, kind: str, R: int, L: int, sgl: bool, rows: list, pages:
     if pos_ours is not None:
         row["ours_exact"], row["ours_recall"] = tie_safe(x, lengths, pos_ours, K)
     row["ours_us"] = _time_graph(lambda: ops.topk_transform(x, lengths, K, **kw))
-    row["ours_eager_us"] = _time(lambda: ops.topk_transform(x, lengths, K, **kw))
+    row["ours_eager_us"] = timed(lambda: ops.topk_transform(x, lengths, K, **kw), DEV)
     if sgl:
         out = torch.empty(R, K, dtype=torch.int32, device=DEV)
         torch.ops.sgl_kernel.fast_topk(x, out, lengths, None)

@@ -75,7 +75,8 @@ def report(name: str, k, sass_path: str | None = None) -> dict:
            "LDL": len(re.findall(r"\bLDL\b", sass)), "STL": len(re.findall(r"\bSTL\b", sass)),
            "BAR": len(re.findall(r"\bBAR\.SYNC", sass))}
     loads = re.findall(r"ld\.global[\w.:]*", ptx)
-    row["ld.global"] = {w: sum(1 for x in loads if x.endswith(w)) for w in ("v4.b32", "v2.b64", "v2.b32", ".b32", ".b64")}
+    widths = ("v4.b32", "v2.b64", "v2.b32", ".b32", ".b64")
+    row["ld.global"] = {w: sum(1 for x in loads if x.endswith(w)) for w in widths}
     row["sass_lines"] = sass.count("\n")
     return row
 

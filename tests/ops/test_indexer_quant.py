@@ -87,18 +87,12 @@ def assert_same_bits(out, ref):
     """Same e4m3 codes and same fp32 scales, bit for bit; a failure counts the differences."""
     (q, s), (q_ref, s_ref) = out, ref
     assert q.shape == q_ref.shape and s.shape == s_ref.shape and q.dtype == FP8 and s.dtype == torch.float32
-    qb, rb = q.view(torch.uint8).cpu(), q_ref.view(torch.uint8).cpu()
-    bad = qb != rb
-    if bad.any():
-        i = tuple(bad.nonzero()[0].tolist())
-        raise AssertionError(f"{int(bad.sum())} of {bad.numel()} e4m3 codes differ, first at {list(i)}: "
-                             f"{q[i].float()} vs {q_ref[i].float()}")
-    sb, srb = s.view(torch.int32).cpu(), s_ref.view(torch.int32).cpu()
-    bad = sb != srb
-    if bad.any():
-        i = tuple(bad.nonzero()[0].tolist())
-        raise AssertionError(f"{int(bad.sum())} of {bad.numel()} scales differ, first at {list(i)}: "
-                             f"{float(s[i])} vs {float(s_ref[i])}")
+    for what, got, want, bits in (("e4m3 codes", q, q_ref, torch.uint8), ("scales", s, s_ref, torch.int32)):
+        bad = got.view(bits).cpu() != want.view(bits).cpu()
+        if bad.any():
+            i = tuple(bad.nonzero()[0].tolist())
+            raise AssertionError(f"{int(bad.sum())} of {bad.numel()} {what} differ, first at {list(i)}: "
+                                 f"{float(got[i].float())} vs {float(want[i].float())}")
 
 
 CASES = [pytest.param(T, H, d, il, id=f"T{T}-{'k' if H is None else f'H{H}'}-{d}-{'gptj' if il else 'neox'}")
