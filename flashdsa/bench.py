@@ -474,16 +474,22 @@ def _setup_prefill(p: dict, dev, status) -> list[tuple[str, Bench]]:
 
 
 def _setup_layer(p: dict, dev, status) -> list[tuple[str, Bench]]:
-    """One decode step of one layer on a KVPool, with the runner's op calls (engine/runner.py, decode)."""
-    from flashdsa import ops
+    """One decode step of one layer on a KVPool, through the layer's own step (``DSAAttention.score_paged``
+    -> ``topk_paged`` -> ``attend``, what ``DSAAttention.forward`` runs at decode) on random inputs."""
+    import dataclasses
+
+    from flashdsa.cache.metadata import DECODE, build_decode
     from flashdsa.cache.pool import KVPool
     from flashdsa.config import DSAConfig
-    from flashdsa.engine.metadata import DECODE, build_decode
+    from flashdsa.layers.attention import DSAAttention
+    from flashdsa.layers.indexer import IndexerOutput
     from flashdsa.quant import FP8
     cfg = DSAConfig.preset(p["preset"]).replace(num_hidden_layers=1)  # the caches of one layer
     B, ctx, page, topk = p["B"], p["ctx"], cfg.page_size, cfg.index_topk
     H_I, h = cfg.index_n_heads, cfg.num_attention_heads
     g = torch.Generator(device=dev).manual_seed(ctx)
+    with torch.device("meta"):  # the step's stages read the caches and the inputs, not the weights
+        attn = DSAAttention(cfg, 0)
     pool = KVPool(cfg, B * -(-(ctx + 1) // page), "fp8", dev)
     alloc, reqs = pool.allocator, list(range(B))
     for r in reqs:
@@ -499,26 +505,28 @@ def _setup_layer(p: dict, dev, status) -> list[tuple[str, Bench]]:
                        torch.rand(s.numel(), generator=g, device=dev) + 0.5)
     write(torch.cat([alloc.slots(r) for r in reqs]))
     for r in reqs:
-        alloc.extend(r, 1)  # this step's token, written before attending as the runner does
-    meta = build_decode(alloc, reqs, 1, DECODE)
+        alloc.extend(r, 1)  # this step's token, written before attending as the layer does
+    meta = build_decode(alloc, reqs, 1, DECODE, backend="triton")
     write(meta.slot_mapping)
+    idx = IndexerOutput(_randn((B, H_I, 128), g, dev, FP8), _randn((B, H_I), g, dev) * H_I ** -0.5, None, None)
+    q = _randn((B, h, 576), g, dev, torch.bfloat16)
     lens, bt, max_len = meta.context_lens, meta.block_table, meta.max_context_len
-    icache, mla = pool.index_cache(0), pool.mla_cache(0).view(-1, 64, pool.mla_cache(0).shape[-1])
-    q_fp8, w = _randn((B, 1, H_I, 128), g, dev, FP8), _randn((B, H_I), g, dev) * H_I ** -0.5
-    q, sm = _randn((B, 1, h, 576), g, dev, torch.bfloat16), cfg.softmax_scale
+    sub = _rows(B, 4, dev)
+    # the torch reference on a few requests: the same step with the rows' metadata and backend="torch"
+    ref_meta = dataclasses.replace(meta, context_lens=lens[sub], block_table=bt[sub], backend="torch")
+    ref_idx = IndexerOutput(idx.q[sub], idx.weights[sub], None, None)
 
-    def indexer(be="triton", rows=slice(None)):
-        return ops.indexer_logits_paged(q_fp8[rows], icache, w[rows], lens[rows], bt[rows], max_len, backend=be)
+    def indexer():
+        return attn.score_paged(idx, meta, pool)
 
-    def select(logits, be="triton", rows=slice(None)):
-        return ops.topk_transform(logits, lens[rows].view(-1), topk, page_table=bt[rows], page_size=page, backend=be)
+    def select(logits):
+        return attn.topk_paged(logits, meta, pool)
 
-    def attend(sel, be="triton", rows=slice(None)):
-        return ops.sparse_mla_decode(q[rows], mla, sel.view(-1, 1, topk), sm, backend=be)
+    def attend(sel):
+        return attn.attend(q, sel, meta, pool)
 
     logits = indexer()  # the fixed inputs of the later stages
     sel = select(logits)
-    sub = _rows(B, 4, dev)
     done: dict[str, dict] = {}
 
     def checked(name, fn):
@@ -527,24 +535,31 @@ def _setup_layer(p: dict, dev, status) -> list[tuple[str, Bench]]:
             return done[name]
         return run
 
+    def check_attention():
+        out, lse = attend(sel)
+        return _check_attention(out[sub], lse[sub], *attn.attend(q[sub], sel[sub], ref_meta, pool))
+
+    mla = pool.mla_pages(0)
     stages = {
-        "indexer": Bench(indexer, checked("indexer", lambda: _check_logits(indexer()[sub], indexer("torch", sub))),
-                         bytes=q_fp8.numel() + 4 * w.numel() + 132 * int(lens.sum()) + 4 * int(lens.sum()),
-                         flops=2 * int(lens.sum()) * H_I * 128, dtype="fp8"),
+        "indexer": Bench(indexer, checked("indexer", lambda: _check_logits(
+            indexer()[sub], attn.score_paged(ref_idx, ref_meta, pool))),
+            bytes=idx.q.numel() + 4 * idx.weights.numel() + 132 * int(lens.sum()) + 4 * int(lens.sum()),
+            flops=2 * int(lens.sum()) * H_I * 128, dtype="fp8"),
         "top-k": Bench(lambda: select(logits), checked("top-k", lambda: _check_same(
-            select(logits)[sub], select(logits[sub], "torch", sub))), bytes=4 * logits.numel() + 4 * B * topk),
-        "attention": Bench(lambda: attend(sel), checked("attention", lambda: _check_attention(
-            *(t[sub] for t in attend(sel)), *attend(sel[sub], "torch", sub))),
-            **_attention_work(sel.numel(), h, 656, q, sel)),
+            select(logits)[sub], attn.topk_paged(logits[sub], ref_meta, pool))), bytes=4 * logits.numel() + 4 * B * topk),
+        "attention": Bench(lambda: attend(sel), checked("attention", check_attention),
+                           **_attention_work(sel.numel(), h, 656, q, sel)),
     }
     seqlens = lens.view(-1).contiguous()
+    q_fp8, w = idx.q.view(B, 1, H_I, 128), idx.weights
     if status["DeepGEMM"]["ok"]:
-        stages["indexer"].peers["DeepGEMM"] = _deepgemm_paged(q_fp8, icache, w, lens, bt, max_len, indexer)
+        stages["indexer"].peers["DeepGEMM"] = _deepgemm_paged(q_fp8, pool.index_cache(0), w, lens, bt, max_len, indexer)
     if status["fast_topk"]["ok"] and topk == 2048:
         stages["top-k"].peers["fast_topk"] = _topk_peers(logits, seqlens, topk, status)["fast_topk"]
     if status["FlashMLA"]["ok"] and h in (64, 128):
-        stages["attention"].peers["FlashMLA"] = _flashmla_decode(q, mla, sel.view(B, 1, topk), sm, seqlens,
-                                                                 lambda: attend(sel))
+        stages["attention"].peers["FlashMLA"] = _flashmla_decode(q.view(B, 1, h, 576), mla, sel.view(B, 1, topk),
+                                                                 attn.softmax_scale, seqlens,
+                                                                 lambda: (attend(sel)[0].view(B, 1, h, -1),))
 
     def step():
         return attend(select(indexer()))

@@ -9,8 +9,9 @@
 
 After :func:`apply`, every attention layer (``model.model.layers[i].self_attn``) runs flashdsa's path with
 the layer's own weights: indexer -> exact top-k -> sparse MLA (or the dense fallback while every context
-fits in ``index_topk``) over flashdsa's paged caches, through :class:`flashdsa.engine.Runner`'s attention
-step (the same code our own engine runs). The MLP / MoE, norms, embeddings and LM head stay HF's.
+fits in ``index_topk``) over flashdsa's paged caches: :class:`flashdsa.layers.DSAAttention`'s step, the
+same code our own engine runs, on batches the :class:`flashdsa.engine.Runner` prepares. The MLP / MoE,
+norms, embeddings and LM head stay HF's.
 Per layer the adapter is a :class:`flashdsa.layers.DSAAttention` whose submodules ARE the HF layer's
 (``q_a_proj`` … ``o_proj``, ``indexer.wq_b`` …): no weight is copied, ``model.to(...)`` moves both.
 
@@ -76,7 +77,7 @@ except ImportError as e:  # pragma: no cover - the optional dependency is missin
 from flashdsa.cache.allocator import OutOfPagesError
 from flashdsa.cache.layouts import INDEX_DIM, MLA_DIM
 from flashdsa.config import DSAConfig, is_dsa
-from flashdsa.engine.metadata import DECODE, BatchMetadata, build_decode
+from flashdsa.cache.metadata import BatchMetadata
 from flashdsa.engine.runner import Runner
 from flashdsa.layers.attention import DSAAttention
 from flashdsa.layers.indexer import PRECISIONS
@@ -169,6 +170,8 @@ class FlashDSACache(Cache):
         self.rows: list | None = None         # request ids in the pool, one per batch row
         self._finalizer = None
         self._real = torch.zeros(0, 0, dtype=torch.bool)  # [B, seen] which columns hold real tokens (CPU)
+        self._pending = None                  # the running forward's Reservation, until _commit / _abort
+        self._new_real = None                 # [B, S] its columns' real tokens
 
     @property
     def seen(self) -> int:
@@ -223,35 +226,43 @@ class FlashDSACache(Cache):
 
     # ---- one forward ------------------------------------------------------------------------------
     def _advance(self, runner: Runner, real: torch.Tensor | None, B: int, S: int) -> BatchMetadata:
-        """Reserve the batch's new real tokens and build the metadata every layer shares."""
-        alloc = runner.alloc
-        if self.rows is None:
-            self.rows = [(self.uid, b) for b in range(B)]
-            for r in self.rows:
-                alloc.allocate(r, 0)
-            self._finalizer = weakref.finalize(self, _release, weakref.ref(runner), self.rows)
-            self._real = torch.zeros(B, 0, dtype=torch.bool)
-        elif len(self.rows) != B:
+        """Reserve the batch's new real tokens and build the metadata every layer shares (the runner decides
+        decode vs extend). Nothing changes until :meth:`_commit`; :meth:`_abort` takes it all back."""
+        if self.rows is not None and len(self.rows) != B:
             raise ValueError(f"input_ids: this cache holds a batch of {len(self.rows)} rows, got {B}")
+        rows = self.rows if self.rows is not None else [(self.uid, b) for b in range(B)]
         q_lens = [S] * B if real is None else real.sum(1).tolist()
-        before = [alloc.seq_len(r) for r in self.rows]
         try:
-            runner.reserve(dict(zip(self.rows, q_lens)))
+            meta, self._pending = runner.prepare(dict(zip(rows, q_lens)))
         except OutOfPagesError as e:
             raise OutOfPagesError(e.req_id, e.needed, e.free) from ValueError(
                 f"flashdsa.hf: the pool holds {runner.pool.capacity_tokens} tokens; pass a larger max_tokens to "
                 f"flashdsa.hf.apply(model, max_tokens=...)")
-        if S == 1 and all(q == 1 for q in q_lens) and all(n > 0 for n in before):
-            meta = build_decode(alloc, self.rows, 1, DECODE)
-        else:
-            meta = runner.extend_metadata(self.rows, q_lens)
-        self._real = torch.cat((self._real, torch.ones(B, S, dtype=torch.bool) if real is None else real), dim=1)
+        if self.rows is None:
+            self.rows = rows
+            self._finalizer = weakref.finalize(self, _release, weakref.ref(runner), self.rows)
+            self._real = torch.zeros(B, 0, dtype=torch.bool)
+        self._new_real = torch.ones(B, S, dtype=torch.bool) if real is None else real
         return meta
 
     def _commit(self) -> None:
         """The forward is over: its columns count as seen. Not earlier, because HF derives the default
         ``position_ids`` from ``get_seq_length()`` inside the forward."""
+        self._real = torch.cat((self._real, self._new_real), dim=1)
         self._length.seen = self._real.shape[1]
+        self._pending = self._new_real = None
+
+    def _abort(self, runner: Runner) -> None:
+        """The forward failed: give its reservation back, so the cache is exactly as before it."""
+        if self._pending is not None:
+            runner.undo(self._pending)
+        if self._real.shape[1] == 0 and self.rows is not None:  # the failed forward was the first one
+            self._finalizer.detach()
+            for r in self.rows:
+                if r in runner.alloc:
+                    runner.free(r)
+            self.rows, self._finalizer = None, None
+        self._pending = self._new_real = None
 
 
 class _NoMasks(dict):
@@ -331,17 +342,22 @@ class Patch:
         runner = self._runner_for(ref.device)
         if self.record:
             runner.selections = {}
-        meta = cache._advance(runner, real, B, S)
         tok_idx = None if real is None else real.reshape(-1).nonzero().squeeze(1).to(ref.device)
+        meta = cache._advance(runner, real, B, S)  # the last step that can fail here: _end undoes it if later ones do
         self._fwd = _Forward(meta, cache, tok_idx, temporary)
         return args, kwargs
 
     def _end(self, module, args, kwargs, output):
         fwd, self._fwd = self._fwd, None
-        if fwd is not None:
+        if fwd is None:
+            return
+        # An always_call hook: after a forward that raised, torch calls it with output None.
+        if output is None:
+            fwd.cache._abort(self.runner)
+        else:
             fwd.cache._commit()
-            if fwd.temporary:
-                fwd.cache.reset()
+        if fwd.temporary:
+            fwd.cache.reset()
 
     def _cache_for(self, cache, use_cache: bool) -> tuple[FlashDSACache, bool]:
         if cache is None:
@@ -399,7 +415,9 @@ class Patch:
         if fwd.cos is None:
             fwd.cos, fwd.sin = (_rope_half(t, B, S, fwd.tok_idx) for t in position_embeddings)
         with torch.no_grad():
-            out, fwd.prev = self.runner.attention(self.attentions[lid], x, fwd.cos, fwd.sin, fwd.meta, fwd.prev)
+            out, fwd.prev = self.attentions[lid](x, fwd.cos, fwd.sin, fwd.meta, self.runner.pool, fwd.prev)
+        if self.record:
+            self.runner.selections[lid] = fwd.prev
         self.calls[lid] += 1
         if fwd.tok_idx is not None:
             full = out.new_zeros(B * S, D)

@@ -151,7 +151,7 @@ def test_exact_matches_hf(ref, patched):
         h.remove()
     # every attention layer ran through flashdsa, none of HF's attention internals did
     assert patch.calls == [1, 1, 1] and count.n == 0
-    assert patch.runner.exact_keys and all(not c.any() for c in patch.runner.pool.index_caches.values())
+    assert patch.runner.pool.exact_index_caches and all(not c.any() for c in patch.runner.pool.index_caches.values())
     # the same tokens as HF's indexer, row by row (HF pads short rows with masked keys: drop those)
     for lid, hf_sel in ref["sel"].items():
         ours = patch.runner.selections[lid]
@@ -184,7 +184,7 @@ def test_fp8_close_but_not_exact(ref, patched):
         fp8 = model(ids).logits
     assert patch.calls == [1, 1, 1]
     # the fp8 path really ran: its pages hold keys, no exact key store was made, selections moved a bit
-    assert not patch.runner.exact_keys
+    assert not patch.runner.pool.exact_index_caches
     assert all(c.any() for c in patch.runner.pool.index_caches.values())
     same = total = 0
     for lid, hf_sel in ref["sel"].items():
@@ -388,7 +388,7 @@ def test_runner_exact_decode_matches_extend():
     assert_close(ld[0], lw[-1], atol=1e-2 * float(lw[-1].abs().max()))
     pages = steps.alloc.pages("a")
     for lid in cfg.topk_layers:
-        assert lid in steps.exact_keys and not steps.pool.index_caches[lid].any()
+        assert lid in steps.pool.exact_index_caches and not steps.pool.index_caches[lid].any()
         slots = steps.selections[lid][0].tolist()
         got = {pages.index(s // 64) * 64 + s % 64 for s in slots if s >= 0}
         want = {p for p in whole.selections[lid][-1].tolist() if p >= 0}

@@ -9,12 +9,15 @@ A request's tokens fill its pages in order; token p lives in page ``pages[p // p
 addressed through the same page ids, so one block table per batch serves all layers.
 
 Out of pages raises :class:`OutOfPagesError` before anything changes; ``free`` returns exactly the
-request's pages to the free list, ``truncate`` the pages past a shorter length.
+request's pages to the free list, ``truncate`` the pages past a shorter length. ``reserve`` grows a whole
+batch at once (all or nothing) and returns a :class:`Reservation` that ``undo`` takes back exactly: the
+allocator is then as it was, free list order included (an engine's forward that fails after reserving).
 """
 
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 from typing import Hashable, Iterable
 
 import torch
@@ -28,6 +31,14 @@ class OutOfPagesError(RuntimeError):
     def __init__(self, req_id: Hashable, needed: int, free: int):
         super().__init__(f"out of KV pages: request {req_id!r} needs {needed} more page(s), {free} free")
         self.req_id, self.needed, self.free = req_id, needed, free
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """What :meth:`PageAllocator.reserve` did, for :meth:`PageAllocator.undo`: per request in order, its
+    length before (None: the request was created) and the pages taken for it."""
+
+    steps: tuple[tuple[Hashable, int | None, tuple[int, ...]], ...]
 
 
 class PageAllocator:
@@ -133,6 +144,40 @@ class PageAllocator:
         del self._lens[req_id]
         self._free.extend(pages)
         return pages
+
+    def reserve(self, new_tokens: dict[Hashable, int]) -> Reservation:
+        """Grow a batch: ``new_tokens[req]`` (>= 0) more tokens per request; a request not yet live is created.
+
+        All or nothing: every count is checked and the pages needed by the whole batch are counted first
+        (ValueError / OutOfPagesError, nothing changed). Returns the :class:`Reservation` for :meth:`undo`.
+        """
+        need = 0
+        for r, n in new_tokens.items():
+            _check_count(f"new_tokens[{r!r}]", n)
+            cur, have = (self._lens[r], len(self._pages[r])) if r in self._pages else (0, 0)
+            need += self.pages_for(cur + n) - have
+        if need > len(self._free):
+            raise OutOfPagesError(list(new_tokens), need, len(self._free))
+        steps = []
+        for r, n in new_tokens.items():
+            before = self._lens.get(r)
+            added = self.extend(r, n) if before is not None else self.allocate(r, n)
+            steps.append((r, before, tuple(added)))
+        return Reservation(tuple(steps))
+
+    def undo(self, reservation: Reservation) -> None:
+        """Take back a :meth:`reserve` (the latest change to these requests): lengths, pages and the free
+        list's order are restored."""
+        for r, before, added in reversed(reservation.steps):
+            pages = self._pages[self._check_live(r)]
+            if tuple(pages[len(pages) - len(added):]) != added:
+                raise ValueError(f"reservation: request {r!r} changed since it was reserved; cannot undo")
+            del pages[len(pages) - len(added):]
+            self._free.extendleft(reversed(added))  # back to the front, in the order they were taken
+            if before is None:
+                del self._pages[r], self._lens[r]
+            else:
+                self._lens[r] = before
 
     # ---- tensors -------------------------------------------------------------------------------
     def slots(self, req_id: Hashable, start: int = 0, end: int | None = None) -> torch.Tensor:

@@ -14,6 +14,11 @@ token and both slot formulas agree.
 
 Memory per page: ``num_layers * page_size * mla_bytes + num_topk_layers * 8448``; per token divide by
 page_size (the indexer costs 132 / c bytes per token per top-k layer).
+
+An indexer run in exact precision (``Indexer(precision="exact")``: float keys, fp32 scores) cannot use the
+fp8 pages: its keys go to a float store per top-k layer, ``[P * page_size, 128]`` in the model dtype,
+addressed by MLA slot and made on the layer's first exact write (``exact_index_cache``). It is counted in
+``memory_bytes`` from then on.
 """
 
 from __future__ import annotations
@@ -95,6 +100,7 @@ class KVPool:
         self.index_caches: dict[int, torch.Tensor] = {
             layer: torch.zeros(num_pages, layouts.INDEX_PAGE_BYTES, dtype=torch.uint8, device=self.device)
             for layer in config.topk_layers}
+        self.exact_index_caches: dict[int, torch.Tensor] = {}  # made on first use (exact_index_cache)
 
     @classmethod
     def from_memory(cls, config: DSAConfig, bytes_budget: int, kv_format: str = "fp8",
@@ -111,6 +117,12 @@ class KVPool:
         """The layer's MLA cache ``[P, page_size, width]`` (see the module docstring for dtype and width)."""
         return self.mla_caches[self._check_layer(layer)]
 
+    def mla_pages(self, layer: int) -> torch.Tensor:
+        """The layer's MLA cache as 64-token pages ``[P * c, 64, width]`` (what ``ops.sparse_mla_decode`` reads;
+        the same rows as :meth:`mla_cache`, so slots address both alike)."""
+        cache = self.mla_cache(layer)
+        return cache.view(-1, layouts.PAGE_SIZE, cache.shape[-1])
+
     def has_index_cache(self, layer: int) -> bool:
         return self._check_layer(layer) in self.index_caches
 
@@ -120,6 +132,17 @@ class KVPool:
             raise ValueError(f"layer: layer {layer} skips top-k (reuses the previous layer's selection) and has "
                              f"no indexer cache; layers with one: {sorted(self.index_caches)}")
         return self.index_caches[layer]
+
+    def exact_index_cache(self, layer: int, dtype: torch.dtype) -> torch.Tensor:
+        """The layer's float key store ``[P * page_size, 128]`` of ``dtype`` for an exact-precision indexer,
+        addressed by MLA slot; made (zeroed) on first use, or remade if ``dtype`` changed (the keys of the
+        old dtype were written by an indexer that no longer runs). ValueError for a skip-top-k layer."""
+        self.index_cache(layer)  # the same rule: only top-k layers keep indexer keys
+        store = self.exact_index_caches.get(layer)
+        if store is None or store.dtype != dtype:
+            store = torch.zeros(self.num_pages * self.page_size, layouts.INDEX_DIM, dtype=dtype, device=self.device)
+            self.exact_index_caches[layer] = store
+        return store
 
     # ---- addresses -----------------------------------------------------------------------------
     def slots(self, req_id: Hashable, start: int = 0, end: int | None = None) -> torch.Tensor:
@@ -202,15 +225,18 @@ class KVPool:
 
     # ---- memory ----------------------------------------------------------------------------------
     def memory_bytes(self) -> dict[str, float]:
-        """Bytes held, by cache: ``mla``, ``index``, ``total`` (ints, all layers), and the same per token
-        of capacity as ``mla_per_token``, ``index_per_token``, ``total_per_token`` (floats: the indexer
-        costs 132 / c per token per top-k layer)."""
+        """Bytes held, by cache: ``mla``, ``index``, ``exact_index`` (the float key stores made so far),
+        ``total`` (ints, all layers), and the same per token of capacity as ``mla_per_token``,
+        ``index_per_token``, ``exact_index_per_token``, ``total_per_token`` (floats: the indexer costs
+        132 / c per token per top-k layer)."""
         mla = self.num_layers * self.num_pages * self.page_size * layouts.BYTES_PER_TOKEN[self.kv_format]
         index = len(self.index_caches) * self.num_pages * layouts.INDEX_PAGE_BYTES
+        exact = sum(t.numel() * t.element_size() for t in self.exact_index_caches.values())
+        total = mla + index + exact
         tokens = self.num_pages * self.page_size
-        return {"mla": mla, "index": index, "total": mla + index,
+        return {"mla": mla, "index": index, "exact_index": exact, "total": total,
                 "mla_per_token": mla / tokens, "index_per_token": index / tokens,
-                "total_per_token": (mla + index) / tokens}
+                "exact_index_per_token": exact / tokens, "total_per_token": total / tokens}
 
     def bytes_per_token(self) -> float:
         """Cache bytes per token across all layers (MLA + indexer)."""

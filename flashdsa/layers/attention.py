@@ -1,4 +1,5 @@
-"""DSA attention: MLA in its absorbed (MQA) form with the indexer choosing the keys.
+"""DSA attention: MLA in its absorbed (MQA) form with the indexer choosing the keys — one layer's whole DSA
+step in one place.
 
 Parameter names follow the Hugging Face DeepSeek-V3.2 checkpoint (``self_attn.*``)::
 
@@ -10,6 +11,19 @@ Absorbed form: ``kv_b_proj`` splits per head into W_uk [nope, 512] and W_uv [v, 
 nope part is mapped into the latent space (``q_nope @ W_uk``) so every head attends over the same
 576-dim cache rows (512 latent + 64 rope), and the attention output (512-dim latent) is mapped back
 with W_uv before ``o_proj``. MLA's own RoPE uses interleaved pairs (DeepSeek's layout).
+
+The step (:meth:`DSAAttention.forward`), for the batch's new tokens::
+
+    prepare   projections -> absorbed query q [T, h, 576], cache rows kv [T, 576], query latent qr
+    indexer   (top-k layers) q / weights / keys in fp8 (or exact precision)
+    store     kv rows (and index keys) into the paged caches at batch.slot_mapping
+    select    extend: ragged logits -> top-k into the gathered KV;  decode / verify: paged logits -> top-k
+              with slot translation;  skip-top-k layer: the previous layer's selection as is
+    attend    sparse MLA prefill / decode over the selection, or the dense fallback (extend, short contexts)
+    finish    W_uv, o_proj
+
+The caller (``engine.Runner`` or ``flashdsa.hf``) prepares the batch — reserves pages and builds the
+:class:`~flashdsa.cache.metadata.BatchMetadata` once for all layers — and runs the layer loop.
 """
 
 from __future__ import annotations
@@ -17,8 +31,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from flashdsa import ops
+from flashdsa._checks import trusted_inputs
+from flashdsa.cache.metadata import EXTEND, BatchMetadata
+from flashdsa.cache.pool import KVPool
 from flashdsa.config import DSAConfig
-from flashdsa.layers.indexer import Indexer
+from flashdsa.layers.indexer import Indexer, IndexerOutput, exact_logits_paged, exact_logits_ragged
 from flashdsa.quant import apply_rope
 
 
@@ -34,8 +52,10 @@ class RMSNorm(nn.Module):
 
 
 class DSAAttention(nn.Module):
-    """Projections of one DSA attention layer. The attention itself runs in the engine (it needs the
-    paged caches and the batch metadata): this module prepares its inputs and finishes its output."""
+    """One DSA attention layer: its projections and its step over the paged caches (module docstring).
+
+    ``self.index_topk`` tokens are selected per query row; ``self.indexer`` is None on a skip-top-k layer.
+    """
 
     def __init__(self, cfg: DSAConfig, layer_id: int, dtype: torch.dtype = torch.bfloat16):
         super().__init__()
@@ -44,6 +64,7 @@ class DSAAttention(nn.Module):
                                                 cfg.qk_rope_head_dim, cfg.v_head_dim)
         self.kv_lora_rank = cfg.kv_lora_rank
         self.softmax_scale = cfg.softmax_scale
+        self.index_topk = cfg.index_topk
         self.q_a_proj = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=False, dtype=dtype)
         self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
         self.q_b_proj = nn.Linear(cfg.q_lora_rank, self.h * (self.nope + self.rope), bias=False, dtype=dtype)
@@ -81,3 +102,92 @@ class DSAAttention(nn.Module):
         _, w_uv = self._w_kv_b()
         o = torch.einsum("thc,hvc->thv", out_latent.to(w_uv.dtype), w_uv).to(self.o_proj.weight.dtype)
         return self.o_proj(o.flatten(1))
+
+    # ---- the step -----------------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: BatchMetadata, pool: KVPool,
+                prev: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The layer's DSA step for the batch's T new tokens.
+
+        Args:
+            x:        ``[T, hidden]`` the normed hidden states of the new tokens, in ``batch``'s order.
+            cos, sin: ``[T, rope_dim / 2] float32`` RoPE tables of the tokens' positions.
+            batch:    the batch's metadata (shared by every layer of one forward).
+            pool:     the paged caches; ``self.layer_id`` picks this layer's.
+            prev:     the previous layer's selection, which a skip-top-k layer reuses; None otherwise.
+
+        Returns ``(out [T, hidden], selection)``: the selection to hand to the next layer — ``[T, topk]
+        int32`` slots (decode / verify) or rows of the gathered KV (extend) — or None after the dense fallback.
+
+        The ops run without their value checks: ``batch`` was built on the host from the page allocator
+        (in bounds by construction), and each check would be a host sync (shapes and dtypes are still
+        checked).
+        """
+        with trusted_inputs():
+            q, kv_rows, qr = self.prepare(x, cos, sin)
+            idx = self.indexer(x, qr, cos, sin) if self.indexer is not None else None
+            self.store(kv_rows, idx, batch, pool)
+            if batch.mode == EXTEND:
+                kv = pool.read(self.layer_id, batch.kv_slots)  # [N, 576] bf16: every request's whole KV
+                if batch.use_dense:
+                    out, _ = ops.dense_mla_prefill(q, kv, batch.cu_seqlens_q, batch.cu_seqlens_kv, self.softmax_scale,
+                                                   backend=batch.backend)
+                    return self.finish(out), None
+                sel = prev if idx is None else self.select(idx, batch, pool)
+                out, _ = ops.sparse_mla_prefill(q, kv, sel, self.softmax_scale, backend=batch.backend)
+            else:
+                sel = prev if idx is None else self.select(idx, batch, pool)
+                out, _ = self.attend(q, sel, batch, pool)
+            return self.finish(out), sel
+
+    def store(self, kv_rows: torch.Tensor, idx: IndexerOutput | None, batch: BatchMetadata, pool: KVPool) -> None:
+        """Write the new tokens' cache rows ``kv_rows [T, 576]`` and index keys at ``batch.slot_mapping``."""
+        lid = self.layer_id
+        if idx is None or idx.exact:
+            pool.write(lid, batch.slot_mapping, kv_rows)
+            if idx is not None:
+                pool.exact_index_cache(lid, idx.k.dtype)[batch.slot_mapping] = idx.k
+        else:
+            pool.write(lid, batch.slot_mapping, kv_rows, idx.k, idx.k_scale)
+
+    def select(self, idx: IndexerOutput, batch: BatchMetadata, pool: KVPool) -> torch.Tensor:
+        """The top-k of every query row: ``[T, topk] int32``, -1 padded.
+
+        extend: rows of the gathered KV (``batch.kv_slots`` order), scored in query chunks so the ``[T, N]``
+        fp32 logits never exceed ``batch.max_logits_bytes``. decode / verify: physical slots.
+        """
+        lid, topk, be = self.layer_id, self.index_topk, batch.backend
+        if batch.mode != EXTEND:
+            return self.topk_paged(self.score_paged(idx, batch, pool), batch, pool)
+        if idx.exact:
+            keys = pool.exact_index_cache(lid, idx.k.dtype)[batch.kv_slots]
+            logits = exact_logits_ragged(idx.q, keys, idx.weights, batch.ks, batch.ke)
+            return ops.topk_transform(logits, batch.ke - batch.ks, topk, row_starts=batch.ks, out_offsets=batch.ks,
+                                      backend=be)
+        k_fp8, k_scale = pool.read_index(lid, batch.kv_slots)
+        return ops.indexer_topk_ragged(idx.q, k_fp8, k_scale, idx.weights, batch.ks, batch.ke, topk,
+                                       out_offsets=batch.ks, max_logits_bytes=batch.max_logits_bytes, backend=be)
+
+    def score_paged(self, idx: IndexerOutput, batch: BatchMetadata, pool: KVPool) -> torch.Tensor:
+        """Decode / verify indexer logits ``[B * n, max_context_len] float32`` over the paged keys."""
+        B, n = batch.context_lens.shape
+        q = idx.q.view(B, n, *idx.q.shape[1:])
+        if idx.exact:
+            return exact_logits_paged(q, pool.exact_index_cache(self.layer_id, idx.k.dtype), idx.weights,
+                                      batch.context_lens, batch.block_table, batch.max_context_len, pool.page_size)
+        return ops.indexer_logits_paged(q, pool.index_cache(self.layer_id), idx.weights, batch.context_lens,
+                                        batch.block_table, batch.max_context_len, backend=batch.backend)
+
+    def topk_paged(self, logits: torch.Tensor, batch: BatchMetadata, pool: KVPool) -> torch.Tensor:
+        """Exact top-k of decode / verify logits, translated to physical slots: ``[B * n, topk] int32``."""
+        return ops.topk_transform(logits, batch.context_lens.view(-1), self.index_topk, page_table=batch.block_table,
+                                  page_size=pool.page_size, backend=batch.backend)
+
+    def attend(self, q: torch.Tensor, sel: torch.Tensor, batch: BatchMetadata,
+               pool: KVPool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sparse MLA decode / verify of ``q [B * n, h, 576] bf16`` over the selected slots ``sel [B * n, topk]``:
+        latent outputs ``[B * n, h, 512] bf16`` and their ``lse [B * n, h] float32``."""
+        B, n = batch.context_lens.shape
+        out, lse = ops.sparse_mla_decode(q.view(B, n, *q.shape[1:]), pool.mla_pages(self.layer_id),
+                                         sel.view(B, n, -1), self.softmax_scale, kv_scale=pool.kv_scale,
+                                         backend=batch.backend)
+        return out.view(B * n, *out.shape[2:]), lse.view(B * n, -1)

@@ -47,7 +47,7 @@ class IndexerOutput(NamedTuple):
 
     @property
     def exact(self) -> bool:
-        return self.k.dtype != FP8
+        return self.q.dtype != FP8
 
     # the fp8 path's names, kept for its callers
     @property

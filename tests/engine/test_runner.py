@@ -153,18 +153,18 @@ def test_prefill_logits_budget_does_not_change_results(model):
 
 
 def test_runner_for_layers_drives_attention_per_layer(model):
-    """A model-less runner (how flashdsa.hf drives HF's models) gives the same logits as forward()."""
+    """A model-less runner (how flashdsa.hf drives HF's models) prepares the batch; the caller calls each
+    layer's step itself and gets the same logits as forward()."""
     p = prompt(2 * TOPK + 3, seed=7)
     want = Runner(model, 16, "fp8").extend({"a": p}, force_sparse=True)
     run = Runner.for_layers(CFG, "cpu", 16, "fp8")
-    run.reserve({"a": len(p)})
-    meta = run.extend_metadata(["a"], [len(p)], force_sparse=True)
+    meta, _ = run.prepare({"a": len(p)}, force_sparse=True)
     x = model.embed_tokens(p)
     cos, sin = model.rotary(meta.positions)
     sel = None
     with torch.no_grad():
         for layer in model.layers:
-            out, sel = run.attention(layer.self_attn, layer.input_layernorm(x), cos, sin, meta, sel)
+            out, sel = layer.self_attn(layer.input_layernorm(x), cos, sin, meta, run.pool, sel)
             x = x + out
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         got = model.lm_head(model.norm(x)).float()

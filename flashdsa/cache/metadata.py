@@ -1,8 +1,12 @@
-"""Per-batch metadata: built once on the host, shared by every layer of the forward pass.
+"""Per-batch metadata: what the paged caches hold for one batch, built once on the host from the page
+allocator and shared by every layer of the forward pass.
 
 Vocabulary as in the serving engines: ``positions`` (absolute position of each new token),
 ``slot_mapping`` (where its KV goes), ``block_table`` (pages of each request), ``cu_seqlens_q`` /
 ``cu_seqlens_kv``, ``context_lens`` (per query row: how many keys it may see).
+
+It lives next to the caches it describes: the layer (``layers.attention``) reads it, the engine builds
+it (``Runner.prepare``), and neither needs the other to do so.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flashdsa.cache.allocator import PageAllocator
+from flashdsa.cache.allocator import PageAllocator, slots_from_pages
 
 EXTEND, DECODE, TARGET_VERIFY, DRAFT_EXTEND = "extend", "decode", "target_verify", "draft_extend"
 MODES = (EXTEND, DECODE, TARGET_VERIFY, DRAFT_EXTEND)
@@ -28,6 +32,8 @@ class BatchMetadata:
     decode / target_verify / draft_extend: ``next_n`` rows per request; ``context_lens [B, next_n] int32``
              with ``context_lens[b, j] = seq_len[b] - next_n + j + 1``; ``max_context_len`` (the width of
              the logits; fixed to the block table's capacity under CUDA graphs).
+    How to run: ``backend`` of the ops ("torch" / "triton", None = per device); ``max_logits_bytes`` the
+             largest indexer-logits buffer one prefill chunk of query rows may use.
     """
 
     mode: str
@@ -44,6 +50,8 @@ class BatchMetadata:
     ks: torch.Tensor | None = None
     ke: torch.Tensor | None = None
     use_dense: bool = False
+    backend: str | None = None
+    max_logits_bytes: int = 1 << 30
 
     @property
     def num_tokens(self) -> int:
@@ -51,12 +59,14 @@ class BatchMetadata:
 
 
 def build_extend(alloc: PageAllocator, req_ids: list, q_lens: list[int], *, dense_threshold: int,
-                 dense_allowed: bool = True, max_dense_tokens: int = 1 << 16) -> BatchMetadata:
+                 dense_allowed: bool = True, max_dense_tokens: int = 1 << 16, backend: str | None = None,
+                 max_logits_bytes: int = 1 << 30) -> BatchMetadata:
     """Metadata for an extend (prefill chunk) whose tokens are already reserved in ``alloc``.
 
     Request b's new tokens are the LAST ``q_lens[b]`` of its ``alloc.seq_len``. Dense fallback when every
     request's kv length <= ``dense_threshold``, the gathered KV fits ``max_dense_tokens`` and the caller
-    allows it (bf16/fp8 cache, no CP, no offload).
+    allows it (bf16/fp8 cache, no CP, no offload). ``backend``, ``max_logits_bytes``: as in
+    :class:`BatchMetadata`.
     """
     dev = alloc.device
     kv_lens = [alloc.seq_len(r) for r in req_ids]
@@ -67,8 +77,9 @@ def build_extend(alloc: PageAllocator, req_ids: list, q_lens: list[int], *, dens
             raise ValueError(f"q_lens: expected 0 <= q_len <= seq_len ({kv_len}) for request {r!r}, got {q_len}")
         pos = torch.arange(kv_len - q_len, kv_len, dtype=torch.int64)
         positions.append(pos)
-        slot_mapping.append(alloc.slots(r, kv_len - q_len, kv_len).cpu())
-        kv_slots.append(alloc.slots(r).cpu())
+        pages = alloc.pages(r)
+        slot_mapping.append(slots_from_pages(pages, kv_len - q_len, kv_len, alloc.page_size))
+        kv_slots.append(slots_from_pages(pages, 0, kv_len, alloc.page_size))
         ks.append(torch.full((q_len,), offset, dtype=torch.int32))
         ke.append((offset + pos + 1).to(torch.int32))
         offset += kv_len
@@ -79,16 +90,18 @@ def build_extend(alloc: PageAllocator, req_ids: list, q_lens: list[int], *, dens
         mode=EXTEND, req_ids=list(req_ids), positions=torch.cat(positions).to(dev),
         slot_mapping=torch.cat(slot_mapping).to(dev), block_table=alloc.block_table(req_ids),
         cu_seqlens_q=cu_q.to(dev), cu_seqlens_kv=cu_kv.to(dev), kv_slots=torch.cat(kv_slots).to(dev),
-        ks=torch.cat(ks).to(dev), ke=torch.cat(ke).to(dev), use_dense=use_dense)
+        ks=torch.cat(ks).to(dev), ke=torch.cat(ke).to(dev), use_dense=use_dense, backend=backend,
+        max_logits_bytes=max_logits_bytes)
 
 
 def build_decode(alloc: PageAllocator, req_ids: list, next_n: int = 1, mode: str = DECODE,
-                 max_pages: int | None = None) -> BatchMetadata:
+                 max_pages: int | None = None, backend: str | None = None) -> BatchMetadata:
     """Metadata for decode (next_n = 1) or target_verify / draft_extend (next_n tokens per request),
     whose ``next_n`` new tokens per request are already reserved in ``alloc``.
 
     Row (b, j) — token j of request b — sits at position ``seq_len - next_n + j`` and sees keys
-    ``0 .. seq_len - next_n + j``: ``context_lens[b, j] = seq_len - next_n + j + 1``.
+    ``0 .. seq_len - next_n + j``: ``context_lens[b, j] = seq_len - next_n + j + 1``. ``backend``: as in
+    :class:`BatchMetadata`.
     """
     if mode not in (DECODE, TARGET_VERIFY, DRAFT_EXTEND):
         raise ValueError(f"mode: expected decode, target_verify or draft_extend, got {mode!r}")
@@ -100,10 +113,10 @@ def build_decode(alloc: PageAllocator, req_ids: list, next_n: int = 1, mode: str
         raise ValueError(f"req_ids: every request needs >= next_n ({next_n}) reserved tokens, got seq_lens {seq.tolist()}")
     j = torch.arange(next_n, dtype=torch.int64)
     positions = (seq[:, None] - next_n + j[None, :]).flatten()
-    slot_mapping = torch.cat([alloc.slots(r, int(s) - next_n, int(s)).cpu() for r, s in zip(req_ids, seq)]) \
-        if req_ids else torch.zeros(0, dtype=torch.int64)
+    slot_mapping = torch.cat([slots_from_pages(alloc.pages(r), int(s) - next_n, int(s), alloc.page_size)
+                              for r, s in zip(req_ids, seq)]) if req_ids else torch.zeros(0, dtype=torch.int64)
     block_table = alloc.block_table(req_ids, max_pages)
     return BatchMetadata(
         mode=mode, req_ids=list(req_ids), positions=positions.to(dev), slot_mapping=slot_mapping.to(dev),
         block_table=block_table, next_n=next_n, context_lens=(positions + 1).view(-1, next_n).to(torch.int32).to(dev),
-        max_context_len=block_table.shape[1] * alloc.page_size)
+        max_context_len=block_table.shape[1] * alloc.page_size, backend=backend)
