@@ -268,6 +268,38 @@ def test_cache_objects(ref, patched):
             model.eval()
 
 
+def test_failed_forward_leaves_the_cache_as_before(ref, patched):
+    """A forward that fails part-way (here: an input past the vocabulary, then an MLP that raises after the
+    first attention layer wrote its caches) gives its reserved tokens back: the cache is exactly as
+    before and the next forward returns the same logits as a cache that never saw the failure."""
+    if ref["arch"] != "v32":
+        pytest.skip("cache handling is architecture-independent")
+    model, ids = ref["model"], ref["ids"]
+    patch = patched(indexer="exact")
+    mlp = model.model.layers[0].mlp
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("injected")
+
+    with torch.no_grad():
+        good, bad = model(ids[:, :20]).cache, model(ids[:, :20]).cache
+        alloc = patch.runner.alloc
+        state = (bad.seen, bad.seq_lens(), alloc.free_page_ids)
+        with pytest.raises(IndexError):
+            model(torch.full((1, 3), VOCAB + 5), cache=bad)  # the embedding fails before any layer
+        mlp.forward = boom
+        try:
+            with pytest.raises(RuntimeError, match="injected"):
+                model(ids[:, 20:30], cache=bad)
+            with pytest.raises(RuntimeError, match="injected"):
+                model(ids[:, :5])  # a new cache whose first forward fails: its rows are gone again
+        finally:
+            del mlp.forward
+        assert (bad.seen, bad.seq_lens(), alloc.free_page_ids) == state
+        assert torch.equal(model(ids[:, 20:30], cache=bad).logits, model(ids[:, 20:30], cache=good).logits)
+        assert bad.seen == good.seen == 30 and bad.seq_lens() == good.seq_lens() == [30]
+
+
 def test_apply_twice_and_unapply(ref, patched):
     model, ids = ref["model"], ref["ids"]
     first = patched(indexer="exact")

@@ -45,9 +45,13 @@ class DecodeGraph:
         ids = self.runner._token_ids("tokens", list(tokens))
         if ids.numel() != len(self.req_ids):
             raise ValueError(f"tokens: expected {len(self.req_ids)} (one per captured request), got {ids.numel()}")
-        fresh, _ = self.runner.prepare({r: 1 for r in self.req_ids}, DECODE, max_pages=self.max_pages)
-        for name in ("positions", "slot_mapping", "block_table", "context_lens"):
-            getattr(self.meta, name).copy_(getattr(fresh, name))
-        self.ids.copy_(ids)
-        self.graph.replay()
+        fresh, reservation = self.runner.prepare({r: 1 for r in self.req_ids}, DECODE, max_pages=self.max_pages)
+        try:
+            for name in ("positions", "slot_mapping", "block_table", "context_lens"):
+                getattr(self.meta, name).copy_(getattr(fresh, name))
+            self.ids.copy_(ids)
+            self.graph.replay()
+        except BaseException:
+            self.runner.undo(reservation)
+            raise
         return self.logits
