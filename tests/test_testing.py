@@ -15,7 +15,7 @@ import torch
 from flashdsa.cache.layouts import MLA_FP8_BYTES, dequantize_mla_656, index_page_views
 from flashdsa.testing.compare import assert_close, cos_diff, masked_cos_diff, topk_order_keys, topk_tie_safe
 from flashdsa.testing.inputs import (decode_slots, index_cache, mla_cache, paged_batch, poison, poison_torch_empty,
-                                     prefill_indices, rows_subset)
+                                     prefill_indices, ragged_ranges, rows_subset)
 
 # ---- comparisons -------------------------------------------------------------------------------------
 
@@ -172,6 +172,14 @@ def test_decode_slots_and_prefill_indices():
     lim = torch.clamp((torch.arange(8) + 1) * 100 // 8, min=20)
     assert idx.shape == (8, 20) and bool((idx.long() < lim[:, None]).all())
     assert all(len(set(r.tolist())) == 20 for r in idx)
+
+
+def test_ragged_ranges_cover_the_edge_cases():
+    ks, ke = ragged_ranges(40, 100, torch.Generator().manual_seed(3))
+    assert ks.dtype == ke.dtype == torch.int32 and bool(((0 <= ks) & (ks <= ke) & (ke <= 100)).all())
+    assert list(zip(ks[:5].tolist(), ke[:5].tolist())) == [(0, 100), (50, 50), (100, 100), (0, 1), (0, 0)]
+    assert int((ke - ks)[5:].gt(1).sum()) > 25  # the rest random, mostly wider than one key
+    assert ragged_ranges(2, 0, torch.Generator())[1].tolist() == [0, 0]
 
 
 # ---- timing ------------------------------------------------------------------------------------------

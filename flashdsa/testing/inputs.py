@@ -112,6 +112,18 @@ def decode_slots(block_table: torch.Tensor, ctx: int, s_q: int, topk: int, g: to
     return slots.view(B, s_q, topk).to(torch.int32).contiguous()
 
 
+def ragged_ranges(T: int, N: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """``ks, ke [T] int32`` (CPU): random key ranges ``[ks, ke)`` within ``[0, N]``, the first rows the edge
+    cases: the full range, empty ranges in the middle, at N and at 0, and a one-key range."""
+    a = torch.randint(0, N + 1, (T,), generator=g)
+    b = torch.randint(0, N + 1, (T,), generator=g)
+    ks, ke = torch.minimum(a, b), torch.maximum(a, b)
+    fixed = [(0, N), (N // 2, N // 2), (N, N), (0, min(1, N)), (0, 0)]
+    for i, (s, e) in enumerate(fixed[:T]):
+        ks[i], ke[i] = s, e
+    return ks.to(torch.int32), ke.to(torch.int32)
+
+
 def prefill_indices(T: int, N: int, topk: int, g: torch.Generator, device) -> torch.Tensor:
     """``[T, topk] int32`` causal-like indices for sparse prefill over N keys: query t picks ``topk``
     distinct keys among the first ``max(topk, N (t + 1) / T)`` (``topk <= N``)."""
