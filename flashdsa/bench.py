@@ -13,7 +13,7 @@ Cases (``--quick`` keeps those marked Q; the sweeps feed the plot):
                 with slot translation -> sparse decode), B 64 at context 8K and 32K Q, split into indexer /
                 top-k / attention / whole step; the step's peer is DeepGEMM + fast_topk + FlashMLA in a row
 
-Inputs are random (never zeros), built on the device in our byte layouts (flashdsa.cache.layouts): DeepGEMM
+Inputs are random (never zeros), built on the device in our byte layouts (flashdsa.testing.inputs): DeepGEMM
 reads our indexer pages viewed ``[P, 64, 1, 132]``, FlashMLA our 656-B pages viewed ``[P, 64, 1, 656]``.
 Before timing, ours is compared with the torch reference (``backend="torch"``) on the same inputs (a
 subsample of rows for big shapes): logits need the same -inf pattern and cosine diff <= 1e-6, top-k the

@@ -116,6 +116,8 @@ def test_topk_tie_safe_ties_nan_and_empty_rows():
     assert topk_tie_safe(x[:1], torch.tensor([0]), empty, k) == (True, 1.0)
     assert topk_tie_safe(torch.empty(1, 0), torch.tensor([0]), empty, k) == (True, 1.0)
     assert topk_tie_safe(torch.empty(0, 9), torch.empty(0, dtype=torch.long), torch.empty(0, k), k)[0]
+    with pytest.raises(ValueError, match="idx"):
+        topk_tie_safe(x, lengths, empty, k)  # one row of picks for two rows of scores
 
 
 def test_topk_order_keys_follow_the_score_order():
@@ -172,6 +174,10 @@ def test_decode_slots_and_prefill_indices():
     lim = torch.clamp((torch.arange(8) + 1) * 100 // 8, min=20)
     assert idx.shape == (8, 20) and bool((idx.long() < lim[:, None]).all())
     assert all(len(set(r.tolist())) == 20 for r in idx)
+    with pytest.raises(ValueError, match="topk"):
+        prefill_indices(8, 10, 20, g, "cpu")
+    with pytest.raises(ValueError, match="topk"):
+        decode_slots(bt, 300, 1, 20, g)  # 4 pages hold 256 positions
 
 
 def test_ragged_ranges_cover_the_edge_cases():

@@ -76,6 +76,9 @@ def topk_tie_safe(scores: torch.Tensor, lengths: torch.Tensor, idx: torch.Tensor
     Recall: the fraction of a row's ``min(k, length)`` picks that are in range and score that high,
     the smallest over the rows (1.0 without rows).
     """
+    if scores.dim() != 2 or idx.dim() != 2 or idx.shape[0] != scores.shape[0] or lengths.shape != scores.shape[:1]:
+        raise ValueError(f"idx, lengths: expected [R, k] and [R] for scores [R, L], got idx {list(idx.shape)}, "
+                         f"lengths {list(lengths.shape)}, scores {list(scores.shape)}")
     R, L = scores.shape
     s = torch.where(torch.isnan(scores), float("-inf"), scores.float())
     s = torch.cat((s, s.new_full((R, 1), float("-inf"))), dim=1)  # column L: what an out-of-range pick reads

@@ -105,6 +105,9 @@ def decode_slots(block_table: torch.Tensor, ctx: int, s_q: int, topk: int, g: to
     """``[B, s_q, topk] int32`` slots for sparse decode: per query row, ``topk`` distinct random positions
     below ``ctx`` (``topk <= ctx``), translated through ``block_table [B, >= ctx / 64]`` into slots
     ``page * 64 + position % 64``."""
+    if not 0 <= topk <= ctx or block_table.shape[1] * PAGE_SIZE < ctx:
+        raise ValueError(f"topk: expected 0 <= topk <= ctx = {ctx} with block_table [B, >= {-(-ctx // PAGE_SIZE)}], "
+                         f"got topk {topk}, block_table {list(block_table.shape)}")
     B = block_table.shape[0]
     dev = block_table.device
     pos = torch.rand(B * s_q, ctx, generator=g, device=dev).argsort(dim=1)[:, :topk].reshape(B, s_q * topk)
@@ -127,6 +130,8 @@ def ragged_ranges(T: int, N: int, g: torch.Generator) -> tuple[torch.Tensor, tor
 def prefill_indices(T: int, N: int, topk: int, g: torch.Generator, device) -> torch.Tensor:
     """``[T, topk] int32`` causal-like indices for sparse prefill over N keys: query t picks ``topk``
     distinct keys among the first ``max(topk, N (t + 1) / T)`` (``topk <= N``)."""
+    if not 0 <= topk <= N:
+        raise ValueError(f"topk: expected 0 <= topk <= N = {N}, got {topk}")
     lim = torch.clamp((torch.arange(T, device=device) + 1) * N // T, min=min(topk, N))
     r = torch.rand(T, N, generator=g, device=device)
     r[torch.arange(N, device=device)[None, :] >= lim[:, None]] = 2.0  # past the limit: sorts last
