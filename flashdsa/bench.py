@@ -45,8 +45,10 @@ import torch
 
 from flashdsa.testing import peers
 from flashdsa.testing.compare import cos_diff, masked_cos_diff, topk_tie_safe
-from flashdsa.testing.inputs import (CHUNK_PAGES, decode_slots, index_cache, mla_cache, paged_batch, prefill_indices,
-                                     randn, rows_subset)
+from flashdsa.testing.inputs import (decode_slots, index_cache, mla_cache, paged_batch, prefill_indices, randn,
+                                     rows_subset)
+# the names _setup_layer uses (rewritten on main meanwhile): drop when it uses randn / rows_subset / CHUNK_PAGES
+from flashdsa.testing.inputs import CHUNK_PAGES as _CHUNK_PAGES, randn as _randn, rows_subset as _rows
 from flashdsa.testing.peers import peer_status
 from flashdsa.testing.timing import do_bench_us, time_us
 
@@ -370,9 +372,9 @@ def _setup_layer(p: dict, dev, status) -> list[tuple[str, Bench]]:
             alloc.extend(r, min(16 * page, ctx - start))
 
     def write(slots):  # random MLA rows and indexer keys through the pool's writers
-        for i in range(0, slots.numel(), CHUNK_PAGES * 64):
-            s = slots[i:i + CHUNK_PAGES * 64]
-            pool.write(0, s, randn((s.numel(), 576), g, dev, torch.bfloat16), randn((s.numel(), 128), g, dev, FP8),
+        for i in range(0, slots.numel(), _CHUNK_PAGES * 64):
+            s = slots[i:i + _CHUNK_PAGES * 64]
+            pool.write(0, s, _randn((s.numel(), 576), g, dev, torch.bfloat16), _randn((s.numel(), 128), g, dev, FP8),
                        torch.rand(s.numel(), generator=g, device=dev) + 0.5)
     write(torch.cat([alloc.slots(r) for r in reqs]))
     for r in reqs:
@@ -381,8 +383,8 @@ def _setup_layer(p: dict, dev, status) -> list[tuple[str, Bench]]:
     write(meta.slot_mapping)
     lens, bt, max_len = meta.context_lens, meta.block_table, meta.max_context_len
     icache, mla = pool.index_cache(0), pool.mla_cache(0).view(-1, 64, pool.mla_cache(0).shape[-1])
-    q_fp8, w = randn((B, 1, H_I, 128), g, dev, FP8), randn((B, H_I), g, dev) * H_I ** -0.5
-    q, sm = randn((B, 1, h, 576), g, dev, torch.bfloat16), cfg.softmax_scale
+    q_fp8, w = _randn((B, 1, H_I, 128), g, dev, FP8), _randn((B, H_I), g, dev) * H_I ** -0.5
+    q, sm = _randn((B, 1, h, 576), g, dev, torch.bfloat16), cfg.softmax_scale
 
     def indexer(be="triton", rows=slice(None)):
         return ops.indexer_logits_paged(q_fp8[rows], icache, w[rows], lens[rows], bt[rows], max_len, backend=be)
@@ -395,7 +397,7 @@ def _setup_layer(p: dict, dev, status) -> list[tuple[str, Bench]]:
 
     logits = indexer()  # the fixed inputs of the later stages
     sel = select(logits)
-    sub = rows_subset(B, 4, dev)
+    sub = _rows(B, 4, dev)
     done: dict[str, dict] = {}
 
     def checked(name, fn):
