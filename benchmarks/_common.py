@@ -1,9 +1,11 @@
-"""Shared by the benchmark scripts: loading the peer kernels, timing, the result table.
+"""Shared by the benchmark scripts alone: peer loading that prints why a peer is absent, the scripts'
+timing call (a wall-clock stand-in in their CPU smoke runs), the result table and JSON. Comparisons,
+inputs, peer calls and GPU timing come from flashdsa.testing, as in the tests and ``flashdsa bench``.
 
 Peers (DeepGEMM, FlashMLA / sgl-kernel fast_topk) are optional: a script skips a peer that does not
 import. Install them with `pip install sgl-deep-gemm sglang-kernel` (versions matching your torch), or
-put their wheels and the two sgl-kernel libraries (flashmla_ops.abi3.so, common_ops.abi3.so) under
-.anchors/ and .anchors/sglk/ in the repository root.
+put their wheels and the sgl-kernel libraries (flashmla_ops.abi3.so, common_ops.abi3.so) under .anchors/
+and .anchors/sglk/ in the repository root (or name their folder in $FLASHDSA_SGL_KERNEL_LIBS).
 """
 
 from __future__ import annotations
@@ -19,51 +21,39 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from flashdsa.bench import capture_graph, cos_diff, time_us  # noqa: E402,F401 (shared with `flashdsa bench`)
+from flashdsa.testing.peers import import_deep_gemm, load_sgl_kernel  # noqa: E402
+from flashdsa.testing.timing import time_us  # noqa: E402
+
+SGL_LIBS = ROOT / ".anchors" / "sglk"
 
 
 def load_deep_gemm():
-    try:
-        import deep_gemm  # noqa: F401
-        return deep_gemm
-    except Exception as e:  # noqa: BLE001 - any import failure means "peer absent"
-        print(f"[peer] deep_gemm unavailable: {e!r}")
-        return None
+    """The deep_gemm module, or None (and a line saying why)."""
+    dg, why = import_deep_gemm()
+    if dg is None:
+        print(f"[peer] {why}")
+    return dg
 
 
 def load_sgl_ops() -> bool:
-    """Load FlashMLA sparse ops and fast_topk into torch.ops.sgl_kernel; False if absent."""
-    ok = True
-    for name in ("flashmla_ops.abi3.so", "common_ops.abi3.so"):
-        path = ROOT / ".anchors" / "sglk" / name
-        try:
-            if path.exists():
-                torch.ops.load_library(str(path))
-            else:
-                import sgl_kernel  # noqa: F401
-        except Exception as e:  # noqa: BLE001
-            print(f"[peer] {name} unavailable: {e!r}")
-            ok = False
-    return ok
-
-
-def bench(fn, warmup_ms: int = 25, rep_ms: int = 100) -> float:
-    """Median time of fn in microseconds (CUDA events via triton.testing.do_bench)."""
-    import triton.testing
-    return 1e3 * triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+    """Load sgl-kernel's ops (FlashMLA sparse decode / prefill, fast_topk) into torch.ops.sgl_kernel from
+    .anchors/sglk/ when it exists, else as flashdsa.testing.peers.load_sgl_kernel does; False (and a line
+    per failure) if any library failed."""
+    _, errors = load_sgl_kernel(str(SGL_LIBS) if SGL_LIBS.is_dir() else None)
+    for e in errors:
+        print(f"[peer] {e}")
+    return not errors
 
 
 def timed(fn, dev: str, graph: bool = False, **kw) -> float:
-    """Median µs of ``fn`` on a GPU: :func:`bench` (``kw``: its warm-up / repeat times), or with ``graph`` a
-    CUDA-graph replay of one call (the plain call if capture fails). With ``dev`` "cpu" (the scripts'
-    smoke runs under the interpreter) the wall time of one call, which means nothing."""
+    """Median µs of ``fn`` on a GPU (flashdsa.testing.timing.time_us; ``kw``: its ``warmup_ms`` / ``rep_ms``),
+    a CUDA-graph replay of one call with ``graph``. With ``dev`` "cpu" (the scripts' smoke runs under the
+    interpreter) the wall time of one call, which means nothing."""
     if dev != "cuda":
         t = time.perf_counter()
         fn()
         return 1e6 * (time.perf_counter() - t)
-    return time_us(fn, graph) if graph else bench(fn, **kw)
-
-
+    return time_us(fn, graph, **kw)
 
 
 def print_table(rows: list[dict], title: str) -> None:

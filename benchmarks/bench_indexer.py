@@ -41,12 +41,16 @@ import torch
 if "--smoke" in sys.argv and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
-from _common import capture_graph, cos_diff, load_deep_gemm, print_table, timed, write_json
+from _common import load_deep_gemm, print_table, timed, write_json
 
 from flashdsa.cache.layouts import INDEX_BYTES_PER_TOKEN, index_page_views
 from flashdsa.ops.indexer import reference
 from flashdsa.ops.indexer import triton as K
 from flashdsa.quant import FP8, act_quant
+from flashdsa.testing.compare import cos_diff, masked_cos_diff
+from flashdsa.testing.inputs import paged_batch
+from flashdsa.testing.peers import deepgemm_paged, deepgemm_ragged
+from flashdsa.testing.timing import capture_graph
 
 H, D = 64, 128
 COPY_BPS = 4.27e12  # the H200's measured copy bandwidth (anchors/h200-2026-11-29.json)
@@ -96,20 +100,10 @@ def _quantise_keys(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return out, sc
 
 
-def _masked_cos(a: torch.Tensor, b: torch.Tensor, valid: torch.Tensor) -> float:
-    return cos_diff(torch.where(valid, a, 0.0), torch.where(valid, b, 0.0))
-
-
 def _paged_case(B: int, n: int, avg: int, seed: int = 0) -> dict:
     dev = DEV
     g = torch.Generator(device=dev).manual_seed(seed)
-    seq = torch.randint(int(0.7 * avg), int(1.3 * avg), (B,), generator=g, device=dev)
-    pages = (seq + 63) // 64
-    P, maxp = int(pages.sum()), int(pages.max())
-    perm = torch.randperm(P, generator=g, device=dev).to(torch.int32)
-    first = torch.cumsum(pages, 0) - pages
-    j = torch.arange(maxp, device=dev)
-    bt = torch.where(j[None, :] < pages[:, None], perm[(first[:, None] + j[None, :]).clamp(max=P - 1)], 0)
+    seq, bt, P = paged_batch(B, avg, n, g, dev)
     k_bf16 = torch.randn(P * 64, D, generator=g, device=dev, dtype=torch.bfloat16)
     k_fp8, k_s = _quantise_keys(k_bf16)
     cache = torch.empty(P, 8448, dtype=torch.uint8, device=dev)
@@ -121,8 +115,8 @@ def _paged_case(B: int, n: int, avg: int, seed: int = 0) -> dict:
     q_bf16 = torch.randn(B, n, H, D, generator=g, device=dev, dtype=torch.bfloat16)
     q_fp8 = q_bf16.to(FP8)
     w = torch.randn(B * n, H, generator=g, device=dev)
-    return dict(seq=seq, bt=bt.to(torch.int32).contiguous(), k_bf16=k_bf16, cache=cache, ctx=ctx, q_bf16=q_bf16,
-                q_fp8=q_fp8, w=w, max_len=maxp * 64, P=P)
+    return dict(seq=seq, bt=bt, k_bf16=k_bf16, cache=cache, ctx=ctx, q_bf16=q_bf16,
+                q_fp8=q_fp8, w=w, max_len=bt.shape[1] * 64, P=P)
 
 
 def _check_paged(c: dict, out: torch.Tensor, n: int) -> dict:
@@ -138,7 +132,7 @@ def _check_paged(c: dict, out: torch.Tensor, n: int) -> dict:
         k = c["k_bf16"].view(-1, 64, D)[pages].reshape(-1, D)[:L].float()
         s = torch.einsum("jhd,nd->jhn", c["q_bf16"][b].float(), k).relu()
         want = torch.einsum("jhn,jh->jn", s, c["w"][b * n:(b + 1) * n])
-        worst = max(worst, _masked_cos(out[b * n:(b + 1) * n, :L], want, fin[b * n:(b + 1) * n, :L]))
+        worst = max(worst, masked_cos_diff(out[b * n:(b + 1) * n, :L], want, fin[b * n:(b + 1) * n, :L]))
     return {"inf_pattern": inf_ok, "cos_ref": cos_diff(out, ref), "max_err_rel": err, "cos_unquant": worst}
 
 
@@ -169,14 +163,12 @@ def run_paged(cases, dg, rows: list[dict], sweep: bool) -> None:
         elif n > 2:
             row["note"] = "DeepGEMM: next_n <= 2 on Hopper"
         else:
-            md = dg.get_paged_mqa_logits_metadata(c["ctx"], 64, dg.get_num_sms())
-            kv4 = c["cache"].view(c["P"], 64, 1, 132)
-            dg_args = (c["q_fp8"], kv4, c["w"], c["ctx"], c["bt"], md, c["max_len"], False)
-            dg_out = dg.fp8_paged_mqa_logits(*dg_args)
+            dg_call = deepgemm_paged(*args)
+            dg_out = dg_call()
             valid = torch.arange(c["max_len"], device=DEV)[None, :] < c["ctx"].view(-1, 1)
-            row["cos_dg"] = _masked_cos(out, dg_out.float(), valid)
-            td = timed(lambda: dg.fp8_paged_mqa_logits(*dg_args), DEV)
-            row.update({"dg_us": td, "ours/dg": t / td, "dg_graph_us": _graph_time(lambda: dg.fp8_paged_mqa_logits(*dg_args))})
+            row["cos_dg"] = masked_cos_diff(out, dg_out.float(), valid)
+            td = timed(dg_call, DEV)
+            row.update({"dg_us": td, "ours/dg": t / td, "dg_graph_us": _graph_time(dg_call)})
             if row["graph_us"] and row["dg_graph_us"]:
                 row["graph ours/dg"] = row["graph_us"] / row["dg_graph_us"]
         if sweep:
@@ -257,7 +249,7 @@ def run_ragged(cases, dg, rows: list[dict], sweep: bool) -> None:
         row = {"case": f"ragged {sq}x{skv}",
                "inf_pattern": torch.equal(torch.isneginf(o), torch.isneginf(ref)) and not torch.isnan(out).any(),
                "cos_ref": cos_diff(o, ref), "max_err_rel": float((o - ref)[fin].abs().max() / ref[fin].abs().max()),
-               "cos_unquant": _masked_cos(o, want, fin),
+               "cos_unquant": masked_cos_diff(o, want, fin),
                "bitwise_repeat": torch.equal(out.view(torch.int32), K.indexer_logits_ragged(*args).view(torch.int32))}
         del ref, want, o
         pairs = int((ke - ks).clamp(min=0).sum())
@@ -268,12 +260,13 @@ def run_ragged(cases, dg, rows: list[dict], sweep: bool) -> None:
         if dg is None:
             row["note"] = "DeepGEMM absent"
         else:
-            dg_out = dg.fp8_mqa_logits(q_fp8, (k_fp8, k_s), w, ks, ke)
+            dg_call = deepgemm_ragged(*args)
+            dg_out = dg_call()
             valid = torch.isfinite(out)
-            row["cos_dg"] = _masked_cos(out, dg_out.float(), valid)
+            row["cos_dg"] = masked_cos_diff(out, dg_out.float(), valid)
             row["dg_inf_same"] = torch.equal(torch.isneginf(dg_out), torch.isneginf(out))
             del dg_out
-            td = timed(lambda: dg.fp8_mqa_logits(q_fp8, (k_fp8, k_s), w, ks, ke), DEV)
+            td = timed(dg_call, DEV)
             row.update({"dg_us": td, "ours/dg": t / td, "dg_TFLOP/s": flops / td / 1e6})
         if sweep:
             _sweep_ragged(args, out, t, rows, row["case"])

@@ -22,11 +22,14 @@ import time
 
 import torch
 
-from _common import cos_diff, load_sgl_ops, print_table, timed, write_json
+from _common import load_sgl_ops, print_table, timed, write_json
 
-from flashdsa.cache.layouts import PAGE_SIZE, quantize_mla_656
+from flashdsa.cache.layouts import PAGE_SIZE
 from flashdsa.ops.sparse_mla import reference
 from flashdsa.ops.sparse_mla import triton as tri
+from flashdsa.testing.compare import cos_diff
+from flashdsa.testing.inputs import decode_slots, mla_cache, prefill_indices, randn, rows_subset
+from flashdsa.testing.peers import flashmla_decode, flashmla_prefill
 
 SM_SCALE = 576 ** -0.5
 CTX = 32768                    # context per decode request
@@ -104,14 +107,11 @@ def decode_inputs(B: int, s_q: int, h_q: int, dev):
     pages_per_req = CTX // PAGE_SIZE
     P = B * pages_per_req
     gen = torch.Generator(device=dev).manual_seed(0)
-    kv = torch.randn(P * PAGE_SIZE, 576, device=dev, generator=gen).to(torch.bfloat16)
-    cache = quantize_mla_656(kv).view(P, PAGE_SIZE, 656)
-    del kv
+    cache = mla_cache(P, gen, dev)
     block_table = torch.randperm(P, device=dev, generator=gen).view(B, pages_per_req)
-    pos = torch.rand(B * s_q, CTX, device=dev, generator=gen).argsort(dim=1)[:, :TOPK].view(B, s_q, TOPK)
-    slots = block_table.gather(1, (pos // PAGE_SIZE).view(B, -1)).view(B, s_q, TOPK) * PAGE_SIZE + pos % PAGE_SIZE
-    q = torch.randn(B, s_q, h_q, 576, device=dev, generator=gen).to(torch.bfloat16)
-    return q, cache, slots.to(torch.int32).contiguous()
+    slots = decode_slots(block_table, CTX, s_q, TOPK, gen)
+    q = randn((B, s_q, h_q, 576), gen, dev, torch.bfloat16)
+    return q, cache, slots
 
 
 def run_decode(B, s_q, h_q, configs, peer_ok, graph, rows):
@@ -123,19 +123,14 @@ def run_decode(B, s_q, h_q, configs, peer_ok, graph, rows):
     name = f"decode fp8 B{B} s_q{s_q} h{h_q} topk{TOPK}"
 
     out, lse = tri.sparse_mla_decode(q, cache, idx, SM_SCALE, 512, None)
-    sub = torch.linspace(0, B - 1, min(B, 8), device=dev).round().long().unique()
+    sub = rows_subset(B, 8, dev)
     info = ref_check(out[sub], lse[sub], lambda qq, ii: reference.sparse_mla_decode(qq, cache, ii, SM_SCALE, 512, None),
                      q[sub], idx[sub], DECODE_TOL)
     peer_us = None
     if peer_ok and h_q in (64, 128):
         try:
             seqlens = torch.full((B,), CTX, dtype=torch.int32, device=dev)
-            md, ns = torch.ops.sgl_kernel.get_mla_decoding_metadata.default(seqlens, s_q * h_q, 1, h_q, True, TOPK)
-            cache4 = cache.view(cache.shape[0], PAGE_SIZE, 1, 656)
-
-            def peer():
-                return torch.ops.sgl_kernel.sparse_decode_fwd.default(q, cache4, idx, None, None, md, ns, None, None,
-                                                                       None, 512, SM_SCALE)
+            peer = flashmla_decode(q, cache, idx, SM_SCALE, seqlens)
             p_out, p_lse = peer()[:2]
             info.update(peer_max_abs=float((out.float() - p_out.float()).abs().max()),
                         peer_cos_diff=cos_diff(out.float(), p_out.float()),
@@ -165,29 +160,21 @@ def run_decode(B, s_q, h_q, configs, peer_ok, graph, rows):
 def run_prefill(T, N, h_q, configs, peer_ok, graph, rows):
     dev = torch.device(DEV)
     gen = torch.Generator(device=dev).manual_seed(1)
-    kv = torch.randn(N, 576, device=dev, generator=gen).to(torch.bfloat16)
-    q = torch.randn(T, h_q, 576, device=dev, generator=gen).to(torch.bfloat16)
-    # causal-like selection: query t picks topk distinct keys among the first max(topk, N * (t+1) / T)
-    lim = torch.clamp((torch.arange(T, device=dev) + 1) * N // T, min=min(TOPK, N))
-    r = torch.rand(T, N, device=dev, generator=gen)
-    r[torch.arange(N, device=dev)[None, :] >= lim[:, None]] = 2.0
-    idx = r.argsort(dim=1)[:, :TOPK].to(torch.int32).contiguous()
-    del r
+    kv = randn((N, 576), gen, dev, torch.bfloat16)
+    q = randn((T, h_q, 576), gen, dev, torch.bfloat16)
+    idx = prefill_indices(T, N, TOPK, gen, dev)  # causal-like: query t among the first max(topk, N (t+1) / T)
     flop = 2 * h_q * (576 + 512) * T * TOPK
     byts = T * TOPK * 1152 + q.numel() * 2 + T * h_q * 512 * 2 + idx.numel() * 4
     name = f"prefill bf16 T{T} N{N} h{h_q} topk{TOPK}"
 
     out, lse = tri.sparse_mla_prefill(q, kv, idx, SM_SCALE, 512)
-    sub = torch.linspace(0, T - 1, 16, device=dev).round().long().unique()
+    sub = rows_subset(T, 16, dev)
     info = ref_check(out[sub], lse[sub], lambda qq, ii: reference.sparse_mla_prefill(qq, kv, ii, SM_SCALE, 512),
                      q[sub], idx[sub], PREFILL_TOL)
     peer_us = None
     if peer_ok and h_q % 64 == 0:
         try:
-            kv3, idx3 = kv.view(N, 1, 576), idx.view(T, 1, TOPK)
-
-            def peer():
-                return torch.ops.sgl_kernel.sparse_prefill_fwd.default(q, kv3, idx3, SM_SCALE, 512, None, None)
+            peer = flashmla_prefill(q, kv, idx, SM_SCALE)
             res = peer()
             p_out, p_lse = res[0], res[2]
             info.update(peer_max_abs=float((out.float() - p_out.float()).abs().max()),

@@ -36,10 +36,13 @@ import torch
 if "--smoke" in sys.argv and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
-from _common import bench, capture_graph, load_sgl_ops, print_table, timed, write_json
+from _common import load_sgl_ops, print_table, timed, write_json
 
 from flashdsa import ops
 from flashdsa.ops.topk import triton as T
+from flashdsa.testing.compare import topk_order_keys, topk_tie_safe
+from flashdsa.testing.peers import fast_topk
+from flashdsa.testing.timing import capture_graph, do_bench_us
 
 K = 2048
 SHAPES = [(64, 32768), (64, 131072), (4096, 8192), (4096, 32768)]
@@ -57,7 +60,7 @@ def _time_graph(fn) -> float:
     that cannot be captured fails the run."""
     if DEV != "cuda":
         return timed(fn, DEV)
-    return bench(capture_graph(fn).replay)
+    return do_bench_us(capture_graph(fn).replay)
 
 
 def make_scores(kind: str, R: int, L: int, seed: int = 0) -> torch.Tensor:
@@ -76,19 +79,11 @@ def make_scores(kind: str, R: int, L: int, seed: int = 0) -> torch.Tensor:
     raise ValueError(kind)
 
 
-def order_keys(x: torch.Tensor) -> torch.Tensor:
-    """int32 keys whose signed order is the score order (NaN = -inf, -0.0 = +0.0), as the kernel's."""
-    b = x.contiguous().view(torch.int32)
-    b = torch.where(b == -2 ** 31, 0, b)
-    b = torch.where((b & 0x7FFFFFFF) > 0x7F800000, -8388608, b)
-    return b ^ ((b >> 31) & 0x7FFFFFFF)
-
-
 def oracle(x: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:
     """Positions [R, k] int32 in the documented order, -1 padded: torch on one int64 key per score."""
     R, L = x.shape
     pos = torch.arange(L, device=x.device)
-    key = (order_keys(x).long() << 32) | (0xFFFFFFFF - pos)          # score desc, then position asc
+    key = (topk_order_keys(x).long() << 32) | (0xFFFFFFFF - pos)          # score desc, then position asc
     valid = pos[None, :] < lengths[:, None].long()
     key = torch.where(valid, key, torch.iinfo(torch.int64).min)
     top = torch.topk(key, min(k, L), dim=1).indices
@@ -97,24 +92,6 @@ def oracle(x: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:
     out = torch.full((R, k), -1, dtype=torch.int32, device=x.device)
     out[:, :top.shape[1]] = torch.where(top < L, top, -1).to(torch.int32)
     return out
-
-
-def tie_safe(x: torch.Tensor, lengths: torch.Tensor, idx: torch.Tensor, k: int) -> tuple[bool, float]:
-    """(exact, worst recall): every row has min(k, length) distinct in-range picks, each scoring >= the
-    row's k-th largest; recall = fraction of picks that do."""
-    s = torch.nan_to_num(x, nan=float("-inf"))
-    n = lengths.long()[:, None]
-    idx = idx.long()
-    in_range = (idx >= 0) & (idx < n)
-    srt = torch.sort(torch.where(in_range, idx, -1), dim=1).values
-    distinct = (srt[:, 1:] != srt[:, :-1]) | (srt[:, 1:] < 0)
-    count_ok = (in_range.sum(1) == n[:, 0].clamp(max=k)) & distinct.all(1)
-    masked = torch.where(torch.arange(x.shape[1], device=x.device)[None, :] < n, s, float("-inf"))
-    kth = torch.topk(masked, k, dim=1).values[:, -1:]
-    picked = torch.gather(s, 1, idx.clamp(0, x.shape[1] - 1))
-    good = in_range & (picked >= kth)
-    recall = good.sum(1).float() / n[:, 0].clamp(min=1, max=k).float()
-    return bool(count_ok.all() and (good | ~in_range).all()), float(recall.min())
 
 
 def run_case(name: str, kind: str, R: int, L: int, sgl: bool, rows: list, pages: bool = False) -> None:
@@ -136,14 +113,14 @@ def run_case(name: str, kind: str, R: int, L: int, sgl: bool, rows: list, pages:
     row = {"case": name, "kind": kind, "R": R, "L": L,
            "ours==oracle": bool(torch.equal(ours, want)), "repeat": bool(torch.equal(ours, again))}
     if pos_ours is not None:
-        row["ours_exact"], row["ours_recall"] = tie_safe(x, lengths, pos_ours, K)
+        row["ours_exact"], row["ours_recall"] = topk_tie_safe(x, lengths, pos_ours, K)
     row["ours_us"] = _time_graph(lambda: ops.topk_transform(x, lengths, K, **kw))
     row["ours_eager_us"] = timed(lambda: ops.topk_transform(x, lengths, K, **kw), DEV)
     if sgl:
-        out = torch.empty(R, K, dtype=torch.int32, device=DEV)
-        torch.ops.sgl_kernel.fast_topk(x, out, lengths, None)
-        row["sgl_exact"], row["sgl_recall"] = tie_safe(x, lengths, out, K)
-        row["sgl_us"] = _time_graph(lambda: torch.ops.sgl_kernel.fast_topk(x, out, lengths, None))
+        sgl_call, out = fast_topk(x, lengths, K)
+        sgl_call()
+        row["sgl_exact"], row["sgl_recall"] = topk_tie_safe(x, lengths, out, K)
+        row["sgl_us"] = _time_graph(sgl_call)
         row["ours/sgl"] = row["ours_us"] / row["sgl_us"]
     row["torch_us"] = _time_graph(lambda: torch.topk(x, K, dim=1))
     row["ours/torch"] = row["ours_us"] / row["torch_us"]

@@ -13,7 +13,7 @@ Cases (``--quick`` keeps those marked Q; the sweeps feed the plot):
                 with slot translation -> sparse decode), B 64 at context 8K and 32K Q, split into indexer /
                 top-k / attention / whole step; the step's peer is DeepGEMM + fast_topk + FlashMLA in a row
 
-Inputs are random (never zeros), built on the device in our byte layouts (flashdsa.cache.layouts): DeepGEMM
+Inputs are random (never zeros), built on the device in our byte layouts (flashdsa.testing.inputs): DeepGEMM
 reads our indexer pages viewed ``[P, 64, 1, 132]``, FlashMLA our 656-B pages viewed ``[P, 64, 1, 656]``.
 Before timing, ours is compared with the torch reference (``backend="torch"``) on the same inputs (a
 subsample of rows for big shapes): logits need the same -inf pattern and cosine diff <= 1e-6, top-k the
@@ -34,7 +34,6 @@ of a saved report (a GPU box without matplotlib: plot on another machine).
 from __future__ import annotations
 
 import datetime
-import glob
 import json
 import os
 import sys
@@ -43,6 +42,15 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
+
+from flashdsa.testing import peers
+from flashdsa.testing.compare import cos_diff, masked_cos_diff, topk_tie_safe
+from flashdsa.testing.inputs import (decode_slots, index_cache, mla_cache, paged_batch, prefill_indices, randn,
+                                     rows_subset)
+# the names _setup_layer uses (rewritten on main meanwhile): drop when it uses randn / rows_subset / CHUNK_PAGES
+from flashdsa.testing.inputs import CHUNK_PAGES as _CHUNK_PAGES, randn as _randn, rows_subset as _rows
+from flashdsa.testing.peers import peer_status
+from flashdsa.testing.timing import do_bench_us, time_us
 
 OPS = ("indexer", "topk", "sparse_mla", "layer")
 K = 1024
@@ -151,15 +159,6 @@ class Bench:
     parts: tuple["Bench", ...] = ()  # a composite (the layer step): its roofline is the sum of its parts'
 
 
-def cos_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    """``1 - 2ab / (a² + b²)`` over the elements finite in both, float64 (0 = identical)."""
-    a, b = a.double(), b.double()
-    m = torch.isfinite(a) & torch.isfinite(b)
-    a, b = a[m], b[m]
-    d = (a * a + b * b).sum()
-    return 0.0 if d == 0 else float(1 - 2 * (a * b).sum() / d)
-
-
 def _check_logits(out: torch.Tensor, ref: torch.Tensor) -> dict:
     same_inf = bool(torch.equal(torch.isneginf(out), torch.isneginf(ref)) and not torch.isnan(out).any())
     cd = cos_diff(out, ref)
@@ -182,126 +181,22 @@ def _check_attention(out, lse, ref_out, ref_lse) -> dict:
 
 
 def _masked_cos(a: torch.Tensor, b: torch.Tensor, valid: torch.Tensor) -> dict:
-    cd = cos_diff(torch.where(valid, a, 0.0), torch.where(valid, b.float(), 0.0))
+    cd = masked_cos_diff(a, b, valid)
     return {"cos_diff_vs_ours": cd, "summary": f"cos {cd:.1e} vs ours"}
 
 
 def _topk_exact(x: torch.Tensor, lengths: torch.Tensor, idx: torch.Tensor, k: int) -> dict:
-    """Tie-safe exactness: min(k, length) distinct in-range picks per row, each >= the row's k-th score."""
-    n = lengths.long()[:, None]
-    idx = idx.long()
-    in_range = (idx >= 0) & (idx < n)
-    srt = torch.sort(torch.where(in_range, idx, -1), dim=1).values
-    distinct = bool(((srt[:, 1:] != srt[:, :-1]) | (srt[:, 1:] < 0)).all())
-    count = bool((in_range.sum(1) == n[:, 0].clamp(max=k)).all())
-    s = torch.where(torch.arange(x.shape[1], device=x.device)[None, :] < n, x, float("-inf"))
-    kth = torch.topk(s, min(k, x.shape[1]), dim=1).values[:, -1:]
-    above = bool(((torch.gather(x, 1, idx.clamp(0, x.shape[1] - 1)) >= kth) | ~in_range).all())
-    exact = distinct and count and above
+    """A peer's picks, tie-safely (compare.topk_tie_safe): exact whatever its tie rule."""
+    exact = topk_tie_safe(x, lengths, idx, k)[0]
     return {"exact": exact, "summary": "exact" if exact else "NOT exact"}
 
 
-def _rows(n: int, most: int, dev) -> torch.Tensor:
-    """At most ``most`` row ids spread over ``0 .. n - 1`` (the reference's subsample of a big shape)."""
-    return torch.linspace(0, n - 1, min(n, most), device=dev).round().long().unique()
-
-
-def _randn(shape, g, dev, dtype=torch.float32) -> torch.Tensor:
-    return torch.randn(shape, generator=g, device=dev).to(dtype)
-
-
-# ---- inputs in our layouts -------------------------------------------------------------------------
-
-_CHUNK_PAGES = 4096  # 256K tokens per generated slice: bounds the fp32 temporaries
-
-
-def _index_cache(P: int, g, dev) -> torch.Tensor:
-    """``[P, 8448] u8`` indexer pages (layouts.index_page_views): random fp8 keys, scales in [0.5, 1.5)."""
-    from flashdsa.cache.layouts import INDEX_PAGE_BYTES, index_page_views
-    from flashdsa.quant import FP8
-    cache = torch.empty(P, INDEX_PAGE_BYTES, dtype=torch.uint8, device=dev)
-    keys, scales = index_page_views(cache)
-    for p0 in range(0, P, _CHUNK_PAGES):
-        p1 = min(P, p0 + _CHUNK_PAGES)
-        keys[p0:p1] = _randn((p1 - p0, 64, 128), g, dev, FP8)
-    scales.copy_(torch.rand(P, 64, generator=g, device=dev) + 0.5)
-    return cache
-
-
-def _mla_cache(P: int, g, dev) -> torch.Tensor:
-    """``[P, 64, 656] u8`` MLA pages in FlashMLA's fp8 layout (layouts.quantize_mla_656 of random bf16 rows)."""
-    from flashdsa.cache.layouts import MLA_DIM, MLA_FP8_BYTES, quantize_mla_656
-    cache = torch.empty(P, 64, MLA_FP8_BYTES, dtype=torch.uint8, device=dev)
-    for p0 in range(0, P, _CHUNK_PAGES):
-        p1 = min(P, p0 + _CHUNK_PAGES)
-        cache[p0:p1] = quantize_mla_656(_randn(((p1 - p0) * 64, MLA_DIM), g, dev, torch.bfloat16)).view(-1, 64, 656)
-    return cache
-
-
-def _paged_batch(B: int, ctx: int, n: int, g, dev):
-    """Lengths ~U(0.7, 1.3) * ctx (DeepGEMM's generator), each request's pages shuffled over the pool.
-    Returns ``seq [B]``, ``block_table [B, maxp] i32`` (0-padded), ``P``."""
-    seq = torch.randint(max(n, int(0.7 * ctx)), max(n, int(1.3 * ctx)) + 1, (B,), generator=g, device=dev)
-    pages = (seq + 63) // 64
-    P, maxp = int(pages.sum()), int(pages.max())
-    perm = torch.randperm(P, generator=g, device=dev)
-    first = torch.cumsum(pages, 0) - pages
-    j = torch.arange(maxp, device=dev)
-    bt = torch.where(j[None, :] < pages[:, None], perm[(first[:, None] + j[None, :]).clamp(max=P - 1)], 0)
-    return seq, bt.to(torch.int32).contiguous(), P
-
-
-# ---- peers -----------------------------------------------------------------------------------------
-
-def peer_status(peer_libs: str | None = None) -> dict[str, dict]:
-    """Which peers import here: ``{name: {"ok": bool, "why": str}}`` for DeepGEMM, FlashMLA, fast_topk, torch.topk.
-
-    sgl-kernel's ops come from ``peer_libs`` / ``$FLASHDSA_SGL_KERNEL_LIBS`` (every ``*.so`` in the folder,
-    loaded into ``torch.ops``) or else from ``import sgl_kernel``.
-    """
-    status: dict[str, dict] = {}
-    try:
-        import deep_gemm  # noqa: F401
-        status["DeepGEMM"] = {"ok": True, "why": "deep_gemm imports"}
-    except Exception as e:  # noqa: BLE001 - any failure means "peer absent"
-        status["DeepGEMM"] = {"ok": False, "why": f"import deep_gemm: {type(e).__name__}: {e}"[:160]}
-    libs = peer_libs or os.environ.get("FLASHDSA_SGL_KERNEL_LIBS")
-    errors: list[str] = []
-    if libs:
-        pending = sorted(glob.glob(os.path.join(libs, "*.so")))
-        if not pending:
-            errors.append(f"no *.so in {libs}")
-        for _ in range(2):  # a second pass for a library that needs another one loaded first
-            failed = []
-            for path in pending:
-                try:
-                    torch.ops.load_library(path)
-                except Exception as e:  # noqa: BLE001
-                    failed.append((path, e))
-            pending = [p for p, _ in failed]
-        errors += [f"{os.path.basename(p)}: {type(e).__name__}: {e}"[:160] for p, e in failed]
-        source = f"libraries in {libs}"
-    else:
-        try:
-            import sgl_kernel  # noqa: F401
-        except Exception as e:  # noqa: BLE001
-            errors.append(f"import sgl_kernel: {type(e).__name__}: {e}"[:160])
-        source = "sgl_kernel"
-    for name, opname in (("FlashMLA", "sparse_decode_fwd"), ("fast_topk", "fast_topk")):
-        ok = hasattr(torch.ops.sgl_kernel, opname)
-        status[name] = {"ok": ok, "why": f"torch.ops.sgl_kernel.{opname} from {source}" if ok
-                        else "; ".join(errors) or f"{source} has no torch.ops.sgl_kernel.{opname}"}
-    status["torch.topk"] = {"ok": True, "why": f"torch {torch.__version__}"}
-    return status
-
+# ---- peers: the Bench factories of the calls in flashdsa.testing.peers --------------------------------
 
 def _deepgemm_paged(q_fp8, cache, w, lens, bt, max_len, ours):
-    """DeepGEMM's paged logits over our 8448-B pages viewed ``[P, 64, 1, 132]``; schedule made once, untimed."""
+    """DeepGEMM's paged logits over our pages; schedule made once, untimed."""
     def make():
-        import deep_gemm as dg
-        md = dg.get_paged_mqa_logits_metadata(lens, 64, dg.get_num_sms())
-        kv = cache.view(cache.shape[0], 64, 1, 132)
-        fn = lambda: dg.fp8_paged_mqa_logits(q_fp8, kv, w, lens, bt, md, max_len, False)  # noqa: E731
+        fn = peers.deepgemm_paged(q_fp8, cache, w, lens, bt, max_len)
         # DeepGEMM leaves garbage past each row's length: compare inside the lengths only
         valid = torch.arange(max_len, device=lens.device)[None, :] < lens.reshape(-1, 1)
         return fn, _masked_cos(ours(), fn(), valid)
@@ -309,32 +204,25 @@ def _deepgemm_paged(q_fp8, cache, w, lens, bt, max_len, ours):
 
 
 def _flashmla_decode(q, cache, idx, sm_scale, seqlens, ours):
-    """FlashMLA's sparse decode over our 656-B pages viewed ``[P, 64, 1, 656]``."""
+    """FlashMLA's sparse decode over our 656-B pages."""
     def make():
-        _, s_q, h, _ = q.shape
-        sgl = torch.ops.sgl_kernel
-        md, ns = sgl.get_mla_decoding_metadata.default(seqlens, s_q * h, 1, h, True, idx.shape[-1])
-        kv = cache.view(cache.shape[0], 64, 1, cache.shape[-1])
-
-        def fn():
-            return sgl.sparse_decode_fwd.default(q, kv, idx, None, None, md, ns, None, None, None, 512, sm_scale)
+        fn = peers.flashmla_decode(q, cache, idx, sm_scale, seqlens)
         out = ours()[0]
         return fn, _masked_cos(out.float(), fn()[0], torch.ones_like(out, dtype=torch.bool))
     return make
 
 
 def _topk_peers(x, lengths, k, status) -> dict:
-    peers = {}
+    out = {}
     if status["fast_topk"]["ok"] and k == 2048:
         def make_fast():
-            out = torch.empty(x.shape[0], k, dtype=torch.int32, device=x.device)
-            fn = lambda: torch.ops.sgl_kernel.fast_topk(x, out, lengths, None)  # noqa: E731
+            fn, picks = peers.fast_topk(x, lengths, k)
             fn()
-            sub = _rows(x.shape[0], 64, x.device)
-            return fn, _topk_exact(x[sub], lengths[sub], out[sub], k)
-        peers["fast_topk"] = make_fast
-    peers["torch.topk"] = lambda: ((lambda: torch.topk(x, k, dim=1)), {})  # exact by construction, untranslated
-    return peers
+            sub = rows_subset(x.shape[0], 64, x.device)
+            return fn, _topk_exact(x[sub], lengths[sub], picks[sub], k)
+        out["fast_topk"] = make_fast
+    out["torch.topk"] = lambda: ((lambda: torch.topk(x, k, dim=1)), {})  # exact by construction, untranslated
+    return out
 
 
 # ---- setups: inputs, ours, the check, peers, work ----------------------------------------------------
@@ -344,23 +232,23 @@ def _setup_paged(p: dict, dev, status) -> list[tuple[str, Bench]]:
     from flashdsa.quant import FP8
     B, n, ctx, H = p["B"], p["n"], p["ctx"], p["H"]
     g = torch.Generator(device=dev).manual_seed(ctx + n)
-    seq, bt, P = _paged_batch(B, ctx, n, g, dev)
-    cache = _index_cache(P, g, dev)
+    seq, bt, P = paged_batch(B, ctx, n, g, dev)
+    cache = index_cache(P, g, dev)
     lens = (seq[:, None] - n + 1 + torch.arange(n, device=dev)[None, :]).to(torch.int32)  # verify rows
     max_len = bt.shape[1] * 64
-    q, w = _randn((B, n, H, 128), g, dev, FP8), _randn((B * n, H), g, dev)
+    q, w = randn((B, n, H, 128), g, dev, FP8), randn((B * n, H), g, dev)
     ours = lambda: ops.indexer_logits_paged(q, cache, w, lens, bt, max_len, backend="triton")  # noqa: E731
 
     def check():
-        sub = _rows(B, 4, dev)
+        sub = rows_subset(B, 4, dev)
         rows = (sub[:, None] * n + torch.arange(n, device=dev)).flatten()
         ref = ops.indexer_logits_paged(q[sub], cache, w[rows], lens[sub], bt[sub], max_len, backend="torch")
         return _check_logits(ours()[rows], ref)
 
     pairs = int(lens.sum())
-    peers = {"DeepGEMM": _deepgemm_paged(q, cache, w, lens, bt, max_len, ours)} \
+    peer = {"DeepGEMM": _deepgemm_paged(q, cache, w, lens, bt, max_len, ours)} \
         if status["DeepGEMM"]["ok"] and n <= 2 else {}  # DeepGEMM: next_n <= 2 on Hopper
-    return [("", Bench(ours, check, peers, bytes=q.numel() + 4 * w.numel() + 132 * int(seq.sum()) + 4 * pairs,
+    return [("", Bench(ours, check, peer, bytes=q.numel() + 4 * w.numel() + 132 * int(seq.sum()) + 4 * pairs,
                        flops=2 * pairs * H * 128, dtype="fp8"))]
 
 
@@ -369,27 +257,26 @@ def _setup_ragged(p: dict, dev, status) -> list[tuple[str, Bench]]:
     from flashdsa.quant import FP8
     T, N, H = p["T"], p["N"], p["H"]
     g = torch.Generator(device=dev).manual_seed(T + N)
-    q, k = _randn((T, H, 128), g, dev, FP8), _randn((N, 128), g, dev, FP8)
-    k_scale, w = torch.rand(N, generator=g, device=dev) + 0.5, _randn((T, H), g, dev)
+    q, k = randn((T, H, 128), g, dev, FP8), randn((N, 128), g, dev, FP8)
+    k_scale, w = torch.rand(N, generator=g, device=dev) + 0.5, randn((T, H), g, dev)
     ks = torch.zeros(T, dtype=torch.int32, device=dev)
     ke = (torch.arange(T, device=dev) + N - T + 1).to(torch.int32)  # row i: the N - T prefix keys and itself
     ours = lambda: ops.indexer_logits_ragged(q, k, k_scale, w, ks, ke, backend="triton")  # noqa: E731
 
     def check():
-        sub = _rows(T, 32, dev)
+        sub = rows_subset(T, 32, dev)
         ref = ops.indexer_logits_ragged(q[sub], k, k_scale, w[sub], ks[sub], ke[sub], backend="torch")
         return _check_logits(ours()[sub], ref)
 
-    peers = {}
+    peer = {}
     if status["DeepGEMM"]["ok"]:
         def make():
-            import deep_gemm as dg
-            fn = lambda: dg.fp8_mqa_logits(q, (k, k_scale), w, ks, ke)  # noqa: E731
+            fn = peers.deepgemm_ragged(q, k, k_scale, w, ks, ke)
             out = ours()
             return fn, _masked_cos(out, fn(), torch.isfinite(out))
-        peers["DeepGEMM"] = make
+        peer["DeepGEMM"] = make
     pairs = int((ke - ks).sum())
-    return [("", Bench(ours, check, peers, bytes=q.numel() + 4 * w.numel() + 132 * N + 4 * pairs,
+    return [("", Bench(ours, check, peer, bytes=q.numel() + 4 * w.numel() + 132 * N + 4 * pairs,
                        flops=2 * pairs * H * 128, dtype="fp8"))]
 
 
@@ -397,18 +284,18 @@ def _setup_topk(p: dict, dev, status) -> list[tuple[str, Bench]]:
     from flashdsa import ops
     R, L, k = p["R"], p["L"], p["k"]
     g = torch.Generator(device=dev).manual_seed(R + L)
-    x = _randn((R, L), g, dev)
+    x = randn((R, L), g, dev)
     lengths = torch.full((R,), L, dtype=torch.int32, device=dev)
     pt = torch.randperm(R * -(-L // 64), generator=g, device=dev).view(R, -1).to(torch.int32) if p["pages"] else None
     ours = lambda: ops.topk_transform(x, lengths, k, page_table=pt, backend="triton")  # noqa: E731
 
     def check():
-        sub = _rows(R, 16, dev)
+        sub = rows_subset(R, 16, dev)
         ref = ops.topk_transform(x[sub], lengths[sub], k, page_table=None if pt is None else pt[sub], backend="torch")
         return _check_same(ours()[sub], ref)
 
-    peers = _topk_peers(x, lengths, k, status) if pt is None else {}
-    return [("", Bench(ours, check, peers, bytes=4 * R * L + 4 * R * k))]
+    peer = _topk_peers(x, lengths, k, status) if pt is None else {}
+    return [("", Bench(ours, check, peer, bytes=4 * R * L + 4 * R * k))]
 
 
 def _attention_work(n_valid: int, h: int, row_bytes: int, q: torch.Tensor, idx: torch.Tensor) -> dict:
@@ -422,55 +309,47 @@ def _setup_decode(p: dict, dev, status) -> list[tuple[str, Bench]]:
     B, s_q, h, topk, ctx = p["B"], p["s_q"], p["h"], p["topk"], p["ctx"]
     g = torch.Generator(device=dev).manual_seed(ctx)
     per_req = -(-ctx // 64)
-    cache = _mla_cache(B * per_req, g, dev)
+    cache = mla_cache(B * per_req, g, dev)
     bt = torch.randperm(B * per_req, generator=g, device=dev).view(B, per_req)
-    pos = torch.rand(B * s_q, ctx, generator=g, device=dev).argsort(dim=1)[:, :topk].reshape(B, s_q * topk)
-    idx = (bt.gather(1, pos // 64) * 64 + pos % 64).view(B, s_q, topk).to(torch.int32).contiguous()
-    q = _randn((B, s_q, h, 576), g, dev, torch.bfloat16)
+    idx = decode_slots(bt, ctx, s_q, topk, g)
+    q = randn((B, s_q, h, 576), g, dev, torch.bfloat16)
     ours = lambda: ops.sparse_mla_decode(q, cache, idx, SM_SCALE, backend="triton")  # noqa: E731
 
     def check():
-        sub = _rows(B, 4, dev)
+        sub = rows_subset(B, 4, dev)
         out, lse = ours()
         return _check_attention(out[sub], lse[sub], *ops.sparse_mla_decode(q[sub], cache, idx[sub], SM_SCALE,
                                                                          backend="torch"))
 
-    peers = {}
+    peer = {}
     if status["FlashMLA"]["ok"] and h in (64, 128):
         seqlens = torch.full((B,), ctx, dtype=torch.int32, device=dev)
-        peers["FlashMLA"] = _flashmla_decode(q, cache, idx, SM_SCALE, seqlens, ours)
-    return [("", Bench(ours, check, peers, **_attention_work(idx.numel(), h, 656, q, idx)))]
+        peer["FlashMLA"] = _flashmla_decode(q, cache, idx, SM_SCALE, seqlens, ours)
+    return [("", Bench(ours, check, peer, **_attention_work(idx.numel(), h, 656, q, idx)))]
 
 
 def _setup_prefill(p: dict, dev, status) -> list[tuple[str, Bench]]:
     from flashdsa import ops
     T, N, h, topk = p["T"], p["N"], p["h"], p["topk"]
     g = torch.Generator(device=dev).manual_seed(T + N)
-    kv, q = _randn((N, 576), g, dev, torch.bfloat16), _randn((T, h, 576), g, dev, torch.bfloat16)
-    # causal-like: query t picks topk distinct keys among the first max(topk, N (t + 1) / T)
-    lim = torch.clamp((torch.arange(T, device=dev) + 1) * N // T, min=min(topk, N))
-    r = torch.rand(T, N, generator=g, device=dev)
-    r[torch.arange(N, device=dev)[None, :] >= lim[:, None]] = 2.0
-    idx = r.argsort(dim=1)[:, :topk].to(torch.int32).contiguous()
-    del r
+    kv, q = randn((N, 576), g, dev, torch.bfloat16), randn((T, h, 576), g, dev, torch.bfloat16)
+    idx = prefill_indices(T, N, topk, g, dev)
     ours = lambda: ops.sparse_mla_prefill(q, kv, idx, SM_SCALE, backend="triton")  # noqa: E731
 
     def check():
-        sub = _rows(T, 16, dev)
+        sub = rows_subset(T, 16, dev)
         out, lse = ours()
         return _check_attention(out[sub], lse[sub], *ops.sparse_mla_prefill(q[sub], kv, idx[sub], SM_SCALE,
                                                                           backend="torch"))
 
-    peers = {}
+    peer = {}
     if status["FlashMLA"]["ok"] and h % 64 == 0 and topk % 128 == 0:
         def make():
-            sgl = torch.ops.sgl_kernel
-            kv3, idx3 = kv.view(N, 1, 576), idx.view(T, 1, topk)
-            fn = lambda: sgl.sparse_prefill_fwd.default(q, kv3, idx3, SM_SCALE, 512, None, None)  # noqa: E731
+            fn = peers.flashmla_prefill(q, kv, idx, SM_SCALE)
             out = ours()[0]
             return fn, _masked_cos(out.float(), fn()[0], torch.ones_like(out, dtype=torch.bool))
-        peers["FlashMLA"] = make
-    return [("", Bench(ours, check, peers, **_attention_work(idx.numel(), h, 1152, q, idx)))]
+        peer["FlashMLA"] = make
+    return [("", Bench(ours, check, peer, **_attention_work(idx.numel(), h, 1152, q, idx)))]
 
 
 def _setup_layer(p: dict, dev, status) -> list[tuple[str, Bench]]:
@@ -584,38 +463,6 @@ SETUPS = {"paged": _setup_paged, "ragged": _setup_ragged, "topk": _setup_topk, "
 
 # ---- timing and ceilings ---------------------------------------------------------------------------
 
-def _do_bench(fn) -> float:
-    import triton.testing
-    return 1e3 * triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-
-
-def capture_graph(fn: Callable[[], Any], reps: int = 1) -> torch.cuda.CUDAGraph:
-    """A CUDA graph of ``reps`` back-to-back calls of ``fn``, after one warm-up call on a side stream (compiles,
-    allocator pools and lazy init happen outside the capture). Raises what capture raises."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    return g
-
-
-def time_us(fn: Callable[[], Any], graph: bool = True) -> float:
-    """Median µs of ``fn`` on the GPU: a CUDA-graph replay of one call, or the plain call if capture fails."""
-    fn()
-    torch.cuda.synchronize()
-    if graph:
-        try:
-            return _do_bench(capture_graph(fn).replay)
-        except Exception:  # noqa: BLE001 - a call that cannot be captured is timed plainly
-            torch.cuda.synchronize()
-    return _do_bench(fn)
-
-
 def measure_ceilings(dev) -> dict:
     """The card's copy bandwidth (1 GiB device-to-device, bytes read + written) and bf16 / fp8 matmul
     rates (8192³) in this run: the roofline's ceilings."""
@@ -623,14 +470,14 @@ def measure_ceilings(dev) -> dict:
     out: dict[str, Any] = {}
     src = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
     dst = torch.empty_like(src)
-    out["copy_GBps"] = 2 * src.numel() / _do_bench(lambda: dst.copy_(src)) / 1e3
+    out["copy_GBps"] = 2 * src.numel() / do_bench_us(lambda: dst.copy_(src)) / 1e3
     src = dst = None  # free the 2 GiB now (the lambda above is done with them)
     m = 8192
     a, b = torch.randn(m, m, device=dev, dtype=torch.bfloat16), torch.randn(m, m, device=dev, dtype=torch.bfloat16)
-    out["bf16_TFLOPs"] = 2 * m ** 3 / _do_bench(lambda: a @ b) / 1e6
+    out["bf16_TFLOPs"] = 2 * m ** 3 / do_bench_us(lambda: a @ b) / 1e6
     try:
         a8, b8, one = a.to(FP8), b.to(FP8).t(), torch.ones((), device=dev)  # mat2 column-major, as _scaled_mm wants
-        out["fp8_TFLOPs"] = 2 * m ** 3 / _do_bench(
+        out["fp8_TFLOPs"] = 2 * m ** 3 / do_bench_us(
             lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)) / 1e6
     except Exception as e:  # noqa: BLE001
         out["fp8_TFLOPs"], out["fp8_note"] = None, f"torch._scaled_mm failed: {e!r}"[:160]

@@ -26,7 +26,7 @@ from flashdsa.config import DSAConfig, is_dsa  # noqa: E402
 from flashdsa.engine import DSAModel, Runner  # noqa: E402
 from flashdsa.layers.indexer import Indexer, exact_logits_paged, exact_logits_ragged  # noqa: E402
 from flashdsa.quant import rope_cos_sin  # noqa: E402
-from helpers import assert_close, cos_diff  # noqa: E402
+from flashdsa.testing.compare import assert_close, cos_diff  # noqa: E402
 
 TOPK, T, NEW, VOCAB = 16, 40, 5, 256
 ARCHS = ("v32", "glm")

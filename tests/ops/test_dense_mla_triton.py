@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import assert_close, poison_torch_empty
 
 from flashdsa import ops
 from flashdsa.ops.dense_mla import triton as tri
+from flashdsa.testing.compare import assert_close
+from flashdsa.testing.inputs import poison_torch_empty
 
 SM_SCALE = 576 ** -0.5
 P_BF16 = 2.0 ** -8  # bound of |out - ref| / max|v| from bf16 P and bf16 out (module docstring)

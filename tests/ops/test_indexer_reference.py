@@ -12,6 +12,7 @@ import torch
 
 from flashdsa import ops
 from flashdsa.quant import FP8
+from flashdsa.testing.inputs import ragged_ranges
 
 # Every call runs the PyTorch reference: the CPU default, explicit so a CUDA machine tests the same code
 # (a call's own backend= still wins, for the error tests).
@@ -61,22 +62,6 @@ def _ragged_brute(q_fp8, k_fp8, k_scale, weights, ks, ke):
     return out, mag
 
 
-def _ranges(T: int, N: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random [ks, ke) per row incl. empty ranges, the full range, and ranges touching 0 and N."""
-    a = torch.randint(0, N + 1, (T,), generator=gen)
-    b = torch.randint(0, N + 1, (T,), generator=gen)
-    ks, ke = torch.minimum(a, b), torch.maximum(a, b)
-    if T > 0:
-        ks[0], ke[0] = 0, N
-    if T > 1:
-        ks[1] = ke[1] = N // 2  # empty
-    if T > 2:
-        ks[2], ke[2] = N, N  # empty at the end
-    if T > 3:
-        ks[3], ke[3] = 0, min(1, N)
-    return ks.to(torch.int32), ke.to(torch.int32)
-
-
 RAGGED_SHAPES = [(1, 1, 1), (4, 2, 63), (7, 4, 64), (9, 8, 65), (17, 3, 130), (3, 64, 40), (5, 2, 0), (0, 4, 10)]
 
 
@@ -87,7 +72,7 @@ def test_ragged_vs_brute_force(T, H, N):
     k = _fp8(N, 128)
     k_scale = torch.rand(N, generator=gen) * 0.1 + 1e-3
     w = torch.randn(T, H, generator=gen)  # negative gates too: the sum must not be clamped
-    ks, ke = _ranges(T, N, gen)
+    ks, ke = ragged_ranges(T, N, gen)
     out = indexer_logits_ragged(q, k, k_scale, w, ks, ke, backend="torch")
     want, mag = _ragged_brute(q, k, k_scale, w, ks, ke)
     _check(out, want, mag)

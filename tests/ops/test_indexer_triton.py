@@ -25,7 +25,8 @@ from flashdsa.ops.indexer import (indexer_logits_paged, indexer_logits_ragged, i
 from flashdsa.ops.indexer import triton as K
 from flashdsa.ops.topk import topk_transform
 from flashdsa.quant import FP8, act_quant
-from helpers import assert_close, cos_diff, poison
+from flashdsa.testing.compare import assert_close, cos_diff, masked_cos_diff
+from flashdsa.testing.inputs import poison, ragged_ranges
 
 # junk bytes past each length hold e4m3 NaN and inf / NaN scales; the interpreter's numpy warns about them
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning",
@@ -229,17 +230,6 @@ def test_paged_config_covers_long_contexts():
 
 # ---- ragged -------------------------------------------------------------------------------------------
 
-def _ranges(T: int, N: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random [ks, ke) incl. the full range, empty ranges (also at 0 and N) and a one-key range."""
-    a = torch.randint(0, N + 1, (T,), generator=gen)
-    b = torch.randint(0, N + 1, (T,), generator=gen)
-    ks, ke = torch.minimum(a, b), torch.maximum(a, b)
-    fixed = [(0, N), (N // 2, N // 2), (N, N), (0, min(1, N)), (0, 0)]
-    for i, (s, e) in enumerate(fixed[:T]):
-        ks[i], ke[i] = s, e
-    return ks.to(torch.int32), ke.to(torch.int32)
-
-
 def _prefill_ranges(prefix: list[int], new: list[int]) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Causal extend over cached prefixes: request r owns keys [start_r, start_r + prefix_r + new_r);
     its i-th new token (position prefix_r + i) sees [start_r, start_r + prefix_r + i + 1)."""
@@ -272,7 +262,7 @@ def _ragged_inputs(T, H, N, D, layout, seed, device="cpu"):
         extra = N - T
         ks, ke, N = _prefill_ranges([extra // 2, 0, extra - extra // 2], new)
     else:
-        ks, ke = _ranges(T, N, gen)
+        ks, ke = ragged_ranges(T, N, gen)
     q = _fp8(T, H, D, gen=gen)
     k = _fp8(N, D, gen=gen)
     k_scale = torch.rand(N, generator=gen) * 0.1 + 1e-3
@@ -450,7 +440,7 @@ def test_paged_gpu_against_fp32_and_reference(n):
         want = torch.einsum("jhn,jh->jn", s, w[b * n:(b + 1) * n])
         got = out[b * n:(b + 1) * n, :L]
         m = fin[b * n:(b + 1) * n, :L]
-        assert cos_diff(torch.where(m, got, 0), torch.where(m, want, 0)) < 1e-3
+        assert masked_cos_diff(got, want, m) < 1e-3
     assert torch.equal(_bits(out), _bits(indexer_logits_paged(q_fp8, cache, w, ctx, bt, width)))
 
 

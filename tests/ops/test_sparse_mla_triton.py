@@ -13,12 +13,13 @@ import math
 
 import pytest
 import torch
-from helpers import assert_close, poison_torch_empty
 
 from flashdsa.cache.layouts import PAGE_SIZE, encode_mla
 from flashdsa.ops import merge_attention, sparse_mla_decode, sparse_mla_prefill
 from flashdsa.ops.sparse_mla import reference
 from flashdsa.ops.sparse_mla import triton as tri
+from flashdsa.testing.compare import assert_close
+from flashdsa.testing.inputs import poison_torch_empty, rows_subset
 
 SM_SCALE = 576 ** -0.5
 RAW_SCALE = 0.013        # not a power of two: dequantisation rounds
@@ -316,10 +317,6 @@ def test_raw_cache_needs_scale(device):
 
 # ---- GPU sizes ----------------------------------------------------------------------------------------
 
-def _rows_subset(n: int, k: int = 16) -> torch.Tensor:
-    return torch.linspace(0, n - 1, min(n, k)).round().long().unique()
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["fp8", "bf16", "fp8_raw"])
 @pytest.mark.parametrize("B,s_q,h_q", [(64, 1, 128), (8, 2, 64), (64, 1, 16), (16, 4, 32)])
@@ -331,7 +328,7 @@ def test_decode_gpu_sizes(fmt, B, s_q, h_q):
     q = torch.randn(B, s_q, h_q, 576, device=dev).to(torch.bfloat16)
     idx = make_indices((B, s_q, topk), pages * PAGE_SIZE, dev, invalid=0.05)
     out, lse = sparse_mla_decode(q, cache, idx, SM_SCALE, kv_scale=scale, backend="triton")
-    rows = _rows_subset(B)
+    rows = rows_subset(B, 16)
     ref_out, ref_lse = sparse_mla_decode(q[rows], cache, idx[rows], SM_SCALE, kv_scale=scale, backend="torch")
     check(out[rows], lse[rows], ref_out, ref_lse)
 
@@ -357,7 +354,7 @@ def test_prefill_gpu_sizes(h_q):
     q = torch.randn(T, h_q, 576, device=dev).to(torch.bfloat16)
     idx = make_indices((T, topk), N, dev, invalid=0.05)
     out, lse = sparse_mla_prefill(q, kv, idx, SM_SCALE, backend="triton")
-    rows = _rows_subset(T)
+    rows = rows_subset(T, 16)
     ref_out, ref_lse = sparse_mla_prefill(q[rows], kv, idx[rows], SM_SCALE, backend="torch")
     check(out[rows], lse[rows], ref_out, ref_lse, PREFILL_TOL)
     assert math.isfinite(float(lse[1:].max()))

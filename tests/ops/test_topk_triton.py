@@ -25,6 +25,7 @@ from flashdsa import ops
 from flashdsa.ops.topk import _IMPLS
 from flashdsa.ops.topk import triton as K
 from flashdsa.ops.topk.reference import topk_transform as ref_impl
+from flashdsa.testing.compare import topk_order_keys, topk_tie_safe
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 KINDS = ("randn", "equal", "two", "levels16", "levels256", "ties_at_k", "narrow", "neginf_runs",
@@ -242,14 +243,6 @@ def test_split_one_launch(mode, g, chunks):
     assert torch.equal(again, got)
 
 
-def _order_keys(x: torch.Tensor) -> torch.Tensor:
-    """int32 keys whose signed order is the score order (NaN = -inf, -0.0 = +0.0), as the kernel's."""
-    b = x.contiguous().view(torch.int32)
-    b = torch.where(b == -2 ** 31, 0, b)
-    b = torch.where((b & 0x7FFFFFFF) > 0x7F800000, -8388608, b)
-    return b ^ ((b >> 31) & 0x7FFFFFFF)
-
-
 @pytest.mark.parametrize("cached", [True, False], ids=["cached-counters", "zeroed-counters"])
 @pytest.mark.parametrize("chunks", [2, 3])
 def test_split_finisher_selects_from_all_chunks(chunks, cached):
@@ -264,7 +257,7 @@ def test_split_finisher_selects_from_all_chunks(chunks, cached):
     K.topk_transform(logits.to(DEVICE), lengths.to(DEVICE), k, None, None, None, 64, out=out, chunks=chunks,
                      profile=4, cached_counters=cached, **TILES)
     got = out[:, 0].cpu().long()
-    top = _order_keys(logits).sort(dim=1, descending=True).values.long()
+    top = topk_order_keys(logits).sort(dim=1, descending=True).values.long()
     kth, next_key = top[:, k - 1], top[:, k]
     need = k - (top > kth[:, None]).sum(dim=1)
     ok = (got == kth + need) | ((got >= next_key) & (got < kth))
@@ -330,19 +323,6 @@ def test_hypothesis_matches_reference(c):
 
 # ---- GPU: realistic sizes ------------------------------------------------------------------------------
 
-def _tie_safe(logits, lengths, out, k):
-    """Independent of the tie rule: k (or all) selected, ascending, every selected score >= the k-th largest."""
-    for r in range(logits.shape[0]):
-        n = int(lengths[r])
-        row = torch.nan_to_num(logits[r, :n].double(), nan=float("-inf"))
-        sel = out[r][out[r] >= 0].long()
-        assert sel.numel() == min(n, k)
-        assert bool((sel[1:] > sel[:-1]).all())
-        if n > k:
-            kth = row.topk(k).values[-1]
-            assert bool((row[sel] >= kth).all())
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("R,L", [(64, 32768), (8, 131072), (256, 8192)], ids=["64x32K", "8x128K", "256x8K"])
 @pytest.mark.parametrize("kind", ["randn", "levels256", "levels16", "equal", "narrow", "nan"])
@@ -355,7 +335,7 @@ def test_gpu_realistic(R, L, kind):
     out = K.topk_transform(logits, lengths, k, None, None, None, 64)
     ref = ref_impl(logits, lengths, k, None, None, None, 64)
     _assert_same(out.cpu(), ref.cpu(), f"{R}x{L} {kind}")
-    _tie_safe(logits, lengths, out, k)
+    assert topk_tie_safe(logits, lengths, out, k, ascending=True)[0], f"{R}x{L} {kind}"
     assert torch.equal(out, K.topk_transform(logits, lengths, k, None, None, None, 64))
 
 
