@@ -1,6 +1,6 @@
 """Top-2048 with slot translation: ours (Triton) vs sgl-kernel fast_topk vs torch.topk, exactness checked.
 
-    PYTHONPATH=. python benchmarks/bench_topk.py [--quick] [--sweep] [--smoke]
+    PYTHONPATH=. python benchmarks/bench_topk.py [--quick] [--sweep] [--stages] [--smoke]
 
 Shapes (rows x length, every row full, k = 2048): 64 x 32K, 64 x 128K, 4096 x 8K, 4096 x 32K on
 random N(0, 1) fp32 scores; plus 64 x 8K and 64 x 32K with a compact page table (the decode call:
@@ -19,15 +19,18 @@ Timings: median of triton.testing.do_bench (L2 flushed each rep) of a CUDA-graph
 for all three (GPU time without Python / launch overhead, as decode runs it); "ours_eager_us" is our
 plain call, overhead included. Value checks are off (the production decode setting: no host sync).
 torch.topk returns (values, indices) in value order, untranslated.
-``--sweep`` times other knob sets of ours per random shape (split chunks, warps a program and programs
-per SM, streamed vs in-register radix levels, register cap, unroll, digit bits; defaults:
-launch_config() in flashdsa/ops/topk/triton.py). ``--smoke`` runs tiny shapes (CPU through the
-interpreter when there is no GPU) to check the script itself; its times mean nothing.
+``--sweep`` times other launch configs of ours per random shape (split chunks, warps a program and
+programs per SM, streamed vs in-register radix levels, register cap, unroll, digit bits): changes to
+default_config() in flashdsa/ops/topk/launch.py. ``--stages`` times the default config stopped after
+each stage (sample, compaction, move, select; cumulative), on the random and page-table shapes.
+``--smoke`` runs tiny shapes (CPU through the interpreter when there is no GPU) to check the script
+itself; its times mean nothing.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -39,7 +42,8 @@ if "--smoke" in sys.argv and not torch.cuda.is_available():
 from _common import load_sgl_ops, print_table, timed, write_json
 
 from flashdsa import ops
-from flashdsa.ops.topk import triton as T
+from flashdsa.ops._triton_utils import num_sms
+from flashdsa.ops.topk import launch
 from flashdsa.testing.compare import topk_order_keys, topk_tie_safe
 from flashdsa.testing.peers import fast_topk
 from flashdsa.testing.timing import capture_graph, do_bench_us
@@ -94,13 +98,18 @@ def oracle(x: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:
     return out
 
 
+def page_table(R: int, L: int) -> torch.Tensor:
+    """A shuffled compact page table ``[R, ceil(L / 64)] int32``, as decode hands it."""
+    maxp = (L + 63) // 64
+    return torch.randperm(R * maxp, device=DEV).view(R, maxp).to(torch.int32)
+
+
 def run_case(name: str, kind: str, R: int, L: int, sgl: bool, rows: list, pages: bool = False) -> None:
     x = make_scores(kind, R, L, seed=R + L)
     lengths = torch.full((R,), L, dtype=torch.int32, device=DEV)
     kw = {"backend": "triton"}
-    if pages:  # a shuffled compact page table, as decode hands it
-        maxp = (L + 63) // 64
-        kw["page_table"] = torch.randperm(R * maxp, device=DEV).view(R, maxp).to(torch.int32)
+    if pages:
+        kw["page_table"] = page_table(R, L)
     ours = ops.topk_transform(x, lengths, K, **kw)
     again = ops.topk_transform(x, lengths, K, **kw)
     pos = oracle(x, lengths, K)
@@ -130,40 +139,65 @@ def run_case(name: str, kind: str, R: int, L: int, sgl: bool, rows: list, pages:
     print({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
 
 
-# --sweep: knob sets per regime (the defaults are launch_config() in flashdsa/ops/topk/triton.py)
-SWEEP_FEW = [dict(chunks=2), dict(chunks=8), dict(chunks=16), dict(num_warps=4, stream=True, chunks=8),
-             dict(finish_stream=True), dict(unroll=4), dict(cached_counters=False)]
-SWEEP_MANY = [dict(num_warps=1, stream=True, maxnreg=64, per_sm=32),
-              dict(num_warps=2, stream=True, maxnreg=64, per_sm=16),
+# --sweep: changes to the default config per regime (default_config() in flashdsa/ops/topk/launch.py);
+# per_sm sets the fused grid to min(R, per_sm * SMs), and the row fallback's step follows num_warps (128 NW)
+SWEEP_FEW = [dict(chunks=2), dict(chunks=8), dict(chunks=16), dict(num_warps=4, sample_stream=True, chunks=8),
+             dict(stream=True), dict(unroll=4), dict(cached_counters=False)]
+SWEEP_MANY = [dict(num_warps=1, stream=True, sample_stream=True, maxnreg=64, per_sm=32),
+              dict(num_warps=2, stream=True, sample_stream=True, maxnreg=64, per_sm=16),
               dict(num_warps=4, stream=True, maxnreg=64, per_sm=8),
               dict(num_warps=4, stream=True, maxnreg=0, per_sm=8),
               dict(num_warps=8, stream=False, maxnreg=64, per_sm=4),
               dict(num_warps=8, stream=False, maxnreg=80, per_sm=3), dict(unroll=4), dict(move_step=128),
               dict(bits_w=8)]
+STAGES = ("sample", "compaction", "move", "select", "")   # stop_after of each timed stage; "": the whole op
+
+
+def _ours(x, lengths, cfg, table=None):
+    return launch.topk_transform(x, lengths, K, table, None, None, 64, config=cfg)
 
 
 def run_sweep(shapes, rows: list) -> None:
-    from flashdsa.ops._triton_utils import num_sms
     sms = num_sms(torch.device(DEV))
     for R, L in shapes:
         x = make_scores("randn", R, L, seed=R + L)
         lengths = torch.full((R,), L, dtype=torch.int32, device=DEV)
-        want = T.topk_transform(x, lengths, K, None, None, None, 64)
-        base = _time_graph(lambda: T.topk_transform(x, lengths, K, None, None, None, 64))
+        default = launch.default_config(R, L, K, sms)
+        want = _ours(x, lengths, default)
+        base = _time_graph(lambda: _ours(x, lengths, default))
         for knobs in SWEEP_FEW if R <= sms and L >= 16384 else SWEEP_MANY:
             kw = dict(knobs)
             if "per_sm" in kw:
                 kw["grid"] = min(R, kw.pop("per_sm") * sms)
-            got = T.topk_transform(x, lengths, K, None, None, None, 64, **kw)
-            t = _time_graph(lambda: T.topk_transform(x, lengths, K, None, None, None, 64, **kw))
+            if "num_warps" in kw:
+                kw["block"] = 128 * kw["num_warps"]
+            cfg = dataclasses.replace(default, **kw)
+            got = _ours(x, lengths, cfg)
+            t = _time_graph(lambda: _ours(x, lengths, cfg))
             rows.append({"case": f"sweep {R}x{L}", "knobs": str(knobs), "us": t, "vs_default": t / base,
                          "same": bool(torch.equal(got, want))})
+
+
+def run_stages(shapes, pages, rows: list) -> None:
+    """Cumulative time of the default config stopped after each stage (its output is not the answer)."""
+    sms = num_sms(torch.device(DEV))
+    for (R, L), table in [(s, False) for s in shapes] + [(s, True) for s in pages]:
+        x = make_scores("randn", R, L, seed=R + L)
+        lengths = torch.full((R,), L, dtype=torch.int32, device=DEV)
+        pt = page_table(R, L) if table else None
+        default = launch.default_config(R, L, K, sms)
+        row = {"case": f"stages {R}x{L}" + (" pages" if table else "")}
+        for stop in STAGES:
+            cfg = dataclasses.replace(default, stop_after=stop)
+            row[stop or "all"] = _time_graph(lambda: _ours(x, lengths, cfg, pt))
+        rows.append(row)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="a one-minute subset")
     ap.add_argument("--sweep", action="store_true", help="also time a few launch shapes of ours")
+    ap.add_argument("--stages", action="store_true", help="also time ours stopped after each stage")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, to check the script (CPU ok)")
     a = ap.parse_args()
     global DEV, K, SHAPES, ADV, PAGES
@@ -177,7 +211,7 @@ def main() -> None:
         SHAPES, ADV = SHAPES_QUICK, ADV_QUICK
     import triton
     name = torch.cuda.get_device_name() if DEV == "cuda" else "cpu (interpreter)"
-    print(f"{name} | torch {torch.__version__} | triton {triton.__version__} | digit bits {T.DEFAULT_BITS}")
+    print(f"{name} | torch {torch.__version__} | triton {triton.__version__}")
     sgl = DEV == "cuda" and load_sgl_ops() and hasattr(torch.ops.sgl_kernel, "fast_topk")
     if not sgl:
         print("[peer] sgl-kernel fast_topk absent: ours vs torch.topk only")
@@ -193,9 +227,14 @@ def main() -> None:
     sweep_rows: list[dict] = []
     if a.sweep:
         run_sweep(SHAPES, sweep_rows)
-    write_json(rows + sweep_rows, "bench_topk")
+    stage_rows: list[dict] = []
+    if a.stages:
+        run_stages(SHAPES, PAGES, stage_rows)
+    write_json(rows + sweep_rows + stage_rows, "bench_topk")
     if sweep_rows:
         print_table(sweep_rows, "launch-shape sweep (ours, random scores)")
+    if stage_rows:
+        print_table(stage_rows, "ours stopped after each stage, cumulative us (default config, random scores)")
     cols = ("case", "kind", "ours_us", "sgl_us", "torch_us", "ours/sgl", "ours/torch", "ours_eager_us", "sgl_issue_us",
             "ours==oracle", "ours_exact", "sgl_exact", "sgl_recall", "repeat")
     print_table([{c: r[c] for c in cols if c in r} for r in rows],

@@ -8,6 +8,9 @@ below builds the launch the library would make (same constexprs, num_warps, regi
 shape; the arguments' 16-divisibility is specialised as Triton's launcher does for tensors and for
 integers divisible by 16. The GPU box may run another Triton: treat the numbers as a guide and confirm
 speed there.
+
+To check that a change keeps the SASS, run ``--sass`` on both versions (the older one from a
+``git worktree``, with its own copy of this script) and diff the files; kernel names may differ.
 """
 
 from __future__ import annotations
@@ -81,18 +84,27 @@ def report(name: str, k, sass_path: str | None = None) -> dict:
     return row
 
 
-def topk_cases(module: str | None = None):
-    if module:  # another version of flashdsa/ops/topk/triton.py, to compare
-        import importlib.util
-        spec = importlib.util.spec_from_file_location("topk_other", module)
-        T = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(T)
-    else:
-        from flashdsa.ops.topk import triton as T
+# (rows, length, output, ragged row starts): shapes whose default launches (k = 2048, an H200) cover both
+# kernels, both sizes of the fused one, the streamed finisher of split mode and every translation
+TOPK_CASES = ((4096, 8192, "plain", False), (4096, 8192, "pages", False), (4096, 8192, "offsets", False),
+              (4096, 8192, "offsets", True), (1024, 4096, "pages", False), (64, 3072, "pages", False),
+              (4096, 32768, "plain", False), (4096, 32768, "pages", False), (4096, 32768, "offsets", True),
+              (64, 32768, "plain", False), (64, 8192, "pages", False), (64, 32768, "pages", False),
+              (64, 32768, "offsets", True), (64, 131072, "plain", False), (8, 131072, "pages", False))
+
+
+def topk_cases():
+    """(name, kernel, args, constexprs, num_warps, maxnreg) of the default top-k launch of each TOPK_CASES
+    shape: the launcher runs on empty CPU tensors (only shapes, strides and dtypes matter) with
+    ``default_config(..., sms=132)`` and the kernels replaced by a recorder."""
+    from flashdsa.ops.topk import launch
     cases = []
-    for R, L in ((4096, 8192), (64, 32768)):
+    for R, L, output, ragged in TOPK_CASES:
         x = torch.empty(R, L)
         n = torch.empty(R, dtype=torch.int32)
+        table = torch.empty(R, (L + 63) // 64, dtype=torch.int32) if output == "pages" else None
+        offsets = torch.empty(R, dtype=torch.int32) if output == "offsets" else None
+        starts = torch.empty(R, dtype=torch.int32) if ragged else None
         captured = {}
 
         class _Grab:
@@ -103,14 +115,14 @@ def topk_cases(module: str | None = None):
                 def launch(*a, **kw):
                     captured.update(kern=self.kern, args=a, kw=kw)
                 return launch
-        saved = T.topk_transform_kernel, T.topk_split_kernel, T.interpreting, T.num_sms
-        T.topk_transform_kernel, T.topk_split_kernel = _Grab(saved[0]), _Grab(saved[1])
-        T.interpreting = lambda: False
-        T.num_sms = lambda dev: 132   # an H200
+        saved = launch.topk_fused_kernel, launch.topk_split_kernel, launch.interpreting
+        launch.topk_fused_kernel, launch.topk_split_kernel = _Grab(saved[0]), _Grab(saved[1])
+        launch.interpreting = lambda: False
         try:
-            T.topk_transform(x, n, 2048, None, None, None, 64)
+            launch.topk_transform(x, n, 2048, table, starts, offsets, 64,
+                                  config=launch.default_config(R, L, 2048, sms=132))
         finally:
-            T.topk_transform_kernel, T.topk_split_kernel, T.interpreting, T.num_sms = saved
+            launch.topk_fused_kernel, launch.topk_split_kernel, launch.interpreting = saved
         kern, a, kw = captured["kern"], captured["args"], dict(captured["kw"])
         nw, mr = kw.pop("num_warps"), kw.pop("maxnreg", 0)
         names = kern.arg_names
@@ -118,7 +130,8 @@ def topk_cases(module: str | None = None):
                   and k[:1].isupper()}
         args = dict(zip(names, a))
         args.update({k: v for k, v in kw.items() if k not in consts})
-        cases.append((f"{kern.fn.__name__} {R}x{L}", kern, args, consts, nw, mr))
+        name = f"{kern.fn.__name__} {R}x{L} {output}" + (" row_starts" if ragged else "")
+        cases.append((name, kern, args, consts, nw, mr))
     return cases
 
 
@@ -126,9 +139,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("op", choices=["topk"])
     ap.add_argument("--sass", help="write the SASS of each case to FILE.<i>")
-    ap.add_argument("--module", help="compile the kernels of this file instead (e.g. an older triton.py)")
     a = ap.parse_args()
-    for i, (name, kern, args, consts, nw, mr) in enumerate(topk_cases(a.module)):
+    for i, (name, kern, args, consts, nw, mr) in enumerate(topk_cases()):
         k = compile_sm90(kern, args, consts, nw, mr)
         print(report(name, k, f"{a.sass}.{i}" if a.sass else None))
 

@@ -3,7 +3,7 @@
 Rows are adversarial (all equal, two values, heavy ties at the k-th value, 16 / 256 levels, narrow
 ranges, -inf runs, denormals, NaN, -0.0 / +0.0, +inf) with lengths 0, < k, = k, = k + 1 and longer;
 hypothesis draws the row kinds, lengths, k, the output mode (plain / out_offsets / page table shared
-by g rows), row_starts, a strided logits view and the kernel's knobs. Small buffers (U of 256, W of
+by g rows), row_starts, a strided logits view and the launch config. Small buffers (U of 256, W of
 16 or 256, samples of 32) make every path reachable on rows of a few thousand: the sampled threshold, its
 two misses (forced), levels on the row, on U and on W, early exits, warp segments spanning several
 tiles, radix levels in registers and streamed from memory (one-warp programs), and split mode (a row's
@@ -14,6 +14,7 @@ Realistic sizes (k = 2048, rows of 8K / 32K / 128K) and CUDA-graph capture are G
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -22,8 +23,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from flashdsa import ops
-from flashdsa.ops.topk import _IMPLS
-from flashdsa.ops.topk import triton as K
+from flashdsa.ops._triton_utils import num_sms
+from flashdsa.ops.topk import _IMPLS, launch, split
 from flashdsa.ops.topk.reference import topk_transform as ref_impl
 from flashdsa.testing.compare import topk_order_keys, topk_tie_safe
 
@@ -31,6 +32,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 KINDS = ("randn", "equal", "two", "levels16", "levels256", "ties_at_k", "narrow", "neginf_runs",
          "denormal", "nan", "signed_zero", "posinf", "allnan")
 
+# Launch configs: changes to launch.default_config() of the call's shape (``kind`` picks the kernel).
 # Buffer sizes for the interpreter: small enough that rows of ~1000-3000 reach every path.
 SMALL = dict(cand=256, lg_sample=5, block=128)  # U of 256 slots, 32 samples
 # Compaction tiles of num_warps * unroll * 128 scores: 2 warps, 1 tile -> a row of 3000 is several tiles
@@ -43,25 +45,33 @@ KNOBS = {
     "small-b3": dict(SMALL, bits=3, bits_w=3, bits_s=3, block=256),
     "small-w16": dict(SMALL, wcap=16),    # W smaller than most buckets: more levels on U first
     "small-tiles": dict(SMALL, num_warps=4, unroll=1),  # a warp's segment over several tiles
-    "miss-high": dict(SMALL, force=1),   # guess = largest sampled key: < k candidates, some above
-    "miss-none": dict(SMALL, force=2),   # no guess: every key a candidate, more than U holds
-    "miss-low": dict(SMALL, force=3),    # guess = smallest sampled key: > U candidates, some below
-    "split": dict(SMALL, chunks=3, **TILES),      # split mode: a row's compaction over 3 programs
-    "split-zeroed": dict(SMALL, chunks=3, cached_counters=False, **TILES),  # arrival counters zeroed per call
-    "split-miss-high": dict(SMALL, chunks=4, force=1, **TILES),
-    "split-default": dict(chunks=2),
-    "regs-default": dict(stream=False, num_warps=8),   # 8-warp programs, radix levels in registers
-    "split-regs": dict(chunks=2, stream=False, num_warps=8),
+    "miss-high": dict(SMALL, force="sample_max"),  # guess = largest sampled key: < k candidates, some above
+    "miss-none": dict(SMALL, force="no_guess"),    # no guess: every key a candidate, more than U holds
+    "miss-low": dict(SMALL, force="sample_min"),   # guess = smallest sampled key: > U candidates, some below
+    "split": dict(SMALL, kind="split", chunks=3, **TILES),  # split mode: a row's compaction over 3 programs
+    "split-zeroed": dict(SMALL, kind="split", chunks=3, cached_counters=False, **TILES),  # zeroed counters
+    "split-miss-high": dict(SMALL, kind="split", chunks=4, force="sample_max", **TILES),
+    "split-default": dict(kind="split", chunks=2),
+    # 8-warp programs (the fallback's step 128 NW, as by default), radix levels in registers
+    "regs-default": dict(stream=False, num_warps=8, block=1024),
+    "split-regs": dict(kind="split", chunks=2, stream=False, num_warps=8),
     # one-warp programs: the radix levels stream U / W (and, sample_stream, the sample) from memory
     "stream": dict(SMALL, stream=True, num_warps=1),
     "stream-sample": dict(SMALL, stream=True, num_warps=1, sample_stream=True),
     "stream-w16": dict(SMALL, stream=True, num_warps=1, wcap=16, lg_sample=3),
-    "stream-miss-low": dict(SMALL, stream=True, num_warps=1, force=3),
-    "stream-1warp": dict(stream=True, num_warps=1),
+    "stream-miss-low": dict(SMALL, stream=True, num_warps=1, force="sample_min"),
+    "stream-1warp": dict(stream=True, num_warps=1, block=128),   # the fallback's step 128 NW
     "move-32": dict(SMALL, move_step=32),   # [NW, 32] list entries moved to U a step (default 128 / 64)
-    "split-stream": dict(SMALL, chunks=3, stream=True, **TILES),
-    "split-finish-stream": dict(SMALL, chunks=2, finish_stream=True, **TILES),
+    "split-stream": dict(SMALL, kind="split", chunks=3, sample_stream=True, **TILES),   # the sample streamed
+    "split-finish-stream": dict(SMALL, kind="split", chunks=2, stream=True, **TILES),   # the finisher streamed
 }
+
+
+def _config(logits, k, knobs, device=DEVICE) -> launch.TopkConfig:
+    """launch.default_config() of this call's shape (the kind knobs["kind"] if given), changed by knobs."""
+    R, L = logits.shape
+    default = launch.default_config(R, L, k, num_sms(torch.device(device)), knobs.get("kind"))
+    return dataclasses.replace(default, **knobs)
 
 
 def _row(kind: str, n: int, k: int, g: torch.Generator) -> torch.Tensor:
@@ -140,7 +150,7 @@ def _run_both(logits, lengths, k, kw, knobs, device=DEVICE):
             to(kw["row_starts"]) if "row_starts" in kw else None,
             to(kw["out_offsets"]) if "out_offsets" in kw else None, 64]
     out = torch.full((logits.shape[0], k), torch.iinfo(torch.int32).max, dtype=torch.int32, device=device)
-    got = K.topk_transform(*args, out=out, **knobs)
+    got = launch.topk_transform(*args, out=out, config=_config(logits, k, knobs, device))
     ref = ref_impl(logits, lengths, k, kw.get("page_table"), kw.get("row_starts"), kw.get("out_offsets"), 64)
     return got.cpu(), ref
 
@@ -205,7 +215,8 @@ def test_page_size_other_than_64():
     logits, lengths, kw = _case(2, 1000, k, ["randn", "levels16"], [1000, 700], seed=5)
     table = torch.randint(0, 1000, (2, 8), dtype=torch.int32)
     out = torch.full((2, k), torch.iinfo(torch.int32).max, dtype=torch.int32)
-    got = K.topk_transform(logits, lengths, k, table, None, None, 256, out=out, **SMALL)
+    got = launch.topk_transform(logits, lengths, k, table, None, None, 256, out=out,
+                                config=_config(logits, k, SMALL))
     _assert_same(got, ref_impl(logits, lengths, k, table, None, None, 256))
 
 
@@ -235,10 +246,10 @@ def test_split_one_launch(mode, g, chunks):
     lens = [1500, 40, 1437, 64, 65, 0, 1500, 999]
     kinds = ["randn", "levels16", "ties_at_k", "two", "randn", "equal", "nan", "levels256"]
     logits, lengths, kw = _case(len(lens), 1500, k, kinds, lens, seed=17 + chunks, mode=mode, g=g, starts=True)
-    knobs = dict(SMALL, chunks=chunks, **TILES)
+    knobs = dict(SMALL, kind="split", chunks=chunks, **TILES)
     got, ref = _run_both(logits, lengths, k, kw, knobs)
     _assert_same(got, ref, f"{mode} chunks={chunks}")
-    assert all(not bool(buf.any()) for buf in K._ARRIVE.values()), "arrival counters not reset"
+    assert all(not bool(buf.any()) for buf in split._ARRIVE.values()), "arrival counters not reset"
     again, _ = _run_both(logits, lengths, k, kw, knobs)
     assert torch.equal(again, got)
 
@@ -247,15 +258,16 @@ def test_split_one_launch(mode, g, chunks):
 @pytest.mark.parametrize("chunks", [2, 3])
 def test_split_finisher_selects_from_all_chunks(chunks, cached):
     # the finisher takes the fast path on every chunk's candidates (the row fallback, exact whatever the
-    # chunks wrote, would hide a finisher that read too early): profile=4 stops it before the emit with
-    # T + need in slot 0 (the fallback writes nothing there). The answer is "keys > T and the first need
-    # keys == T": T = the k-th largest key with need = its copies taken, or, when its bucket was taken
-    # whole, any T between the (k+1)-th largest key and the k-th one with need = 0.
+    # chunks wrote, would hide a finisher that read too early): stop_after="select" ends it before the
+    # emit with T + need in slot 0 (the fallback writes nothing there). The answer is "keys > T and the
+    # first need keys == T": T = the k-th largest key with need = its copies taken, or, when its bucket
+    # was taken whole, any T between the (k+1)-th largest key and the k-th one with need = 0.
     k, R, L = 64, 4, 1500
     logits, lengths, _ = _case(R, L, k, ["randn", "levels256"], [L] * R, seed=23)
     out = torch.full((R, k), torch.iinfo(torch.int32).max, dtype=torch.int32, device=DEVICE)
-    K.topk_transform(logits.to(DEVICE), lengths.to(DEVICE), k, None, None, None, 64, out=out, chunks=chunks,
-                     profile=4, cached_counters=cached, **TILES)
+    cfg = _config(logits, k, dict(kind="split", chunks=chunks, cached_counters=cached, stop_after="select",
+                                  **TILES))
+    launch.topk_transform(logits.to(DEVICE), lengths.to(DEVICE), k, None, None, None, 64, out=out, config=cfg)
     got = out[:, 0].cpu().long()
     top = topk_order_keys(logits).sort(dim=1, descending=True).values.long()
     kth, next_key = top[:, k - 1], top[:, k]
@@ -268,16 +280,16 @@ def test_whole_chunk_row_loads():
     # 128-bit row loads read to the length rounded up to 4 (VEC): only when every row is whole 16-byte
     # chunks, and the scores read past a row's length (+inf here) never count
     x = torch.randn(3, 72)
-    assert K._whole_chunks(x, None) and K._whole_chunks(x[:, 4:68], None)
-    assert not K._whole_chunks(x[:, :63], None)                        # length not a multiple of 4
-    assert not K._whole_chunks(x[:, 2:66], None)                       # rows start off a 16-byte boundary
-    assert not K._whole_chunks(x, torch.zeros(3, dtype=torch.int32))   # ragged rows start anywhere
+    assert launch._whole_chunks(x, None) and launch._whole_chunks(x[:, 4:68], None)
+    assert not launch._whole_chunks(x[:, :63], None)                        # length not a multiple of 4
+    assert not launch._whole_chunks(x[:, 2:66], None)                       # rows start off a 16-byte boundary
+    assert not launch._whole_chunks(x, torch.zeros(3, dtype=torch.int32))   # ragged rows start anywhere
     k, L = 64, 1500
     lens = [1499, 1001, 1498, 1497, 65]
     logits, lengths, kw = _case(len(lens), L, k, ["randn", "levels16", "two", "randn", "randn"], lens, seed=29)
     for r, n in enumerate(lens):
         logits[r, n:] = float("inf")
-    for knobs in (dict(SMALL), dict(SMALL, chunks=3, **TILES)):
+    for knobs in (dict(SMALL), dict(SMALL, kind="split", chunks=3, **TILES)):
         got, ref = _run_both(logits, lengths, k, kw, dict(knobs, vec=True))
         _assert_same(got, ref, str(knobs))
 
@@ -332,28 +344,31 @@ def test_gpu_realistic(R, L, kind):
     lens = [L] * (R - 2) + [L - 1000, k + 1]
     logits = torch.stack([_row(kind, L, k, gen) for _ in range(R)]).cuda()
     lengths = torch.tensor(lens, dtype=torch.int32, device="cuda")
-    out = K.topk_transform(logits, lengths, k, None, None, None, 64)
+    out = launch.topk_transform(logits, lengths, k, None, None, None, 64)
     ref = ref_impl(logits, lengths, k, None, None, None, 64)
     _assert_same(out.cpu(), ref.cpu(), f"{R}x{L} {kind}")
     assert topk_tie_safe(logits, lengths, out, k, ascending=True)[0], f"{R}x{L} {kind}"
-    assert torch.equal(out, K.topk_transform(logits, lengths, k, None, None, None, 64))
+    assert torch.equal(out, launch.topk_transform(logits, lengths, k, None, None, None, 64))
+
+
+GPU_MODES = [dict(kind="fused", num_warps=1, stream=True, sample_stream=True, block=128),
+             dict(kind="fused", num_warps=4, stream=True, sample_stream=True, block=512),
+             dict(kind="fused", num_warps=8, stream=False, maxnreg=64, grid=64),
+             dict(kind="split", chunks=8, num_warps=8, stream=False),
+             dict(kind="split", chunks=16, num_warps=2, sample_stream=True, stream=True, cand=8192, block=256)]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("knobs", [dict(chunks=1, num_warps=1, stream=True),
-                                   dict(chunks=1, num_warps=4, stream=True),
-                                   dict(chunks=1, num_warps=8, stream=False, maxnreg=64, grid=64),
-                                   dict(chunks=8, num_warps=8, stream=False),
-                                   dict(chunks=16, num_warps=2, stream=True, finish_stream=True, cand=8192)],
+@pytest.mark.parametrize("knobs", GPU_MODES,
                          ids=["fused-stream1", "fused-stream4", "fused-regs", "split8-regs", "split16-stream"])
 @pytest.mark.parametrize("kind", ["randn", "levels16", "narrow"])
 def test_gpu_modes(knobs, kind):
-    # both kernels, levels in registers and streamed, at k = 2048 whatever launch_config() picks
+    # both kernels, levels in registers and streamed, at k = 2048 whatever default_config() picks
     k, R, L = 2048, 64, 32768
     gen = torch.Generator().manual_seed(L)
     logits = torch.stack([_row(kind, L, k, gen) for _ in range(R)]).cuda()
     lengths = torch.randint(k - 5, L + 1, (R,), generator=gen, dtype=torch.int32).cuda()
-    out = K.topk_transform(logits, lengths, k, None, None, None, 64, **knobs)
+    out = launch.topk_transform(logits, lengths, k, None, None, None, 64, config=_config(logits, k, knobs))
     _assert_same(out.cpu(), ref_impl(logits, lengths, k, None, None, None, 64).cpu(), f"{knobs} {kind}")
 
 

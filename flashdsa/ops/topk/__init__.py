@@ -11,8 +11,8 @@ from flashdsa.ops.topk import reference
 
 def _triton_topk(*args, **kwargs):
     # imported on first use: importing triton is slow and CPU-only users never need it
-    from flashdsa.ops.topk import triton as impl
-    return impl.topk_transform(*args, **kwargs)
+    from flashdsa.ops.topk import launch
+    return launch.topk_transform(*args, **kwargs)
 
 
 _IMPLS = {"torch": reference.topk_transform, "triton": _triton_topk}

@@ -1,0 +1,217 @@
+"""Top-k launch: the frozen config of one launch, the default config for a shape, and the launcher.
+
+The launcher runs one of two kernels, ``fused.py`` (many rows) or ``split.py`` (few long rows), with
+scratch sized from shapes only (no host sync: CUDA-graph capturable). :func:`default_config` is the launch
+measured best on the H200; tests and benchmarks pass variants of it::
+
+    cfg = dataclasses.replace(default_config(R, L, k, num_sms(dev)), chunks=4)
+    launch.topk_transform(logits, lengths, k, None, None, None, 64, config=cfg)
+
+What each default was measured against is in README.md ("Measured").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from flashdsa.ops._triton_utils import cdiv, interpreting, next_pow2, num_sms, prev_pow2
+from flashdsa.ops.topk.fused import topk_fused_kernel
+from flashdsa.ops.topk.split import arrive_counters, topk_split_kernel
+
+WCAP = 512                    # W: the bucket small enough to leave U's registers for
+LG_SAMPLE_MIN, LG_SAMPLE_MAX = 9, 11
+SCRATCH_BUDGET = 1 << 30      # bytes of scratch; fewer programs when k is huge
+
+# Test hooks, by name in the config and by number in the kernels (0: off, compiled out).
+FORCE = {"": 0, "sample_max": 1, "no_guess": 2, "sample_min": 3}
+STOP_AFTER = {"": 0, "sample": 1, "compaction": 2, "move": 3, "select": 4}
+
+
+@dataclasses.dataclass(frozen=True)
+class TopkConfig:
+    """One launch of the top-k kernels, apart from the inputs; :func:`default_config` gives the measured
+    one for a shape. U holds ``cand`` candidates a row, W ``wcap`` keys, the sample ``2^lg_sample`` keys:
+    small ones make every path reachable on rows of a few thousand.
+
+    Test hooks, off ("") in every default config and then compiled out of the kernels (README.md):
+    ``force`` replaces the threshold guess by "sample_max", the largest sampled key (fewer than k
+    candidates), "no_guess" (every key a candidate: more than U holds) or "sample_min", the smallest
+    sampled key (more than U holds, some below it): the fallback paths on any row. ``stop_after`` ends
+    each row after "sample" (t_lo to its first output slot), "compaction" (the count), "move" (the
+    largest key) or "select" (T + need), the rest of the row unwritten; split mode writes chunk j's value
+    to slot j and, but for "select", skips the finisher. For ``bench_topk.py --stages`` and tests.
+    """
+
+    kind: str                  # "fused" (fused.py: many rows) or "split" (split.py: few long rows)
+    cand: int                  # U's slots a row: a power of 2 <= 16384 (emit packs two counts in an int32)
+    lg_sample: int             # log2 of the sample size, >= 3 (runs of 8 keys)
+    wcap: int                  # W's slots: a multiple of 4 (read 4 keys a thread)
+    num_warps: int             # warps a program, NW: the compaction keeps NW warp lists
+    maxnreg: int               # register cap, 0: none (not applied in the interpreter)
+    unroll: int                # [NW, 128] tiles a warp loads at once in the compaction: 1, 2 or 4
+    move_step: int             # warp-list entries a warp moves to U a step
+    stream: bool               # the levels on U / W (split: the finisher's) stream from memory, 128 NW keys
+                               # a step, instead of being held in registers (registers independent of cand)
+    sample_stream: bool        # the same for the sample's levels
+    block: int                 # scores a step of the row fallback's passes: a power of 2 <= 16384
+    grid: int = 0              # fused: programs of the persistent grid (lowered to fit SCRATCH_BUDGET)
+    chunks: int = 1            # split: programs a row
+    cached_counters: bool = True  # split: arrival counters kept per (device, stream) and left at zero by
+                                  # the kernel; False: fresh zeros each call (a memset)
+    bits: int = 5              # digit bits of a level on U (32 buckets: the cheapest per resolved bit)
+    bits_w: int = 5            # ... on W
+    bits_s: int = 5            # ... on the sample
+    stages: int = 1            # software-pipeline depth of the row fallback's loops
+    vec: bool = True           # 128-bit row loads, reading to the length rounded up to 4, where every row
+                               # is whole 16-byte chunks (the launcher checks: :func:`_whole_chunks`)
+    # ---- test hooks (above)
+    force: str = ""            # "", "sample_max", "no_guess" or "sample_min"
+    stop_after: str = ""       # "", "sample", "compaction", "move" or "select"
+
+    def __post_init__(self):
+        def bad(field, expected):
+            raise ValueError(f"TopkConfig.{field}: expected {expected}, got {getattr(self, field)!r}")
+        if self.kind not in ("fused", "split"):
+            bad("kind", '"fused" or "split"')
+        for field in ("cand", "block"):
+            v = getattr(self, field)
+            if v < 1 or v > 16384 or v & (v - 1):
+                bad(field, "a power of 2 <= 16384")
+        if self.lg_sample < 3:
+            bad("lg_sample", ">= 3")
+        if self.wcap < 4 or self.wcap % 4:
+            bad("wcap", "a positive multiple of 4")
+        if self.unroll not in (1, 2, 4):
+            bad("unroll", "1, 2 or 4")
+        if self.kind == "fused" and self.grid < 1:
+            bad("grid", ">= 1 (fused)")
+        if self.kind == "split" and self.chunks < 1:
+            bad("chunks", ">= 1 (split)")
+        if self.force not in FORCE:
+            bad("force", " / ".join(map(repr, FORCE)))
+        if self.stop_after not in STOP_AFTER:
+            bad("stop_after", " / ".join(map(repr, STOP_AFTER)))
+
+
+def _sizes(K: int, L: int) -> tuple[int, int]:
+    """(cand, lg_sample): U's capacity and log2 of the sample size for top-K over rows of up to L keys.
+
+    S ~ 128 L / K puts mu = S K / L ~ 128 samples in a full row's top K. The threshold is about the
+    m-th largest sample, m = mu + 4 sqrt(mu) + 1 (+ m / 16 of early-stop slack), reached by about
+    ``c = m L / S`` keys with a relative spread of 1 / sqrt(m): fewer than K is a 4-sigma event, and U
+    holds c plus 5 sigma (a miss either way costs speed, never the answer).
+    """
+    lg_sample = min(max((128 * max(L, 1) // K - 1).bit_length(), LG_SAMPLE_MIN), LG_SAMPLE_MAX)
+    S = 1 << lg_sample
+    mu = S * K / max(L, 1)
+    m = min(mu + 4 * math.sqrt(mu) + 1, S)
+    c = m * (1 + 1 / 16) * L / S
+    return max(next_pow2(int(c + 5 * c / math.sqrt(m)) + 1), 256), lg_sample
+
+
+def default_config(R: int, L: int, K: int, sms: int, kind: str | None = None) -> TopkConfig:
+    """The default launch of top-K over R rows of up to L scores on a GPU of ``sms`` SMs, as measured on
+    the H200 (triton 3.6; README.md "Measured"). ``kind`` picks the kernel instead of the rule below.
+
+    Few rows (R <= sms, L >= 4K): split mode, ``chunks`` 8-warp programs a row, one per 32K of row and at
+    least 2 (more chunks, or more programs of fewer warps, were slower), 4 tiles a warp compacted at once,
+    128 list entries a warp moved a step; the finisher's levels in registers up to cand 4096, streamed
+    above (the register form needs 127 registers at cand 8192: two programs an SM, and the chunk
+    programs ran in two waves).
+    Many rows: the fused kernel on a persistent grid of what fits at once, capped at 64 registers (the
+    grid assumes every program resident). Rows up to 16K: 4-warp programs, 8 an SM, levels on U / W
+    streamed and on the sample (<= 2048 keys) in registers, 2 tiles a warp at once, 128 entries a step.
+    Longer rows: 8-warp programs, 4 an SM, levels in registers, 4 tiles a warp at once, 64 entries a
+    step (streamed with 1 / 2 / 4 warps was slower).
+    """
+    cand, lg_sample = _sizes(K, L)
+    sizes = dict(cand=cand, lg_sample=lg_sample, wcap=min(WCAP, cand))
+    if kind is None:
+        kind = "split" if R <= sms and L >= 4096 else "fused"
+    if kind == "split":
+        chunks = max(2, min(16, L // 32768, prev_pow2(4 * sms // max(R, 1))))
+        return TopkConfig(kind="split", num_warps=8, maxnreg=0, unroll=4, move_step=128, stream=cand > 4096,
+                          sample_stream=False, block=128 * 8, chunks=chunks, **sizes)
+    if L <= 16384:
+        nw, per_sm, unroll, stream, move_step = 4, 8, 2, True, 128
+    else:
+        nw, per_sm, unroll, stream, move_step = 8, 4, 4, False, 64
+    # Whole SMs' worth of programs from R = sms up: the grid the defaults were measured with (for R
+    # between sms and per_sm * sms, min(R, per_sm * sms) may be faster: not measured).
+    grid = max(R, 1) if R < sms else min(R // sms, per_sm) * sms
+    return TopkConfig(kind="fused", num_warps=nw, maxnreg=64, unroll=unroll, move_step=move_step, stream=stream,
+                      sample_stream=False, block=128 * nw, grid=grid, **sizes)
+
+
+def _whole_chunks(logits: torch.Tensor, row_starts) -> bool:
+    """Whether every row is made of whole 16-byte chunks (aligned start, length a multiple of 4), so the
+    compaction may read a row to its length rounded up to 4 with 128-bit loads (the kernels' VEC)."""
+    return (row_starts is None and logits.shape[1] % 4 == 0 and logits.stride(0) % 4 == 0
+            and logits.stride(1) == 1 and logits.data_ptr() % 16 == 0)
+
+
+def _seg_cap(cand: int, nw: int, un: int, length: int) -> int:
+    """Entries a warp list may need: its segment of a ``length``-key span, at most cand (more: fallback)."""
+    tile = un * 128
+    return min(cand, cdiv(cdiv(length, nw), tile) * tile)
+
+
+def topk_transform(logits, lengths, topk, page_table, row_starts, out_offsets, page_size, *,
+                   out: torch.Tensor | None = None, config: TopkConfig | None = None) -> torch.Tensor:
+    """Launcher; arguments as in :func:`flashdsa.ops.topk.topk_transform` (already validated).
+
+    ``out``: ``[R, topk] int32`` to write into (tests poison it); ``config``: the launch (None:
+    :func:`default_config` for this shape and device).
+    """
+    R, L = logits.shape
+    dev = logits.device
+    K = int(topk)
+    if out is None:
+        out = torch.empty((R, K), dtype=torch.int32, device=dev)
+    if R == 0:
+        return out
+    cfg = default_config(R, L, K, num_sms(dev)) if config is None else config
+    nw, cand = cfg.num_warps, cfg.cand
+    mode = 2 if page_table is not None else 1 if out_offsets is not None else 0
+    table = page_table if page_table is not None else lengths
+    rows_per_table = R // page_table.shape[0] if page_table is not None else 1
+    starts = row_starts if row_starts is not None else lengths
+    interp = interpreting()
+    regs = {"maxnreg": cfg.maxnreg} if cfg.maxnreg and not interp else {}
+    translate = (out_offsets if out_offsets is not None else lengths, table,
+                 table.stride(0) if page_table is not None else 0, rows_per_table)
+    common = dict(HAS_STARTS=row_starts is not None, MODE=mode, PAGE_SIZE=page_size, CAND=cand, NW=nw,
+                  UN=cfg.unroll, UB=128 * nw, LG_S=cfg.lg_sample, BITS=cfg.bits, BITS_W=cfg.bits_w,
+                  BITS_S=cfg.bits_s, STREAM=cfg.stream, SAMPLE_STREAM=cfg.sample_stream, MJ=cfg.move_step,
+                  BLOCK=cfg.block, STAGES=cfg.stages, ASM=not interp, FORCE=FORCE[cfg.force],
+                  STOP=STOP_AFTER[cfg.stop_after], VEC=cfg.vec and _whole_chunks(logits, row_starts))
+    if cfg.kind == "split":
+        # scratch per row, not per program
+        chunks = cfg.chunks
+        cap = _seg_cap(cand, nw, cfg.unroll, cdiv(L, chunks) + nw * cfg.unroll * 128)
+        scr = torch.empty(R * chunks * 2 * cand, dtype=torch.int32, device=dev)
+        sscr = torch.empty(R * chunks * nw * cap, dtype=torch.int64, device=dev)
+        counts = torch.empty(R * 2 * chunks, dtype=torch.int32, device=dev)
+        arrive = arrive_counters(dev, R, cfg.cached_counters)
+        uscr = torch.empty(R * 2 * cand, dtype=torch.int32, device=dev)
+        wscr = torch.empty(R * cfg.wcap, dtype=torch.int32, device=dev)
+        samp = torch.empty(R * chunks << cfg.lg_sample, dtype=torch.int32, device=dev) if cfg.sample_stream else lengths
+        topk_split_kernel[(R, chunks)](
+            logits, logits.stride(0), lengths, starts, *translate, out, scr, sscr, counts, arrive, uscr, wscr, samp,
+            R, K, CAP=cap, WCAP=cfg.wcap, CHUNKS=chunks, RESET=cfg.cached_counters, **common, num_warps=nw, **regs)
+        return out
+    cap = _seg_cap(cand, nw, cfg.unroll, L)
+    # W doubles as the sample's buffer when the sample streams; it keeps that size whenever levels stream
+    # (the WCAP the streamed defaults were measured with)
+    wlen = max(cfg.wcap, 1 << cfg.lg_sample) if cfg.stream or cfg.sample_stream else cfg.wcap
+    grid = min(cfg.grid, max(1, SCRATCH_BUDGET // (8 * cand + 8 * nw * cap + 4 * wlen)))
+    scr = torch.empty(grid * 2 * cand, dtype=torch.int32, device=dev)
+    sscr = torch.empty(grid * nw * cap, dtype=torch.int64, device=dev)
+    wscr = torch.empty(grid * wlen, dtype=torch.int32, device=dev)
+    topk_fused_kernel[(grid,)](
+        logits, logits.stride(0), lengths, starts, *translate, out, scr, sscr, wscr, R, K,
+        CAP=cap, WCAP=wlen, **common, num_warps=nw, **regs)
+    return out
