@@ -162,7 +162,8 @@ def kernel_cases() -> list[tuple[str, object]]:
     """(name, launch) of each default launch at a production shape; the launch calls the library's launcher
     on CPU tensors (the contents do not matter, only shapes, strides and dtypes)."""
     from flashdsa.cache.layouts import INDEX_PAGE_BYTES
-    from flashdsa.ops.indexer import triton as indexer
+    from flashdsa.ops.indexer import paged as indexer_paged
+    from flashdsa.ops.indexer import ragged as indexer_ragged
     from flashdsa.ops.indexer_quant import triton as quant
     from flashdsa.ops.sparse_mla import triton as sparse
     from flashdsa.quant import FP8, rope_cos_sin
@@ -175,15 +176,15 @@ def kernel_cases() -> list[tuple[str, object]]:
         ctx = torch.zeros(B, n, dtype=torch.int32)
         bt = torch.zeros(B, maxp, dtype=torch.int32)
         # the interpreter-free CPU launch takes the pointer kernel; tma=True takes the sm_90 default's path
-        cfg = indexer.PagedConfig(tma=True) if tma else None
-        return lambda: indexer.indexer_logits_paged(q, cache, w, ctx, bt, max_len, config=cfg)
+        cfg = indexer_paged.PagedConfig(tma=True) if tma else None
+        return lambda: indexer_paged.indexer_logits_paged(q, cache, w, ctx, bt, max_len, config=cfg)
 
     def ragged():
         T, N, H = 4096, 16384, 64
         q, k = torch.zeros(T, H, 128, dtype=FP8), torch.zeros(N, 128, dtype=FP8)
         ks = torch.zeros(T, dtype=torch.int32)
         ke = (torch.arange(T) + N - T + 1).to(torch.int32)
-        return lambda: indexer.indexer_logits_ragged(q, k, torch.zeros(N), torch.zeros(T, H), ks, ke)
+        return lambda: indexer_ragged.indexer_logits_ragged(q, k, torch.zeros(N), torch.zeros(T, H), ks, ke)
 
     def decode(fmt: str, h_q: int):
         B, pages, topk = 64, 512, 2048
