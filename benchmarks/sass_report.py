@@ -2,6 +2,7 @@
 global load / store widths (what the H200 would run, up to Triton version differences).
 
     python benchmarks/sass_report.py topk [--sass FILE]
+    python benchmarks/sass_report.py kernels [--sass FILE]   # indexer, sparse MLA, indexer_quant
 
 Uses the ptxas / nvdisasm that ship inside Triton, so no CUDA toolkit or GPU is needed. Each case
 below builds the launch the library would make (same constexprs, num_warps, register cap) for one
