@@ -125,23 +125,45 @@ def _draft_groups(q, w, context_lens, out, i_b64, j0, o_d, stride_qn, stride_qh,
 
 
 @triton.jit
-def _fill_groups(p_r0, m_j0, p_r1, m_j1, p_r2, m_j2, p_r3, m_j3, start, stop, BLOCK_N: tl.constexpr,
-                 NEXT_N: tl.constexpr, GS: tl.constexpr, SUB: tl.constexpr):
-    """-inf at columns [start, stop) of every sub-group's rows (the chunk's tail past the group's reach)."""
-    fill_neg_inf(p_r0, m_j0, start, stop, BLOCK_N, GS)
-    if SUB > 1 and GS < NEXT_N:
-        fill_neg_inf(p_r1, m_j1, start, stop, BLOCK_N, GS)
-    if SUB > 2 and 2 * GS < NEXT_N:
-        fill_neg_inf(p_r2, m_j2, start, stop, BLOCK_N, GS)
-    if SUB > 3 and 3 * GS < NEXT_N:
-        fill_neg_inf(p_r3, m_j3, start, stop, BLOCK_N, GS)
+def _program_span(q, w, context_lens, out, max_len, stride_qb, stride_qn, stride_qh, stride_w, stride_o,
+                  NEXT_N: tl.constexpr, H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
+                  GS: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, FP8_DOT: tl.constexpr):
+    """What program (g, b, c) of either paged kernel works on: the 4 sub-group tuples and reach of
+    :func:`_draft_groups` for draft rows g * G .., request b (int64), the head-dim offsets ``o_d [D]``, and
+    its output columns [c0, c1), of which [c0, end) are scored: whole BLOCK_N steps up to the group's
+    reach (the tail past it is -inf only)."""
+    i_g, i_b, i_c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b64 = i_b.to(tl.int64)
+    j0 = i_g * G
+    q += i_b64 * stride_qb
+    o_d = tl.arange(0, D)
+    g0, g1, g2, g3, reach = _draft_groups(q, w, context_lens, out, i_b64, j0, o_d, stride_qn, stride_qh, stride_w,
+                                          stride_o, NEXT_N, H, HP, GS, G // GS, FP8_DOT)
+    c0 = i_c * CHUNK
+    c1 = tl.minimum(c0 + CHUNK, max_len)
+    end = c0 + tl.cdiv(tl.maximum(tl.minimum(c1, reach) - c0, 0), BLOCK_N) * BLOCK_N
+    return g0, g1, g2, g3, reach, i_b64, o_d, c0, c1, end
 
 
 @triton.jit
-def _score_rows(b_k, b_ks, b_qt, b_w, b_len, p_rows, m_j, o_t, c1, GS: tl.constexpr, HP: tl.constexpr,
-                CHAIN: tl.constexpr):
-    """Score one step's keys ``b_k [BLOCK_N, D]`` (scales ``b_ks [BLOCK_N]``, positions ``o_t``) for GS draft
-    rows and store them: ``k_scale * sum_h w * relu(k . q)`` below each row's length, -inf from it on."""
+def _fill_groups(g0, g1, g2, g3, start, stop, BLOCK_N: tl.constexpr, NEXT_N: tl.constexpr, GS: tl.constexpr,
+                 SUB: tl.constexpr):
+    """-inf at columns [start, stop) of every sub-group's rows (the chunk's tail past the group's reach)."""
+    fill_neg_inf(g0[3], g0[4], start, stop, BLOCK_N, GS)
+    if SUB > 1 and GS < NEXT_N:
+        fill_neg_inf(g1[3], g1[4], start, stop, BLOCK_N, GS)
+    if SUB > 2 and 2 * GS < NEXT_N:
+        fill_neg_inf(g2[3], g2[4], start, stop, BLOCK_N, GS)
+    if SUB > 3 and 3 * GS < NEXT_N:
+        fill_neg_inf(g3[3], g3[4], start, stop, BLOCK_N, GS)
+
+
+@triton.jit
+def _score_rows(b_k, b_ks, grp, o_t, c1, GS: tl.constexpr, HP: tl.constexpr, CHAIN: tl.constexpr):
+    """Score one step's keys ``b_k [BLOCK_N, D]`` (scales ``b_ks [BLOCK_N]``, positions ``o_t``) for the GS draft
+    rows of ``grp`` (a :func:`_draft_rows` tuple) and store them: ``k_scale * sum_h w * relu(k . q)`` below
+    each row's length, -inf from it on."""
+    b_qt, b_w, b_len, p_rows, m_j = grp
     b_l = _row_logits(b_k, b_ks, b_qt, b_w, b_len, o_t, GS, HP, CHAIN)
     tl.store(p_rows[None, :] + o_t[:, None], b_l, mask=m_j[None, :] & (o_t[:, None] < c1))
 
@@ -206,23 +228,9 @@ def indexer_logits_paged_kernel(
     all but the first read the pages from L2.
     """
     SUB: tl.constexpr = G // GS
-    i_g, i_b, i_c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_b64 = i_b.to(tl.int64)
-    j0 = i_g * G
-    q += i_b64 * stride_qb
-    o_d = tl.arange(0, D)
-
-    g0, g1, g2, g3, reach = _draft_groups(q, w, context_lens, out, i_b64, j0, o_d, stride_qn, stride_qh, stride_w,
-                                          stride_o, NEXT_N, H, HP, GS, SUB, FP8_DOT)
-    b_q0, b_w0, b_len0, p_r0, m_j0 = g0
-    b_q1, b_w1, b_len1, p_r1, m_j1 = g1
-    b_q2, b_w2, b_len2, p_r2, m_j2 = g2
-    b_q3, b_w3, b_len3, p_r3, m_j3 = g3
-
-    c0 = i_c * CHUNK
-    c1 = tl.minimum(c0 + CHUNK, max_len)
-    # scored columns [c0, end): whole blocks up to the group's reach; the tail past reach is -inf only
-    end = c0 + tl.cdiv(tl.maximum(tl.minimum(c1, reach) - c0, 0), BLOCK_N) * BLOCK_N
+    g0, g1, g2, g3, reach, i_b64, o_d, c0, c1, end = _program_span(
+        q, w, context_lens, out, max_len, stride_qb, stride_qn, stride_qh, stride_w, stride_o,
+        NEXT_N, H, HP, D, G, GS, BLOCK_N, CHUNK, FP8_DOT)
     o_n = tl.arange(0, BLOCK_N)
     # num_stages on the loop itself makes Triton pipeline the scale and page-id loads too (by default
     # it pipelines only loads that feed a dot), so the page ids, keys and scales of the next
@@ -238,20 +246,18 @@ def indexer_logits_paged_kernel(
         b_ks = tl.load(scales + i_p * (PAGE_BYTES // 4) + KEY_BYTES // 4 + o_in)
         if not FP8_DOT:
             b_k = e4m3_bits_to_f16(b_k)
-        _score_rows(b_k, b_ks, b_q0, b_w0, b_len0, p_r0, m_j0, o_t, c1, GS, HP, CHAIN)
+        _score_rows(b_k, b_ks, g0, o_t, c1, GS, HP, CHAIN)
         if SUB > 1 and GS < NEXT_N:
-            _score_rows(b_k, b_ks, b_q1, b_w1, b_len1, p_r1, m_j1, o_t, c1, GS, HP, CHAIN)
+            _score_rows(b_k, b_ks, g1, o_t, c1, GS, HP, CHAIN)
         if SUB > 2 and 2 * GS < NEXT_N:
-            _score_rows(b_k, b_ks, b_q2, b_w2, b_len2, p_r2, m_j2, o_t, c1, GS, HP, CHAIN)
+            _score_rows(b_k, b_ks, g2, o_t, c1, GS, HP, CHAIN)
         if SUB > 3 and 3 * GS < NEXT_N:
-            _score_rows(b_k, b_ks, b_q3, b_w3, b_len3, p_r3, m_j3, o_t, c1, GS, HP, CHAIN)
-    _fill_groups(p_r0, m_j0, p_r1, m_j1, p_r2, m_j2, p_r3, m_j3, end, c1, BLOCK_N, NEXT_N, GS, SUB)
+            _score_rows(b_k, b_ks, g3, o_t, c1, GS, HP, CHAIN)
+    _fill_groups(g0, g1, g2, g3, end, c1, BLOCK_N, NEXT_N, GS, SUB)
 
 
 @triton.jit
-def _score_page(key_desc, scales, p_bt, t0, reach, o_n,
-                b_q0, b_w0, b_len0, p_r0, m_j0, b_q1, b_w1, b_len1, p_r1, m_j1,
-                b_q2, b_w2, b_len2, p_r2, m_j2, b_q3, b_w3, b_len3, p_r3, m_j3, c1,
+def _score_page(key_desc, scales, p_bt, t0, reach, o_n, g0, g1, g2, g3, c1,
                 NEXT_N: tl.constexpr, GS: tl.constexpr, SUB: tl.constexpr, HP: tl.constexpr, PAGE: tl.constexpr,
                 PAGE_ROWS: tl.constexpr, PAGE_WORDS: tl.constexpr, KEY_WORDS: tl.constexpr, CHAIN: tl.constexpr,
                 ASM_STORE: tl.constexpr):
@@ -266,17 +272,23 @@ def _score_page(key_desc, scales, p_bt, t0, reach, o_n,
     b_ks = tl.load(scales + i_p.to(tl.int64) * PAGE_WORDS + KEY_WORDS + o_n)
     # positions relative to t0: the per-element masks compare the page offset o_n against per-row scalars
     # (32-bit, one compare) instead of the absolute position against the row length
-    b_l0 = _row_logits(b_k, b_ks, b_q0, b_w0, b_len0 - t0, o_n, GS, HP, CHAIN)
-    _store_logits(p_r0 + t0, m_j0, o_n, c1 - t0, b_l0, ASM_STORE)
+    _score_page_rows(b_k, b_ks, g0, t0, o_n, c1, GS, HP, CHAIN, ASM_STORE)
     if SUB > 1 and GS < NEXT_N:
-        b_l1 = _row_logits(b_k, b_ks, b_q1, b_w1, b_len1 - t0, o_n, GS, HP, CHAIN)
-        _store_logits(p_r1 + t0, m_j1, o_n, c1 - t0, b_l1, ASM_STORE)
+        _score_page_rows(b_k, b_ks, g1, t0, o_n, c1, GS, HP, CHAIN, ASM_STORE)
     if SUB > 2 and 2 * GS < NEXT_N:
-        b_l2 = _row_logits(b_k, b_ks, b_q2, b_w2, b_len2 - t0, o_n, GS, HP, CHAIN)
-        _store_logits(p_r2 + t0, m_j2, o_n, c1 - t0, b_l2, ASM_STORE)
+        _score_page_rows(b_k, b_ks, g2, t0, o_n, c1, GS, HP, CHAIN, ASM_STORE)
     if SUB > 3 and 3 * GS < NEXT_N:
-        b_l3 = _row_logits(b_k, b_ks, b_q3, b_w3, b_len3 - t0, o_n, GS, HP, CHAIN)
-        _store_logits(p_r3 + t0, m_j3, o_n, c1 - t0, b_l3, ASM_STORE)
+        _score_page_rows(b_k, b_ks, g3, t0, o_n, c1, GS, HP, CHAIN, ASM_STORE)
+
+
+@triton.jit
+def _score_page_rows(b_k, b_ks, grp, t0, o_n, c1, GS: tl.constexpr, HP: tl.constexpr, CHAIN: tl.constexpr,
+                     ASM_STORE: tl.constexpr):
+    """One page's keys ``b_k [PAGE, D]`` (scales ``b_ks``) scored for the GS draft rows of ``grp`` and stored
+    at the page's columns ``t0 + o_n``."""
+    b_qt, b_w, b_len, p_rows, m_j = grp
+    b_l = _row_logits(b_k, b_ks, b_qt, b_w, b_len - t0, o_n, GS, HP, CHAIN)
+    _store_logits(p_rows + t0, m_j, o_n, c1 - t0, b_l, ASM_STORE)
 
 
 @triton.jit
@@ -307,36 +319,19 @@ def indexer_logits_paged_tma_kernel(
     """
     SUB: tl.constexpr = G // GS
     BLOCK_N: tl.constexpr = PAGES * PAGE
-    i_g, i_b, i_c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_b64 = i_b.to(tl.int64)
-    j0 = i_g * G
-    q += i_b64 * stride_qb
-    o_d = tl.arange(0, D)
-
-    g0, g1, g2, g3, reach = _draft_groups(q, w, context_lens, out, i_b64, j0, o_d, stride_qn, stride_qh, stride_w,
-                                          stride_o, NEXT_N, H, HP, GS, SUB, True)
-    b_q0, b_w0, b_len0, p_r0, m_j0 = g0
-    b_q1, b_w1, b_len1, p_r1, m_j1 = g1
-    b_q2, b_w2, b_len2, p_r2, m_j2 = g2
-    b_q3, b_w3, b_len3, p_r3, m_j3 = g3
-
-    c0 = i_c * CHUNK
-    c1 = tl.minimum(c0 + CHUNK, max_len)
-    end = c0 + tl.cdiv(tl.maximum(tl.minimum(c1, reach) - c0, 0), BLOCK_N) * BLOCK_N
+    g0, g1, g2, g3, reach, i_b64, o_d, c0, c1, end = _program_span(
+        q, w, context_lens, out, max_len, stride_qb, stride_qn, stride_qh, stride_w, stride_o,
+        NEXT_N, H, HP, D, G, GS, BLOCK_N, CHUNK, True)
     p_bt = block_table + i_b64 * stride_bt
     o_n = tl.arange(0, PAGE)
     for t0 in tl.range(c0, end, BLOCK_N, num_stages=NUM_STAGES):
         t0 = tl.multiple_of(t0, BLOCK_N)
-        _score_page(key_desc, scales, p_bt, t0, reach, o_n,
-                    b_q0, b_w0, b_len0, p_r0, m_j0, b_q1, b_w1, b_len1, p_r1, m_j1,
-                    b_q2, b_w2, b_len2, p_r2, m_j2, b_q3, b_w3, b_len3, p_r3, m_j3, c1,
+        _score_page(key_desc, scales, p_bt, t0, reach, o_n, g0, g1, g2, g3, c1,
                     NEXT_N, GS, SUB, HP, PAGE, PAGE_ROWS, PAGE_WORDS, KEY_WORDS, CHAIN, ASM_STORE)
         if PAGES > 1:
-            _score_page(key_desc, scales, p_bt, t0 + PAGE, reach, o_n,
-                        b_q0, b_w0, b_len0, p_r0, m_j0, b_q1, b_w1, b_len1, p_r1, m_j1,
-                        b_q2, b_w2, b_len2, p_r2, m_j2, b_q3, b_w3, b_len3, p_r3, m_j3, c1,
+            _score_page(key_desc, scales, p_bt, t0 + PAGE, reach, o_n, g0, g1, g2, g3, c1,
                         NEXT_N, GS, SUB, HP, PAGE, PAGE_ROWS, PAGE_WORDS, KEY_WORDS, CHAIN, ASM_STORE)
-    _fill_groups(p_r0, m_j0, p_r1, m_j1, p_r2, m_j2, p_r3, m_j3, end, c1, BLOCK_N, NEXT_N, GS, SUB)
+    _fill_groups(g0, g1, g2, g3, end, c1, BLOCK_N, NEXT_N, GS, SUB)
 
 
 @dataclass(frozen=True)
