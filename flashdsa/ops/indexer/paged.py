@@ -165,6 +165,8 @@ def _score_rows(b_k, b_ks, grp, o_t, c1, GS: tl.constexpr, HP: tl.constexpr, CHA
     each row's length, -inf from it on."""
     b_qt, b_w, b_len, p_rows, m_j = grp
     b_l = _row_logits(b_k, b_ks, b_qt, b_w, b_len, o_t, GS, HP, CHAIN)
+    # not _store_logits(.., False): it builds the mask after the pointers, which reschedules the measured
+    # n = 1 kernel's SASS
     tl.store(p_rows[None, :] + o_t[:, None], b_l, mask=m_j[None, :] & (o_t[:, None] < c1))
 
 
