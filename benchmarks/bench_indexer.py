@@ -24,7 +24,7 @@ fp32 math on the dequantised inputs (paged: every row; ragged: a subsample of ro
 repeat, cosine diff against DeepGEMM inside each row's valid range, and (information: the fp8
 quantisation error, DeepGEMM's test bar is < 1e-3) cosine diff against fp32 math on the unquantised
 bf16 inputs. ``--sweep`` times a few launch shapes of ours (results go to
-the table; the defaults live in flashdsa/ops/indexer/triton.py: PagedConfig / RaggedConfig).
+the table; the defaults live in flashdsa/ops/indexer/paged.py / ragged.py: PagedConfig / RaggedConfig).
 ``--smoke`` runs the same code on tiny shapes (on CPU through the Triton interpreter when there is no
 GPU) to check the script itself; its times mean nothing.
 """
@@ -45,7 +45,8 @@ from _common import load_deep_gemm, print_table, timed, write_json
 
 from flashdsa.cache.layouts import INDEX_BYTES_PER_TOKEN, index_page_views
 from flashdsa.ops.indexer import reference
-from flashdsa.ops.indexer import triton as K
+from flashdsa.ops.indexer import paged as KP
+from flashdsa.ops.indexer import ragged as KR
 from flashdsa.quant import FP8, act_quant
 from flashdsa.testing.compare import cos_diff, masked_cos_diff
 from flashdsa.testing.inputs import paged_batch
@@ -142,16 +143,16 @@ def run_paged(cases, dg, rows: list[dict], sweep: bool) -> None:
         t0 = time.time()
         c = _paged_case(B, n, avg)
         args = (c["q_fp8"], c["cache"], c["w"], c["ctx"], c["bt"], c["max_len"])
-        out = K.indexer_logits_paged(*args)
+        out = KP.indexer_logits_paged(*args)
         row = {"case": f"paged B{B} n{n} ctx~{avg // 1024}K", **_check_paged(c, out, n)}
-        row["bitwise_repeat"] = torch.equal(out.view(torch.int32), K.indexer_logits_paged(*args).view(torch.int32))
+        row["bitwise_repeat"] = torch.equal(out.view(torch.int32), KP.indexer_logits_paged(*args).view(torch.int32))
         sum_lens = int(c["ctx"].sum())                      # scored (row, position) pairs
         kv_bytes = int(c["seq"].sum()) * INDEX_BYTES_PER_TOKEN  # each key read once per request
         dg_bytes = c["q_fp8"].numel() + c["w"].numel() * 4 + kv_bytes + 4 * sum_lens
         our_bytes = c["q_fp8"].numel() + c["w"].numel() * 4 + kv_bytes + out.numel() * 4
-        t = timed(lambda: K.indexer_logits_paged(*args), DEV)
+        t = timed(lambda: KP.indexer_logits_paged(*args), DEV)
         row.update({"ours_us": t, "GB/s": dg_bytes / t / 1e3, "TFLOP/s": 2 * sum_lens * H * D / t / 1e6,
-                    "roof_us": our_bytes / COPY_BPS * 1e6, "graph_us": _graph_time(lambda: K.indexer_logits_paged(*args))})
+                    "roof_us": our_bytes / COPY_BPS * 1e6, "graph_us": _graph_time(lambda: KP.indexer_logits_paged(*args))})
         if n == 2:
             ours_n2[(B, avg)] = t, row["graph_us"]
         if n > 2 and (B, avg) in ours_n2:
@@ -188,14 +189,14 @@ def _shapes(G: int, HP: int, stages: tuple[int, ...], chunk: int | None = None, 
             if bn * G * HP // (32 * nw) <= 128]
 
 
-def _paged_shapes(G: int, HP: int, tma: bool) -> list[K.PagedConfig]:
+def _paged_shapes(G: int, HP: int, tma: bool) -> list[KP.PagedConfig]:
     """Paged, either kernel: block_n {64, 128} x rows per dot (1, 2 or 4 dots a step) with an accumulator of
     <= 128 registers a thread (TMA: or one 256-column dot over 8 warps) x 6 / 8 stages x ~8 / 16 programs
     a SM; the pointer kernel also with the fma-chain head sum, the TMA kernel also storing through tl.store."""
     out = []
     for bn in (64, 128):
         for GS in sorted({G, max(1, G // 2), max(1, G // 4)}):
-            warps = 8 if tma and GS * HP == K.MAX_DOT_N else 4
+            warps = 8 if tma and GS * HP == KP.MAX_DOT_N else 4
             if bn * GS * HP // (32 * warps) > 128:
                 continue
             for ns in (6, 8):
@@ -203,21 +204,21 @@ def _paged_shapes(G: int, HP: int, tma: bool) -> list[K.PagedConfig]:
                     base = {"block_n": bn, "sub_rows": GS, "num_stages": ns, "programs_per_sm": pps,
                             "num_warps": warps, "tma": tma}
                     if tma:
-                        out += [K.PagedConfig(**base), K.PagedConfig(**base, asm_store=False)]
+                        out += [KP.PagedConfig(**base), KP.PagedConfig(**base, asm_store=False)]
                     else:
-                        out += [K.PagedConfig(**base, chain=c) for c in ((False, True) if HP == 64 else (False,))]
+                        out += [KP.PagedConfig(**base, chain=c) for c in ((False, True) if HP == 64 else (False,))]
     return out
 
 
 def _sweep_paged(c, args, t_default, rows, name):
-    base = K.indexer_logits_paged(*args)
+    base = KP.indexer_logits_paged(*args)
     B, n, Hq, _ = c["q_fp8"].shape
-    shape = K.paged_config(B, n, Hq, c["max_len"], c["q_fp8"].device)
+    shape = KP.paged_config(B, n, Hq, c["max_len"], c["q_fp8"].device)
     for tma in (True, False):
         for cfg in _paged_shapes(shape.G, shape.HP, tma):
-            out = K.indexer_logits_paged(*args, config=cfg)
+            out = KP.indexer_logits_paged(*args, config=cfg)
             ok = torch.equal(torch.isneginf(out), torch.isneginf(base)) and cos_diff(out, base) < 1e-9
-            t = timed(lambda: K.indexer_logits_paged(*args, config=cfg), DEV, warmup_ms=10, rep_ms=40)
+            t = timed(lambda: KP.indexer_logits_paged(*args, config=cfg), DEV, warmup_ms=10, rep_ms=40)
             desc = (f"{'tma' if tma else 'ptr'} bn{cfg.block_n} rows/dot {cfg.sub_rows} w{cfg.num_warps} "
                     f"s{cfg.num_stages} pps{cfg.programs_per_sm}"
                     + (f" {'chain' if cfg.chain else 'sum'}" if not tma else "" if cfg.asm_store else " tl.store"))
@@ -238,7 +239,7 @@ def run_ragged(cases, dg, rows: list[dict], sweep: bool) -> None:
         ks = torch.zeros(sq, dtype=torch.int32, device=dev)
         ke = (torch.arange(sq, device=dev) + skv - sq).to(torch.int32)
         args = (q_fp8, k_fp8, k_s, w, ks, ke)
-        out = K.indexer_logits_ragged(*args)
+        out = KR.indexer_logits_ragged(*args)
         sub = torch.arange(0, sq, 61, device=dev)
         ref = reference.indexer_logits_ragged(q_fp8[sub], k_fp8, k_s, w[sub], ks[sub], ke[sub])
         o = out[sub]
@@ -250,11 +251,11 @@ def run_ragged(cases, dg, rows: list[dict], sweep: bool) -> None:
                "inf_pattern": torch.equal(torch.isneginf(o), torch.isneginf(ref)) and not torch.isnan(out).any(),
                "cos_ref": cos_diff(o, ref), "max_err_rel": float((o - ref)[fin].abs().max() / ref[fin].abs().max()),
                "cos_unquant": masked_cos_diff(o, want, fin),
-               "bitwise_repeat": torch.equal(out.view(torch.int32), K.indexer_logits_ragged(*args).view(torch.int32))}
+               "bitwise_repeat": torch.equal(out.view(torch.int32), KR.indexer_logits_ragged(*args).view(torch.int32))}
         del ref, want, o
         pairs = int((ke - ks).clamp(min=0).sum())
         flops = 2 * pairs * H * D
-        t = timed(lambda: K.indexer_logits_ragged(*args), DEV)
+        t = timed(lambda: KR.indexer_logits_ragged(*args), DEV)
         our_bytes = q_fp8.numel() + w.numel() * 4 + skv * (D + 4) + out.numel() * 4
         row.update({"ours_us": t, "TFLOP/s": flops / t / 1e6, "roof_us": our_bytes / COPY_BPS * 1e6})
         if dg is None:
@@ -281,10 +282,10 @@ def run_ragged(cases, dg, rows: list[dict], sweep: bool) -> None:
 def _sweep_ragged(args, base, t_default, rows, name):
     for G in (2, 4, 8):
         for bn, nw, ns, _ in _shapes(G, H, (3, 4)):
-            cfg = K.RaggedConfig(block_n=bn, rows=G, num_warps=nw, num_stages=ns)
-            out = K.indexer_logits_ragged(*args, config=cfg)
+            cfg = KR.RaggedConfig(block_n=bn, rows=G, num_warps=nw, num_stages=ns)
+            out = KR.indexer_logits_ragged(*args, config=cfg)
             ok = torch.equal(torch.isneginf(out), torch.isneginf(base)) and cos_diff(out, base) < 1e-9
-            t = timed(lambda: K.indexer_logits_ragged(*args, config=cfg), DEV, warmup_ms=10, rep_ms=40)
+            t = timed(lambda: KR.indexer_logits_ragged(*args, config=cfg), DEV, warmup_ms=10, rep_ms=40)
             rows.append({"case": f"sweep {name}", "config": f"bn{bn} G{G} w{nw} s{ns}", "ours_us": t,
                          "vs_default": t / t_default, "same_logits": ok})
             del out

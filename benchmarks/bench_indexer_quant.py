@@ -37,8 +37,9 @@ TS_QUICK = (1, 4096)
 TS_SMOKE = (1, 5)
 H = 64
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-SWEEP = [dict(block_r=b, num_warps=w) for b, w in ((4, 1), (8, 1), (8, 2), (16, 2), (16, 4), (32, 4), (32, 8))]
-SWEEP += [dict(soft_casts=True)]
+SWEEP = [K.IndexerQuantConfig(block_r=b, num_warps=w)
+         for b, w in ((4, 1), (8, 1), (8, 2), (16, 2), (16, 4), (32, 4), (32, 8))]
+SWEEP += [K.IndexerQuantConfig(soft_casts=True)]
 
 
 def make_inputs(T: int, heads: int | None, g: torch.Generator):
@@ -90,8 +91,8 @@ def main() -> None:
         x, cos, sin = make_inputs(T, heads, g)
         for il in (False, True):
             ref = ops.indexer_quant(x, cos, sin, il, backend="torch")
-            for label, kw in (("hw casts", {}), ("soft casts", dict(soft_casts=True))):
-                n_q, steps, n_s = compare(K.indexer_quant(x, cos, sin, il, **kw), ref)
+            for label, cfg in (("hw casts", None), ("soft casts", K.IndexerQuantConfig(soft_casts=True))):
+                n_q, steps, n_s = compare(K.indexer_quant(x, cos, sin, il, config=cfg), ref)
                 if n_q or n_s:
                     ok = False
                     print(f"[check] {name} interleave={il} {label}: {n_q} e4m3 codes differ (max {steps} steps), "
@@ -115,9 +116,9 @@ def main() -> None:
         row = dict(case=name, ref_us=ref_us, ours_us=ours_us, speedup=ref_us / ours_us,
                    ours_GBps=nbytes / ours_us / 1e3)
         if args.sweep:
-            for kw in SWEEP:
-                key = "soft" if "soft_casts" in kw else f"b{kw['block_r']}w{kw['num_warps']}"
-                row[f"{key}_us"] = timed(lambda: K.indexer_quant(x, cos, sin, False, **kw), DEV)
+            for cfg in SWEEP:
+                key = "soft" if cfg.soft_casts else f"b{cfg.block_r}w{cfg.num_warps}"
+                row[f"{key}_us"] = timed(lambda: K.indexer_quant(x, cos, sin, False, config=cfg), DEV)
         rows.append(row)
         x = cos = sin = None  # free this case before the next (the timed lambdas are done with them)
         if DEV == "cuda":

@@ -37,25 +37,26 @@ TOPK = 2048
 DEV = "cuda"
 H200 = dict(copy_GBps=4273, bf16_TFLOPs=709)
 
-# configurations tried per shape; {} is default_config(). The first case of each list runs them all.
+# configurations tried per shape; None is launch_config()'s default. The first case of each list runs them all.
+Config = tri.SparseMLAConfig
 DECODE_CONFIGS_BIG_H = [
-    ("default", {}),                                                      # h > 64: wide, else heads_m; s3
-    ("heads_m-s3", dict(kernel="heads_m", num_stages=3, slots_ahead=True)),   # 9 tensor-core ops per step
-    ("wide-s3", dict(kernel="wide", num_stages=3, slots_ahead=True)),         # 3 tensor-core ops per step
-    ("prev-default", dict(kernel="heads_m", num_stages=2, slots_ahead=False)),  # before issue 5's tuning
-    ("splits2", dict(num_splits=2)),                                      # flash-decoding over 2 programs
+    ("default", None),                                                    # h > 64: wide, else heads_m; s3
+    ("heads_m-s3", Config(kernel="heads_m", num_stages=3, slots_ahead=True)),   # 9 tensor-core ops per step
+    ("wide-s3", Config(kernel="wide", num_stages=3, slots_ahead=True)),         # 3 tensor-core ops per step
+    ("prev-default", Config(kernel="heads_m", num_stages=2, slots_ahead=False)),  # before issue 5's tuning
+    ("splits2", Config(num_splits=2)),                                    # flash-decoding over 2 programs
 ]
 DECODE_CONFIGS_SMALL_H = [
-    ("default", {}),                                                      # h 17..32: 64-head tiles; <= 16: 16
-    ("bh64-w8-s3", dict(kernel="heads_m", block_h=64, block_n=64, num_warps=8, num_stages=3, slots_ahead=True)),
-    ("bh16-w4-s3", dict(kernel="heads_m", block_h=16, block_n=32, num_warps=4, num_stages=3, slots_ahead=True)),
-    ("prev-default", dict(kernel="heads_m", block_h=16, block_n=32, num_warps=4, num_stages=2, slots_ahead=False)),
+    ("default", None),                                                    # h 17..32: 64-head tiles; <= 16: 16
+    ("bh64-w8-s3", Config(kernel="heads_m", block_h=64, block_n=64, num_warps=8, num_stages=3, slots_ahead=True)),
+    ("bh16-w4-s3", Config(kernel="heads_m", block_h=16, block_n=32, num_warps=4, num_stages=3, slots_ahead=True)),
+    ("prev-default", Config(kernel="heads_m", block_h=16, block_n=32, num_warps=4, num_stages=2, slots_ahead=False)),
 ]
 PREFILL_CONFIGS = [
-    ("default", {}),                                                      # heads_m 64 x 64, 2 stages, in-step slots
-    ("default-hot64", {}),    # same kernel, every step reads the same 64 rows (L2 / L1 hot): the math ceiling
-    ("wide-s2", dict(kernel="wide", num_stages=2)),
-    ("bn32-s3", dict(block_n=32, num_stages=3, slots_ahead=True)),
+    ("default", None),                                                    # heads_m 64 x 64, 2 stages, in-step slots
+    ("default-hot64", None),  # same kernel, every step reads the same 64 rows (L2 / L1 hot): the math ceiling
+    ("wide-s2", Config(kernel="wide", num_stages=2)),
+    ("bn32-s3", Config(block_n=32, num_stages=3, slots_ahead=True)),
 ]
 
 
@@ -139,12 +140,12 @@ def run_decode(B, s_q, h_q, configs, peer_ok, graph, rows):
         except Exception as e:  # noqa: BLE001
             info["peer_error"] = repr(e)[:160]
     print(f"{name}: " + ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in info.items()))
-    for cname, knobs in configs:
-        fn = lambda: tri.sparse_mla_decode(q, cache, idx, SM_SCALE, 512, None, **knobs)  # noqa: E731
+    for cname, config in configs:
+        fn = lambda: tri.sparse_mla_decode(q, cache, idx, SM_SCALE, 512, None, config)  # noqa: E731
         try:
-            extra = agreement(fn, out, lse) if knobs else info
+            extra = agreement(fn, out, lse) if config is not None else info
             us = timed(fn, DEV, graph)
-            extra = dict(extra, res=resources(lambda: decode_launch(q, cache, idx, knobs)))
+            extra = dict(extra, res=resources(lambda: decode_launch(q, cache, idx, config)))
         except Exception as e:  # noqa: BLE001 - a configuration that does not compile is reported, not fatal
             print(f"  {cname:12s} failed: {e!r:.200}")
             rows.append(dict(case=name, config=cname, error=repr(e)[:120]))
@@ -184,15 +185,15 @@ def run_prefill(T, N, h_q, configs, peer_ok, graph, rows):
         except Exception as e:  # noqa: BLE001
             info["peer_error"] = repr(e)[:160]
     print(f"{name}: " + ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in info.items()))
-    for cname, knobs in configs:
+    for cname, config in configs:
         ii = idx
         if cname.endswith("hot64"):  # every step gathers the same 64 rows: what the math alone costs
             ii = (torch.arange(TOPK, device=dev, dtype=torch.int32) % min(64, N)).expand_as(idx).contiguous()
-        fn = lambda: tri.sparse_mla_prefill(q, kv, ii, SM_SCALE, 512, **knobs)  # noqa: E731
+        fn = lambda: tri.sparse_mla_prefill(q, kv, ii, SM_SCALE, 512, config)  # noqa: E731
         try:
-            extra = {} if ii is not idx else agreement(fn, out, lse) if knobs else info
+            extra = {} if ii is not idx else agreement(fn, out, lse) if config is not None else info
             us = timed(fn, DEV, graph)
-            extra = dict(extra, res=resources(lambda: prefill_launch(q, kv, ii, knobs)))
+            extra = dict(extra, res=resources(lambda: prefill_launch(q, kv, ii, config)))
         except Exception as e:  # noqa: BLE001
             print(f"  {cname:12s} failed: {e!r:.200}")
             rows.append(dict(case=name, config=cname, error=repr(e)[:120]))
@@ -211,20 +212,20 @@ def agreement(fn, out, lse) -> dict:
                 vs_default_ok=same_inf and cd < 1e-5 and lse_err < 1e-3 and not torch.isnan(o).any().item())
 
 
-def decode_launch(q, cache, idx, knobs):
+def decode_launch(q, cache, idx, config):
     """One launch of the configuration through the launcher, returning the compiled main kernel."""
     B, s_q, h_q, _ = q.shape
     q3, i2 = q.reshape(B * s_q, h_q, 576), idx.reshape(B * s_q, idx.shape[-1])
-    cfg = dict(tri.default_config(h_q, "fp8", B * s_q, i2.shape[1], q.device), **knobs)
+    cfg = tri.launch_config(h_q, "fp8", B * s_q, i2.shape[1], q.device, config)
     out = torch.empty(B * s_q, h_q, 512, dtype=torch.bfloat16, device=q.device)
     lse = torch.empty(B * s_q, h_q, dtype=torch.float32, device=q.device)
     return tri._launch(cfg, q3, cache, cache.stride(0), cache.stride(1), cache.shape[0] * PAGE_SIZE, "fp8", i2,
                        SM_SCALE, 512, None, out, lse)
 
 
-def prefill_launch(q, kv, idx, knobs):
+def prefill_launch(q, kv, idx, config):
     T, h_q, _ = q.shape
-    cfg = dict(tri.default_config(h_q, "bf16", T, idx.shape[1], q.device), **knobs)
+    cfg = tri.launch_config(h_q, "bf16", T, idx.shape[1], q.device, config, split=False)
     out = torch.empty(T, h_q, 512, dtype=torch.bfloat16, device=q.device)
     lse = torch.empty(T, h_q, dtype=torch.float32, device=q.device)
     return tri._launch(cfg, q, kv, PAGE_SIZE * kv.stride(0), kv.stride(0), kv.shape[0], "bf16", idx, SM_SCALE, 512,

@@ -2,6 +2,7 @@
 global load / store widths (what the H200 would run, up to Triton version differences).
 
     python benchmarks/sass_report.py topk [--sass FILE]
+    python benchmarks/sass_report.py kernels [--sass FILE]   # indexer, sparse MLA, indexer_quant
 
 Uses the ptxas / nvdisasm that ship inside Triton, so no CUDA toolkit or GPU is needed. Each case
 below builds the launch the library would make (same constexprs, num_warps, register cap) for one
@@ -135,11 +136,112 @@ def topk_cases():
     return cases
 
 
+# ---- the default launches of the indexer, sparse MLA and indexer_quant kernels ------------------------------
+
+class _CompileForSm90:
+    """Inside ``with _CompileForSm90() as kernels:`` a ``kernel[grid](...)`` launch compiles for sm_90 instead of
+    running: Triton's own binder specialises the arguments (constexprs, 16-divisibility, launch options) as the
+    GPU launcher would, and the compiled kernel is appended to ``kernels``. ``num_sms`` reads 132 (an H200) in
+    every launcher module, so the launch shapes are the H200's."""
+
+    def __enter__(self) -> list:
+        from triton.compiler import make_backend
+        from triton.runtime.jit import JITFunction, create_function_from_signature
+        kernels = []
+        target = GPUTarget("cuda", 90, 32)
+
+        def run(fn, *args, grid, warmup, **kw):
+            kw.update(debug=False, instrumentation_mode="", fpsan_homomorphic_casts=False)
+            backend = make_backend(target)
+            bound, spec, options = create_function_from_signature(fn.signature, fn.params, backend)(*args, **kw)
+            options, signature, constexprs, attrs = fn._pack_args(backend, kw, bound, spec, options)
+            k = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+            kernels.append((fn.fn.__name__, k))
+            return k
+
+        self.saved = [(JITFunction, "run", JITFunction.run)]
+        JITFunction.run = run
+        for name, mod in list(sys.modules.items()):
+            if name.startswith("flashdsa.ops.") and hasattr(mod, "num_sms"):
+                self.saved.append((mod, "num_sms", mod.num_sms))
+                mod.num_sms = lambda device: 132
+        return kernels
+
+    def __exit__(self, *exc) -> None:
+        for obj, name, value in reversed(self.saved):
+            setattr(obj, name, value)
+
+
+def kernel_cases() -> list[tuple[str, object]]:
+    """(name, launch) of each default launch at a production shape; the launch calls the library's launcher
+    on CPU tensors (the contents do not matter, only shapes, strides and dtypes)."""
+    from flashdsa.cache.layouts import INDEX_PAGE_BYTES
+    from flashdsa.ops.indexer import paged as indexer_paged
+    from flashdsa.ops.indexer import ragged as indexer_ragged
+    from flashdsa.ops.indexer_quant import triton as quant
+    from flashdsa.ops.sparse_mla import triton as sparse
+    from flashdsa.quant import FP8, rope_cos_sin
+
+    def paged(n: int, tma: bool):
+        B, H, max_len, maxp = 64, 64, 42600, 666
+        q = torch.zeros(B, n, H, 128, dtype=FP8)
+        cache = torch.zeros(B * maxp, INDEX_PAGE_BYTES, dtype=torch.uint8)
+        w = torch.zeros(B * n, H)
+        ctx = torch.zeros(B, n, dtype=torch.int32)
+        bt = torch.zeros(B, maxp, dtype=torch.int32)
+        # the interpreter-free CPU launch takes the pointer kernel; tma=True takes the sm_90 default's path
+        cfg = indexer_paged.PagedConfig(tma=True) if tma else None
+        return lambda: indexer_paged.indexer_logits_paged(q, cache, w, ctx, bt, max_len, config=cfg)
+
+    def ragged():
+        T, N, H = 4096, 16384, 64
+        q, k = torch.zeros(T, H, 128, dtype=FP8), torch.zeros(N, 128, dtype=FP8)
+        ks = torch.zeros(T, dtype=torch.int32)
+        ke = (torch.arange(T) + N - T + 1).to(torch.int32)
+        return lambda: indexer_ragged.indexer_logits_ragged(q, k, torch.zeros(N), torch.zeros(T, H), ks, ke)
+
+    def decode(fmt: str, h_q: int):
+        B, pages, topk = 64, 512, 2048
+        q = torch.zeros(B, 1, h_q, 576, dtype=torch.bfloat16)
+        cache = (torch.zeros(pages, 64, 656, dtype=torch.uint8) if fmt == "fp8"
+                 else torch.zeros(pages, 64, 576, dtype=torch.bfloat16))
+        idx = torch.zeros(B, 1, topk, dtype=torch.int32)
+        return lambda: sparse.sparse_mla_decode(q, cache, idx, 576 ** -0.5, 512, None)
+
+    def prefill(h_q: int):
+        T, N, topk = 4096, 8192, 2048
+        q = torch.zeros(T, h_q, 576, dtype=torch.bfloat16)
+        kv = torch.zeros(N, 576, dtype=torch.bfloat16)
+        idx = torch.zeros(T, topk, dtype=torch.int32)
+        return lambda: sparse.sparse_mla_prefill(q, kv, idx, 576 ** -0.5, 512)
+
+    def rope_quant(heads: int | None):
+        T = 4096
+        x = torch.zeros((T, 128) if heads is None else (T, heads, 128), dtype=torch.bfloat16)
+        cos, sin = rope_cos_sin(torch.arange(T))
+        return lambda: quant.indexer_quant(x, cos, sin, False)
+
+    return [("indexer-paged-ptr-n1", paged(1, False)), ("indexer-paged-ptr-n2", paged(2, False)),
+            ("indexer-paged-tma-n1", paged(1, True)), ("indexer-paged-tma-n2", paged(2, True)),
+            ("indexer-ragged-H64", ragged()),
+            ("sparse-decode-fp8-h128", decode("fp8", 128)), ("sparse-decode-fp8-h16", decode("fp8", 16)),
+            ("sparse-decode-bf16-h128", decode("bf16", 128)), ("sparse-decode-bf16-h16", decode("bf16", 16)),
+            ("sparse-prefill-h128", prefill(128)),
+            ("indexer-quant-q-H64", rope_quant(64)), ("indexer-quant-k", rope_quant(None))]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("op", choices=["topk"])
+    ap.add_argument("op", choices=["topk", "kernels"])
     ap.add_argument("--sass", help="write the SASS of each case to FILE.<i>")
     a = ap.parse_args()
+    if a.op == "kernels":
+        for case, launch in kernel_cases():
+            with _CompileForSm90() as kernels:
+                launch()
+            for kname, k in kernels:
+                print(report(f"{case} {kname}", k, f"{a.sass}.{case}.{kname}" if a.sass else None), flush=True)
+        return
     for i, (name, kern, args, consts, nw, mr) in enumerate(topk_cases()):
         k = compile_sm90(kern, args, consts, nw, mr)
         print(report(name, k, f"{a.sass}.{i}" if a.sass else None))

@@ -686,7 +686,10 @@ def _use_interpreter() -> None:
     """Triton's interpreter for CPU tensors; it must be on before our kernels are defined (first import)."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         return
-    if any(m.startswith("flashdsa.ops.") and m.endswith(".triton") for m in sys.modules):
+    # a kernel module imported without the interpreter holds JITFunctions (interpreted ones are another class)
+    jit = sys.modules.get("triton.runtime.jit")
+    kernel_modules = [mod for name, mod in list(sys.modules.items()) if name.startswith("flashdsa.ops.")]
+    if jit and any(isinstance(v, jit.JITFunction) for mod in kernel_modules for v in vars(mod).values()):
         raise ValueError("cpu-check: Triton kernels were already compiled for the GPU in this process; "
                          "run it in a fresh one (or set TRITON_INTERPRET=1)")
     os.environ["TRITON_INTERPRET"] = "1"

@@ -75,10 +75,10 @@ def make_rope(T: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def run_triton(x, cos, sin, interleave, **kw):
-    """The launcher, writing into poisoned outputs (e4m3 NaN bytes, fp32 NaN)."""
+    """The launcher with ``IndexerQuantConfig(**kw)``, writing into poisoned outputs (e4m3 NaN bytes, fp32 NaN)."""
     q = torch.full(x.shape, FP8_NAN, dtype=torch.uint8, device=x.device).view(FP8)
     s = torch.full(x.shape[:-1], float("nan"), dtype=torch.float32, device=x.device)
-    out = K.indexer_quant(x, cos, sin, interleave, out=(q, s), **kw)
+    out = K.indexer_quant(x, cos, sin, interleave, out=(q, s), config=K.IndexerQuantConfig(**kw))
     assert out[0] is q and out[1] is s
     return q, s
 
@@ -148,6 +148,12 @@ def test_strided_inputs():
     # several middle dims [T, 2, 3, 128], one program per few rows
     x4 = make_x((T, 2, 3, 128), torch.float32, g)
     assert_same_bits(run_triton(x4, *table, True, block_r=4), reference.indexer_quant(x4, *table, True))
+
+
+def test_bad_config_is_rejected():
+    for bad in (dict(block_r=12), dict(block_r=0), dict(num_warps=3)):
+        with pytest.raises(ValueError, match=f"config: expected {next(iter(bad))}"):
+            K.IndexerQuantConfig(**bad)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -13,6 +13,8 @@ is checked against the unbudgeted composition with budgets that force many chunk
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -22,7 +24,8 @@ from flashdsa.ops import indexer as indexer_mod
 from flashdsa.ops._common import pick_backend
 from flashdsa.ops.indexer import (indexer_logits_paged, indexer_logits_ragged, indexer_topk_ragged,
                                   _row_chunks)
-from flashdsa.ops.indexer import triton as K
+from flashdsa.ops.indexer import paged as KP
+from flashdsa.ops.indexer import ragged as KR
 from flashdsa.ops.topk import topk_transform
 from flashdsa.quant import FP8, act_quant
 from flashdsa.testing.compare import assert_close, cos_diff, masked_cos_diff
@@ -79,29 +82,29 @@ def _verify_lens(seq_lens: list[int], n: int) -> torch.Tensor:
 PAGED_CASES = [
     # (seq_lens, n, H, context_lens override, extra width, config)
     pytest.param([0, 1, 63, 64, 65, 130], 1, 4, None, 37, None, id="B6-n1-H4-lens0..130"),
-    pytest.param([2, 63, 64, 65, 132], 2, 8, None, 0, K.PagedConfig(block_n=64, chunk=64),
+    pytest.param([2, 63, 64, 65, 132], 2, 8, None, 0, KP.PagedConfig(block_n=64, chunk=64),
                  id="B5-n2-H8-one-page-per-program"),
-    pytest.param([3, 129, 200], 3, 64, None, 5, K.PagedConfig(block_n=64, chunk=128), id="B3-n3-H64-two-steps"),
+    pytest.param([3, 129, 200], 3, 64, None, 5, KP.PagedConfig(block_n=64, chunk=128), id="B3-n3-H64-two-steps"),
     pytest.param([64, 129, 300], 3, 64, None, 0, None, id="B3-n3-H64-default-three-dots-chain"),
     pytest.param([130, 67], 4, 32, None, 64, None, id="B2-n4-H32"),
     pytest.param([300, 67, 0], 2, 64, None, 3, None, id="B3-n2-H64-default-two-page-steps"),
-    pytest.param([70, 200, 5], 3, 64, None, 2, K.PagedConfig(rows=1, chunk=256, programs_per_sm=4),
+    pytest.param([70, 200, 5], 3, 64, None, 2, KP.PagedConfig(rows=1, chunk=256, programs_per_sm=4),
                  id="B3-n3-H64-one-row-per-group-two-page-steps"),
     pytest.param([130, 67], 5, 64, None, 1, None, id="B2-n5-H64-two-row-groups"),
-    pytest.param([70, 5], 3, 1, None, 0, K.PagedConfig(rows=1), id="B2-n3-H1-one-row-per-group"),
+    pytest.param([70, 5], 3, 1, None, 0, KP.PagedConfig(rows=1), id="B2-n3-H1-one-row-per-group"),
     pytest.param([65, 130, 1], 4, 3, [[0, 65, 1, 64], [130, 63, 0, 129], [1, 0, 1, 0]], 0,
-                 K.PagedConfig(block_n=16, chunk=32, rows=2), id="B3-n4-H3-arbitrary-lens-subpage-steps"),
-    pytest.param([300], 1, 64, None, 0, K.PagedConfig(block_n=64, chunk=256), id="B1-n1-H64-ctx300-exact-width"),
+                 KP.PagedConfig(block_n=16, chunk=32, rows=2), id="B3-n4-H3-arbitrary-lens-subpage-steps"),
+    pytest.param([300], 1, 64, None, 0, KP.PagedConfig(block_n=64, chunk=256), id="B1-n1-H64-ctx300-exact-width"),
     pytest.param([0, 0], 2, 8, None, 70, None, id="B2-n2-H8-all-empty"),
     # G / GS dots a step sharing one key block, the head sum as an fma chain (64-head groups) or tl.sum
-    pytest.param([130, 67], 4, 64, None, 3, K.PagedConfig(sub_rows=2, chain=True),
+    pytest.param([130, 67], 4, 64, None, 3, KP.PagedConfig(sub_rows=2, chain=True),
                  id="B2-n4-H64-two-dots-chain"),
-    pytest.param([129, 64, 1], 4, 64, None, 0, K.PagedConfig(sub_rows=1, block_n=128, chunk=256, chain=False),
+    pytest.param([129, 64, 1], 4, 64, None, 0, KP.PagedConfig(sub_rows=1, block_n=128, chunk=256, chain=False),
                  id="B3-n4-H64-four-dots-tree-two-page-steps"),
-    pytest.param([300, 67, 0], 2, 64, None, 3, K.PagedConfig(sub_rows=2, chain=False),
+    pytest.param([300, 67, 0], 2, 64, None, 3, KP.PagedConfig(sub_rows=2, chain=False),
                  id="B3-n2-H64-one-dot-tree"),
-    pytest.param([100, 65], 3, 32, None, 7, K.PagedConfig(chain=True), id="B2-n3-H32-two-dots-no-chain-at-hp32"),
-    pytest.param([130, 3], 6, 64, None, 2, K.PagedConfig(sub_rows=1, chunk=128), id="B2-n6-H64-two-groups-four-dots"),
+    pytest.param([100, 65], 3, 32, None, 7, KP.PagedConfig(chain=True), id="B2-n3-H32-two-dots-no-chain-at-hp32"),
+    pytest.param([130, 3], 6, 64, None, 2, KP.PagedConfig(sub_rows=1, chunk=128), id="B2-n6-H64-two-groups-four-dots"),
 ]
 
 
@@ -128,12 +131,11 @@ def _with_upcast(cases, upcast_ids):
                                                        "B2-n4-H64-two-dots-chain"}))
 def test_paged_matches_reference(seq_lens, n, H, lens, extra, cfg, fp8_dot):
     q, cache, w, ctx, bt, width = _paged_inputs(seq_lens, n, H, lens, extra, seed=len(seq_lens) * 100 + n * 10 + H)
-    out = K.indexer_logits_paged(q, cache, w, ctx, bt, width, config=cfg, fp8_dot=fp8_dot,
-                                 out=poison((q.shape[0] * n, width)))
+    cfg = replace(cfg or KP.PagedConfig(), fp8_dot=fp8_dot)
+    out = KP.indexer_logits_paged(q, cache, w, ctx, bt, width, config=cfg, out=poison((q.shape[0] * n, width)))
     ref = indexer_logits_paged(q, cache, w, ctx, bt, width, backend="torch")
     _check(out, ref)
-    again = K.indexer_logits_paged(q, cache, w, ctx, bt, width, config=cfg, fp8_dot=fp8_dot,
-                                   out=poison((q.shape[0] * n, width)))
+    again = KP.indexer_logits_paged(q, cache, w, ctx, bt, width, config=cfg, out=poison((q.shape[0] * n, width)))
     assert torch.equal(_bits(out), _bits(again))
 
 
@@ -141,31 +143,31 @@ def test_paged_matches_reference(seq_lens, n, H, lens, extra, cfg, fp8_dot):
 # past each length included) through PagedConfig(tma=True); the interpreter stores with tl.store, the
 # compiled kernel from registers (test_kernels_compile_for_hopper_and_ampere, the GPU tests).
 PAGED_TMA_CASES = [
-    pytest.param([0, 1, 63, 64, 65, 130], 1, 4, None, 37, K.PagedConfig(tma=True), id="B6-n1-H4-lens0..130"),
-    pytest.param([300, 67, 0], 2, 64, None, 3, K.PagedConfig(tma=True, chunk=128), id="B3-n2-H64-two-dots"),
-    pytest.param([64, 129, 300], 3, 64, None, 5, K.PagedConfig(tma=True), id="B3-n3-H64-padded-dot-compiled-out"),
-    pytest.param([130, 67], 4, 64, None, 64, K.PagedConfig(tma=True, chunk=128), id="B2-n4-H64-one-256-column-dot"),
-    pytest.param([130, 3], 5, 64, None, 2, K.PagedConfig(tma=True), id="B2-n5-H64-two-row-groups"),
-    pytest.param([129, 64, 1], 4, 64, None, 0, K.PagedConfig(tma=True, block_n=128, chunk=256, sub_rows=1),
+    pytest.param([0, 1, 63, 64, 65, 130], 1, 4, None, 37, KP.PagedConfig(tma=True), id="B6-n1-H4-lens0..130"),
+    pytest.param([300, 67, 0], 2, 64, None, 3, KP.PagedConfig(tma=True, chunk=128), id="B3-n2-H64-two-dots"),
+    pytest.param([64, 129, 300], 3, 64, None, 5, KP.PagedConfig(tma=True), id="B3-n3-H64-padded-dot-compiled-out"),
+    pytest.param([130, 67], 4, 64, None, 64, KP.PagedConfig(tma=True, chunk=128), id="B2-n4-H64-one-256-column-dot"),
+    pytest.param([130, 3], 5, 64, None, 2, KP.PagedConfig(tma=True), id="B2-n5-H64-two-row-groups"),
+    pytest.param([129, 64, 1], 4, 64, None, 0, KP.PagedConfig(tma=True, block_n=128, chunk=256, sub_rows=1),
                  id="B3-n4-H64-two-pages-a-step-four-dots"),
     pytest.param([65, 130, 1], 4, 3, [[0, 65, 1, 64], [130, 63, 0, 129], [1, 0, 1, 0]], 0,
-                 K.PagedConfig(tma=True, chunk=64, rows=2), id="B3-n4-H3-arbitrary-lens-one-page-per-program"),
-    pytest.param([100, 65], 2, 128, None, 7, K.PagedConfig(tma=True), id="B2-n2-H128-one-256-column-dot"),
-    pytest.param([200, 70], 3, 32, None, 1, K.PagedConfig(tma=True, chunk=128, chain=True),
+                 KP.PagedConfig(tma=True, chunk=64, rows=2), id="B3-n4-H3-arbitrary-lens-one-page-per-program"),
+    pytest.param([100, 65], 2, 128, None, 7, KP.PagedConfig(tma=True), id="B2-n2-H128-one-256-column-dot"),
+    pytest.param([200, 70], 3, 32, None, 1, KP.PagedConfig(tma=True, chunk=128, chain=True),
                  id="B2-n3-H32-two-dots-no-chain-at-hp32"),
-    pytest.param([0, 0], 2, 8, None, 70, K.PagedConfig(tma=True), id="B2-n2-H8-all-empty"),
+    pytest.param([0, 0], 2, 8, None, 70, KP.PagedConfig(tma=True), id="B2-n2-H8-all-empty"),
 ]
 
 
 @pytest.mark.parametrize("seq_lens,n,H,lens,extra,cfg", PAGED_TMA_CASES)
 def test_paged_tma_matches_reference(seq_lens, n, H, lens, extra, cfg, monkeypatch):
     # the pointer kernel must not run: a silent fallback would leave the TMA kernel untested
-    monkeypatch.setattr(K, "indexer_logits_paged_kernel", None)
+    monkeypatch.setattr(KP, "indexer_logits_paged_kernel", None)
     q, cache, w, ctx, bt, width = _paged_inputs(seq_lens, n, H, lens, extra, seed=len(seq_lens) * 100 + n * 10 + H + 1)
-    out = K.indexer_logits_paged(q, cache, w, ctx, bt, width, config=cfg, out=poison((q.shape[0] * n, width)))
+    out = KP.indexer_logits_paged(q, cache, w, ctx, bt, width, config=cfg, out=poison((q.shape[0] * n, width)))
     ref = indexer_logits_paged(q, cache, w, ctx, bt, width, backend="torch")
     _check(out, ref)
-    again = K.indexer_logits_paged(q, cache, w, ctx, bt, width, config=cfg, out=poison((q.shape[0] * n, width)))
+    again = KP.indexer_logits_paged(q, cache, w, ctx, bt, width, config=cfg, out=poison((q.shape[0] * n, width)))
     assert torch.equal(_bits(out), _bits(again))
 
 
@@ -173,21 +175,21 @@ def test_paged_tma_dispatch():
     """The interpreter runs the pointer kernel unless asked for the TMA one; a TMA request it cannot honour
     (sub-page steps, the fp16-upcast path) is an error, not a silent fallback."""
     q, cache, w, ctx, bt, width = _paged_inputs([70, 5], 2, 8, None, 0, seed=3)
-    assert not K._use_tma(K.PagedConfig(), cache, True)
-    assert K._use_tma(K.PagedConfig(tma=True), cache, True)
-    assert not K._use_tma(K.PagedConfig(tma=True), cache[:0], True)  # no pages: no descriptor
-    for cfg, fp8_dot in [(K.PagedConfig(tma=True, block_n=32), True), (K.PagedConfig(tma=True), False)]:
+    assert not KP._use_tma(KP.PagedConfig(), cache, True)
+    assert KP._use_tma(KP.PagedConfig(tma=True), cache, True)
+    assert not KP._use_tma(KP.PagedConfig(tma=True), cache[:0], True)  # no pages: no descriptor
+    for cfg, fp8_dot in [(KP.PagedConfig(tma=True, block_n=32), True), (KP.PagedConfig(tma=True), False)]:
         with pytest.raises(ValueError, match="tma"):
-            K.indexer_logits_paged(q, cache, w, ctx, bt, width, config=cfg, fp8_dot=fp8_dot)
-    want = K.indexer_logits_paged(q, cache, w, ctx, bt, width)
-    got = K.indexer_logits_paged(q, cache, w, ctx, bt, width, config=K.PagedConfig(tma=True))
+            KP.indexer_logits_paged(q, cache, w, ctx, bt, width, config=replace(cfg, fp8_dot=fp8_dot))
+    want = KP.indexer_logits_paged(q, cache, w, ctx, bt, width)
+    got = KP.indexer_logits_paged(q, cache, w, ctx, bt, width, config=KP.PagedConfig(tma=True))
     assert torch.equal(torch.isneginf(got), torch.isneginf(want)) and cos_diff(got, want) < 1e-12
 
 
 def test_paged_public_op_dispatches_to_triton():
     q, cache, w, ctx, bt, width = _paged_inputs([65, 130], 2, 8, None, 3, seed=5)
     out = indexer_logits_paged(q, cache, w, ctx, bt, width, backend="triton")
-    assert torch.equal(_bits(out), _bits(K.indexer_logits_paged(q, cache, w, ctx, bt, width)))
+    assert torch.equal(_bits(out), _bits(KP.indexer_logits_paged(q, cache, w, ctx, bt, width)))
     _check(out, indexer_logits_paged(q, cache, w, ctx, bt, width, backend="torch"))
     # the verify rows' causal lengths: draft j never sees position seq_len - n + j + 1
     for b in range(2):
@@ -209,23 +211,23 @@ def test_paged_config_covers_long_contexts():
     for B, n, L in [(64, 1, 42600), (128, 1, 85000), (1, 4, 300000), (64, 4, 42600), (64, 2, 2_000_000),
                     (64, 3, 42600), (1, 2, 100)]:
         for H in (64, 32, 128, 3):
-            G, GS, HP, bn, chunk, chain, warps = K.paged_config(B, n, H, L, dev)
-            padded = G * HP == K.MAX_DOT_N and n < G  # n = 3 at H 64: three 64-column dots, two pages a step
-            assert G * HP <= K.MAX_DOT_N and chunk % bn == 0 and 2 * bn <= chunk <= 64 * bn
+            G, GS, HP, bn, chunk, chain, warps = KP.paged_config(B, n, H, L, dev)
+            padded = G * HP == KP.MAX_DOT_N and n < G  # n = 3 at H 64: three 64-column dots, two pages a step
+            assert G * HP <= KP.MAX_DOT_N and chunk % bn == 0 and 2 * bn <= chunk <= 64 * bn
             assert bn == (128 if G * HP <= 128 or padded else 64) and warps == 4
             assert G % GS == 0 and G // GS in (1, 2, 4) and (GS * HP == 64 if padded else True)
             assert chain == (HP == 64 and padded)  # measured on only there
             assert -(-L // chunk) <= 65535  # grid dim 2
-            t = K.paged_config(B, n, H, L, dev, tma=True)
+            t = KP.paged_config(B, n, H, L, dev, tma=True)
             assert t.G == G and t.block_n == 64 and t.chunk % 64 == 0 and 512 <= t.chunk <= 64 * 64
             assert t.G % t.GS == 0 and t.G // t.GS in (1, 2, 4) and not t.chain
-            assert t.GS == (G if G * HP == K.MAX_DOT_N and not padded else max(1, min(G, 64 // HP)))
-            assert t.num_warps == (8 if t.GS * HP == K.MAX_DOT_N else 4)
+            assert t.GS == (G if G * HP == KP.MAX_DOT_N and not padded else max(1, min(G, 64 // HP)))
+            assert t.num_warps == (8 if t.GS * HP == KP.MAX_DOT_N else 4)
             assert -(-L // t.chunk) <= 65535
     with pytest.raises(ValueError, match="sub_rows"):
-        K.paged_config(2, 4, 64, 100, dev, K.PagedConfig(sub_rows=3))
+        KP.paged_config(2, 4, 64, 100, dev, KP.PagedConfig(sub_rows=3))
     with pytest.raises(ValueError, match="block_n"):
-        K.paged_config(2, 4, 64, 100, dev, K.PagedConfig(block_n=32), tma=True)
+        KP.paged_config(2, 4, 64, 100, dev, KP.PagedConfig(block_n=32), tma=True)
 
 
 # ---- ragged -------------------------------------------------------------------------------------------
@@ -247,8 +249,9 @@ RAGGED_CASES = [
     pytest.param(70, 64, 200, 128, "prefill", None, id="T70-H64-N200-prefill"),
     pytest.param(33, 8, 130, 64, "random", None, id="T33-H8-N130-D64"),
     pytest.param(9, 3, 257, 96, "random", None, id="T9-H3-N257-D96"),
-    pytest.param(65, 16, 64, 128, "random", K.RaggedConfig(block_n=16, rows=2, chunk=32), id="T65-H16-N64-small-tiles"),
-    pytest.param(40, 32, 190, 128, "prefill", K.RaggedConfig(block_n=32, chunk=64), id="T40-H32-N190-prefill-chunks"),
+    pytest.param(65, 16, 64, 128, "random", KR.RaggedConfig(block_n=16, rows=2, chunk=32),
+                 id="T65-H16-N64-small-tiles"),
+    pytest.param(40, 32, 190, 128, "prefill", KR.RaggedConfig(block_n=32, chunk=64), id="T40-H32-N190-prefill-chunks"),
     pytest.param(5, 2, 1, 128, "random", None, id="T5-H2-N1"),
     pytest.param(4, 4, 0, 128, "random", None, id="T4-H4-N0"),
     pytest.param(0, 4, 10, 128, "random", None, id="T0-H4-N10"),
@@ -275,17 +278,18 @@ def _ragged_inputs(T, H, N, D, layout, seed, device="cpu"):
 def test_ragged_matches_reference(T, H, N, D, layout, cfg, fp8_dot):
     q, k, k_scale, w, ks, ke = _ragged_inputs(T, H, N, D, layout, seed=T * 1000 + H * 10 + N)
     shape = (T, k.shape[0])
-    out = K.indexer_logits_ragged(q, k, k_scale, w, ks, ke, config=cfg, fp8_dot=fp8_dot, out=poison(shape))
+    cfg = replace(cfg or KR.RaggedConfig(), fp8_dot=fp8_dot)
+    out = KR.indexer_logits_ragged(q, k, k_scale, w, ks, ke, config=cfg, out=poison(shape))
     ref = indexer_logits_ragged(q, k, k_scale, w, ks, ke, backend="torch")
     _check(out, ref)
-    again = K.indexer_logits_ragged(q, k, k_scale, w, ks, ke, config=cfg, fp8_dot=fp8_dot, out=poison(shape))
+    again = KR.indexer_logits_ragged(q, k, k_scale, w, ks, ke, config=cfg, out=poison(shape))
     assert torch.equal(_bits(out), _bits(again))
 
 
 def test_ragged_public_op_dispatches_to_triton():
     q, k, k_scale, w, ks, ke = _ragged_inputs(20, 8, 90, 128, "prefill", seed=3)
     out = indexer_logits_ragged(q, k, k_scale, w, ks, ke, backend="triton")
-    assert torch.equal(_bits(out), _bits(K.indexer_logits_ragged(q, k, k_scale, w, ks, ke)))
+    assert torch.equal(_bits(out), _bits(KR.indexer_logits_ragged(q, k, k_scale, w, ks, ke)))
     _check(out, indexer_logits_ragged(q, k, k_scale, w, ks, ke, backend="torch"))
 
 
@@ -297,7 +301,7 @@ def test_ragged_strided_inputs():
     w_big = torch.randn(12, 7)
     w_big[:, 2:6] = w
     out = indexer_logits_ragged(q_big[:, 1:5], k, k_scale, w_big[:, 2:6], ks, ke, backend="triton")
-    assert torch.equal(_bits(out), _bits(K.indexer_logits_ragged(q, k, k_scale, w, ks, ke)))
+    assert torch.equal(_bits(out), _bits(KR.indexer_logits_ragged(q, k, k_scale, w, ks, ke)))
 
 
 def test_triton_is_registered_and_default_on_cuda():
@@ -310,9 +314,9 @@ def test_triton_is_registered_and_default_on_cuda():
 def test_out_buffer_is_checked():
     q, k, k_scale, w, ks, ke = _ragged_inputs(4, 2, 8, 128, "random", seed=2)
     with pytest.raises(ValueError, match="out"):
-        K.indexer_logits_ragged(q, k, k_scale, w, ks, ke, out=torch.empty(4, 9))
+        KR.indexer_logits_ragged(q, k, k_scale, w, ks, ke, out=torch.empty(4, 9))
     with pytest.raises(ValueError, match="out"):
-        K.indexer_logits_ragged(q, k, k_scale, w, ks, ke, out=torch.empty(8, 4).t())
+        KR.indexer_logits_ragged(q, k, k_scale, w, ks, ke, out=torch.empty(8, 4).t())
 
 
 # ---- budgeted ragged top-k ----------------------------------------------------------------------------
@@ -455,14 +459,14 @@ def test_paged_gpu_both_kernels_junk_pages(n, H, cfg, tma):
     scales) past every length and junk page ids past each request's pages, chunks of many steps."""
     seq_lens = [3000, 1, 64, 65, 700, 0, 2049]
     q, cache, w, ctx, bt, width = _paged_inputs(seq_lens, n, H, None, 77, seed=n * 7 + H, device="cuda")
-    config = K.PagedConfig(tma=tma, **(cfg or {}))
-    out = K.indexer_logits_paged(q, cache, w, ctx, bt, width, config=config,
+    config = KP.PagedConfig(tma=tma, **(cfg or {}))
+    out = KP.indexer_logits_paged(q, cache, w, ctx, bt, width, config=config,
                                  out=poison((q.shape[0] * n, width), device="cuda"))
     ref = indexer_logits_paged(*(t.cpu() for t in (q, cache, w, ctx, bt)), width, backend="torch")
     # Hopper's fp8 wgmma accumulates in less than fp32 (bench_indexer: max error ~2e-4 of the largest
     # logit), so the interpreter's 1e-5 bound does not apply: exact inf / NaN pattern, 1e-3, cosine 1e-6
     _check(out.cpu(), ref, rel=1e-3, max_cos_diff=1e-6)
-    again = K.indexer_logits_paged(q, cache, w, ctx, bt, width, config=config)
+    again = KP.indexer_logits_paged(q, cache, w, ctx, bt, width, config=config)
     assert torch.equal(_bits(out), _bits(again))
 
 
@@ -496,11 +500,12 @@ def test_ragged_gpu_causal(fp8_dot):
     w = torch.randn(T, H, device=dev, generator=gen)
     ks = torch.zeros(T, dtype=torch.int32, device=dev)
     ke = (torch.arange(T, device=dev) + N - T + 1).to(torch.int32)
-    out = K.indexer_logits_ragged(q, k_fp8, k_s, w, ks, ke, fp8_dot=fp8_dot)
+    cfg = KR.RaggedConfig(fp8_dot=fp8_dot)
+    out = KR.indexer_logits_ragged(q, k_fp8, k_s, w, ks, ke, config=cfg)
     ref = indexer_logits_ragged(q, k_fp8, k_s, w, ks, ke, backend="torch")
     assert torch.equal(torch.isneginf(out), torch.isneginf(ref)) and not torch.isnan(out).any()
     assert cos_diff(out, ref) < 1e-6
-    assert torch.equal(_bits(out), _bits(K.indexer_logits_ragged(q, k_fp8, k_s, w, ks, ke, fp8_dot=fp8_dot)))
+    assert torch.equal(_bits(out), _bits(KR.indexer_logits_ragged(q, k_fp8, k_s, w, ks, ke, config=cfg)))
 
 
 @pytest.mark.gpu
@@ -525,12 +530,13 @@ import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from flashdsa.ops.indexer import triton as K
+from flashdsa.ops.indexer import paged as KP
+from flashdsa.ops.indexer import ragged as KR
 from flashdsa.ops._triton_utils import next_pow2
 
 def paged(n, H, cap, fp8):
-    cfg = K.PagedConfig()
-    G, GS, HP, bn, _, chain, warps = K.paged_config(64, n, H, 32768, torch.device("cpu"), cfg)
+    cfg = KP.PagedConfig()
+    G, GS, HP, bn, _, chain, warps = KP.paged_config(64, n, H, 32768, torch.device("cpu"), cfg)
     q = "*fp8e4nv" if fp8 else "*u8"
     sig = dict(q=q, keys=q, scales="*fp32", w="*fp32", context_lens="*i32", block_table="*i32", out="*fp32",
                max_len="i32", stride_qb="i32", stride_qn="i32", stride_qh="i32", stride_w="i32", stride_bt="i32",
@@ -540,12 +546,12 @@ def paged(n, H, cap, fp8):
     sig.update(dict.fromkeys(const, "constexpr"))
     # what the JIT specialises at launch: 16-byte aligned pointers and strides that are multiples of 16
     attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 5, 6, 8, 9, 10, 11)}
-    triton.compile(ASTSource(K.indexer_logits_paged_kernel, sig, const, attrs), target=GPUTarget("cuda", cap, 32),
+    triton.compile(ASTSource(KP.indexer_logits_paged_kernel, sig, const, attrs), target=GPUTarget("cuda", cap, 32),
                    options=dict(num_warps=warps, num_stages=cfg.num_stages))
 
 def paged_tma(n, H):
-    cfg = K.PagedConfig()
-    G, GS, HP, bn, _, chain, warps = K.paged_config(64, n, H, 32768, torch.device("cpu"), cfg, tma=True)
+    cfg = KP.PagedConfig()
+    G, GS, HP, bn, _, chain, warps = KP.paged_config(64, n, H, 32768, torch.device("cpu"), cfg, tma=True)
     sig = dict(q="*fp8e4nv", key_desc="tensordesc<fp8e4nv[64, 128]>", scales="*fp32", w="*fp32",
                context_lens="*i32", block_table="*i32", out="*fp32", max_len="i32", stride_qb="i32",
                stride_qn="i32", stride_qh="i32", stride_w="i32", stride_bt="i32", stride_o="i32")
@@ -553,20 +559,20 @@ def paged_tma(n, H):
                  PAGE_WORDS=2112, KEY_WORDS=2048, CHAIN=chain, NUM_STAGES=cfg.num_stages, ASM_STORE=cfg.asm_store)
     sig.update(dict.fromkeys(const, "constexpr"))
     attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 2, 3, 4, 5, 6, 8, 9, 10, 11)}
-    triton.compile(ASTSource(K.indexer_logits_paged_tma_kernel, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
+    triton.compile(ASTSource(KP.indexer_logits_paged_tma_kernel, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
                    options=dict(num_warps=warps, num_stages=cfg.num_stages))
 
 def ragged(H, cap, fp8):
-    cfg = K.RaggedConfig()
+    cfg = KR.RaggedConfig()
     HP = max(16, next_pow2(H))
     q = "*fp8e4nv" if fp8 else "*u8"
     sig = dict(q=q, k=q, k_scale="*fp32", w="*fp32", ks="*i32", ke="*i32", out="*fp32", T="i32", N="i32",
                stride_qt="i32", stride_qh="i32", stride_k="i32", stride_w="i32", stride_o="i32")
-    const = dict(H=H, HP=HP, D=128, DP=128, G=max(1, K.MAX_DOT_N // HP), BLOCK_N=cfg.block_n,
+    const = dict(H=H, HP=HP, D=128, DP=128, G=max(1, KR.MAX_DOT_N // HP), BLOCK_N=cfg.block_n,
                  CHUNK=64 * cfg.block_n, FP8_DOT=fp8, NUM_STAGES=cfg.num_stages)
     sig.update(dict.fromkeys(const, "constexpr"))
     attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 5, 6, 9, 10, 11, 12)}
-    triton.compile(ASTSource(K.indexer_logits_ragged_kernel, sig, const, attrs), target=GPUTarget("cuda", cap, 32),
+    triton.compile(ASTSource(KR.indexer_logits_ragged_kernel, sig, const, attrs), target=GPUTarget("cuda", cap, 32),
                    options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
 
 for n in (1, 2, 3, 4):

@@ -98,30 +98,31 @@ def test_decode_matches_reference(device, fmt, B, s_q, h_q, topk, pages):
 
 
 # every kernel variant and split count on one odd shape (h_q 20: a partial head block; d_v 200: a
-# partial value chunk); the launcher knobs are what the benchmark sweeps
+# partial value chunk); the launch configurations are what the benchmark sweeps
+Config = tri.SparseMLAConfig
 VARIANTS = [
-    pytest.param({}, id="default"),
-    pytest.param(dict(kernel="small_h"), id="small_h"),
-    pytest.param(dict(kernel="small_h", block_h=32, num_splits=3), id="small_h-BH32-split3"),
-    pytest.param(dict(kernel="heads_m", block_h=16, block_n=32), id="heads_m-BH16-BN32"),
-    pytest.param(dict(kernel="heads_m", block_h=32, block_dv=256, num_splits=2), id="heads_m-BH32-DV256-split2"),
-    pytest.param(dict(kernel="heads_m", block_h=64, block_dv=128, block_n=16), id="heads_m-BH64-DV128-BN16"),
-    pytest.param(dict(kernel="heads_m", block_h=16, block_n=16, slots_ahead=False), id="heads_m-BH16-in-step-slots"),
-    pytest.param(dict(kernel="small_h", slots_ahead=True, num_splits=2), id="small_h-slots-ahead-split2"),
-    pytest.param(dict(kernel="wide", block_h=16, block_n=32), id="wide-BH16-BN32"),
-    pytest.param(dict(kernel="wide", block_h=32, block_n=16, slots_ahead=False, num_splits=3),
+    pytest.param(None, id="default"),
+    pytest.param(Config(kernel="small_h"), id="small_h"),
+    pytest.param(Config(kernel="small_h", block_h=32, num_splits=3), id="small_h-BH32-split3"),
+    pytest.param(Config(kernel="heads_m", block_h=16, block_n=32), id="heads_m-BH16-BN32"),
+    pytest.param(Config(kernel="heads_m", block_h=32, block_dv=256, num_splits=2), id="heads_m-BH32-DV256-split2"),
+    pytest.param(Config(kernel="heads_m", block_h=64, block_dv=128, block_n=16), id="heads_m-BH64-DV128-BN16"),
+    pytest.param(Config(kernel="heads_m", block_h=16, block_n=16, slots_ahead=False), id="heads_m-BH16-in-step-slots"),
+    pytest.param(Config(kernel="small_h", slots_ahead=True, num_splits=2), id="small_h-slots-ahead-split2"),
+    pytest.param(Config(kernel="wide", block_h=16, block_n=32), id="wide-BH16-BN32"),
+    pytest.param(Config(kernel="wide", block_h=32, block_n=16, slots_ahead=False, num_splits=3),
                  id="wide-BH32-BN16-split3"),
 ]
 
 
 @pytest.mark.parametrize("d_v", [512, 200])
-@pytest.mark.parametrize("knobs", VARIANTS)
-def test_decode_kernel_variants(device, knobs, d_v):
+@pytest.mark.parametrize("config", VARIANTS)
+def test_decode_kernel_variants(device, config, d_v):
     fmt, B, s_q, h_q, topk, pages = "fp8", 1, 2, 20, 130, 3
     cache = make_cache(fmt, pages, device)
     q = torch.randn(B, s_q, h_q, 576, device=device).to(torch.bfloat16)
     idx = make_indices((B, s_q, topk), pages * PAGE_SIZE, device)
-    out, lse = tri.sparse_mla_decode(q, cache, idx, SM_SCALE, d_v, None, **knobs)
+    out, lse = tri.sparse_mla_decode(q, cache, idx, SM_SCALE, d_v, None, config)
     ref_out, ref_lse = reference.sparse_mla_decode(q, cache, idx, SM_SCALE, d_v, None)
     assert out.shape == (B, s_q, h_q, d_v)
     check(out, lse, ref_out, ref_lse)
@@ -135,7 +136,7 @@ def test_decode_split_with_empty_splits(device, splits):
     q = torch.randn(2, 1, 16, 576, device=device).to(torch.bfloat16)
     idx = make_indices((2, 1, 320), 2 * PAGE_SIZE, device, invalid=0.0)
     idx[1, 0, 64:256] = -1  # the middle splits of row 1 are empty
-    out, lse = tri.sparse_mla_decode(q, cache, idx, SM_SCALE, 512, None, num_splits=splits)
+    out, lse = tri.sparse_mla_decode(q, cache, idx, SM_SCALE, 512, None, Config(num_splits=splits))
     ref_out, ref_lse = reference.sparse_mla_decode(q, cache, idx, SM_SCALE, 512, None)
     assert torch.isneginf(lse[0]).all() and torch.isfinite(lse[1]).all()
     check(out, lse, ref_out, ref_lse)
@@ -164,8 +165,8 @@ def test_decode_is_deterministic(device):
     cache = make_cache("fp8", 2, device)
     q = torch.randn(2, 2, 16, 576, device=device).to(torch.bfloat16)
     idx = make_indices((2, 2, 100), 2 * PAGE_SIZE, device)
-    a = tri.sparse_mla_decode(q, cache, idx, SM_SCALE, 512, None, num_splits=2)
-    b = tri.sparse_mla_decode(q, cache, idx, SM_SCALE, 512, None, num_splits=2)
+    a = tri.sparse_mla_decode(q, cache, idx, SM_SCALE, 512, None, Config(num_splits=2))
+    b = tri.sparse_mla_decode(q, cache, idx, SM_SCALE, 512, None, Config(num_splits=2))
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
@@ -262,13 +263,13 @@ def test_pick_num_splits():
 
 def test_default_steps_down_when_out_of_shared_memory(device, monkeypatch):
     """Should a Triton version need more shared memory than the default's budget, the default steps
-    down (fewer stages, then 32 tokens per step), warns once and remembers; explicit knobs never do."""
+    down (fewer stages, then 32 tokens per step), warns once and remembers; an explicit config never does."""
     from triton.runtime.errors import OutOfResources
     real_launch, launched = tri._launch, []
 
     def launch(cfg, *args):
         launched.append(cfg)
-        if cfg["num_stages"] > 1:
+        if cfg.num_stages > 1:
             raise OutOfResources(240000, 232448, "shared memory")
         return real_launch(cfg, *args)
 
@@ -280,20 +281,20 @@ def test_default_steps_down_when_out_of_shared_memory(device, monkeypatch):
     with pytest.warns(UserWarning, match="out of resources"):
         out, lse = sparse_mla_decode(q, cache, idx, SM_SCALE, backend="triton")
     check(out, lse, *sparse_mla_decode(q, cache, idx, SM_SCALE, backend="torch"))
-    assert [c["num_stages"] for c in launched] == [2, 1]
+    assert [c.num_stages for c in launched] == [2, 1]
     sparse_mla_decode(q, cache, idx, SM_SCALE, backend="triton")   # remembered: no second failure
-    assert [c["num_stages"] for c in launched] == [2, 1, 1]
+    assert [c.num_stages for c in launched] == [2, 1, 1]
     with pytest.raises(OutOfResources):
-        tri.sparse_mla_decode(q, cache, idx, SM_SCALE, 512, None, num_stages=2)
+        tri.sparse_mla_decode(q, cache, idx, SM_SCALE, 512, None, Config(num_stages=2))
 
 
-def test_unknown_knob_is_rejected(device):
-    cache = make_cache("bf16", 1, device)
-    q = torch.randn(1, 1, 4, 576, device=device).to(torch.bfloat16)
-    idx = torch.zeros(1, 1, 4, dtype=torch.int32, device=device)
-    for bad in (dict(blockh=16), dict(block_dv=384), dict(block_n=8), dict(kernel="flash"), dict(slots_ahead=1)):
-        with pytest.raises(ValueError, match="knobs"):
-            tri.sparse_mla_decode(q, cache, idx, SM_SCALE, 512, None, **bad)
+def test_unknown_or_bad_config_is_rejected():
+    """Before any launch: an unknown field is a TypeError, a bad value a ValueError naming the field."""
+    with pytest.raises(TypeError):
+        Config(blockh=16)
+    for bad in (dict(block_dv=384), dict(block_n=8), dict(kernel="flash"), dict(slots_ahead=1)):
+        with pytest.raises(ValueError, match=f"config: expected {next(iter(bad))}"):
+            Config(**bad)
 
 
 def test_misaligned_fp8_cache_is_rejected(device):

@@ -15,13 +15,13 @@ from flashdsa.quant import FP8
 
 def _triton_ragged(*args, **kwargs):
     # imported on first use: importing triton is slow and CPU-only users never need it
-    from flashdsa.ops.indexer import triton as impl
-    return impl.indexer_logits_ragged(*args, **kwargs)
+    from flashdsa.ops.indexer import ragged
+    return ragged.indexer_logits_ragged(*args, **kwargs)
 
 
 def _triton_paged(*args, **kwargs):
-    from flashdsa.ops.indexer import triton as impl
-    return impl.indexer_logits_paged(*args, **kwargs)
+    from flashdsa.ops.indexer import paged
+    return paged.indexer_logits_paged(*args, **kwargs)
 
 
 _RAGGED = {"torch": reference.indexer_logits_ragged, "triton": _triton_ragged}

@@ -20,13 +20,15 @@ Why the bits equal ``reference.indexer_quant`` (README.md has the details):
   reciprocal.
 - Casts to bf16 / e4m3 round to nearest even, as torch's do: the hardware conversions on the GPU, or
   integer code (``SOFT_CASTS``, the interpreter's default: its own bf16 / fp8 casts do not round to
-  nearest even). bf16 inputs are read as int16 bits and widened with a shift.
+  nearest even; on the GPU a test hook of :class:`IndexerQuantConfig`). bf16 inputs are read as int16
+  bits and widened with a shift.
 Finite inputs are assumed (NaN / inf follow no contract).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -203,9 +205,31 @@ def indexer_quant_fwd_kernel(x, cos, sin, x_fp8, scale, R, H,
     tl.store(scale + o_r, b_scale, mask=o_r < R)
 
 
+def _pow2(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1 and v & (v - 1) == 0
+
+
+@dataclass(frozen=True)
+class IndexerQuantConfig:
+    """Launch configuration of :func:`indexer_quant_fwd_kernel`, what tests and benchmarks pass; ``None`` fields
+    take the defaults. ``block_r`` and ``num_warps`` are tuning knobs; ``soft_casts=True`` on the GPU is a
+    test hook (the interpreter's rounding code, compiled; the default launch compiles without it).
+    """
+    block_r: int | None = None       # rows per program, a power of two; None: BLOCK_R (interpreter: BLOCK_R_INTERPRET)
+    num_warps: int = NUM_WARPS
+    soft_casts: bool | None = None   # integer rounding to bf16 / e4m3 instead of the hardware conversions;
+    #                                  None: only in the interpreter (its casts do not round to nearest even)
+
+    def __post_init__(self):
+        if self.block_r is not None and not _pow2(self.block_r):
+            raise ValueError(f"config: expected block_r a power of two, got {self.block_r!r}")
+        if not _pow2(self.num_warps):
+            raise ValueError(f"config: expected num_warps a power of two, got {self.num_warps!r}")
+
+
 def indexer_quant(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool, *,
-                  out: tuple[torch.Tensor, torch.Tensor] | None = None, block_r: int | None = None,
-                  num_warps: int = NUM_WARPS, soft_casts: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  out: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  config: IndexerQuantConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch :func:`indexer_quant_fwd_kernel` (inputs checked by ``flashdsa.ops.indexer_quant``).
 
     Args:
@@ -213,11 +237,7 @@ def indexer_quant(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interle
         cos, sin:   ``[T, 32] float32``, any strides.
         interleave: GPT-J pairs (True) or NeoX pairs (False).
         out:        optional contiguous ``(x_fp8 [T, ..., 128] e4m3, scale [T, ...] f32)`` to write into.
-        block_r:    rows per program, a power of two (default ``BLOCK_R``; ``BLOCK_R_INTERPRET`` in the
-                    interpreter).
-        num_warps:  warps per program.
-        soft_casts: round to bf16 / e4m3 with integer code instead of the hardware conversions (default:
-                    only in the interpreter, whose bf16 and fp8 casts do not round to nearest even).
+        config:     overrides the launch (tests, benchmarks).
 
     Returns:
         ``x_fp8 [T, ..., 128] float8_e4m3fn`` and ``scale [T, ...] float32`` (UE8M0 powers of two).
@@ -233,10 +253,9 @@ def indexer_quant(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interle
         return x_fp8, scale
     x3 = x.reshape(T, H, D)  # a view unless the middle dims cannot merge
     bf16 = x.dtype == torch.bfloat16
-    if block_r is None:
-        block_r = BLOCK_R_INTERPRET if interpreting() else BLOCK_R
-    if soft_casts is None:
-        soft_casts = interpreting()
+    cfg = config or IndexerQuantConfig()
+    block_r = cfg.block_r or (BLOCK_R_INTERPRET if interpreting() else BLOCK_R)
+    soft_casts = interpreting() if cfg.soft_casts is None else cfg.soft_casts
     grid = (cdiv(R, block_r),)
     indexer_quant_fwd_kernel[grid](
         # bf16 travels as its int16 bits: the kernel widens them to fp32 exactly with a shift
@@ -246,6 +265,6 @@ def indexer_quant(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interle
         INTERLEAVE=interleave, BF16=bf16, SOFT_CASTS=soft_casts, BLOCK_R=block_r, D=D,
         AMAX_FLOOR=AMAX_FLOOR, H_SCALE=D ** -0.5,
         # no mul + add -> FMA contraction: RoPE's a * c - b * s must round both products, as torch does
-        num_warps=num_warps, enable_fp_fusion=False,
+        num_warps=cfg.num_warps, enable_fp_fusion=False,
     )
     return x_fp8, scale

@@ -1,546 +1,104 @@
-"""Sparse MLA in Triton: decode over the paged caches (fp8 656 B, bf16, raw fp8 576 B) and prefill over
-gathered bf16 KV, with the same flash-attention kernels for both.
-
-Absorbed / MQA form: every query head of a row attends to the SAME selected tokens, so a program owns
-one query row and a block of heads, gathers BLOCK_N selected KV rows per step once, dequantises them
-once and uses the same tiles as K (576 dims: 512 latent + 64 rope) and as V (the first d_v latent
-dims). ``sparse_mla_fwd_kernel`` puts the heads on the tensor-core M side with the latent in four
-128-dim chunks (bf16 at h_q > 32, fp8 at h_q <= 64); ``sparse_mla_fwd_wide_kernel`` is the same with
-the latent as one 512-dim tile (fp8 at h_q > 64); ``sparse_mla_fwd_small_h_kernel`` computes the
-transposed product so that 16 or 32 heads still use wgmma (bf16). Few rows with long top-k lists split
-the list over programs (flash-decoding) and ``sparse_mla_combine_kernel`` merges the partial (out, lse)
-pairs. Design, measurements and roofline: README.md.
+"""Sparse MLA, the Triton backend: the launch configuration of the kernels in ``kernels.py`` (one frozen
+:class:`SparseMLAConfig`, its defaults from :func:`launch_config`), the launcher, and the decode / prefill
+entry points that ``flashdsa.ops.sparse_mla`` dispatches to. Design and measurements: README.md.
 """
 
 from __future__ import annotations
 
 import math
 import warnings
+from dataclasses import dataclass, fields, replace
 
 import torch
-import triton
-import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from flashdsa.cache.layouts import MLA_DIM, PAGE_SIZE, mla_cache_format
 from flashdsa.ops._triton_utils import cdiv, next_pow2, num_sms, upcast_bf16
+from flashdsa.ops.sparse_mla.kernels import (CACHE_FORMATS, sparse_mla_combine_kernel, sparse_mla_fwd_kernel,
+                                             sparse_mla_fwd_small_h_kernel, sparse_mla_fwd_wide_kernel)
 
 LOG2E = 1.4426950408889634
-
-# cache formats (constexpr FMT); the 656-B row is 512 e4m3 | 4 fp32 scales at 512 | 64 bf16 rope at 528
-FMT_BF16, FMT_FP8, FMT_FP8_RAW = 0, 1, 2
-_FMT = {"bf16": FMT_BF16, "fp8": FMT_FP8, "fp8_raw": FMT_FP8_RAW}
+KERNELS = ("heads_m", "wide", "small_h")
 
 
-@triton.jit
-def _dot_in(x, UPCAST: tl.constexpr):
-    # bf16 tensor-core operand; fp32 in the interpreter, whose bf16 tl.dot is wrong (values already
-    # rounded to bf16, so the numerics match the compiled kernel up to summation order)
-    if UPCAST:
-        return x.to(tl.float32)
-    else:
-        return x
+def _pow2_tile(v) -> bool:
+    # a tl.dot operand dimension: a power of two >= 16
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 16 and v & (v - 1) == 0
 
 
-@triton.jit
-def _cast(x, dtype: tl.constexpr, UPCAST: tl.constexpr):
-    """fp32 -> dtype, rounding to nearest even. The interpreter truncates fp32 -> bf16, so there the
-    rounding is done on the bits (finite values), and tests can demand the compiled kernel's numerics."""
-    if UPCAST and dtype == tl.bfloat16:
-        b_bits = x.to(tl.uint32, bitcast=True)
-        b_bits = (b_bits + 0x7FFF + ((b_bits >> 16) & 1)) & 0xFFFF0000
-        return b_bits.to(tl.float32, bitcast=True).to(tl.bfloat16)
-    else:
-        return x.to(dtype)
-
-
-@triton.jit
-def _load_chunk(p_row, valid, d0, kv_scale, FMT: tl.constexpr, UPCAST: tl.constexpr):
-    """Latent dims [d0, d0 + 128) of BLOCK_N gathered rows -> [BLOCK_N, 128] bf16, dequantised.
-
-    d0 is a multiple of 128; p_row [BLOCK_N] points at each row's first element (bf16) or byte (fp8).
-    The tile is 128 wide so that fp8 dequantisation stays in a few registers per thread.
+@dataclass(frozen=True)
+class SparseMLAConfig:
+    """Launch configuration of the sparse MLA kernels, what tests and benchmarks pass; ``None`` fields take
+    :func:`launch_config`'s defaults for the shape. A config given to the launcher runs as asked: it never
+    steps down when out of shared memory (the defaults do). All fields are tuning knobs; none is compiled
+    into the default launches other than at its default value.
     """
-    o_d = d0 + tl.arange(0, 128)
-    if FMT == 0:
-        # [BLOCK_N, 128] bf16
-        b_k = tl.load(p_row[:, None] + o_d[None, :], mask=valid[:, None], other=0.0)
-    elif FMT == 1:
-        # [BLOCK_N] fp32 scale of this 128-dim block, at byte 512 + 4 (d0 // 128) of the 656-B row
-        b_s = tl.load((p_row + 512 + 4 * (d0 // 128)).to(tl.pointer_type(tl.float32)), mask=valid, other=0.0)
-        # [BLOCK_N, 128] e4m3 bytes, dequantised in fp32 and rounded once to bf16 like the reference
-        b_u = tl.load(p_row[:, None] + o_d[None, :], mask=valid[:, None], other=0)
-        b_k = _cast(b_u.to(tl.float8e4nv, bitcast=True).to(tl.float32) * b_s[:, None], tl.bfloat16, UPCAST)
-    else:
-        # [BLOCK_N, 128] e4m3 bytes, one per-tensor scale
-        b_u = tl.load(p_row[:, None] + o_d[None, :], mask=valid[:, None], other=0)
-        b_k = _cast(b_u.to(tl.float8e4nv, bitcast=True).to(tl.float32) * kv_scale, tl.bfloat16, UPCAST)
-    return b_k
+    kernel: str | None = None       # "heads_m" (heads on M, four 128-dim latent chunks), "wide" (one
+    #                                 512-dim latent tile), "small_h" (heads on N, the transposed product)
+    block_h: int | None = None      # heads per program, a power of two >= 16
+    block_n: int | None = None      # selected tokens per step, a power of two >= 16
+    block_dv: int | None = None     # heads_m: value dims per program, 512 | 256 | 128 (the others recompute S)
+    num_warps: int | None = None
+    num_stages: int | None = None
+    slots_ahead: bool | None = None  # load the next step's slots during this one (pays at >= 3 stages)
+    num_splits: int | None = None   # top-k splits (flash-decoding), merged by the combine kernel
+
+    def __post_init__(self):
+        bad = []
+        if self.kernel is not None and self.kernel not in KERNELS:
+            bad.append(f"kernel one of {KERNELS}, got {self.kernel!r}")
+        for name in ("block_h", "block_n"):
+            v = getattr(self, name)
+            if v is not None and not _pow2_tile(v):
+                bad.append(f"{name} a power of two >= 16, got {v!r}")
+        if self.block_dv is not None and self.block_dv not in (128, 256, 512):
+            bad.append(f"block_dv 128 | 256 | 512, got {self.block_dv!r}")
+        if self.slots_ahead is not None and not isinstance(self.slots_ahead, bool):
+            bad.append(f"slots_ahead a bool, got {self.slots_ahead!r}")
+        for name in ("num_warps", "num_stages", "num_splits"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                bad.append(f"{name} an int >= 1, got {v!r}")
+        if bad:
+            raise ValueError("config: expected " + "; ".join(bad))
 
 
-@triton.jit
-def _load_rope(p_row, valid, kv_scale, FMT: tl.constexpr, UPCAST: tl.constexpr):
-    """Rope dims (64) of BLOCK_N gathered rows -> [BLOCK_N, 64] bf16."""
-    o_r = tl.arange(0, 64)
-    if FMT == 0:
-        # [BLOCK_N, 64] bf16 at elements 512..575
-        b_r = tl.load(p_row[:, None] + 512 + o_r[None, :], mask=valid[:, None], other=0.0)
-    elif FMT == 1:
-        # [BLOCK_N, 64] bf16 at bytes 528..655 (never quantised)
-        p_r = (p_row + 528).to(tl.pointer_type(tl.bfloat16))
-        b_r = tl.load(p_r[:, None] + o_r[None, :], mask=valid[:, None], other=0.0)
-    else:
-        # [BLOCK_N, 64] e4m3 bytes at 512..575
-        b_u = tl.load(p_row[:, None] + 512 + o_r[None, :], mask=valid[:, None], other=0)
-        b_r = _cast(b_u.to(tl.float8e4nv, bitcast=True).to(tl.float32) * kv_scale, tl.bfloat16, UPCAST)
-    return b_r
-
-
-@triton.jit
-def _load_slots(p_idx, k0, k_end, BLOCK_N: tl.constexpr):
-    """Slots k0 .. k0 + BLOCK_N of a row's top-k list [BLOCK_N] int32; -1 past k_end."""
-    o_n = k0 + tl.arange(0, BLOCK_N)
-    return tl.load(p_idx + o_n, mask=o_n < k_end, other=-1)
-
-
-@triton.jit
-def _slot_rows(b_slot, n_slots, kv, stride_kv_page, stride_kv_row):
-    """Slots [BLOCK_N] -> (row pointers [BLOCK_N], valid [BLOCK_N]).
-
-    -1, any negative slot, a slot >= n_slots and positions past the list are invalid: their pointer is
-    clamped to slot 0 and every load of them is masked, so they are never dereferenced.
-    """
-    valid = (b_slot >= 0) & (b_slot < n_slots)
-    b_slot = tl.where(valid, b_slot, 0)
-    p_row = kv + (b_slot // 64).to(tl.int64) * stride_kv_page + (b_slot % 64).to(tl.int64) * stride_kv_row
-    return p_row, valid
-
-
-@triton.jit
-def _step_rows(b_slot, p_idx, k0, k_end, n_slots, kv, stride_kv_page, stride_kv_row, BLOCK_N: tl.constexpr,
-               SLOTS_AHEAD: tl.constexpr):
-    """Row pointers and validity of step k0 -> (p_row, valid, slots carried to the next step).
-
-    SLOTS_AHEAD: b_slot holds this step's slots (loaded one step earlier) and the next step's are loaded
-    now. The gathers then depend on a loop-carried value instead of a load of the same step, so Triton's
-    pipeliner can issue them num_stages - 1 steps ahead; with the slots loaded in-step, it issues a
-    step's gathers at the end of the previous step, after its math (no overlap). Ahead pays with
-    num_stages >= 3 (fp8 decode: -8 %); at 2 stages it costs registers (bf16 prefill: +7 %).
-    """
-    if SLOTS_AHEAD:
-        p_row, valid = _slot_rows(b_slot, n_slots, kv, stride_kv_page, stride_kv_row)
-        b_slot = _load_slots(p_idx, k0 + BLOCK_N, k_end, BLOCK_N)
-    else:
-        p_row, valid = _slot_rows(_load_slots(p_idx, k0, k_end, BLOCK_N), n_slots, kv, stride_kv_page,
-                                  stride_kv_row)
-    return p_row, valid, b_slot
-
-
-@triton.jit
-def _online_softmax(b_s, b_m, b_l, AXIS: tl.constexpr):
-    """One step of the online softmax in the exp2 domain over AXIS of the (already -inf masked) scores.
-
-    Returns (p, alpha, m_new, l_new). A head that has seen only invalid tokens keeps m = -inf; exp2 is
-    then taken against 0, so -inf - -inf never makes a NaN and its p, alpha, l stay 0.
-    """
-    b_m_new = tl.maximum(b_m, tl.max(b_s, AXIS))
-    b_m_use = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
-    b_alpha = tl.exp2(b_m - b_m_use)
-    if AXIS == 1:
-        b_p = tl.exp2(b_s - b_m_use[:, None])
-    else:
-        b_p = tl.exp2(b_s - b_m_use[None, :])
-    b_l = b_l * b_alpha + tl.sum(b_p, AXIS)
-    return b_p, b_alpha, b_m_new, b_l
-
-
-@triton.jit
-def _p_operand(b_p, UPCAST: tl.constexpr):
-    # P in bf16 for the tensor cores, as FlashMLA does (kept fp32 in the interpreter)
-    if UPCAST:
-        return b_p
-    else:
-        return b_p.to(tl.bfloat16)
-
-
-@triton.jit
-def sparse_mla_fwd_kernel(
-    q, kv, idx, out, lse,
-    stride_q_row, stride_q_h,
-    stride_kv_page, stride_kv_row,
-    stride_i_row,
-    stride_o_row, stride_o_split, stride_o_h,
-    stride_l_row, stride_l_split,
-    n_slots, h_q, topk, tokens_per_split, num_splits, num_head_blocks,
-    qk_scale, kv_scale,
-    D_V: tl.constexpr, FMT: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, SLOTS_AHEAD: tl.constexpr,
-    UPCAST: tl.constexpr,
-):
-    """Heads on the M side: one (query row, BLOCK_H heads, BLOCK_DV value dims, top-k split) per program.
-
-    q    [R, h_q, 576] bf16 (unit stride last)         idx [R, topk] int32 slots
-    kv   paged rows: slot -> kv + (slot // 64) * stride_kv_page + (slot % 64) * stride_kv_row;
-         bf16 elements (FMT 0) or bytes of a 656-B (FMT 1) / 576-B (FMT 2) row
-    out  [R, num_splits, h_q, D_V] (bf16 final or fp32 partial, unit stride last)
-    lse  [R, num_splits, h_q] fp32, natural log; -inf where the row (split) has no valid index
-    qk_scale = sm_scale * log2(e): the softmax runs in the exp2 domain.
-
-    The latent is handled as four 128-dim chunks at dims (d_own + 128 j) % 512: all four (and the rope)
-    make the score, the first BLOCK_DV / 128 are also this program's V (BLOCK_DV = 512: all of it;
-    256 or 128 split the value dims over programs that each still compute the whole score).
-    """
-    # value chunks per program: BLOCK_DV // 128; value parts per row: cdiv(D_V, BLOCK_DV)
-    i_hb = tl.program_id(0) % num_head_blocks
-    i_rest = tl.program_id(0) // num_head_blocks
-    i_dv = i_rest % ((D_V + BLOCK_DV - 1) // BLOCK_DV)
-    i_rest = i_rest // ((D_V + BLOCK_DV - 1) // BLOCK_DV)
-    i_split = i_rest % num_splits
-    i_row = (i_rest // num_splits).to(tl.int64)
-
-    o_h = i_hb * BLOCK_H + tl.arange(0, BLOCK_H)
-    m_h = o_h < h_q
-    d_own = i_dv * BLOCK_DV
-    c0 = d_own
-    c1 = (d_own + 128) % 512
-    c2 = (d_own + 256) % 512
-    c3 = (d_own + 384) % 512
-    o_c = tl.arange(0, 128)
-    o_r = tl.arange(0, 64)
-
-    # queries of this row and head block, loaded once: [BLOCK_H, 128] x 4, [BLOCK_H, 64]
-    p_q = q + i_row * stride_q_row + o_h[:, None].to(tl.int64) * stride_q_h
-    b_q0 = _dot_in(tl.load(p_q + c0 + o_c[None, :], mask=m_h[:, None], other=0.0), UPCAST)
-    b_q1 = _dot_in(tl.load(p_q + c1 + o_c[None, :], mask=m_h[:, None], other=0.0), UPCAST)
-    b_q2 = _dot_in(tl.load(p_q + c2 + o_c[None, :], mask=m_h[:, None], other=0.0), UPCAST)
-    b_q3 = _dot_in(tl.load(p_q + c3 + o_c[None, :], mask=m_h[:, None], other=0.0), UPCAST)
-    b_qr = _dot_in(tl.load(p_q + 512 + o_r[None, :], mask=m_h[:, None], other=0.0), UPCAST)
-
-    b_m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    b_l = tl.zeros([BLOCK_H], dtype=tl.float32)
-    b_acc0 = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
-    b_acc1 = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
-    b_acc2 = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
-    b_acc3 = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
-
-    k_start = i_split * tokens_per_split
-    k_end = tl.minimum(k_start + tokens_per_split, topk)
-    p_idx = idx + i_row * stride_i_row
-    b_slot = _load_slots(p_idx, k_start, k_end, BLOCK_N)
-    for k0 in range(k_start, k_end, BLOCK_N):
-        p_row, valid, b_slot = _step_rows(b_slot, p_idx, k0, k_end, n_slots, kv, stride_kv_page, stride_kv_row,
-                                          BLOCK_N, SLOTS_AHEAD)
-        # [BLOCK_N, 128] x 4 latent chunks (K, and V for the first BLOCK_DV // 128), [BLOCK_N, 64] rope; bf16
-        b_k0 = _dot_in(_load_chunk(p_row, valid, c0, kv_scale, FMT, UPCAST), UPCAST)
-        b_k1 = _dot_in(_load_chunk(p_row, valid, c1, kv_scale, FMT, UPCAST), UPCAST)
-        b_k2 = _dot_in(_load_chunk(p_row, valid, c2, kv_scale, FMT, UPCAST), UPCAST)
-        b_k3 = _dot_in(_load_chunk(p_row, valid, c3, kv_scale, FMT, UPCAST), UPCAST)
-        b_kr = _dot_in(_load_rope(p_row, valid, kv_scale, FMT, UPCAST), UPCAST)
-
-        # [BLOCK_H, BLOCK_N] scores over the 576 dims, fp32 accumulation
-        b_s = tl.dot(b_qr, tl.trans(b_kr))
-        b_s = tl.dot(b_q0, tl.trans(b_k0), b_s)
-        b_s = tl.dot(b_q1, tl.trans(b_k1), b_s)
-        b_s = tl.dot(b_q2, tl.trans(b_k2), b_s)
-        b_s = tl.dot(b_q3, tl.trans(b_k3), b_s)
-        b_s = tl.where(valid[None, :], b_s * qk_scale, float("-inf"))
-        b_p, b_alpha, b_m, b_l = _online_softmax(b_s, b_m, b_l, 1)
-        b_p = _p_operand(b_p, UPCAST)
-
-        # [BLOCK_H, 128] += [BLOCK_H, BLOCK_N] @ [BLOCK_N, 128], for the BLOCK_DV // 128 value chunks
-        b_acc0 = tl.dot(b_p, b_k0, b_acc0 * b_alpha[:, None])
-        if BLOCK_DV > 128:
-            b_acc1 = tl.dot(b_p, b_k1, b_acc1 * b_alpha[:, None])
-        if BLOCK_DV > 256:
-            b_acc2 = tl.dot(b_p, b_k2, b_acc2 * b_alpha[:, None])
-            b_acc3 = tl.dot(b_p, b_k3, b_acc3 * b_alpha[:, None])
-
-    # empty rows (no valid index): out 0 (acc is 0), lse -inf
-    b_empty = b_l == 0.0
-    b_l = tl.where(b_empty, 1.0, b_l)
-    if i_dv == 0:
-        b_lse = tl.where(b_empty, float("-inf"), (b_m + tl.log2(b_l)) * 0.6931471805599453)  # ln 2
-        tl.store(lse + i_row * stride_l_row + i_split * stride_l_split + o_h, b_lse, mask=m_h)
-    p_o = out + i_row * stride_o_row + i_split * stride_o_split + o_h[:, None].to(tl.int64) * stride_o_h
-    b_rcp = 1.0 / b_l[:, None]
-    tl.store(p_o + c0 + o_c[None, :], _cast(b_acc0 * b_rcp, out.dtype.element_ty, UPCAST),
-             mask=m_h[:, None] & (c0 + o_c[None, :] < D_V))
-    if BLOCK_DV > 128:
-        tl.store(p_o + c1 + o_c[None, :], _cast(b_acc1 * b_rcp, out.dtype.element_ty, UPCAST),
-                 mask=m_h[:, None] & (c1 + o_c[None, :] < D_V))
-    if BLOCK_DV > 256:
-        tl.store(p_o + c2 + o_c[None, :], _cast(b_acc2 * b_rcp, out.dtype.element_ty, UPCAST),
-                 mask=m_h[:, None] & (c2 + o_c[None, :] < D_V))
-        tl.store(p_o + c3 + o_c[None, :], _cast(b_acc3 * b_rcp, out.dtype.element_ty, UPCAST),
-                 mask=m_h[:, None] & (c3 + o_c[None, :] < D_V))
-
-
-@triton.jit
-def _load_latent(p_row, valid, kv_scale, BLOCK_N: tl.constexpr, FMT: tl.constexpr, UPCAST: tl.constexpr):
-    """All 512 latent dims of BLOCK_N gathered rows -> [BLOCK_N, 512] bf16, dequantised (one tile, so that
-    the score and value products are one tensor-core op each)."""
-    o_d = tl.arange(0, 512)
-    if FMT == 0:
-        # [BLOCK_N, 512] bf16
-        b_k = tl.load(p_row[:, None] + o_d[None, :], mask=valid[:, None], other=0.0)
-    elif FMT == 1:
-        # [BLOCK_N, 4] fp32 scales at byte 512 of each row, one per 128 dims
-        o_g = tl.arange(0, 4)
-        p_s = (p_row + 512).to(tl.pointer_type(tl.float32))
-        b_sc = tl.load(p_s[:, None] + o_g[None, :], mask=valid[:, None], other=0.0)
-        # [BLOCK_N, 512] e4m3 bytes -> fp32, scaled per 128-dim group, rounded once to bf16
-        b_u = tl.load(p_row[:, None] + o_d[None, :], mask=valid[:, None], other=0)
-        b_f = tl.reshape(b_u.to(tl.float8e4nv, bitcast=True).to(tl.float32), [BLOCK_N, 4, 128]) * b_sc[:, :, None]
-        b_k = _cast(tl.reshape(b_f, [BLOCK_N, 512]), tl.bfloat16, UPCAST)
-    else:
-        # [BLOCK_N, 512] e4m3 bytes, one per-tensor scale
-        b_u = tl.load(p_row[:, None] + o_d[None, :], mask=valid[:, None], other=0)
-        b_k = _cast(b_u.to(tl.float8e4nv, bitcast=True).to(tl.float32) * kv_scale, tl.bfloat16, UPCAST)
-    return b_k
-
-
-@triton.jit
-def sparse_mla_fwd_wide_kernel(
-    q, kv, idx, out, lse,
-    stride_q_row, stride_q_h,
-    stride_kv_page, stride_kv_row,
-    stride_i_row,
-    stride_o_row, stride_o_split, stride_o_h,
-    stride_l_row, stride_l_split,
-    n_slots, h_q, topk, tokens_per_split, num_splits, num_head_blocks,
-    qk_scale, kv_scale,
-    D_V: tl.constexpr, FMT: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SLOTS_AHEAD: tl.constexpr, UPCAST: tl.constexpr,
-):
-    """The contract of :func:`sparse_mla_fwd_kernel` (all D_V value dims per program) with the 512
-    latent dims as one tile: three tensor-core ops per step (rope scores, latent scores, P V as
-    m64n256 wgmma) instead of nine, so three shared-memory fence / issue / drain rounds instead of nine.
-    fp8 rows are dequantised as one [BLOCK_N, 512] tile scaled per 128-dim group through a
-    [BLOCK_N, 4, 128] view. Measured (H200, Triton 3.6): fp8 decode h 128 4 % faster than the chunked
-    kernel; bf16 prefill 13 % slower (it spills there), so prefill keeps the chunked kernel."""
-    i_hb = tl.program_id(0) % num_head_blocks
-    i_rest = tl.program_id(0) // num_head_blocks
-    i_split = i_rest % num_splits
-    i_row = (i_rest // num_splits).to(tl.int64)
-
-    o_h = i_hb * BLOCK_H + tl.arange(0, BLOCK_H)
-    m_h = o_h < h_q
-    o_d = tl.arange(0, 512)
-    o_r = tl.arange(0, 64)
-
-    # [BLOCK_H, 512], [BLOCK_H, 64] queries, loaded once
-    p_q = q + i_row * stride_q_row + o_h[:, None].to(tl.int64) * stride_q_h
-    b_q = _dot_in(tl.load(p_q + o_d[None, :], mask=m_h[:, None], other=0.0), UPCAST)
-    b_qr = _dot_in(tl.load(p_q + 512 + o_r[None, :], mask=m_h[:, None], other=0.0), UPCAST)
-
-    b_m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    b_l = tl.zeros([BLOCK_H], dtype=tl.float32)
-    b_acc = tl.zeros([BLOCK_H, 512], dtype=tl.float32)
-
-    k_start = i_split * tokens_per_split
-    k_end = tl.minimum(k_start + tokens_per_split, topk)
-    p_idx = idx + i_row * stride_i_row
-    b_slot = _load_slots(p_idx, k_start, k_end, BLOCK_N)
-    for k0 in range(k_start, k_end, BLOCK_N):
-        p_row, valid, b_slot = _step_rows(b_slot, p_idx, k0, k_end, n_slots, kv, stride_kv_page, stride_kv_row,
-                                          BLOCK_N, SLOTS_AHEAD)
-        # [BLOCK_N, 512] latent (K and V), [BLOCK_N, 64] rope; bf16
-        b_k = _dot_in(_load_latent(p_row, valid, kv_scale, BLOCK_N, FMT, UPCAST), UPCAST)
-        b_kr = _dot_in(_load_rope(p_row, valid, kv_scale, FMT, UPCAST), UPCAST)
-        b_s = tl.dot(b_qr, tl.trans(b_kr))
-        b_s = tl.dot(b_q, tl.trans(b_k), b_s)
-        b_s = tl.where(valid[None, :], b_s * qk_scale, float("-inf"))
-        b_p, b_alpha, b_m, b_l = _online_softmax(b_s, b_m, b_l, 1)
-        b_acc = tl.dot(_p_operand(b_p, UPCAST), b_k, b_acc * b_alpha[:, None])
-
-    b_empty = b_l == 0.0
-    b_l = tl.where(b_empty, 1.0, b_l)
-    b_lse = tl.where(b_empty, float("-inf"), (b_m + tl.log2(b_l)) * 0.6931471805599453)  # ln 2
-    tl.store(lse + i_row * stride_l_row + i_split * stride_l_split + o_h, b_lse, mask=m_h)
-    p_o = out + i_row * stride_o_row + i_split * stride_o_split + o_h[:, None].to(tl.int64) * stride_o_h
-    tl.store(p_o + o_d[None, :], _cast(b_acc * (1.0 / b_l[:, None]), out.dtype.element_ty, UPCAST),
-             mask=m_h[:, None] & (o_d[None, :] < D_V))
-
-
-@triton.jit
-def sparse_mla_fwd_small_h_kernel(
-    q, kv, idx, out, lse,
-    stride_q_row, stride_q_h,
-    stride_kv_page, stride_kv_row,
-    stride_i_row,
-    stride_o_row, stride_o_split, stride_o_h,
-    stride_l_row, stride_l_split,
-    n_slots, h_q, topk, tokens_per_split, num_splits, num_head_blocks,
-    qk_scale, kv_scale,
-    D_V: tl.constexpr, FMT: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SLOTS_AHEAD: tl.constexpr, UPCAST: tl.constexpr,
-):
-    """Heads on the N side, for few heads (tensor-parallel shards of 16 or 32): the contract of
-    :func:`sparse_mla_fwd_kernel`, computed transposed, ``S^T = K Q^T`` [BLOCK_N, BLOCK_H] and
-    ``O^T += V^T P^T`` [128, BLOCK_H] per value chunk, so the tensor-core M side is the gathered tokens
-    (and the value dims) instead of a handful of heads. All D_V value dims in one program.
-    """
-    i_hb = tl.program_id(0) % num_head_blocks
-    i_rest = tl.program_id(0) // num_head_blocks
-    i_split = i_rest % num_splits
-    i_row = (i_rest // num_splits).to(tl.int64)
-
-    o_h = i_hb * BLOCK_H + tl.arange(0, BLOCK_H)
-    m_h = o_h < h_q
-    o_c = tl.arange(0, 128)
-    o_r = tl.arange(0, 64)
-
-    # Q^T of this row and head block: [128, BLOCK_H] x 4, [64, BLOCK_H]
-    p_q = q + i_row * stride_q_row + o_h[None, :].to(tl.int64) * stride_q_h
-    b_q0 = _dot_in(tl.load(p_q + o_c[:, None], mask=m_h[None, :], other=0.0), UPCAST)
-    b_q1 = _dot_in(tl.load(p_q + 128 + o_c[:, None], mask=m_h[None, :], other=0.0), UPCAST)
-    b_q2 = _dot_in(tl.load(p_q + 256 + o_c[:, None], mask=m_h[None, :], other=0.0), UPCAST)
-    b_q3 = _dot_in(tl.load(p_q + 384 + o_c[:, None], mask=m_h[None, :], other=0.0), UPCAST)
-    b_qr = _dot_in(tl.load(p_q + 512 + o_r[:, None], mask=m_h[None, :], other=0.0), UPCAST)
-
-    b_m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    b_l = tl.zeros([BLOCK_H], dtype=tl.float32)
-    b_acc0 = tl.zeros([128, BLOCK_H], dtype=tl.float32)
-    b_acc1 = tl.zeros([128, BLOCK_H], dtype=tl.float32)
-    b_acc2 = tl.zeros([128, BLOCK_H], dtype=tl.float32)
-    b_acc3 = tl.zeros([128, BLOCK_H], dtype=tl.float32)
-
-    k_start = i_split * tokens_per_split
-    k_end = tl.minimum(k_start + tokens_per_split, topk)
-    p_idx = idx + i_row * stride_i_row
-    b_slot = _load_slots(p_idx, k_start, k_end, BLOCK_N)
-    for k0 in range(k_start, k_end, BLOCK_N):
-        p_row, valid, b_slot = _step_rows(b_slot, p_idx, k0, k_end, n_slots, kv, stride_kv_page, stride_kv_row,
-                                          BLOCK_N, SLOTS_AHEAD)
-        # [BLOCK_N, 128] x 4 latent chunks, [BLOCK_N, 64] rope; bf16
-        b_k0 = _dot_in(_load_chunk(p_row, valid, 0, kv_scale, FMT, UPCAST), UPCAST)
-        b_k1 = _dot_in(_load_chunk(p_row, valid, 128, kv_scale, FMT, UPCAST), UPCAST)
-        b_k2 = _dot_in(_load_chunk(p_row, valid, 256, kv_scale, FMT, UPCAST), UPCAST)
-        b_k3 = _dot_in(_load_chunk(p_row, valid, 384, kv_scale, FMT, UPCAST), UPCAST)
-        b_kr = _dot_in(_load_rope(p_row, valid, kv_scale, FMT, UPCAST), UPCAST)
-
-        # [BLOCK_N, BLOCK_H] transposed scores
-        b_s = tl.dot(b_kr, b_qr)
-        b_s = tl.dot(b_k0, b_q0, b_s)
-        b_s = tl.dot(b_k1, b_q1, b_s)
-        b_s = tl.dot(b_k2, b_q2, b_s)
-        b_s = tl.dot(b_k3, b_q3, b_s)
-        b_s = tl.where(valid[:, None], b_s * qk_scale, float("-inf"))
-        b_p, b_alpha, b_m, b_l = _online_softmax(b_s, b_m, b_l, 0)
-        b_p = _p_operand(b_p, UPCAST)
-
-        # [128, BLOCK_H] += [128, BLOCK_N] @ [BLOCK_N, BLOCK_H] per value chunk
-        b_acc0 = tl.dot(tl.trans(b_k0), b_p, b_acc0 * b_alpha[None, :])
-        if D_V > 128:
-            b_acc1 = tl.dot(tl.trans(b_k1), b_p, b_acc1 * b_alpha[None, :])
-        if D_V > 256:
-            b_acc2 = tl.dot(tl.trans(b_k2), b_p, b_acc2 * b_alpha[None, :])
-        if D_V > 384:
-            b_acc3 = tl.dot(tl.trans(b_k3), b_p, b_acc3 * b_alpha[None, :])
-
-    b_empty = b_l == 0.0
-    b_l = tl.where(b_empty, 1.0, b_l)
-    b_lse = tl.where(b_empty, float("-inf"), (b_m + tl.log2(b_l)) * 0.6931471805599453)  # ln 2
-    tl.store(lse + i_row * stride_l_row + i_split * stride_l_split + o_h, b_lse, mask=m_h)
-    # out[h, d] = acc^T[d, h] / l[h]
-    p_o = out + i_row * stride_o_row + i_split * stride_o_split + o_h[None, :].to(tl.int64) * stride_o_h
-    b_rcp = 1.0 / b_l[None, :]
-    tl.store(p_o + o_c[:, None], _cast(b_acc0 * b_rcp, out.dtype.element_ty, UPCAST),
-             mask=m_h[None, :] & (o_c[:, None] < D_V))
-    if D_V > 128:
-        tl.store(p_o + 128 + o_c[:, None], _cast(b_acc1 * b_rcp, out.dtype.element_ty, UPCAST),
-                 mask=m_h[None, :] & (128 + o_c[:, None] < D_V))
-    if D_V > 256:
-        tl.store(p_o + 256 + o_c[:, None], _cast(b_acc2 * b_rcp, out.dtype.element_ty, UPCAST),
-                 mask=m_h[None, :] & (256 + o_c[:, None] < D_V))
-    if D_V > 384:
-        tl.store(p_o + 384 + o_c[:, None], _cast(b_acc3 * b_rcp, out.dtype.element_ty, UPCAST),
-                 mask=m_h[None, :] & (384 + o_c[:, None] < D_V))
-
-
-@triton.jit
-def sparse_mla_combine_kernel(
-    part_out, part_lse, out, lse,
-    stride_po_row, stride_po_split, stride_po_h,
-    stride_pl_row, stride_pl_split,
-    stride_o_row, stride_o_h, stride_l_row,
-    h_q, num_splits, num_head_blocks,
-    D_V: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-    UPCAST: tl.constexpr,
-):
-    """Merge the splits of one (row, head block): lse = logsumexp_s lse_s, out = sum_s exp(lse_s - lse) out_s.
-
-    part_out [R, S, h_q, D_V] fp32 (normalised partials), part_lse [R, S, h_q] fp32 natural log
-    out [R, h_q, D_V] bf16, lse [R, h_q] fp32; splits with lse -inf weigh 0, all empty -> 0 / -inf.
-    """
-    i_hb = tl.program_id(0) % num_head_blocks
-    i_row = (tl.program_id(0) // num_head_blocks).to(tl.int64)
-    o_h = i_hb * BLOCK_H + tl.arange(0, BLOCK_H)
-    m_h = o_h < h_q
-    o_s = tl.arange(0, BLOCK_S)
-
-    # [BLOCK_S, BLOCK_H] partial lse
-    b_ls = tl.load(part_lse + i_row * stride_pl_row + o_s[:, None] * stride_pl_split + o_h[None, :],
-                   mask=(o_s[:, None] < num_splits) & m_h[None, :], other=float("-inf"))
-    b_max = tl.max(b_ls, 0)
-    b_max = tl.where(b_max == float("-inf"), 0.0, b_max)
-    b_sum = tl.sum(tl.exp(b_ls - b_max[None, :]), 0)
-    b_empty = b_sum == 0.0
-    b_lse = tl.where(b_empty, float("-inf"), b_max + tl.log(tl.where(b_empty, 1.0, b_sum)))
-    tl.store(lse + i_row * stride_l_row + o_h, b_lse, mask=m_h)
-    b_lse_use = tl.where(b_empty, 0.0, b_lse)
-
-    for d0 in range(0, D_V, BLOCK_D):
-        o_d = d0 + tl.arange(0, BLOCK_D)
-        m_d = o_d < D_V
-        b_acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-        for i_s in range(0, num_splits):
-            # [BLOCK_H] weight of split i_s (0 for an empty split: exp(-inf))
-            b_w = tl.exp(tl.load(part_lse + i_row * stride_pl_row + i_s * stride_pl_split + o_h,
-                                 mask=m_h, other=float("-inf")) - b_lse_use)
-            # [BLOCK_H, BLOCK_D]
-            b_o = tl.load(part_out + i_row * stride_po_row + i_s * stride_po_split
-                          + o_h[:, None].to(tl.int64) * stride_po_h + o_d[None, :],
-                          mask=m_h[:, None] & m_d[None, :], other=0.0)
-            b_acc += b_w[:, None] * b_o
-        tl.store(out + i_row * stride_o_row + o_h[:, None].to(tl.int64) * stride_o_h + o_d[None, :],
-                 _cast(b_acc, out.dtype.element_ty, UPCAST), mask=m_h[:, None] & m_d[None, :])
-
-
-# ---- launchers -------------------------------------------------------------------------------------
-
-def default_config(h_q: int, fmt: str, rows: int, topk: int, device: torch.device) -> dict:
-    """Kernel configuration for a shape: which kernel, heads per program, tokens per step, value dims
-    per program, warps, pipeline stages, whether slots are loaded a step ahead, and top-k splits
-    (measured on an H200 with Triton 3.6; the reasoning and the numbers are in README.md).
+def launch_config(h_q: int, fmt: str, rows: int, topk: int, device: torch.device,
+                  config: SparseMLAConfig | None = None, split: bool = True) -> SparseMLAConfig:
+    """The configuration a launch uses: ``config``'s fields where set, else the defaults for the shape,
+    measured on an H200 (the reasoning and the numbers are in README.md). ``split=False``: no top-k split by
+    default (prefill: a row's bits must not depend on the rows that share the call).
 
     * fp8 caches, h_q > 64: "wide" (the 512 latent dims as one tile: 3 tensor-core ops per step),
       64 heads x 64 tokens, 8 warps, 3 stages with slots ahead (the gathers overlap a step of math).
     * fp8 caches, 16 < h_q <= 64: the same tiles in the chunked heads-on-M kernel (64 heads even for
-      17..32 heads: wgmma and pipelined gathers beat 16-head mma.sync tiles, 108 vs 167 us).
+      17..32 heads: wgmma and pipelined gathers beat 16-head mma.sync tiles).
     * fp8 caches, h_q <= 16: heads on M with 16 heads and 32 tokens per step on 4 warps (mma.sync,
       ~227 registers, 2 CTAs per SM), 3 stages with slots ahead.
     * bf16 (prefill, bf16 paged cache): h_q > 32 heads-on-M 64 x 64 on 8 warps with 2 stages and the
       slots loaded in-step (3 stages of 64-token bf16 tiles do not fit in shared memory); h_q <= 32 the
       heads-on-N kernel (64 tokens are the tensor-core M side).
+
+    The default split count comes from the default tiles, whatever ``config`` changes.
     """
-    common = dict(block_dv=512, slots_ahead=fmt != "bf16")
     if fmt == "bf16":
         if h_q > 32:
-            cfg = dict(kernel="heads_m", block_h=64, block_n=64, num_warps=8, num_stages=2)
+            tiles = dict(kernel="heads_m", block_h=64, block_n=64, num_warps=8, num_stages=2)
         else:
-            cfg = dict(kernel="small_h", block_h=16 if h_q <= 16 else 32, block_n=64, num_warps=4, num_stages=2)
+            tiles = dict(kernel="small_h", block_h=16 if h_q <= 16 else 32, block_n=64, num_warps=4, num_stages=2)
         ctas_per_sm = 1
     elif h_q > 16:
-        cfg = dict(kernel="wide" if h_q > 64 else "heads_m", block_h=64, block_n=64, num_warps=8, num_stages=3)
+        tiles = dict(kernel="wide" if h_q > 64 else "heads_m", block_h=64, block_n=64, num_warps=8, num_stages=3)
         ctas_per_sm = 1
     else:
-        cfg = dict(kernel="heads_m", block_h=16, block_n=32, num_warps=4, num_stages=3)
+        tiles = dict(kernel="heads_m", block_h=16, block_n=32, num_warps=4, num_stages=3)
         ctas_per_sm = 2
-    cfg.update(common)
-    programs = rows * cdiv(h_q, cfg["block_h"]) * (512 // cfg["block_dv"])
-    cfg["num_splits"] = pick_num_splits(programs, topk, num_sms(device), ctas_per_sm)
-    return cfg
+    programs = rows * cdiv(h_q, tiles["block_h"])
+    splits = pick_num_splits(programs, topk, num_sms(device), ctas_per_sm) if split else 1
+    default = SparseMLAConfig(**tiles, block_dv=512, slots_ahead=fmt != "bf16", num_splits=splits)
+    if config is None:
+        return default
+    return replace(default, **{f.name: v for f in fields(config) if (v := getattr(config, f.name)) is not None})
 
 
 def pick_num_splits(programs: int, topk: int, sms: int, ctas_per_sm: int = 1, min_tokens: int = 256) -> int:
@@ -561,14 +119,14 @@ def pick_num_splits(programs: int, topk: int, sms: int, ctas_per_sm: int = 1, mi
 
 def sparse_mla_fwd(q: torch.Tensor, kv: torch.Tensor, stride_kv_page: int, stride_kv_row: int, n_slots: int,
                    fmt: str, indices: torch.Tensor, sm_scale: float, d_v: int, kv_scale: float | None,
-                   **knobs) -> tuple[torch.Tensor, torch.Tensor]:
+                   config: SparseMLAConfig | None = None, split: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Run sparse MLA over R query rows.
 
     ``q [R, h_q, 576] bf16`` (unit stride last), ``kv`` the cache storage (bf16 elements or uint8 bytes,
     addressed by ``slot -> (slot // 64) * stride_kv_page + (slot % 64) * stride_kv_row``), ``indices
     [R, topk] int32`` (unit stride last). Returns ``out [R, h_q, d_v] bf16``, ``lse [R, h_q] f32``.
-    ``knobs`` override :func:`default_config` keys (kernel, block_h, block_n, block_dv, num_warps,
-    num_stages, slots_ahead, num_splits); the benchmark uses them to compare configurations.
+    ``config`` overrides :func:`launch_config`'s defaults (tests and benchmarks compare configurations);
+    ``split`` as there.
     """
     R, h_q, _ = q.shape
     topk = indices.shape[1]
@@ -577,30 +135,21 @@ def sparse_mla_fwd(q: torch.Tensor, kv: torch.Tensor, stride_kv_page: int, strid
     lse = torch.empty(R, h_q, dtype=torch.float32, device=dev)
     if R == 0 or h_q == 0:
         return out, lse
-    cfg = default_config(h_q, fmt, R, topk, dev)
-    unknown = set(knobs) - set(cfg)
-    if unknown:
-        raise ValueError(f"knobs: unknown {sorted(unknown)}; expected some of {sorted(cfg)}")
-    cfg.update({k: v for k, v in knobs.items() if v is not None})
-    pow2 = lambda v: isinstance(v, int) and v >= 16 and v & (v - 1) == 0  # noqa: E731 - tl.dot needs >= 16
-    if (cfg["kernel"] not in ("heads_m", "small_h", "wide") or not (pow2(cfg["block_h"]) and pow2(cfg["block_n"]))
-            or cfg["block_dv"] not in (128, 256, 512) or not isinstance(cfg["slots_ahead"], bool)):
-        raise ValueError(f"knobs: expected kernel 'heads_m' | 'small_h' | 'wide', block_h and block_n powers of "
-                         f"two >= 16, block_dv 128 | 256 | 512, slots_ahead a bool, got {cfg}")
+    cfg = launch_config(h_q, fmt, R, topk, dev, config, split)
     args = (q, kv, stride_kv_page, stride_kv_row, n_slots, fmt, indices, sm_scale, d_v, kv_scale, out, lse)
-    if knobs:  # an explicit configuration runs as asked (the benchmark reports what fails)
+    if config is not None:  # an explicit configuration runs as asked (the benchmark reports what fails)
         _launch(cfg, *args)
         return out, lse
     # The default configurations sit close to the 227 KB shared-memory limit (fp8 h_q > 16: 226 KB,
     # bf16 h_q > 32: 216 KB with Triton 3.6); should another Triton version need more, step down once
     # (fewer stages, then 32 tokens per step) and remember it.
-    key = (fmt, d_v, tuple(sorted(cfg.items())))
+    key = (fmt, d_v, cfg)
     cfg = _STEP_DOWN.get(key, cfg)
     try:
         _launch(cfg, *args)
     except OutOfResources as e:
-        fewer = [dict(cfg, num_stages=st) for st in range(cfg["num_stages"] - 1, 0, -1)]
-        for smaller in fewer + [dict(cfg, num_stages=1, block_n=32)]:
+        fewer = [replace(cfg, num_stages=st) for st in range(cfg.num_stages - 1, 0, -1)]
+        for smaller in fewer + [replace(cfg, num_stages=1, block_n=32)]:
             try:
                 _launch(smaller, *args)
             except OutOfResources:
@@ -615,18 +164,19 @@ def sparse_mla_fwd(q: torch.Tensor, kv: torch.Tensor, stride_kv_page: int, strid
 _STEP_DOWN: dict = {}
 
 
-def _launch(cfg, q, kv, stride_kv_page, stride_kv_row, n_slots, fmt, indices, sm_scale, d_v, kv_scale, out, lse):
-    """Launch the kernel of ``cfg`` (and the combine kernel when the top-k list is split) into out / lse;
-    returns the compiled main kernel (the benchmark reports its registers, spills and shared memory)."""
+def _launch(cfg: SparseMLAConfig, q, kv, stride_kv_page, stride_kv_row, n_slots, fmt, indices, sm_scale, d_v,
+            kv_scale, out, lse):
+    """Launch the kernel of ``cfg`` (complete: :func:`launch_config`'s) and the combine kernel when the top-k
+    list is split, into out / lse; returns the compiled main kernel (the benchmark reports its registers,
+    spills and shared memory)."""
     R, h_q, _ = q.shape
     topk = indices.shape[1]
-    BH, BN = cfg["block_h"], cfg["block_n"]
-    small_h = cfg["kernel"] == "small_h"
-    BDV = 512 if cfg["kernel"] in ("small_h", "wide") else cfg["block_dv"]
+    BH, BN = cfg.block_h, cfg.block_n
+    BDV = 512 if cfg.kernel in ("small_h", "wide") else cfg.block_dv
     n_hb = cdiv(h_q, BH)
     dv_parts = cdiv(d_v, BDV)
     # every split but the last gets a whole number of BLOCK_N steps
-    splits = max(1, min(cfg["num_splits"], cdiv(topk, BN)))
+    splits = max(1, min(cfg.num_splits, cdiv(topk, BN)))
     per_split = max(BN, cdiv(cdiv(topk, splits), BN) * BN)
     splits = max(1, cdiv(topk, per_split))
     if splits == 1:
@@ -647,12 +197,12 @@ def _launch(cfg, q, kv, stride_kv_page, stride_kv_row, n_slots, fmt, indices, sm
         stride_l_row=sl_row, stride_l_split=sl_split,
         n_slots=n_slots, h_q=h_q, topk=topk, tokens_per_split=per_split, num_splits=splits,
         num_head_blocks=n_hb, qk_scale=sm_scale * LOG2E, kv_scale=1.0 if kv_scale is None else float(kv_scale),
-        D_V=d_v, FMT=_FMT[fmt], BLOCK_H=BH, BLOCK_N=BN, SLOTS_AHEAD=cfg["slots_ahead"], UPCAST=upcast_bf16(),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        D_V=d_v, FMT=CACHE_FORMATS[fmt], BLOCK_H=BH, BLOCK_N=BN, SLOTS_AHEAD=cfg.slots_ahead, UPCAST=upcast_bf16(),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    if small_h:
+    if cfg.kernel == "small_h":
         compiled = sparse_mla_fwd_small_h_kernel[(R * splits * n_hb,)](**args)
-    elif cfg["kernel"] == "wide":
+    elif cfg.kernel == "wide":
         compiled = sparse_mla_fwd_wide_kernel[(R * splits * n_hb,)](**args)
     else:
         compiled = sparse_mla_fwd_kernel[(R * splits * dv_parts * n_hb,)](BLOCK_DV=BDV, **args)
@@ -675,8 +225,9 @@ def _unit_last(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def sparse_mla_decode(q, kv_cache, indices, sm_scale, d_v, kv_scale, **knobs):
-    """Triton backend of :func:`flashdsa.ops.sparse_mla_decode` (inputs already validated)."""
+def sparse_mla_decode(q, kv_cache, indices, sm_scale, d_v, kv_scale, config: SparseMLAConfig | None = None):
+    """Triton backend of :func:`flashdsa.ops.sparse_mla_decode` (inputs already validated); ``config`` as in
+    :func:`sparse_mla_fwd`."""
     B, s_q, h_q, d = q.shape
     fmt = mla_cache_format(kv_cache)
     kv_cache = _unit_last(kv_cache)
@@ -687,17 +238,17 @@ def sparse_mla_decode(q, kv_cache, indices, sm_scale, d_v, kv_scale, **knobs):
     out, lse = sparse_mla_fwd(
         _unit_last(q.reshape(B * s_q, h_q, d)), kv_cache, kv_cache.stride(0), kv_cache.stride(1),
         kv_cache.shape[0] * PAGE_SIZE, fmt, _unit_last(indices.reshape(B * s_q, indices.shape[-1])),
-        sm_scale, d_v, kv_scale, **knobs)
+        sm_scale, d_v, kv_scale, config)
     return out.view(B, s_q, h_q, d_v), lse.view(B, s_q, h_q)
 
 
-def sparse_mla_prefill(q, kv, indices, sm_scale, d_v, **knobs):
-    """Triton backend of :func:`flashdsa.ops.sparse_mla_prefill` (inputs already validated)."""
+def sparse_mla_prefill(q, kv, indices, sm_scale, d_v, config: SparseMLAConfig | None = None):
+    """Triton backend of :func:`flashdsa.ops.sparse_mla_prefill` (inputs already validated); ``config`` as in
+    :func:`sparse_mla_fwd`."""
     assert kv.shape[1] == MLA_DIM
     kv = _unit_last(kv)
-    # No split-K in prefill: a row's bits must not depend on how many rows share the call, so chunked
-    # prefill equals one-shot prefill exactly (split-K's merge order would differ for small chunks).
-    knobs.setdefault("num_splits", 1)
-    # a flat [N, 576] buffer is a paged one whose pages are 64 consecutive rows
+    # No split-K in prefill by default: a row's bits must not depend on how many rows share the call, so
+    # chunked prefill equals one-shot prefill exactly (split-K's merge order would differ for small chunks).
+    # A flat [N, 576] buffer is a paged one whose pages are 64 consecutive rows.
     return sparse_mla_fwd(_unit_last(q), kv, PAGE_SIZE * kv.stride(0), kv.stride(0), kv.shape[0], "bf16",
-                          _unit_last(indices), sm_scale, d_v, None, **knobs)
+                          _unit_last(indices), sm_scale, d_v, None, config, split=False)

@@ -1,24 +1,15 @@
-"""Lightning-indexer logits in Triton: paged (decode / MTP verify) and ragged (prefill / extend).
+"""Paged indexer logits (decode, MTP verify / draft extend): B requests x n draft rows against their keys in
+the paged indexer cache, two kernels with one contract.
 
-Both kernels score a block of ``BLOCK_N`` keys as the M side of fp8 tensor-core dots against query rows x
-``HP`` heads folded into the N side,
+``indexer_logits_paged_tma_kernel`` copies each page's keys with one TMA load (the default on sm_90, and run
+in the interpreter with ``PagedConfig(tma=True)``); ``indexer_logits_paged_kernel`` gathers them with pointer
+loads (other GPUs incl. the fp16-upcast path before sm_89, and the interpreter by default). A program's G
+draft rows are split into 1, 2 or 4 dots of GS rows that share the step's keys (``_row_logits``: narrower
+accumulators, and a padded row's dot is compiled out); the inner step is ``common.py``'s.
 
-    s[t, g * HP + h] = k[t] . q[g, h]            # tl.dot([BLOCK_N, D] e4m3, [D, rows * HP] e4m3) -> fp32
-    logit[t, g]      = k_scale[t] * sum_h w[g, h] * relu(s[t, g * HP + h])
-
-so the head sum runs along the dot's N dim (inside a thread and its quad on Hopper, no shared memory) and
-each key is loaded once for all rows. The ragged kernel does it in one dot (``_gated_relu_sum``); the
-paged kernels split a program's G draft rows into 1, 2 or 4 dots of GS rows that share the step's keys
-(``_row_logits``; narrower accumulators, and a padded row's dot is compiled out). Padded heads / rows
-have q = w = 0 and add exactly 0. Derivation, roofline and tuning notes: README.md next to this file.
-
-Two paged kernels, one contract: ``indexer_logits_paged_tma_kernel`` copies each page's keys with one TMA
-load (the default on sm_90, and tested in the interpreter with ``PagedConfig(tma=True)``);
-``indexer_logits_paged_kernel`` gathers them with pointer loads (other GPUs incl. the fp16-upcast path
-before sm_89, and the interpreter by default).
-
-The kernels write every output element (logits inside each row's range, -inf elsewhere), use no atomics
-and a fixed reduction order: the same input and launch shape give the same bits.
+The kernels write every output element (logits below each row's length, -inf elsewhere), use no atomics and
+a fixed reduction order: the same input and launch shape give the same bits. Design and measurements:
+README.md next to this file.
 """
 
 from __future__ import annotations
@@ -33,65 +24,12 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from flashdsa.cache.layouts import INDEX_KEY_BYTES, INDEX_PAGE_BYTES, PAGE_SIZE
 from flashdsa.ops._triton_utils import cdiv, interpreting, next_pow2, num_sms, prev_pow2
+from flashdsa.ops.indexer.common import (MAX_DOT_N, e4m3_bits_to_f16, fill_neg_inf, fp8_dot_supported, gated_relu_sum,
+                                         logits_buffer)
 
-# One dot's N side (G rows x HP heads) is capped so the fp32 accumulator stays <= 128 registers a thread.
-MAX_DOT_N = 256
 # an indexer page as rows of one key (128 B): 64 rows of keys, then 2 of scales (TMA kernel's cache view)
 PAGE_ROWS = INDEX_PAGE_BYTES // (INDEX_KEY_BYTES // PAGE_SIZE)  # 66
 
-
-def _fp8_dot_supported(device: torch.device) -> bool:
-    """e4m3 x e4m3 tensor-core dots need sm_89+ (Ada, Hopper, Blackwell); older GPUs upcast to fp16."""
-    if device.type != "cuda":
-        return True  # the interpreter computes fp8 dots exactly
-    return torch.cuda.get_device_capability(device) >= (8, 9)
-
-
-def _output(out: torch.Tensor | None, shape: tuple[int, int], device: torch.device) -> torch.Tensor:
-    if out is None:
-        return torch.empty(shape, dtype=torch.float32, device=device)
-    bad_stride = out.dim() == 2 and out.stride(-1) != 1 and shape[1] > 1
-    if out.dtype != torch.float32 or tuple(out.shape) != shape or out.device != device or bad_stride:
-        raise ValueError(f"out: expected float32 {list(shape)} on {device} with unit last stride, got "
-                         f"{out.dtype} {list(out.shape)} on {out.device}, strides {out.stride()}")
-    return out
-
-
-@triton.jit
-def _e4m3_bits_to_f16(x):
-    """uint8 e4m3fn bits -> the same value in fp16, exactly (for GPUs without fp8 conversions).
-
-    Moving sign | exponent | mantissa into fp16's fields gives value * 2^(7 - 15) for normals and
-    subnormals alike (both formats place the binary point the same way); * 256 undoes the bias gap.
-    """
-    b = x.to(tl.int32)
-    bits = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
-    return bits.to(tl.int16).to(tl.float16, bitcast=True) * 256.0
-
-
-@triton.jit
-def _gated_relu_sum(b_k, b_qt, b_w, G: tl.constexpr, HP: tl.constexpr):
-    """``b_k [BLOCK_N, D]``, ``b_qt [D, G * HP]`` (same dtype), ``b_w [G * HP] f32`` -> ``[BLOCK_N, G] f32``:
-    ``sum_h w[g, h] * relu(k[t] . q[g, h])``."""
-    # [BLOCK_N, G * HP]; fp32 accumulation on the tensor cores
-    b_s = tl.dot(b_k, b_qt)
-    b_s = tl.maximum(b_s, 0.0) * b_w[None, :]
-    # row g's heads are the contiguous columns g * HP .. g * HP + HP - 1 (a free reshape of the
-    # accumulator's layout: no data moves)
-    return tl.sum(tl.reshape(b_s, [b_k.shape[0], G, HP]), axis=2)
-
-
-@triton.jit
-def _fill_neg_inf(p_rows, m_rows, start, stop, BLOCK_N: tl.constexpr, G: tl.constexpr):
-    """Store -inf at columns [start, stop) of G rows (``p_rows [G]`` row pointers, ``m_rows [G]`` valid)."""
-    o_n = tl.arange(0, BLOCK_N)
-    b_inf = tl.full([G, BLOCK_N], float("-inf"), tl.float32)
-    for t0 in range(start, stop, BLOCK_N):
-        o_t = t0 + o_n
-        tl.store(p_rows[:, None] + o_t[None, :], b_inf, mask=m_rows[:, None] & (o_t[None, :] < stop))
-
-
-# ---- paged --------------------------------------------------------------------------------------------
 
 @triton.jit
 def _head_sum_chain(b_r, b_w, BLOCK_N: tl.constexpr, GS: tl.constexpr):
@@ -152,7 +90,7 @@ def _draft_rows(q, w, context_lens, out, i_b64, j0, o_d, stride_qn, stride_qh, s
     # loop (a tl.trans of a [GS * HP, D] tile is re-stored to shared memory every step)
     b_qt = tl.load(q + r_j[None, :] * stride_qn + r_h[None, :] * stride_qh + o_d[:, None], mask=m_r[None, :], other=0.0)
     if not FP8_DOT:
-        b_qt = _e4m3_bits_to_f16(b_qt)
+        b_qt = e4m3_bits_to_f16(b_qt)
     # [GS * HP]
     b_w = tl.load(w + (i_b64 * NEXT_N + r_j) * stride_w + r_h, mask=m_r, other=0.0)
     return b_qt, b_w, b_len, p_rows, m_j
@@ -187,24 +125,48 @@ def _draft_groups(q, w, context_lens, out, i_b64, j0, o_d, stride_qn, stride_qh,
 
 
 @triton.jit
-def _fill_groups(p_r0, m_j0, p_r1, m_j1, p_r2, m_j2, p_r3, m_j3, start, stop, BLOCK_N: tl.constexpr,
-                 NEXT_N: tl.constexpr, GS: tl.constexpr, SUB: tl.constexpr):
-    """-inf at columns [start, stop) of every sub-group's rows (the chunk's tail past the group's reach)."""
-    _fill_neg_inf(p_r0, m_j0, start, stop, BLOCK_N, GS)
-    if SUB > 1 and GS < NEXT_N:
-        _fill_neg_inf(p_r1, m_j1, start, stop, BLOCK_N, GS)
-    if SUB > 2 and 2 * GS < NEXT_N:
-        _fill_neg_inf(p_r2, m_j2, start, stop, BLOCK_N, GS)
-    if SUB > 3 and 3 * GS < NEXT_N:
-        _fill_neg_inf(p_r3, m_j3, start, stop, BLOCK_N, GS)
+def _program_span(q, w, context_lens, out, max_len, stride_qb, stride_qn, stride_qh, stride_w, stride_o,
+                  NEXT_N: tl.constexpr, H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
+                  GS: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, FP8_DOT: tl.constexpr):
+    """What program (g, b, c) of either paged kernel works on: the 4 sub-group tuples and reach of
+    :func:`_draft_groups` for draft rows g * G .., request b (int64), the head-dim offsets ``o_d [D]``, and
+    its output columns [c0, c1), of which [c0, end) are scored: whole BLOCK_N steps up to the group's
+    reach (the tail past it is -inf only)."""
+    i_g, i_b, i_c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b64 = i_b.to(tl.int64)
+    j0 = i_g * G
+    q += i_b64 * stride_qb
+    o_d = tl.arange(0, D)
+    g0, g1, g2, g3, reach = _draft_groups(q, w, context_lens, out, i_b64, j0, o_d, stride_qn, stride_qh, stride_w,
+                                          stride_o, NEXT_N, H, HP, GS, G // GS, FP8_DOT)
+    c0 = i_c * CHUNK
+    c1 = tl.minimum(c0 + CHUNK, max_len)
+    end = c0 + tl.cdiv(tl.maximum(tl.minimum(c1, reach) - c0, 0), BLOCK_N) * BLOCK_N
+    return g0, g1, g2, g3, reach, i_b64, o_d, c0, c1, end
 
 
 @triton.jit
-def _score_rows(b_k, b_ks, b_qt, b_w, b_len, p_rows, m_j, o_t, c1, GS: tl.constexpr, HP: tl.constexpr,
-                CHAIN: tl.constexpr):
-    """Score one step's keys ``b_k [BLOCK_N, D]`` (scales ``b_ks [BLOCK_N]``, positions ``o_t``) for GS draft
-    rows and store them: ``k_scale * sum_h w * relu(k . q)`` below each row's length, -inf from it on."""
+def _fill_groups(g0, g1, g2, g3, start, stop, BLOCK_N: tl.constexpr, NEXT_N: tl.constexpr, GS: tl.constexpr,
+                 SUB: tl.constexpr):
+    """-inf at columns [start, stop) of every sub-group's rows (the chunk's tail past the group's reach)."""
+    fill_neg_inf(g0[3], g0[4], start, stop, BLOCK_N, GS)
+    if SUB > 1 and GS < NEXT_N:
+        fill_neg_inf(g1[3], g1[4], start, stop, BLOCK_N, GS)
+    if SUB > 2 and 2 * GS < NEXT_N:
+        fill_neg_inf(g2[3], g2[4], start, stop, BLOCK_N, GS)
+    if SUB > 3 and 3 * GS < NEXT_N:
+        fill_neg_inf(g3[3], g3[4], start, stop, BLOCK_N, GS)
+
+
+@triton.jit
+def _score_rows(b_k, b_ks, grp, o_t, c1, GS: tl.constexpr, HP: tl.constexpr, CHAIN: tl.constexpr):
+    """Score one step's keys ``b_k [BLOCK_N, D]`` (scales ``b_ks [BLOCK_N]``, positions ``o_t``) for the GS draft
+    rows of ``grp`` (a :func:`_draft_rows` tuple) and store them: ``k_scale * sum_h w * relu(k . q)`` below
+    each row's length, -inf from it on."""
+    b_qt, b_w, b_len, p_rows, m_j = grp
     b_l = _row_logits(b_k, b_ks, b_qt, b_w, b_len, o_t, GS, HP, CHAIN)
+    # not _store_logits(.., False): it builds the mask after the pointers, which reschedules the measured
+    # n = 1 kernel's SASS
     tl.store(p_rows[None, :] + o_t[:, None], b_l, mask=m_j[None, :] & (o_t[:, None] < c1))
 
 
@@ -212,16 +174,11 @@ def _score_rows(b_k, b_ks, b_qt, b_w, b_len, p_rows, m_j, o_t, c1, GS: tl.conste
 def _row_logits(b_k, b_ks, b_qt, b_w, b_len, o_t, GS: tl.constexpr, HP: tl.constexpr, CHAIN: tl.constexpr):
     """``[BLOCK_N, GS]`` logits of keys ``b_k [BLOCK_N, D]`` (scales ``b_ks``, positions ``o_t``) for GS draft rows,
     -inf at and past each row's length."""
-    BLOCK_N: tl.constexpr = b_k.shape[0]
-    # [BLOCK_N, GS * HP]; fp32 accumulation on the tensor cores
-    b_s = tl.dot(b_k, b_qt)
     if CHAIN:
-        b_l = _head_sum_chain(tl.maximum(b_s, 0.0), b_w, BLOCK_N, GS)
+        # [BLOCK_N, GS * HP]; fp32 accumulation on the tensor cores
+        b_l = _head_sum_chain(tl.maximum(tl.dot(b_k, b_qt), 0.0), b_w, b_k.shape[0], GS)
     else:
-        b_s = tl.maximum(b_s, 0.0) * b_w[None, :]
-        # row g's heads are the contiguous columns g * HP .. g * HP + HP - 1 (a free reshape of the
-        # accumulator's layout: no data moves)
-        b_l = tl.sum(tl.reshape(b_s, [BLOCK_N, GS, HP]), axis=2)
+        b_l = gated_relu_sum(b_k, b_qt, b_w, GS, HP)
     # [BLOCK_N, GS]; k_scale > 0 leaves the relu and the head sum: one multiply per (key, row)
     b_l = b_l * b_ks[:, None]
     # per-row causal length: draft j never sees draft j + 1 (and junk past a length is discarded here)
@@ -273,23 +230,9 @@ def indexer_logits_paged_kernel(
     all but the first read the pages from L2.
     """
     SUB: tl.constexpr = G // GS
-    i_g, i_b, i_c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_b64 = i_b.to(tl.int64)
-    j0 = i_g * G
-    q += i_b64 * stride_qb
-    o_d = tl.arange(0, D)
-
-    g0, g1, g2, g3, reach = _draft_groups(q, w, context_lens, out, i_b64, j0, o_d, stride_qn, stride_qh, stride_w,
-                                          stride_o, NEXT_N, H, HP, GS, SUB, FP8_DOT)
-    b_q0, b_w0, b_len0, p_r0, m_j0 = g0
-    b_q1, b_w1, b_len1, p_r1, m_j1 = g1
-    b_q2, b_w2, b_len2, p_r2, m_j2 = g2
-    b_q3, b_w3, b_len3, p_r3, m_j3 = g3
-
-    c0 = i_c * CHUNK
-    c1 = tl.minimum(c0 + CHUNK, max_len)
-    # scored columns [c0, end): whole blocks up to the group's reach; the tail past reach is -inf only
-    end = c0 + tl.cdiv(tl.maximum(tl.minimum(c1, reach) - c0, 0), BLOCK_N) * BLOCK_N
+    g0, g1, g2, g3, reach, i_b64, o_d, c0, c1, end = _program_span(
+        q, w, context_lens, out, max_len, stride_qb, stride_qn, stride_qh, stride_w, stride_o,
+        NEXT_N, H, HP, D, G, GS, BLOCK_N, CHUNK, FP8_DOT)
     o_n = tl.arange(0, BLOCK_N)
     # num_stages on the loop itself makes Triton pipeline the scale and page-id loads too (by default
     # it pipelines only loads that feed a dot), so the page ids, keys and scales of the next
@@ -304,21 +247,19 @@ def indexer_logits_paged_kernel(
         # [BLOCK_N] per-key scales after the page's keys
         b_ks = tl.load(scales + i_p * (PAGE_BYTES // 4) + KEY_BYTES // 4 + o_in)
         if not FP8_DOT:
-            b_k = _e4m3_bits_to_f16(b_k)
-        _score_rows(b_k, b_ks, b_q0, b_w0, b_len0, p_r0, m_j0, o_t, c1, GS, HP, CHAIN)
+            b_k = e4m3_bits_to_f16(b_k)
+        _score_rows(b_k, b_ks, g0, o_t, c1, GS, HP, CHAIN)
         if SUB > 1 and GS < NEXT_N:
-            _score_rows(b_k, b_ks, b_q1, b_w1, b_len1, p_r1, m_j1, o_t, c1, GS, HP, CHAIN)
+            _score_rows(b_k, b_ks, g1, o_t, c1, GS, HP, CHAIN)
         if SUB > 2 and 2 * GS < NEXT_N:
-            _score_rows(b_k, b_ks, b_q2, b_w2, b_len2, p_r2, m_j2, o_t, c1, GS, HP, CHAIN)
+            _score_rows(b_k, b_ks, g2, o_t, c1, GS, HP, CHAIN)
         if SUB > 3 and 3 * GS < NEXT_N:
-            _score_rows(b_k, b_ks, b_q3, b_w3, b_len3, p_r3, m_j3, o_t, c1, GS, HP, CHAIN)
-    _fill_groups(p_r0, m_j0, p_r1, m_j1, p_r2, m_j2, p_r3, m_j3, end, c1, BLOCK_N, NEXT_N, GS, SUB)
+            _score_rows(b_k, b_ks, g3, o_t, c1, GS, HP, CHAIN)
+    _fill_groups(g0, g1, g2, g3, end, c1, BLOCK_N, NEXT_N, GS, SUB)
 
 
 @triton.jit
-def _score_page(key_desc, scales, p_bt, t0, reach, o_n,
-                b_q0, b_w0, b_len0, p_r0, m_j0, b_q1, b_w1, b_len1, p_r1, m_j1,
-                b_q2, b_w2, b_len2, p_r2, m_j2, b_q3, b_w3, b_len3, p_r3, m_j3, c1,
+def _score_page(key_desc, scales, p_bt, t0, reach, o_n, g0, g1, g2, g3, c1,
                 NEXT_N: tl.constexpr, GS: tl.constexpr, SUB: tl.constexpr, HP: tl.constexpr, PAGE: tl.constexpr,
                 PAGE_ROWS: tl.constexpr, PAGE_WORDS: tl.constexpr, KEY_WORDS: tl.constexpr, CHAIN: tl.constexpr,
                 ASM_STORE: tl.constexpr):
@@ -333,17 +274,23 @@ def _score_page(key_desc, scales, p_bt, t0, reach, o_n,
     b_ks = tl.load(scales + i_p.to(tl.int64) * PAGE_WORDS + KEY_WORDS + o_n)
     # positions relative to t0: the per-element masks compare the page offset o_n against per-row scalars
     # (32-bit, one compare) instead of the absolute position against the row length
-    b_l0 = _row_logits(b_k, b_ks, b_q0, b_w0, b_len0 - t0, o_n, GS, HP, CHAIN)
-    _store_logits(p_r0 + t0, m_j0, o_n, c1 - t0, b_l0, ASM_STORE)
+    _score_page_rows(b_k, b_ks, g0, t0, o_n, c1, GS, HP, CHAIN, ASM_STORE)
     if SUB > 1 and GS < NEXT_N:
-        b_l1 = _row_logits(b_k, b_ks, b_q1, b_w1, b_len1 - t0, o_n, GS, HP, CHAIN)
-        _store_logits(p_r1 + t0, m_j1, o_n, c1 - t0, b_l1, ASM_STORE)
+        _score_page_rows(b_k, b_ks, g1, t0, o_n, c1, GS, HP, CHAIN, ASM_STORE)
     if SUB > 2 and 2 * GS < NEXT_N:
-        b_l2 = _row_logits(b_k, b_ks, b_q2, b_w2, b_len2 - t0, o_n, GS, HP, CHAIN)
-        _store_logits(p_r2 + t0, m_j2, o_n, c1 - t0, b_l2, ASM_STORE)
+        _score_page_rows(b_k, b_ks, g2, t0, o_n, c1, GS, HP, CHAIN, ASM_STORE)
     if SUB > 3 and 3 * GS < NEXT_N:
-        b_l3 = _row_logits(b_k, b_ks, b_q3, b_w3, b_len3 - t0, o_n, GS, HP, CHAIN)
-        _store_logits(p_r3 + t0, m_j3, o_n, c1 - t0, b_l3, ASM_STORE)
+        _score_page_rows(b_k, b_ks, g3, t0, o_n, c1, GS, HP, CHAIN, ASM_STORE)
+
+
+@triton.jit
+def _score_page_rows(b_k, b_ks, grp, t0, o_n, c1, GS: tl.constexpr, HP: tl.constexpr, CHAIN: tl.constexpr,
+                     ASM_STORE: tl.constexpr):
+    """One page's keys ``b_k [PAGE, D]`` (scales ``b_ks``) scored for the GS draft rows of ``grp`` and stored
+    at the page's columns ``t0 + o_n``."""
+    b_qt, b_w, b_len, p_rows, m_j = grp
+    b_l = _row_logits(b_k, b_ks, b_qt, b_w, b_len - t0, o_n, GS, HP, CHAIN)
+    _store_logits(p_rows + t0, m_j, o_n, c1 - t0, b_l, ASM_STORE)
 
 
 @triton.jit
@@ -374,50 +321,37 @@ def indexer_logits_paged_tma_kernel(
     """
     SUB: tl.constexpr = G // GS
     BLOCK_N: tl.constexpr = PAGES * PAGE
-    i_g, i_b, i_c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_b64 = i_b.to(tl.int64)
-    j0 = i_g * G
-    q += i_b64 * stride_qb
-    o_d = tl.arange(0, D)
-
-    g0, g1, g2, g3, reach = _draft_groups(q, w, context_lens, out, i_b64, j0, o_d, stride_qn, stride_qh, stride_w,
-                                          stride_o, NEXT_N, H, HP, GS, SUB, True)
-    b_q0, b_w0, b_len0, p_r0, m_j0 = g0
-    b_q1, b_w1, b_len1, p_r1, m_j1 = g1
-    b_q2, b_w2, b_len2, p_r2, m_j2 = g2
-    b_q3, b_w3, b_len3, p_r3, m_j3 = g3
-
-    c0 = i_c * CHUNK
-    c1 = tl.minimum(c0 + CHUNK, max_len)
-    end = c0 + tl.cdiv(tl.maximum(tl.minimum(c1, reach) - c0, 0), BLOCK_N) * BLOCK_N
+    g0, g1, g2, g3, reach, i_b64, o_d, c0, c1, end = _program_span(
+        q, w, context_lens, out, max_len, stride_qb, stride_qn, stride_qh, stride_w, stride_o,
+        NEXT_N, H, HP, D, G, GS, BLOCK_N, CHUNK, True)
     p_bt = block_table + i_b64 * stride_bt
     o_n = tl.arange(0, PAGE)
     for t0 in tl.range(c0, end, BLOCK_N, num_stages=NUM_STAGES):
         t0 = tl.multiple_of(t0, BLOCK_N)
-        _score_page(key_desc, scales, p_bt, t0, reach, o_n,
-                    b_q0, b_w0, b_len0, p_r0, m_j0, b_q1, b_w1, b_len1, p_r1, m_j1,
-                    b_q2, b_w2, b_len2, p_r2, m_j2, b_q3, b_w3, b_len3, p_r3, m_j3, c1,
+        _score_page(key_desc, scales, p_bt, t0, reach, o_n, g0, g1, g2, g3, c1,
                     NEXT_N, GS, SUB, HP, PAGE, PAGE_ROWS, PAGE_WORDS, KEY_WORDS, CHAIN, ASM_STORE)
         if PAGES > 1:
-            _score_page(key_desc, scales, p_bt, t0 + PAGE, reach, o_n,
-                        b_q0, b_w0, b_len0, p_r0, m_j0, b_q1, b_w1, b_len1, p_r1, m_j1,
-                        b_q2, b_w2, b_len2, p_r2, m_j2, b_q3, b_w3, b_len3, p_r3, m_j3, c1,
+            _score_page(key_desc, scales, p_bt, t0 + PAGE, reach, o_n, g0, g1, g2, g3, c1,
                         NEXT_N, GS, SUB, HP, PAGE, PAGE_ROWS, PAGE_WORDS, KEY_WORDS, CHAIN, ASM_STORE)
-    _fill_groups(p_r0, m_j0, p_r1, m_j1, p_r2, m_j2, p_r3, m_j3, end, c1, BLOCK_N, NEXT_N, GS, SUB)
+    _fill_groups(g0, g1, g2, g3, end, c1, BLOCK_N, NEXT_N, GS, SUB)
 
 
 @dataclass(frozen=True)
 class PagedConfig:
-    """Launch shape of the paged kernels; ``None`` fields are chosen by :func:`paged_config`.
+    """Launch configuration of the paged kernels, what tests and benchmarks pass; ``None`` fields are chosen by
+    :func:`paged_config` (the defaults, measured on an H200 at B 64, H 64, ctx ~32K: README.md "Measured").
 
-    Defaults timed on an H200 (triton 3.6, README.md "Tuning"), B 64, H 64, ctx ~32K. TMA kernel (the
-    default on sm_90): one page a step, 64-column dots (one per draft row; n = 4: one 256-column dot over
-    8 warps), 6 stages, logits stored from registers, chunks for ~16 programs a SM (~8 at 8 warps), at
-    least 8 pages. Graph replay µs, n = 1 / 2 / 3 / 4: 76.7 / 95.3 / 132.4 / 185.9 (pointer kernel 82.6 /
-    111.1 / 159.1 / 192.7; DeepGEMM n = 1 / 2: 75.5 / 80.5). Pointer kernel (other GPUs, and the
-    interpreter unless ``tma=True``): n = 1: one 64-column dot, two pages a step; n = 2: two 64-column
-    dots sharing two pages a step; n = 3: three 64-column dots with the fma-chain head sum; n = 4: one
-    256-column dot, one page a step; 4 warps, 6 stages, ~8 programs a SM.
+    TMA kernel (the default on sm_90): one page a step, a 64-column dot per draft row (n = 4: one
+    256-column dot over 8 warps), 6 stages, logits stored from registers, chunks for ~16 programs a SM
+    (~8 at 8 warps), at least 8 pages. Pointer kernel (other GPUs, and the interpreter unless ``tma=True``):
+    n = 1: one 64-column dot, two pages a step; n = 2: two 64-column dots sharing two pages a step; n = 3:
+    three 64-column dots with the fma-chain head sum; n = 4: one 256-column dot, one page a step; 4 warps,
+    6 stages, ~8 programs a SM.
+
+    Tuning knobs (benchmark sweeps): every field but the test hooks. Test hooks, off the default path: ``tma``
+    (True runs the TMA kernel in the interpreter), ``fp8_dot`` (False runs the fp16-upcast path of GPUs
+    before sm_89 on any device). ``chain`` and ``asm_store`` are compile-time switches; their defaults
+    compile the measured kernels.
     """
     block_n: int | None = None   # key positions per loop step (64 = one page); None: see above
     chunk: int | None = None     # output columns per program (a multiple of block_n)
@@ -430,6 +364,7 @@ class PagedConfig:
     max_regs: int | None = None  # ptxas register cap (maxnreg); n = 4 at 168 spills and runs 2.2x slower
     tma: bool | None = None      # keys by TMA copies (whole-page steps); None: on sm_90 CUDA devices
     asm_store: bool = True       # TMA path: store the logits from registers by inline PTX (not interpreted)
+    fp8_dot: bool | None = None  # e4m3 tensor-core dots; None: where the GPU has them (sm_89+), False: fp16
 
 
 class PagedShape(NamedTuple):
@@ -458,7 +393,7 @@ def paged_config(B: int, n: int, H: int, max_len: int, device: torch.device, cfg
         bn = cfg.block_n or PAGE_SIZE
         chain = bool(cfg.chain) and HP == 64  # tl.sum lowers to an fma chain on triton 3.6 already
         warps = cfg.num_warps or (8 if GS * HP == MAX_DOT_N else 4)
-        # ~16 programs a SM (n = 2: 95 vs 101 µs graph at 8), ~8 for the 8-warp dot (n = 4: 186 vs 192)
+        # ~16 programs a SM, ~8 for the 8-warp dot (both measured against the other count)
         per_sm, min_chunk = cfg.programs_per_sm or (8 if warps == 8 else 16), 8 * PAGE_SIZE
     else:
         if cfg.sub_rows is not None:
@@ -508,22 +443,21 @@ def _use_tma(cfg: PagedConfig, index_cache: torch.Tensor, fp8_dot: bool) -> bool
 
 def indexer_logits_paged(q_fp8: torch.Tensor, index_cache: torch.Tensor, weights: torch.Tensor,
                          context_lens: torch.Tensor, block_table: torch.Tensor, max_context_len: int,
-                         config: PagedConfig | None = None, fp8_dot: bool | None = None,
-                         out: torch.Tensor | None = None) -> torch.Tensor:
+                         config: PagedConfig | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Paged indexer logits; arguments as :func:`flashdsa.ops.indexer_logits_paged` (validated there).
 
     ``q_fp8 [B, n, H, 128] e4m3``, ``index_cache [P, 8448] u8``, ``weights [B * n, H] f32``,
     ``context_lens [B, n] i32``, ``block_table [B, maxp] i32`` -> ``[B * n, max_context_len] f32``.
-    ``config`` overrides the launch shape (benchmarks); ``fp8_dot=False`` forces the fp16 upcast path;
-    ``out`` is an optional preallocated ``[B * n, max_context_len] f32`` buffer (every element is written).
-    Dispatch: the TMA kernel on sm_90 (see :func:`_use_tma`), the pointer kernel elsewhere.
+    ``config`` overrides the launch (tests, benchmarks); ``out`` is an optional preallocated
+    ``[B * n, max_context_len] f32`` buffer (every element is written). Dispatch: the TMA kernel on sm_90
+    (see :func:`_use_tma`), the pointer kernel elsewhere.
     """
     B, n, H, D = q_fp8.shape
-    out = _output(out, (B * n, max_context_len), q_fp8.device)
+    out = logits_buffer(out, (B * n, max_context_len), q_fp8.device)
     if out.numel() == 0:
         return out
     cfg = config or PagedConfig()
-    fp8_dot = _fp8_dot_supported(q_fp8.device) if fp8_dot is None else fp8_dot
+    fp8_dot = fp8_dot_supported(q_fp8.device) if cfg.fp8_dot is None else cfg.fp8_dot
     index_cache = index_cache.contiguous()
     tma = _use_tma(cfg, index_cache, fp8_dot)
     if cfg.tma and not tma:
@@ -565,149 +499,5 @@ def indexer_logits_paged(q_fp8: torch.Tensor, index_cache: torch.Tensor, weights
         NEXT_N=n, H=H, HP=HP, D=D, G=G, GS=GS, BLOCK_N=bn, CHUNK=chunk,
         PAGE=PAGE_SIZE, PAGE_BYTES=INDEX_PAGE_BYTES, KEY_BYTES=INDEX_KEY_BYTES, FP8_DOT=fp8_dot,
         CHAIN=chain, NUM_STAGES=cfg.num_stages, **launch,
-    )
-    return out
-
-
-# ---- ragged -------------------------------------------------------------------------------------------
-
-@triton.jit
-def indexer_logits_ragged_kernel(
-    q,        # [T, H, D] e4m3 (uint8 bits when not FP8_DOT)
-    k,        # [N, D] e4m3 (uint8 bits when not FP8_DOT)
-    k_scale,  # [N] f32
-    w,        # [T, H] f32
-    ks, ke,   # [T] i32
-    out,      # [T, N] f32
-    T, N,
-    stride_qt, stride_qh, stride_k, stride_w, stride_o,
-    H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-    G: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, FP8_DOT: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
-):
-    """Program (m, c): query rows m * G .. m * G + G - 1, key columns [c * CHUNK, (c + 1) * CHUNK).
-
-    Keys are scored only between the block's smallest ks and largest ke (of its non-empty rows); the
-    rest of the chunk is filled with -inf. Programs run heaviest-first (causal rows grow with m).
-    """
-    i_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    i_c = tl.program_id(1)
-
-    # [G] rows of this block and their key ranges
-    o_i = i_m * G + tl.arange(0, G)
-    m_i = o_i < T
-    b_ks = tl.load(ks + o_i, mask=m_i, other=0)
-    b_ke = tl.load(ke + o_i, mask=m_i, other=0)
-    nonempty = b_ke > b_ks
-    lo = tl.min(tl.where(nonempty, b_ks, N), axis=0)
-    hi = tl.max(tl.where(nonempty, b_ke, 0), axis=0)
-    p_rows = out + o_i.to(tl.int64) * stride_o
-
-    # [G * HP] (row, head) pairs on the dot's N side; padded rows / heads get q = w = 0
-    o_r = tl.arange(0, G * HP)
-    r_i = (i_m * G + o_r // HP).to(tl.int64)
-    r_h = o_r % HP
-    m_r = (r_i < T) & (r_h < H)
-    o_d = tl.arange(0, DP)
-    m_d = o_d < D
-    # [DP, G * HP] stays resident while the keys stream past (loaded transposed, as in the paged kernel)
-    b_qt = tl.load(q + r_i[None, :] * stride_qt + r_h[None, :] * stride_qh + o_d[:, None],
-                   mask=m_r[None, :] & m_d[:, None], other=0.0)
-    if not FP8_DOT:
-        b_qt = _e4m3_bits_to_f16(b_qt)
-    # [G * HP]
-    b_w = tl.load(w + r_i * stride_w + r_h, mask=m_r, other=0.0)
-
-    c0 = i_c * CHUNK
-    c1 = tl.minimum(c0 + CHUNK, N)
-    start = tl.minimum(tl.maximum(c0, lo // BLOCK_N * BLOCK_N), c1)
-    end = start + tl.cdiv(tl.maximum(tl.minimum(c1, hi) - start, 0), BLOCK_N) * BLOCK_N
-    _fill_neg_inf(p_rows, m_i, c0, start, BLOCK_N, G)
-    o_n = tl.arange(0, BLOCK_N)
-    for t0 in tl.range(start, end, BLOCK_N, num_stages=NUM_STAGES):
-        o_t = tl.multiple_of(t0, BLOCK_N) + o_n
-        # clamp instead of masking: the last block's extra rows re-read key N - 1 and are never stored
-        o_tk = tl.minimum(o_t, N - 1).to(tl.int64)
-        # [BLOCK_N, DP]
-        b_k = tl.load(k + o_tk[:, None] * stride_k + o_d[None, :], mask=m_d[None, :], other=0.0)
-        # [BLOCK_N]
-        b_sc = tl.load(k_scale + o_tk)
-        if not FP8_DOT:
-            b_k = _e4m3_bits_to_f16(b_k)
-        # [BLOCK_N, G]
-        b_l = _gated_relu_sum(b_k, b_qt, b_w, G, HP) * b_sc[:, None]
-        vis = (o_t[:, None] >= b_ks[None, :]) & (o_t[:, None] < b_ke[None, :])
-        b_l = tl.where(vis, b_l, float("-inf"))
-        tl.store(p_rows[None, :] + o_t[:, None], b_l, mask=m_i[None, :] & (o_t[:, None] < c1))
-    _fill_neg_inf(p_rows, m_i, end, c1, BLOCK_N, G)
-
-
-@dataclass(frozen=True)
-class RaggedConfig:
-    """Launch shape of the ragged kernel; ``None`` fields are chosen by :func:`ragged_config`.
-
-    64 keys x 256 (row, head) columns a step in one warpgroup: 230 registers a thread, two programs an
-    SM (their dots and CUDA-core epilogues overlap); 4 stages keep three key blocks in flight.
-    """
-    block_n: int = 64         # keys per loop step (the dot's M)
-    rows: int | None = None   # query rows per program (G); G * HP is the dot's N
-    chunk: int | None = None  # key columns per program
-    num_warps: int = 4
-    num_stages: int = 4
-
-
-def ragged_config(T: int, N: int, H: int, D: int, device: torch.device,
-                  cfg: RaggedConfig | None = None) -> tuple[int, int, int, int, int]:
-    """``(G, HP, DP, block_n, chunk)``: G rows x HP heads per dot; key columns split only when the row
-    blocks alone give fewer than 4 programs per SM."""
-    cfg = cfg or RaggedConfig()
-    HP = max(16, next_pow2(H))
-    DP = max(32, next_pow2(D))
-    G = cfg.rows or max(1, MAX_DOT_N // HP)
-    bn = cfg.block_n
-    if cfg.chunk is not None:
-        chunk = cfg.chunk
-    else:
-        m_blocks = cdiv(T, G)
-        n_blocks = cdiv(max(N, 1), bn)
-        splits = min(n_blocks, max(1, cdiv(4 * num_sms(device), max(m_blocks, 1))))
-        chunk = cdiv(n_blocks, splits) * bn
-    if bn < 16 or bn & (bn - 1) or chunk % bn:
-        raise ValueError(f"config: block_n must be a power of two >= 16 dividing chunk, got {bn}, {chunk}")
-    return G, HP, DP, bn, chunk
-
-
-def indexer_logits_ragged(q_fp8: torch.Tensor, k_fp8: torch.Tensor, k_scale: torch.Tensor, weights: torch.Tensor,
-                          ks: torch.Tensor, ke: torch.Tensor, config: RaggedConfig | None = None,
-                          fp8_dot: bool | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Ragged indexer logits; arguments as :func:`flashdsa.ops.indexer_logits_ragged` (validated there).
-
-    ``q_fp8 [T, H, D] e4m3``, ``k_fp8 [N, D] e4m3``, ``k_scale [N] f32``, ``weights [T, H] f32``,
-    ``ks, ke [T] i32`` -> ``[T, N] f32``. ``config``, ``fp8_dot``, ``out`` as in :func:`indexer_logits_paged`.
-    """
-    T, H, D = q_fp8.shape
-    N = k_fp8.shape[0]
-    out = _output(out, (T, N), q_fp8.device)
-    if out.numel() == 0:
-        return out
-    cfg = config or RaggedConfig()
-    G, HP, DP, bn, chunk = ragged_config(T, N, H, D, q_fp8.device, cfg)
-    fp8_dot = _fp8_dot_supported(q_fp8.device) if fp8_dot is None else fp8_dot
-    if q_fp8.stride(-1) != 1:
-        q_fp8 = q_fp8.contiguous()
-    if k_fp8.stride(-1) != 1:
-        k_fp8 = k_fp8.contiguous()
-    if weights.stride(-1) != 1:
-        weights = weights.contiguous()
-    q_in = q_fp8 if fp8_dot else q_fp8.view(torch.uint8)
-    k_in = k_fp8 if fp8_dot else k_fp8.view(torch.uint8)
-    grid = (cdiv(T, G), cdiv(N, chunk))
-    indexer_logits_ragged_kernel[grid](
-        q=q_in, k=k_in, k_scale=k_scale.contiguous(), w=weights, ks=ks.contiguous(), ke=ke.contiguous(),
-        out=out, T=T, N=N,
-        stride_qt=q_in.stride(0), stride_qh=q_in.stride(1), stride_k=k_in.stride(0),
-        stride_w=weights.stride(0), stride_o=out.stride(0),
-        H=H, HP=HP, D=D, DP=DP, G=G, BLOCK_N=bn, CHUNK=chunk, FP8_DOT=fp8_dot,
-        NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
