@@ -129,6 +129,11 @@ def _with_flag(message: str, parser: argparse.ArgumentParser) -> str:
     return message
 
 
+def _subparser(parser: argparse.ArgumentParser, cmd: str) -> argparse.ArgumentParser:
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[cmd]
+
+
 def _out_of_memory(e: BaseException) -> bool:
     import torch
 
@@ -136,12 +141,18 @@ def _out_of_memory(e: BaseException) -> bool:
             or isinstance(e, RuntimeError) and "can't allocate memory" in str(e))
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The ``flashdsa`` parser; its errors raise :class:`UsageError` instead of exiting."""
     parser = _Parser(prog="flashdsa", description="DeepSeek Sparse Attention, end to end.")
     sub = parser.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
     # One _add_<cmd>(sub) per subcommand, each wiring its own handler.
     for add in (_add_demo, _add_plan, _add_bench):
         add(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     try:
         args = parser.parse_args(argv)
     except UsageError as e:
@@ -150,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except ValueError as e:
-        print(f"flashdsa {args.cmd}: {_with_flag(str(e), sub.choices[args.cmd])}", file=sys.stderr)
+        print(f"flashdsa {args.cmd}: {_with_flag(str(e), _subparser(parser, args.cmd))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"flashdsa {args.cmd}: interrupted", file=sys.stderr)
