@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 
@@ -163,6 +164,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"flashdsa {args.cmd}: {_with_flag(str(e), _subparser(parser, args.cmd))}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # The reader went away (``flashdsa plan | head``): say nothing more, and keep the interpreter's
+        # final flush of stdout from raising again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except KeyboardInterrupt:
         print(f"flashdsa {args.cmd}: interrupted", file=sys.stderr)
         return 130

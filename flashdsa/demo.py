@@ -113,7 +113,7 @@ def _scenario(cfg: DSAConfig, next_n: int) -> tuple[dict[str, int], list[int], i
     return lens, cuts, pages
 
 
-def _tokens_processed(lens: dict[str, int], cuts: list[int], next_n: int) -> int:
+def _tokens_processed(lens: dict[str, int], next_n: int) -> int:
     """Tokens the whole demo pushes through the model: warm-up and timed serving, then the checks."""
     B = len(lens)
     serve = sum(lens.values()) + DECODE_STEPS * B + next_n * B
@@ -334,7 +334,7 @@ def run_demo(preset: str = "tiny", device: str = "cpu", next_n: int = 2, seed: i
         f"{cfg.skip_topk_layers}), {cfg.num_attention_heads} heads, topk {k}, on {dev}, KV {kv_format}")
     log(f"[demo] memory estimate {_gb(est['total'])} (weights {_gb(est['weights'])}, KV {_gb(est['kv'])}, "
         f"activations {_gb(est['activations'])}); {'n/a' if avail is None else _gb(avail)} free")
-    work = 2 * matmul_params * _tokens_processed(lens, cuts, next_n)  # a multiply-add per weight and token
+    work = 2 * matmul_params * _tokens_processed(lens, next_n)  # a multiply-add per weight and token
     if dev.type == "cpu" and work > 1e12:
         rate = _cpu_matmul_rate()
         log(f"[demo] about {work / 1e12:.0f} TFLOP of bf16 matmuls: roughly {work / rate / 60:.0f} min at this "
