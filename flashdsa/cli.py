@@ -1,11 +1,29 @@
 """Command line: ``flashdsa demo`` (the main job), ``flashdsa plan`` (the DSA cost model) and ``flashdsa bench``
-(our ops vs the peers on the GPU)."""
+(our ops vs the peers on the GPU).
+
+A user error (a bad flag or value, a preset that does not fit) is one line on stderr and exit code 2,
+never a traceback: argparse's errors and the ValueErrors the commands raise are both caught in
+:func:`main`, and a ValueError that names an argument (``"layers: ..."``) is shown with its flag
+(``"--layers: ..."``).
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import sys
+
+
+class UsageError(Exception):
+    """A bad command line, reported by :func:`main` as one line."""
+
+
+class _Parser(argparse.ArgumentParser):
+    # argparse prints the whole usage block before its one-line error and exits; keep just the line.
+    def error(self, message: str):
+        raise UsageError(f"{self.prog}: {message} (see {self.prog} --help)")
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -13,7 +31,7 @@ def _demo(args: argparse.Namespace) -> int:
 
     report = run_demo(preset=args.preset, device=args.device, next_n=args.next_n, seed=args.seed,
                       backend=args.backend, layers=args.layers, kv_format=args.kv_format,
-                      log=None if args.json else print)
+                      log=None if args.json else print, force=args.force)
     if args.json:
         print(json.dumps(report))
     return 0 if report["ok"] else 1
@@ -33,7 +51,8 @@ def _add_plan(sub) -> None:
     from flashdsa.config import PRESETS
     from flashdsa.plan import DEFAULT_CONTEXT, DEFAULT_GPUS, PARALLEL_MODES
 
-    plan = sub.add_parser("plan", help="the DSA cost model: KV bytes, FLOPs, crossover, TP vs CP traffic, memory")
+    about = "the DSA cost model: KV bytes, FLOPs, crossover, TP vs CP traffic, memory"
+    plan = sub.add_parser("plan", help=about, description=about)
     src = plan.add_mutually_exclusive_group()
     src.add_argument("--preset", default=None, choices=sorted(PRESETS), help="a built-in model (default: v32)")
     src.add_argument("--config", default=None, help="an HF config.json, or a folder holding one")
@@ -59,8 +78,9 @@ def _bench(args: argparse.Namespace) -> int:
 def _add_bench(sub) -> None:
     from flashdsa.bench import OPS
 
-    bench = sub.add_parser("bench", help="time our ops against the peers that import (DeepGEMM, FlashMLA, "
-                                         "sgl-kernel fast_topk, torch) at SPEC section 9's shapes, checked first")
+    about = ("time our ops against the peers that import (DeepGEMM, FlashMLA, sgl-kernel fast_topk, torch) "
+             "at the shapes of docs/DSA.md §9, checked first")
+    bench = sub.add_parser("bench", help=about, description=about)
     bench.add_argument("--ops", default=",".join(OPS), help=f"comma-separated subset of {','.join(OPS)} (default: all)")
     bench.add_argument("--quick", action="store_true", help="the smallest useful subset (under a minute on an H200)")
     bench.add_argument("--json", default=None, metavar="OUT.json", help="write every row, the device and the ceilings")
@@ -77,33 +97,88 @@ def _add_bench(sub) -> None:
     bench.set_defaults(func=_bench)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="flashdsa", description="DeepSeek Sparse Attention, end to end.")
-    sub = parser.add_subparsers(dest="cmd", required=True)
+def _add_demo(sub) -> None:
+    from flashdsa.config import PRESETS
+    from flashdsa.demo import KV_FORMATS
 
-    demo = sub.add_parser("demo", help="run the DSA pipeline on a preset and check it")
-    demo.add_argument("--preset", default="tiny", choices=["tiny", "v32", "glm5"])
-    demo.add_argument("--device", default="cpu", help="cpu or cuda")
-    demo.add_argument("--next-n", type=int, default=2, help="draft tokens per request in the MTP verify step")
+    about = "serve a random model of a preset through the DSA pipeline and check it"
+    demo = sub.add_parser("demo", help=about, description=about + (
+        "; refuses a preset whose memory estimate (weights + KV caches + activations) exceeds the device's "
+        "free memory, and says how many layers fit"))
+    demo.add_argument("--preset", default="tiny", choices=sorted(PRESETS),
+                      help="model shapes: tiny (CPU, seconds), v32 (DeepSeek-V3.2) or glm5 (GLM-5); default tiny")
+    demo.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    demo.add_argument("--next-n", type=int, default=2, help="draft tokens per request in the MTP verify step (>= 1)")
     demo.add_argument("--backend", default=None, choices=["torch", "triton"],
                       help="force an op backend (default: triton on CUDA, torch on CPU)")
     demo.add_argument("--layers", type=int, default=None, help="keep only the first N layers of the preset")
-    demo.add_argument("--kv-format", default="fp8", choices=["fp8", "bf16", "fp8_raw"],
-                      help="MLA cache format (fp8 = FlashMLA's 656-B layout)")
-    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--kv-format", default="fp8", choices=list(KV_FORMATS),
+                      help="MLA cache: fp8 = FlashMLA's 656-B layout (default), bf16 = 1152 B, fp8_raw = 576 B")
+    demo.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompts")
+    demo.add_argument("--force", action="store_true",
+                      help="run even when the memory estimate exceeds the device's free memory")
     demo.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
     demo.set_defaults(func=_demo)
 
-    # One _add_<cmd>(sub) per further subcommand, each wiring its own handler.
-    _add_plan(sub)
-    _add_bench(sub)
 
-    args = parser.parse_args(argv)
+def _with_flag(message: str, parser: argparse.ArgumentParser) -> str:
+    """``"next_n: ..."`` -> ``"--next-n: ..."`` when the command has that flag."""
+    m = re.match(r"(\w+): ", message)
+    flag = m and "--" + m[1].replace("_", "-")
+    if flag and flag in parser._option_string_actions:
+        return flag + message[len(m[1]):]
+    return message
+
+
+def _subparser(parser: argparse.ArgumentParser, cmd: str) -> argparse.ArgumentParser:
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[cmd]
+
+
+def _out_of_memory(e: BaseException) -> bool:
+    import torch
+
+    return (isinstance(e, (MemoryError, torch.OutOfMemoryError))
+            or isinstance(e, RuntimeError) and "can't allocate memory" in str(e))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``flashdsa`` parser; its errors raise :class:`UsageError` instead of exiting."""
+    parser = _Parser(prog="flashdsa", description="DeepSeek Sparse Attention, end to end.")
+    sub = parser.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
+    # One _add_<cmd>(sub) per subcommand, each wiring its own handler.
+    for add in (_add_demo, _add_plan, _add_bench):
+        add(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except UsageError as e:
+        print(e, file=sys.stderr)
+        return 2
     try:
         return args.func(args)
     except ValueError as e:
-        print(f"flashdsa {args.cmd}: {e}", file=sys.stderr)
+        print(f"flashdsa {args.cmd}: {_with_flag(str(e), _subparser(parser, args.cmd))}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # The reader went away (``flashdsa plan | head``): say nothing more, and keep the interpreter's
+        # final flush of stdout from raising again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    except KeyboardInterrupt:
+        print(f"flashdsa {args.cmd}: interrupted", file=sys.stderr)
+        return 130
+    except (MemoryError, RuntimeError) as e:
+        if not _out_of_memory(e):
+            raise
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        hint = "; the memory estimate fell short: try fewer --layers or another --device" if args.cmd == "demo" else ""
+        print(f"flashdsa {args.cmd}: out of memory ({first}){hint}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":
