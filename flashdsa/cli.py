@@ -123,7 +123,7 @@ def _add_demo(sub) -> None:
 
 def _with_flag(message: str, parser: argparse.ArgumentParser) -> str:
     """``"next_n: ..."`` -> ``"--next-n: ..."`` when the command has that flag."""
-    m = re.match(r"(\w+): ", message)
+    m = re.match(r"([\w-]+): ", message)
     flag = m and "--" + m[1].replace("_", "-")
     if flag and flag in parser._option_string_actions:
         return flag + message[len(m[1]):]

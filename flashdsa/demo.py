@@ -410,7 +410,7 @@ def run_demo(preset: str = "tiny", device: str = "cpu", next_n: int = 2, seed: i
         fit = {r: prompts[r] for r in ("short", "at_topk")}
         dense_run = runner(record=True)
         dense_logits = dense_run.extend(fit)
-        dense_ran = not dense_run.selections  # the dense path records no selection
+        dense_ran = all(s is None for s in dense_run.selections.values())  # the dense path selects nothing
         dense = _Diff().add(runner().extend(fit, force_sparse=True), dense_logits)
         del dense_run, dense_logits
 

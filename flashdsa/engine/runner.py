@@ -42,7 +42,8 @@ class Runner:
         backend:         force the ops' backend ("torch" / "triton"); default per device.
         dense_threshold: extend runs the dense fallback when every kv length <= this (default index_topk);
                          0 disables the fallback.
-        record:          keep each layer's selection of the last batch in ``self.selections`` (tests).
+        record:          keep each layer's selection of the last batch in ``self.selections`` (tests; None
+                         for a layer that ran the dense fallback).
         max_logits_bytes: the largest indexer-logits buffer one prefill chunk of query rows may use.
 
     The caches (MLA, indexer, and the float key stores of exact-precision indexers) are ``self.pool``'s.
