@@ -2,8 +2,9 @@
 (our ops vs the peers on the GPU).
 
 A user error (a bad flag or value, a preset that does not fit) is one line on stderr and exit code 2,
-never a traceback: argparse's errors (which would print the whole usage block first) and the
-ValueErrors the commands raise, which name the argument, are both reported as one line.
+never a traceback: argparse's errors and the ValueErrors the commands raise are both caught in
+:func:`main`, and a ValueError that names an argument (``"layers: ..."``) is shown with its flag
+(``"--layers: ..."``).
 """
 
 from __future__ import annotations
@@ -11,13 +12,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 
 
+class UsageError(Exception):
+    """A bad command line, reported by :func:`main` as one line."""
+
+
 class _Parser(argparse.ArgumentParser):
+    # argparse prints the whole usage block before its one-line error and exits; keep just the line.
     def error(self, message: str):
-        # argparse prints the whole usage block before its error; keep one line, and its exit code 2.
-        self.exit(2, f"{self.prog}: {message}; usage: {self.prog} --help\n")
+        raise UsageError(f"{self.prog}: {message} (see {self.prog} --help)")
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -115,6 +121,20 @@ def _add_demo(sub) -> None:
     demo.set_defaults(func=_demo)
 
 
+def _with_flag(message: str, parser: argparse.ArgumentParser) -> str:
+    """``"next_n: ..."`` -> ``"--next-n: ..."`` when the command has that flag."""
+    m = re.match(r"(\w+): ", message)
+    flag = m and "--" + m[1].replace("_", "-")
+    if flag and flag in parser._option_string_actions:
+        return flag + message[len(m[1]):]
+    return message
+
+
+def _subparser(parser: argparse.ArgumentParser, cmd: str) -> argparse.ArgumentParser:
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[cmd]
+
+
 def _out_of_memory(e: BaseException) -> bool:
     import torch
 
@@ -123,7 +143,7 @@ def _out_of_memory(e: BaseException) -> bool:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``flashdsa`` parser (an error exits with code 2 after one line on stderr)."""
+    """The ``flashdsa`` parser; its errors raise :class:`UsageError` instead of exiting."""
     parser = _Parser(prog="flashdsa", description="DeepSeek Sparse Attention, end to end.")
     sub = parser.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
     # One _add_<cmd>(sub) per subcommand, each wiring its own handler.
@@ -133,11 +153,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except UsageError as e:
+        print(e, file=sys.stderr)
+        return 2
     try:
         return args.func(args)
     except ValueError as e:
-        print(f"flashdsa {args.cmd}: {e}", file=sys.stderr)
+        print(f"flashdsa {args.cmd}: {_with_flag(str(e), _subparser(parser, args.cmd))}", file=sys.stderr)
         return 2
     except BrokenPipeError:
         # The reader went away (``flashdsa plan | head``): say nothing more, and keep the interpreter's
