@@ -26,7 +26,7 @@ import torch
 from flashdsa.cache import layouts
 from flashdsa.cache.allocator import BLOCK_TABLE_PAD, PageAllocator, slots_from_pages
 from flashdsa.config import DSAConfig
-from flashdsa._checks import check_range
+from flashdsa._checks import check_slots
 from flashdsa.quant import FP8
 
 _MLA_DTYPE = {"bf16": torch.bfloat16, "fp8": torch.uint8, "fp8_raw": torch.uint8}
@@ -150,17 +150,19 @@ class KVPool:
         """Store N tokens' MLA rows (quantised per ``kv_format``) and, optionally, M indexer keys.
 
         Args:
-            slots:         ``[N] int`` MLA slots (``slots()``), distinct.
+            slots:         ``[N] int`` MLA slots (``slots()``), distinct (ValueError otherwise, when value
+                           checks are on).
             kv:            ``[N, 576]`` float: 512 latent + 64 rope.
             index_k_fp8:   ``[M, 128] float8_e4m3fn`` indexer keys (M = N with c = 1; pooled keys with c > 1).
             index_k_scale: ``[M] float32``, given together with ``index_k_fp8``.
-            index_slots:   ``[M] int`` (``index_slots()``); defaults to ``slots`` when c = 1, required when c > 1.
+            index_slots:   ``[M] int`` (``index_slots()``), distinct; defaults to ``slots`` when c = 1, required
+                           when c > 1.
 
         Every argument is checked before any byte is written; only the given slots change.
         ValueError for index keys on a layer without an indexer cache.
         """
         mla = self.mla_cache(layer)
-        _check_slots("slots", slots, self.num_pages * self.page_size)
+        check_slots("slots", slots, self.num_pages * self.page_size, distinct=True)
         if not (isinstance(kv, torch.Tensor) and kv.dim() == 2 and kv.shape[1] == layouts.MLA_DIM
                 and kv.is_floating_point() and kv.shape[0] == slots.shape[0]):
             _fail("kv", f"a float tensor [{slots.shape[0]}, {layouts.MLA_DIM}] (one row per slot)",
@@ -176,7 +178,7 @@ class KVPool:
                 if self.kpool > 1:
                     _fail("index_slots", f"the pooled keys' slots (index_slots()) with kpool {self.kpool}", None)
                 index_slots = slots
-            _check_slots("index_slots", index_slots, self.num_pages * layouts.PAGE_SIZE)
+            check_slots("index_slots", index_slots, self.num_pages * layouts.PAGE_SIZE, distinct=True)
             m = index_slots.shape[0]
             if not (isinstance(index_k_fp8, torch.Tensor) and index_k_fp8.dtype == FP8
                     and index_k_fp8.shape == (m, layouts.INDEX_DIM)):
@@ -192,12 +194,12 @@ class KVPool:
 
     def read(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
         """Dequantised MLA rows: ``slots [N] -> [N, 576] bf16``."""
-        _check_slots("slots", slots, self.num_pages * self.page_size)
+        check_slots("slots", slots, self.num_pages * self.page_size)
         return layouts.gather_mla(self.mla_cache(layer), slots.to(self.device), self.kv_scale)
 
     def read_index(self, layer: int, index_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Indexer keys: ``index_slots [M] -> k_fp8 [M, 128] e4m3, k_scale [M] f32``."""
-        _check_slots("index_slots", index_slots, self.num_pages * layouts.PAGE_SIZE)
+        check_slots("index_slots", index_slots, self.num_pages * layouts.PAGE_SIZE)
         return layouts.gather_index_keys(self.index_cache(layer), index_slots.to(self.device))
 
     # ---- memory ----------------------------------------------------------------------------------
@@ -234,11 +236,3 @@ class KVPool:
 
 def _describe(t) -> str:
     return f"{t.dtype} {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
-
-
-def _check_slots(name: str, slots, limit: int) -> None:
-    """1-D integer tensor with values in [0, limit); checked before any write."""
-    if not (isinstance(slots, torch.Tensor) and slots.dim() == 1 and not slots.is_floating_point()
-            and not slots.is_complex() and slots.dtype != torch.bool):
-        _fail(name, "a 1-D integer tensor", _describe(slots))
-    check_range(name, slots, 0, limit - 1)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from flashdsa.ops._common import check_tensor, fail, pick_backend
+from flashdsa.ops._common import check_tensor, dense, fail, pick_backend
 from flashdsa.ops.indexer_quant import reference
 
 HEAD_DIM = 128
@@ -50,5 +50,6 @@ def indexer_quant(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interle
     check_tensor("sin", sin, dtype=torch.float32, shape=(T, ROPE_HALF), device=x.device)
     if not isinstance(interleave, bool):
         fail("interleave", "a bool", type(interleave).__name__)
+    cos, sin = dense(cos, sin)
     impl = pick_backend(backend, _IMPLS, x.device, "indexer_quant")
     return impl(x, cos, sin, interleave)
