@@ -79,3 +79,20 @@ def check_slots(name: str, slots, limit: int, *, distinct: bool = False) -> None
         repeated = s[1:][s[1:] == s[:-1]]
         if repeated.numel():
             fail(name, "distinct slots", f"slot {int(repeated[0])} more than once")
+
+
+def check_finite(name: str, t: torch.Tensor, bound: float | None = None) -> None:
+    """Raise ValueError unless every element of ``t`` is finite (float8_e4m3fn: no NaN code, it has no
+    inf) and, if given, ``|t| <= bound``; skipped when value checks are off. For inputs on which the
+    backends' NaN / inf handling differs (the kernels' max, ReLU and conversions do not propagate NaN as
+    torch does), and ``bound`` for those whose intermediates would overflow to inf."""
+    if t.numel() == 0 or not value_checks_enabled(t):
+        return
+    if t.dtype == torch.float8_e4m3fn:
+        if bool(((t.view(torch.uint8) & 0x7F) == 0x7F).any()):
+            fail(name, "finite values", "an e4m3 NaN code (0x7F / 0xFF)")
+        return
+    amax = float(t.abs().amax())  # NaN if any element is NaN
+    if not amax <= (float("inf") if bound is None else bound) or amax == float("inf"):
+        fail(name, "finite values" if bound is None else f"finite values with |values| <= {bound:g}",
+             f"max |value| {amax}")

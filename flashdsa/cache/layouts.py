@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from flashdsa._checks import check_slots
+from flashdsa._checks import check_finite, check_slots
 from flashdsa.quant import FP8, FP8_MAX, act_quant
 
 PAGE_SIZE = 64
@@ -48,6 +48,12 @@ def _check(cond: bool, name: str, expected: str, got) -> None:
 
 def _describe(t) -> str:
     return f"{t.dtype} {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+
+
+def _check_device(cache: torch.Tensor, **rows: torch.Tensor) -> None:
+    """The rows a writer stores live where the cache does (slots may live anywhere: they are moved)."""
+    for name, t in rows.items():
+        _check(t.device == cache.device, name, f"a tensor on {cache.device} (the cache's device)", t.device)
 
 
 # ---- indexer cache ---------------------------------------------------------------------------------
@@ -112,7 +118,9 @@ def store_index_keys(index_cache: torch.Tensor, slots: torch.Tensor, k_fp8: torc
            "k_fp8", f"float8_e4m3fn [{slots.shape[0]}, {INDEX_DIM}]", _describe(k_fp8))
     _check(isinstance(k_scale, torch.Tensor) and k_scale.shape == (slots.shape[0],) and k_scale.dtype == torch.float32,
            "k_scale", f"float32 [{slots.shape[0]}]", _describe(k_scale))
-    slots = slots.long()
+    _check_device(index_cache, k_fp8=k_fp8, k_scale=k_scale)
+    check_finite("k_fp8", k_fp8)  # a NaN key would make the indexer backends disagree (ops.indexer_logits_paged)
+    slots = slots.to(index_cache.device, torch.int64)
     page, row = slots // PAGE_SIZE, slots % PAGE_SIZE
     keys[page, row] = k_fp8
     scales[page, row] = k_scale
@@ -122,7 +130,7 @@ def gather_index_keys(index_cache: torch.Tensor, slots: torch.Tensor) -> tuple[t
     """Read keys back: ``slots [N] int -> k_fp8 [N, 128] e4m3, k_scale [N] f32``; slots in ``[0, 64 P)``."""
     keys, scales = index_page_views(index_cache)
     check_slots("slots", slots, keys.shape[0] * PAGE_SIZE)
-    slots = slots.long()
+    slots = slots.to(index_cache.device, torch.int64)
     return keys[slots // PAGE_SIZE, slots % PAGE_SIZE], scales[slots // PAGE_SIZE, slots % PAGE_SIZE]
 
 
@@ -182,17 +190,18 @@ def dequantize_mla_576(packed: torch.Tensor, scale: float) -> torch.Tensor:
     return (packed.view(FP8).float() * scale).to(torch.bfloat16)
 
 
-def mla_cache_format(kv_cache: torch.Tensor) -> str:
-    """Which MLA format a paged cache holds, from its dtype and last dim: 'bf16', 'fp8' or 'fp8_raw'."""
+def mla_cache_format(kv_cache: torch.Tensor, name: str = "kv_cache") -> str:
+    """Which MLA format a paged cache holds, from its dtype and last dim: 'bf16', 'fp8' or 'fp8_raw'
+    (ValueError naming ``name`` for anything else)."""
     if not isinstance(kv_cache, torch.Tensor) or kv_cache.dim() == 0:
-        raise ValueError(f"kv_cache: expected a tensor [..., width], got {_describe(kv_cache)}")
+        raise ValueError(f"{name}: expected a tensor [..., width], got {_describe(kv_cache)}")
     if kv_cache.dtype == torch.bfloat16 and kv_cache.shape[-1] == MLA_DIM:
         return "bf16"
     if kv_cache.dtype == torch.uint8 and kv_cache.shape[-1] == MLA_FP8_BYTES:
         return "fp8"
     if kv_cache.dtype == torch.uint8 and kv_cache.shape[-1] == MLA_FP8_RAW_BYTES:
         return "fp8_raw"
-    raise ValueError(f"kv_cache: expected bf16 [..., {MLA_DIM}], uint8 [..., {MLA_FP8_BYTES}] or uint8 "
+    raise ValueError(f"{name}: expected bf16 [..., {MLA_DIM}], uint8 [..., {MLA_FP8_BYTES}] or uint8 "
                      f"[..., {MLA_FP8_RAW_BYTES}], got {kv_cache.dtype} {list(kv_cache.shape)}")
 
 
@@ -223,7 +232,7 @@ def encode_mla(kv: torch.Tensor, fmt: str, scale: float | None = None) -> torch.
 def decode_mla(rows: torch.Tensor, scale: float | None = None) -> torch.Tensor:
     """Token rows of any MLA format -> ``[..., 576] bf16`` (format read off dtype and width; ``scale`` as
     in :func:`encode_mla`)."""
-    fmt = mla_cache_format(rows)
+    fmt = mla_cache_format(rows, "rows")
     _check_scale(fmt, scale)
     if fmt == "bf16":
         return rows
@@ -253,8 +262,9 @@ def store_mla(kv_cache: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor, sca
     _check_kv(kv)
     check_slots("slots", slots, kv_cache.shape[0] * PAGE_SIZE, distinct=True)
     _check(slots.shape[0] == kv.shape[0], "slots", f"one slot per row of kv ({kv.shape[0]})", slots.shape[0])
+    _check_device(kv_cache, kv=kv)
     rows = encode_mla(kv, fmt, scale)
-    slots = slots.long()
+    slots = slots.to(kv_cache.device, torch.int64)
     kv_cache[slots // PAGE_SIZE, slots % PAGE_SIZE] = rows
 
 
@@ -264,5 +274,5 @@ def gather_mla(kv_cache: torch.Tensor, slots: torch.Tensor, scale: float | None 
     _check_paged_mla(kv_cache, None)
     page_size = kv_cache.shape[1]
     check_slots("slots", slots, kv_cache.shape[0] * page_size)
-    slots = slots.long()
+    slots = slots.to(kv_cache.device, torch.int64)
     return decode_mla(kv_cache[slots // page_size, slots % page_size], scale)

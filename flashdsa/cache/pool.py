@@ -24,9 +24,9 @@ from typing import Hashable
 import torch
 
 from flashdsa.cache import layouts
-from flashdsa.cache.allocator import BLOCK_TABLE_PAD, PageAllocator, slots_from_pages
+from flashdsa.cache.allocator import BLOCK_TABLE_PAD, PageAllocator, check_span, slots_from_pages
 from flashdsa.config import DSAConfig
-from flashdsa._checks import check_slots
+from flashdsa._checks import check_finite, check_slots
 from flashdsa.quant import FP8
 
 _MLA_DTYPE = {"bf16": torch.bfloat16, "fp8": torch.uint8, "fp8_raw": torch.uint8}
@@ -134,9 +134,7 @@ class KVPool:
         """
         n = -(-self.allocator.seq_len(req_id) // self.kpool)
         end = n if end is None else end
-        if isinstance(start, bool) or isinstance(end, bool) or not (0 <= start <= end <= n):
-            raise ValueError(f"start, end: expected 0 <= start <= end <= ceil(seq_len / kpool) ({n}) of request "
-                             f"{req_id!r}, got start={start}, end={end}")
+        check_span(start, end, n, f"ceil(seq_len / kpool) ({n}) of request {req_id!r}")
         return slots_from_pages(self.allocator.pages(req_id), start, end, layouts.PAGE_SIZE).to(self.device)
 
     def block_table(self, req_ids, max_pages: int | None = None, pad: int = BLOCK_TABLE_PAD) -> torch.Tensor:
@@ -153,7 +151,8 @@ class KVPool:
             slots:         ``[N] int`` MLA slots (``slots()``), distinct (ValueError otherwise, when value
                            checks are on).
             kv:            ``[N, 576]`` float: 512 latent + 64 rope.
-            index_k_fp8:   ``[M, 128] float8_e4m3fn`` indexer keys (M = N with c = 1; pooled keys with c > 1).
+            index_k_fp8:   ``[M, 128] float8_e4m3fn`` indexer keys (M = N with c = 1; pooled keys with c > 1), no
+                           NaN codes (ValueError when value checks are on).
             index_k_scale: ``[M] float32``, given together with ``index_k_fp8``.
             index_slots:   ``[M] int`` (``index_slots()``), distinct; defaults to ``slots`` when c = 1, required
                            when c > 1.
@@ -187,6 +186,7 @@ class KVPool:
             if not (isinstance(index_k_scale, torch.Tensor) and index_k_scale.dtype == torch.float32
                     and index_k_scale.shape == (m,)):
                 _fail("index_k_scale", f"float32 [{m}]", _describe(index_k_scale))
+            check_finite("index_k_fp8", index_k_fp8)  # store_index_keys would refuse it after the MLA write
         # store_mla addresses 64-token pages; [P, 64 c, W] viewed as [P c, 64, W] has the same flat rows.
         layouts.store_mla(mla.view(-1, layouts.PAGE_SIZE, mla.shape[-1]), slots.to(self.device), kv, self.kv_scale)
         if index_k_fp8 is not None:

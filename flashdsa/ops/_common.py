@@ -13,7 +13,8 @@ from typing import Callable, Iterable
 
 import torch
 
-from flashdsa._checks import check_range, fail, set_value_checks, value_checks_enabled  # noqa: F401 (re-exported)
+from flashdsa._checks import (check_finite, check_range, fail, set_value_checks,  # noqa: F401 (re-exported)
+                              value_checks_enabled)
 
 BACKENDS = ("torch", "triton")
 

@@ -18,8 +18,8 @@ a GPU the Triton backend runs in the interpreter, so shapes are tiny.
 
 from __future__ import annotations
 
+import copy
 import functools
-import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -119,9 +119,21 @@ class Op:
     # "together": one call per view kind with every argument strided at once)
     triton_stride: tuple[str, ...] | str | None = None
 
-    @property
+    @functools.cached_property
+    def _base(self) -> dict:
+        return self.make()
+
+    def args(self) -> dict:
+        """Fresh copies of the op's valid arguments (built once: the builders are seeded)."""
+        return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in self._base.items()}
+
+    @functools.cached_property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self._base)
+
+    @functools.cached_property
     def tensors(self) -> tuple[str, ...]:
-        return tuple(k for k, v in self.make().items() if isinstance(v, torch.Tensor))
+        return tuple(k for k, v in self._base.items() if isinstance(v, torch.Tensor))
 
 
 def _call(name):
@@ -241,14 +253,18 @@ def _gather_index_args():
     return dict(index_cache=a["index_cache"], slots=a["slots"])
 
 
-_TINY = DSAConfig.preset("tiny")
-
-
-def _pool(fmt="fp8") -> KVPool:
-    pool = KVPool(_TINY, 2, fmt, kv_scale=RAW_SCALE if fmt == "fp8_raw" else None)
+@functools.cache
+def _filled_pool() -> KVPool:
+    pool = KVPool(DSAConfig.preset("tiny").replace(num_hidden_layers=1), 2, "fp8")
     g = _g(12)
-    pool.write(0, torch.arange(128), torch.randn(128, 576, generator=g), _ints_fp8(128, 128, g=g), torch.rand(128, generator=g))
+    pool.write(0, torch.arange(128), torch.randn(128, 576, generator=g), _ints_fp8(128, 128, g=g),
+               torch.rand(128, generator=g))
     return pool
+
+
+def _pool() -> KVPool:
+    """A one-layer fp8 pool of 2 pages, every slot written (a fresh copy each call)."""
+    return copy.deepcopy(_filled_pool())
 
 
 def _pool_write(backend, **a):
@@ -323,23 +339,33 @@ def _names_arg(msg: str, names) -> bool:
     return any(msg.startswith(n) and msg[len(n):len(n) + 1] in (":", " ", ",") for n in names)
 
 
-def check_case(op: Op, args: dict, backend: str, culprit: str | None, *, must_fail: bool = False) -> None:
-    """``args`` (already mutated; ``culprit`` = the argument mutated) on ``backend`` against the torch
-    reference on contiguous copies of the same values."""
+# error messages name an argument, or a relation between two
+_RELATIONS = ("ke - ks", "row_starts + lengths", "cu_seqlens_kv - cu_seqlens_q")
+
+
+def check_case(op: Op, args: dict, backend: str, culprit: str | None, expect: str | None = None) -> None:
+    """``args`` (``culprit`` = the argument mutated) on ``backend`` against the torch reference on
+    contiguous copies of the same values. ``expect``: None (either outcome), "ok", or the name the
+    ValueError must start with."""
     ref = _run(op, {k: _fresh(v) for k, v in args.items()}, "torch")
     out = _run(op, args, backend)
-    all_args = tuple(op.make())
     if out[0] == "error":
         msg = out[1]
-        if ref[0] == "error":
-            assert _names_arg(msg, all_args + ("ke - ks", "row_starts + lengths", "start, end", "cu_seqlens_kv - cu_seqlens_q")), msg
+        if expect is not None:
+            assert expect != "ok", f"expected a result, got ValueError {msg!r}"
+            named = _names_arg(msg, (expect,))
+            assert named, f"expected a ValueError naming {expect!r}, got {msg!r}"
+        elif ref[0] == "error":
+            named = _names_arg(msg, op.names + _RELATIONS)
+            assert named, f"a ValueError that names no argument: {msg!r}"
         else:
-            # accepted contiguous, rejected as given: only for the layout of the argument it names, on both backends
-            assert culprit is not None and _names_arg(msg, (culprit,)), f"rejected with {msg!r}, contiguous copy accepted"
-            if backend != "torch":
-                assert _run(op, args, "torch") == out, "the backends reject differently"
+            # accepted contiguous, rejected as given: only for the layout of the argument it names
+            named = culprit is not None and _names_arg(msg, (culprit,))
+            assert named, f"rejected {msg!r}, contiguous accepted"
+        if backend != "torch":
+            assert _run(op, args, "torch") == out, "the backends reject differently"
         return
-    assert not must_fail, f"{culprit}: accepted, expected a ValueError"
+    assert expect in (None, "ok"), f"accepted, expected a ValueError naming {expect!r}"
     assert ref[0] == "ok", f"{backend} accepted what the reference rejects: {ref[1]}"
     op.compare(out[1], ref[1])
 
@@ -384,7 +410,7 @@ VIEWS = ("permuted", "rows2", "cols2", "expand")
 
 def _stride_cases():
     for name, op in OPS.items():
-        args = op.make()
+        args = op.args()
         for arg in op.tensors:
             for kind in VIEWS:
                 view = strided(args[arg], kind)
@@ -411,7 +437,7 @@ def test_stride(name, arg, kind, backend):
     nothing outside a strided view changes (writers write into their view only). ``arg`` None: every
     argument that has such a view at once."""
     op = OPS[name]
-    args = op.make()
+    args = op.args()
     views = {a: strided(args[a], kind) for a in ([arg] if arg else op.tensors)}
     views = {a: v for a, v in views.items() if v is not None and not v.is_contiguous()}
     args.update(views)
@@ -419,3 +445,364 @@ def test_stride(name, arg, kind, backend):
     check_case(op, args, backend, arg)
     for a, before in around.items():
         assert torch.equal(_outside(views[a]), before), f"{a}: elements outside the view changed"
+
+
+# ---- classes: dtype, rank, shape ----------------------------------------------------------------------
+
+_WIDER = {torch.float32: torch.float64, torch.bfloat16: torch.float32, torch.float16: torch.float32,
+          torch.int32: torch.int64, torch.int64: torch.int32, torch.uint8: torch.int8, FP8: torch.uint8}
+
+
+def _recast(t: torch.Tensor, kind: str) -> torch.Tensor:
+    if kind == "other":  # the neighbouring dtype: same bits for 1-byte types, same values otherwise
+        to = _WIDER[t.dtype]
+        return t.view(to) if t.element_size() == to.itemsize else t.to(to)
+    if kind == "float":
+        return (t.view(torch.uint8) if t.dtype == FP8 else t).to(torch.float32) if not t.is_floating_point() \
+            else t.to(torch.float64)
+    return (t.float().view(torch.int32) if t.dtype != FP8 else t.view(torch.uint8).int()) if t.is_floating_point() \
+        else t.to(torch.int16)
+
+
+DTYPE_CASES = [pytest.param(name, arg, kind, b, id=f"{name}-{arg}-{kind}-{b}")
+               for name, op in OPS.items() for arg in op.tensors for kind in ("other", "float", "int")
+               for b in op.backends]
+
+
+@pytest.mark.parametrize("name,arg,kind,backend", DTYPE_CASES)
+def test_dtype(name, arg, kind, backend):
+    """Another dtype: a ValueError naming the argument, or (a dtype the op takes too) the reference's result
+    on the same inputs. Integer arguments as floats and float arguments as integers are always rejected:
+    no silent truncation of slots or lengths."""
+    op = OPS[name]
+    args = op.args()
+    was_float = args[arg].is_floating_point()
+    args[arg] = _recast(args[arg], kind)
+    must_fail = kind == "float" and not was_float or kind == "int" and was_float
+    check_case(op, args, backend, arg, expect=arg if must_fail else None)
+
+
+RANK_CASES = [pytest.param(name, arg, kind, b, id=f"{name}-{arg}-{kind}-{b}")
+              for name, op in OPS.items() for arg in op.tensors if arg not in op.free_rank
+              for kind in ("unsqueeze", "flatten") for b in op.backends]
+
+
+@pytest.mark.parametrize("name,arg,kind,backend", RANK_CASES)
+def test_rank(name, arg, kind, backend):
+    """One more or one fewer dimension: always a ValueError naming an argument."""
+    op = OPS[name]
+    args = op.args()
+    t = args[arg]
+    args[arg] = t.unsqueeze(0) if kind == "unsqueeze" else t.reshape(-1) if t.dim() > 1 else t.reshape(-1)[0]
+    check_case(op, args, backend, arg, expect=None)
+    assert _run(op, args, backend)[0] == "error", f"{arg} {list(args[arg].shape)} accepted"
+
+
+SHAPE_CASES = [pytest.param(name, arg, d, b, id=f"{name}-{arg}-dim{d}-{b}")
+               for name, op in OPS.items() for arg in op.tensors for d in range(op.args()[arg].dim())
+               for b in op.backends if b == "torch" or op.triton_stride is None]
+
+
+@pytest.mark.parametrize("name,arg,dim,backend", SHAPE_CASES)
+def test_shape(name, arg, dim, backend):
+    """One more element along a dim (a copy of the first): a ValueError naming an argument, or (an extra
+    page, key, column) the reference's result on the same inputs."""
+    op = OPS[name]
+    args = op.args()
+    t = args[arg]
+    args[arg] = torch.cat([t.view(torch.uint8), t.view(torch.uint8).narrow(dim, 0, 1)], dim).view(FP8) \
+        if t.dtype == FP8 else torch.cat([t, t.narrow(dim, 0, 1)], dim)
+    check_case(op, args, backend, arg)
+
+
+# ---- classes: value range, empty, NaN / inf ---------------------------------------------------------
+# op -> [(case id, change of the op's args, expected: "ok" = the reference's result, else the name the
+# ValueError must start with[, why the Triton backend is known to differ: a strict xfail])]
+
+def _set(**changes):
+    """A change that replaces arguments; a callable value is applied to the current args."""
+    def change(a):
+        a.update({k: v(a) if callable(v) else v for k, v in changes.items()})
+        return a
+    return change
+
+
+def _put(arg, index, value):
+    """A change that writes ``value`` at ``index`` of one argument (fp8: the e4m3 value)."""
+    def change(a):
+        t = a[arg]
+        if t.dtype == FP8:
+            t.view(torch.uint8)[index] = torch.tensor(value, dtype=torch.float32).to(FP8).view(torch.uint8)
+        else:
+            t[index] = value
+        return a
+    return change
+
+
+def _e(*shape, dtype=torch.int32):
+    return torch.zeros(shape, dtype=dtype)
+
+
+NAN, INF = float("nan"), float("inf")
+BIG = 2 ** 31 - 1
+
+EDGES = {
+    "topk_transform-pages": [
+        ("lengths-past-L", _put("lengths", 1, 101), "lengths"),
+        ("lengths-negative", _put("lengths", 0, -1), "lengths"),
+        ("starts-negative", _put("row_starts", 0, -1), "row_starts"),
+        ("starts-plus-lengths", _put("row_starts", 2, 36), "row_starts + lengths"),
+        ("page-negative-reachable", _put("page_table", (2, 1), -1), "page_table"),
+        ("page-negative-unreachable", _put("page_table", (1, 1), -1), "ok"),
+        ("page-int32-overflow", _put("page_table", (2, 0), 2 ** 30), "page_table"),
+        ("table-too-narrow", _set(page_table=lambda a: a["page_table"][:, :1]), "page_table"),
+        ("table-rows-not-dividing", _set(page_table=lambda a: a["page_table"][:2]), "page_table"),
+        ("topk-0", _set(topk=0), "topk"),
+        ("topk-float", _set(topk=8.0), "topk"),
+        ("page_size-0", _set(page_size=0), "page_size"),
+        ("topk-equal-length", _set(topk=65), "ok"),
+        ("topk-length-plus-1", _set(topk=64), "ok"),
+        ("topk-past-L", _set(topk=150), "ok"),
+        ("all-lengths-0", _set(lengths=_e(3)), "ok"),
+        ("empty-R0", _set(logits=torch.randn(0, 100), lengths=_e(0), page_table=_e(0, 2), row_starts=_e(0)), "ok"),
+        ("empty-L0", _set(logits=torch.randn(3, 0), lengths=_e(3), page_table=_e(3, 0), row_starts=_e(3)), "ok"),
+        ("nan-inf-logits", lambda a: _put("logits", (2, slice(30, 50)), NAN)(_put("logits", (2, 40), INF)(
+            _put("logits", (1, slice(0, 4)), -INF)(a))), "ok"),
+        ("all-nan-row", _put("logits", 2, NAN), "ok"),
+    ],
+    "topk_transform-offsets": [
+        ("offsets-negative", _put("out_offsets", 1, -2), "out_offsets"),
+        ("offsets-int32-overflow", _put("out_offsets", 0, BIG - 10), "out_offsets"),
+        ("offsets-and-table", _set(page_table=_e(3, 2)), "out_offsets"),
+        ("lengths-63-64-65", _set(lengths=torch.tensor([63, 64, 65], dtype=torch.int32)), "ok"),
+        ("topk-1", _set(topk=1), "ok"),
+        ("inf-everywhere", _set(logits=lambda a: torch.full_like(a["logits"], INF)), "ok"),
+    ],
+    "indexer_logits_ragged": [
+        ("ks-past-ke", _put("ks", 0, 11), "ke - ks"),
+        ("ke-past-N", _put("ke", 1, 71), "ke"),
+        ("ks-negative", _put("ks", 1, -1), "ks"),
+        ("empty-T0", _set(q_fp8=lambda a: a["q_fp8"][:0], weights=lambda a: a["weights"][:0], ks=_e(0), ke=_e(0)),
+         "ok"),
+        ("empty-N0", _set(k_fp8=lambda a: a["k_fp8"][:0], k_scale=lambda a: a["k_scale"][:0], ks=_e(3), ke=_e(3)),
+         "ok"),
+        ("empty-H0", _set(q_fp8=lambda a: a["q_fp8"][:, :0], weights=lambda a: a["weights"][:, :0]), "ok"),
+        ("nan-q", _put("q_fp8", (1, 2, 5), NAN), "q_fp8"),
+        ("nan-k", _put("k_fp8", (6, 3), NAN), "k_fp8"),
+        ("inf-k_scale", _put("k_scale", 7, INF), "ok"),
+        ("nan-k_scale", _put("k_scale", 8, NAN), "ok"),
+        ("inf-weights", _put("weights", (1, 0), INF), "ok"),
+        ("nan-weights", _put("weights", (0, 3), NAN), "ok"),
+    ],
+    "indexer_topk_ragged": [
+        ("ks-past-ke", _put("ks", 0, 11), "ke - ks"),
+        ("budget-below-one-row", _set(max_logits_bytes=100), "max_logits_bytes"),
+        ("topk-0", _set(topk=0), "topk"),
+        ("offsets-negative", _put("out_offsets", 0, -1), "out_offsets"),
+        ("empty-T0", _set(q_fp8=lambda a: a["q_fp8"][:0], weights=lambda a: a["weights"][:0], ks=_e(0), ke=_e(0),
+                          out_offsets=_e(0)), "ok"),
+        ("empty-N0", _set(k_fp8=lambda a: a["k_fp8"][:0], k_scale=lambda a: a["k_scale"][:0], ks=_e(3), ke=_e(3)),
+         "ok"),
+        ("all-rows-empty", _set(ks=_i32(4, 4, 70), ke=_i32(4, 4, 70)), "ok"),
+        ("nan-k", _put("k_fp8", (6, 3), NAN), "k_fp8"),
+    ],
+    "indexer_logits_paged": [
+        ("lens-past-width", _put("context_lens", (1, 1), 81), "context_lens"),
+        ("lens-past-table", _set(max_context_len=200, context_lens=lambda a: _put("context_lens", (1, 1), 129)(a)[
+            "context_lens"]), "context_lens"),
+        ("lens-negative", _put("context_lens", (0, 0), -1), "context_lens"),
+        ("page-past-P-reachable", _put("block_table", (1, 1), 3), "block_table"),
+        ("page-negative-reachable", _put("block_table", (1, 1), -1), "block_table"),
+        ("junk-pages-unreachable", _put("block_table", (0, 1), -5), "ok"),
+        ("width-negative", _set(max_context_len=-1), "max_context_len"),
+        ("width-wide", _set(max_context_len=130), "ok"),
+        ("empty-B0", _set(q_fp8=lambda a: a["q_fp8"][:0], weights=lambda a: a["weights"][:0],
+                          context_lens=_e(0, 2), block_table=_e(0, 2)), "ok"),
+        ("empty-n0", _set(q_fp8=lambda a: a["q_fp8"][:, :0], weights=lambda a: a["weights"][:0],
+                          context_lens=_e(2, 0)), "ok"),
+        ("empty-no-pages", _set(index_cache=lambda a: a["index_cache"][:0], context_lens=_e(2, 2)), "ok"),
+        ("empty-width-0", _set(context_lens=_e(2, 2), max_context_len=0), "ok"),
+        ("empty-table-0", _set(context_lens=_e(2, 2), block_table=_e(2, 0)), "ok"),
+        ("nan-key", lambda a: (index_cache_put(a["index_cache"], 1, 3, NAN), a)[1], "ok",
+         "a NaN e4m3 key in the cache reads as a finite value in the Triton kernels (the interpreter's fp8 dot, "
+         "the fp16 upcast of pre-sm_89 GPUs); not checked (a whole-cache read), the writers reject NaN keys"),
+        ("nan-q", _put("q_fp8", (1, 0, 2, 7), NAN), "q_fp8"),
+        ("inf-weights", _put("weights", (2, 1), INF), "ok"),
+    ],
+    "indexer_quant": [
+        ("interleave-int", _set(interleave=1), "interleave"),
+        ("large-x", _put("x", (0, 1, slice(0, 64)), 2.0 ** 99), "ok"),
+        ("huge-x", _put("x", (0, 1, slice(0, 64)), 3e38), "x"),  # finite, but the Hadamard sums overflow
+        ("huge-cos", _put("cos", (1, 0), 2e3), "cos"),
+        ("tiny-x", _set(x=lambda a: a["x"] * 1e-30), "ok"),
+        ("empty-T0", _set(x=lambda a: a["x"][:0], cos=lambda a: a["cos"][:0], sin=lambda a: a["sin"][:0]), "ok"),
+        ("empty-H0", _set(x=lambda a: a["x"][:, :0]), "ok"),
+        ("nan-x", _put("x", (1, 0, 70), NAN), "x"),
+        ("inf-x", _put("x", (2, 1, 3), INF), "x"),
+        ("nan-cos", _put("cos", (0, 4), NAN), "cos"),
+        ("inf-sin", _put("sin", (2, 31), -INF), "sin"),
+    ],
+    "sparse_mla_decode-bf16": [
+        ("skip-slots", _set(indices=lambda a: _put("indices", (1, 0, slice(0, 4)), torch.tensor(
+            [-7, 128, BIG, -BIG - 1], dtype=torch.int32))(a)["indices"]), "ok"),
+        ("sm_scale-0", _set(sm_scale=0.0), "sm_scale"),
+        ("sm_scale-nan", _set(sm_scale=NAN), "sm_scale"),
+        ("sm_scale-inf", _set(sm_scale=INF), "sm_scale"),
+        ("d_v-0", _set(d_v=0), "d_v"),
+        ("d_v-513", _set(d_v=513), "d_v"),
+        ("d_v-100", _set(d_v=100), "ok"),
+        ("kv_scale-with-bf16", _set(kv_scale=0.5), "kv_scale"),
+        ("page-size-32", _set(kv_cache=lambda a: a["kv_cache"].view(4, 32, 576)), "kv_cache"),
+        ("empty-B0", _set(q=lambda a: a["q"][:0], indices=lambda a: a["indices"][:0]), "ok"),
+        ("empty-s_q0", _set(q=lambda a: a["q"][:, :0], indices=lambda a: a["indices"][:, :0]), "ok"),
+        ("empty-h_q0", _set(q=lambda a: a["q"][:, :, :0]), "ok"),
+        ("empty-topk0", _set(indices=lambda a: a["indices"][..., :0]), "ok"),
+        ("empty-no-pages", _set(kv_cache=lambda a: a["kv_cache"][:0]), "ok"),
+        ("nan-q", _put("q", (1, 0, 1, 9), NAN), "ok"),
+        ("nan-kv-selected", lambda a: _put("kv_cache", (a["indices"][1, 0, 0] // 64, a["indices"][1, 0, 0] % 64, 3),
+                                            NAN)(a), "ok"),
+        ("inf-kv-skipped", _put("kv_cache", (1, 63, slice(None)), INF), "ok"),
+    ],
+    "sparse_mla_decode-fp8": [
+        ("kv_scale-with-fp8", _set(kv_scale=1.0), "kv_scale"),
+        ("misaligned-rows", _set(kv_cache=lambda a: torch.zeros(2 * 64 * 656 + 1, dtype=torch.uint8)[1:].view(
+            2, 64, 656)), "kv_cache"),
+        ("inf-scale-selected", lambda a: (_fp8_scale_put(a, INF), a)[1], "ok"),
+    ],
+    "sparse_mla_decode-fp8_raw": [
+        ("kv_scale-missing", _set(kv_scale=None), "kv_scale"),
+        ("kv_scale-0", _set(kv_scale=0.0), "kv_scale"),
+        ("kv_scale-nan", _set(kv_scale=NAN), "kv_scale"),
+    ],
+    "sparse_mla_prefill": [
+        ("skip-slots", _put("indices", (0, slice(0, 3)), torch.tensor([-7, 20, BIG], dtype=torch.int32)), "ok"),
+        ("all-skip", _set(indices=lambda a: torch.full_like(a["indices"], -1)), "ok"),
+        ("empty-T0", _set(q=lambda a: a["q"][:0], indices=lambda a: a["indices"][:0]), "ok"),
+        ("empty-N0", _set(kv=lambda a: a["kv"][:0]), "ok"),
+        ("empty-topk0", _set(indices=lambda a: a["indices"][:, :0]), "ok"),
+        ("empty-h_q0", _set(q=lambda a: a["q"][:, :0]), "ok"),
+        ("nan-q", _put("q", (2, 1, 500), NAN), "ok"),
+        ("inf-kv", _put("kv", 4, INF), "ok"),
+    ],
+    "dense_mla_prefill": [
+        ("cu_q-not-from-0", _put("cu_seqlens_q", 0, 1), "cu_seqlens_q"),
+        ("cu_q-not-to-T", _put("cu_seqlens_q", 3, 2), "cu_seqlens_q"),
+        ("cu_q-decreasing", _put("cu_seqlens_q", 1, 2), "cu_seqlens_q"),
+        ("cu_kv-not-to-N", _put("cu_seqlens_kv", 3, 19), "cu_seqlens_kv"),
+        ("kv-shorter-than-q", _set(cu_seqlens_kv=torch.tensor([0, 5, 19, 20], dtype=torch.int32)),
+         "cu_seqlens_kv - cu_seqlens_q"),
+        ("cu-empty", _set(cu_seqlens_q=_e(0), cu_seqlens_kv=_e(0)), "cu_seqlens_q"),
+        ("empty-B0", _set(q=lambda a: a["q"][:0], kv=lambda a: a["kv"][:0], cu_seqlens_q=_e(1), cu_seqlens_kv=_e(1)),
+         "ok"),
+        ("empty-T0", _set(q=lambda a: a["q"][:0], cu_seqlens_q=_e(4)), "ok"),
+        ("nan-q", _put("q", (0, 1, 20), NAN), "ok"),
+        ("nan-kv", _put("kv", (18, 10), NAN), "ok"),
+    ],
+    "merge_attention": [
+        ("both-empty", _set(lse_a=lambda a: torch.full_like(a["lse_a"], -INF),
+                            lse_b=lambda a: torch.full_like(a["lse_b"], -INF)), "ok"),
+        ("empty-rows", _set(**{k: (lambda k: lambda a: a[k][:0])(k) for k in ("out_a", "lse_a", "out_b", "lse_b")}),
+         "ok"),
+        ("int-out", _set(out_a=lambda a: a["out_a"].to(torch.int32), out_b=lambda a: a["out_b"].to(torch.int32)),
+         "out_a"),
+    ],
+    "store_index_keys": [
+        ("slots-repeated", _put("slots", 3, 64), "slots"),
+        ("slots-past-cache", _put("slots", 0, 128), "slots"),
+        ("slots-negative", _put("slots", 0, -1), "slots"),
+        ("empty-N0", _set(slots=_e(0), k_fp8=lambda a: a["k_fp8"][:0], k_scale=lambda a: a["k_scale"][:0]), "ok"),
+        ("empty-no-pages", _set(index_cache=lambda a: a["index_cache"][:0], slots=_e(0),
+                                k_fp8=lambda a: a["k_fp8"][:0], k_scale=lambda a: a["k_scale"][:0]), "ok"),
+        ("nan-key", _put("k_fp8", (2, 100), NAN), "k_fp8"),
+    ],
+    "gather_index_keys": [
+        ("slots-past-cache", _put("slots", 0, 128), "slots"),
+        ("slots-negative", _put("slots", 2, -1), "slots"),
+        ("slots-repeated", _put("slots", 3, 64), "ok"),
+        ("empty-N0", _set(slots=_e(0)), "ok"),
+    ],
+    "unpack_index_pages": [
+        ("n-float", _set(n=3.0), "n"),
+        ("n-past-pages", _set(n=129), "n"),
+        ("n-0", _set(n=0), "ok"),
+    ],
+    **{f"store_mla-{f}": [
+        ("slots-repeated", _put("slots", 3, 64), "slots"),
+        ("slots-past-cache", _put("slots", 0, 128), "slots"),
+        ("slots-count", _set(slots=lambda a: a["slots"][:3]), "slots"),
+        ("empty-N0", _set(slots=_e(0), kv=lambda a: a["kv"][:0]), "ok"),
+        ("inf-kv", _put("kv", (1, 7), INF), "ok"),
+        ("scale" + ("-missing" if f == "fp8_raw" else "-given"), _set(scale=None if f == "fp8_raw" else 0.5), "scale"),
+    ] for f in layouts.MLA_FORMATS},
+    **{f"gather_mla-{f}": [
+        ("slots-past-cache", _put("slots", 0, 128), "slots"),
+        ("slots-negative", _put("slots", 1, -64), "slots"),
+        ("empty-N0", _set(slots=_e(0)), "ok"),
+    ] for f in layouts.MLA_FORMATS},
+    "KVPool.write": [
+        ("slots-repeated", _put("slots", 2, 3), "slots"),
+        ("index-slots-repeated", _put("index_slots", 2, 4), "index_slots"),
+        ("slots-past-pool", _put("slots", 0, 128), "slots"),
+        ("empty-N0", _set(**{k: (lambda k: lambda a: a[k][:0])(k) for k in _pool_write_args()}), "ok"),
+    ],
+    "KVPool.read": [("slots-past-pool", _put("slots", 0, 128), "slots"), ("empty-N0", _set(slots=_e(0)), "ok")],
+    "KVPool.read_index": [("slots-negative", _put("index_slots", 0, -1), "index_slots")],
+}
+
+
+def index_cache_put(cache, page, row, value):
+    """One key element (and its scale) of an indexer cache set to ``value``."""
+    keys, scales = layouts.index_page_views(cache)
+    keys.view(torch.uint8)[page, row, 5] = torch.tensor(value).to(FP8).view(torch.uint8)
+    scales[page, row + 1] = value
+
+
+def _fp8_scale_put(a, value):
+    slot = int(a["indices"][1, 0, 0])
+    scales = a["kv_cache"][slot // 64, slot % 64, 512:528].view(torch.float32)
+    scales[1] = value
+
+
+EDGE_CASES = [pytest.param(name, i, b, id=f"{name}-{case[0]}-{b}",
+                           marks=[pytest.mark.xfail(strict=True, reason=case[3])] if len(case) > 3 and b != "torch" else [])
+              for name, cases in EDGES.items() for i, case in enumerate(cases) for b in OPS[name].backends]
+
+
+@pytest.mark.parametrize("name,i,backend", EDGE_CASES)
+def test_edges(name, i, backend):
+    """Value range, empty and NaN / inf inputs: the expected ValueError, or the reference's result
+    (NaN / inf where the reference has them, nowhere else)."""
+    op = OPS[name]
+    _, change, expect = EDGES[name][i][:3]
+    args = change(op.args())
+    check_case(op, args, backend, None, expect)
+
+
+# ---- the cases of issue #15, as reported --------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_issue_15_topk_strided_metadata(backend):
+    """``context_lens[:, 0]`` as lengths (its row 1 is 0: all -1, not [0, 1, 2, 3]) and a page table with
+    column stride 2: the same slots as from contiguous copies."""
+    logits = torch.randn(4, 100, generator=_g(15))
+    context_lens = _i32(7, 0, 0, 3, 100, 1, 64, 2).view(4, 2)
+    table = (torch.arange(16, dtype=torch.int32).view(4, 2, 2) * 3)[:, :, 0]
+    assert context_lens[:, 0].stride() == (2,) and table.stride() == (4, 2)
+    got = ops.topk_transform(logits, context_lens[:, 0], 4, page_table=table, backend=backend)
+    want = ops.topk_transform(logits, context_lens[:, 0].contiguous(), 4, page_table=table.contiguous(),
+                              backend="torch")
+    assert got[1].tolist() == [-1] * 4 and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_issue_15_rejected_alike(backend):
+    """A strided index cache (Triton copied it, torch refused it) and a kv_scale a bf16 cache ignored."""
+    args = OPS["indexer_logits_paged"].args()
+    args["index_cache"] = args["index_cache"][::2]
+    with pytest.raises(ValueError, match="index_cache: expected a contiguous tensor"):
+        ops.indexer_logits_paged(**args, backend=backend)
+    args = OPS["sparse_mla_decode-bf16"].args()
+    with pytest.raises(ValueError, match="kv_scale: expected None for a 'bf16' cache"):
+        ops.sparse_mla_decode(**args, kv_scale=0.5, backend=backend)
+    out, lse = ops.sparse_mla_decode(args["q"][:0], args["kv_cache"], args["indices"][:0], SM, backend=backend)
+    assert out.shape == (0, 1, 2, 512) and lse.shape == (0, 1, 2)
