@@ -131,7 +131,8 @@ class DSAConfig:
                 raise ValueError(f"{key}: expected a positive integer, got {value!r}")
         for key in ("rope_theta", "rms_norm_eps"):
             value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+            number = not isinstance(value, bool) and isinstance(value, (int, float))
+            if not (number and math.isfinite(value) and value > 0):
                 raise ValueError(f"{key}: expected a finite number > 0, got {value!r}")
         if self.rope_scaling is not None:
             if not isinstance(self.rope_scaling, Mapping):

@@ -193,7 +193,8 @@ def check_span(start, end, n: int, what: str) -> None:
     """ValueError unless ``start`` and ``end`` are ints with ``0 <= start <= end <= n`` (``what`` names n)."""
     ints = all(not isinstance(v, bool) and isinstance(v, int) for v in (start, end))
     if not ints or not 0 <= start <= end <= n:
-        raise ValueError(f"start, end: expected ints with 0 <= start <= end <= {what}, got start={start!r}, end={end!r}")
+        raise ValueError(f"start, end: expected ints with 0 <= start <= end <= {what}, "
+                         f"got start={start!r}, end={end!r}")
 
 
 def _hashable(req_id) -> bool:
