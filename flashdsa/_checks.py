@@ -92,7 +92,7 @@ def check_finite(name: str, t: torch.Tensor, bound: float | None = None) -> None
         if bool(((t.view(torch.uint8) & 0x7F) == 0x7F).any()):
             fail(name, "finite values", "an e4m3 NaN code (0x7F / 0xFF)")
         return
-    amax = float(t.abs().amax())  # NaN if any element is NaN
+    amax = float(t.detach().abs().amax())  # NaN if any element is NaN
     if not amax <= (float("inf") if bound is None else bound) or amax == float("inf"):
         fail(name, "finite values" if bound is None else f"finite values with |values| <= {bound:g}",
              f"max |value| {amax}")

@@ -312,6 +312,8 @@ OPS = {
        for f in layouts.MLA_FORMATS},
     "encode_mla-fp8": Op(lambda backend, **a: layouts.encode_mla(**a, fmt="fp8"),
                          lambda: dict(kv=_bf16(4, 576, g=_g(15))), TORCH),
+    "encode_mla-fp8_raw": Op(lambda backend, **a: layouts.encode_mla(**a, fmt="fp8_raw", scale=RAW_SCALE),
+                             lambda: dict(kv=torch.randn(4, 576, generator=_g(15))), TORCH),
     "decode_mla-fp8": Op(lambda backend, **a: layouts.decode_mla(**a), lambda: dict(rows=_mla_cache("fp8", 1, _g(16))),
                          TORCH, free_rank=("rows",)),
     "decode_mla-fp8_raw": Op(lambda backend, **a: layouts.decode_mla(**a, scale=RAW_SCALE),
@@ -633,9 +635,9 @@ EDGES = {
     ],
     "indexer_quant": [
         ("interleave-int", _set(interleave=1), "interleave"),
-        ("large-x", _put("x", (0, 1, slice(0, 64)), 2.0 ** 99), "ok"),
+        ("large-x", _put("x", (0, 1, slice(0, 128)), 2.0 ** 118), "ok"),  # the bound: all intermediates finite
         ("huge-x", _put("x", (0, 1, slice(0, 64)), 3e38), "x"),  # finite, but the Hadamard sums overflow
-        ("huge-cos", _put("cos", (1, 0), 2e3), "cos"),
+        ("huge-cos", _put("cos", (1, 0), 2.5), "cos"),
         ("tiny-x", _set(x=lambda a: a["x"] * 1e-30), "ok"),
         ("empty-T0", _set(x=lambda a: a["x"][:0], cos=lambda a: a["cos"][:0], sin=lambda a: a["sin"][:0]), "ok"),
         ("empty-H0", _set(x=lambda a: a["x"][:, :0]), "ok"),

@@ -9,8 +9,10 @@ from flashdsa.ops.indexer_quant import reference
 
 HEAD_DIM = 128
 ROPE_HALF = 32
-X_BOUND = 2.0 ** 100
-COS_BOUND = 2.0 ** 10
+# |x| <= 2^118 and |cos|, |sin| <= 2 (a YaRN table is scaled by its mscale, ~1.4) keep every fp32
+# intermediate finite: RoPE <= 2^120, the unnormalised Hadamard sums of 128 <= 2^127 < fp32's 2^128
+X_BOUND = 2.0 ** 118
+COS_BOUND = 2.0
 
 
 def _triton_indexer_quant(*args, **kwargs):
@@ -34,7 +36,7 @@ def indexer_quant(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interle
 
     Both backends give the same bits; the Triton one (default on CUDA) is one launch for any T and head
     count. Use it for the queries ``[T, H, 128]`` and the key ``[T, 128]`` alike. NaN / inf in x, cos or
-    sin, ``|x| > 2^100`` or ``|cos|, |sin| > 2^10`` (where RoPE or the Hadamard sums overflow) are a
+    sin, ``|x| > 2^118`` or ``|cos|, |sin| > 2`` (where RoPE or the Hadamard sums could overflow) are a
     ValueError when value checks are on: the kernel's amax and casts do not propagate NaN / inf as torch
     does, so with the checks off such inputs give unspecified results.
 
@@ -56,7 +58,6 @@ def indexer_quant(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interle
     if not isinstance(interleave, bool):
         fail("interleave", "a bool", type(interleave).__name__)
     cos, sin = dense(cos, sin)
-    # bounds that keep RoPE and the Hadamard sums finite in fp32 (a YaRN cos / sin may exceed 1)
     check_finite("x", x, X_BOUND)
     check_finite("cos", cos, COS_BOUND)
     check_finite("sin", sin, COS_BOUND)
