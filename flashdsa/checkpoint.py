@@ -149,8 +149,10 @@ def read_hf_config(checkpoint: str | os.PathLike) -> tuple[dict, DSAConfig]:
     try:
         with open(path) as f:
             hf = json.load(f)
-    except json.JSONDecodeError as e:
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"checkpoint: {path} is not valid JSON ({e})") from None
+    if not isinstance(hf, dict):
+        raise ValueError(f"checkpoint: {path}: expected a JSON object, got {type(hf).__name__}")
     try:
         cfg = DSAConfig.from_hf(hf)
     except ValueError as e:

@@ -115,17 +115,17 @@ def check_window(cfg: DSAConfig, layers: Sequence[int]) -> None:
                          f"indexer path is not built yet (flashdsa.checkpoint loads the kpool tensors)")
 
 
-def run_context(loaded: LoadedLayers, hidden: torch.Tensor, per_layer: bool, context: int, queries: int, *,
+def run_context(loaded: LoadedLayers, hidden: torch.Tensor | dict[int, torch.Tensor], context: int, queries: int, *,
                 backend: str | None = None) -> list[LayerRun]:
     """Run the loaded layers over the first ``context`` tokens on the engine path; the last ``queries`` rows' tensors.
 
     Args:
-        hidden:    ``[T, hidden]`` (the first layer's input) or, with ``per_layer``, ``[L, T, hidden]``
-                   indexed by layer id; on the layers' device, T >= context.
+        hidden:    ``[T, hidden]``, the first layer's input, or ``{layer: [T, hidden]}`` every layer's own;
+                   float, on the layers' device, T >= context.
         queries:   rows measured, ``1 <= queries <= context - index_topk``.
 
     Three prefills of one request: dense fallback (which also builds the attention-only residual stream
-    when ``per_layer`` is False), then sparse with the exact and with the fp8 indexer on the same inputs.
+    from a single input), then sparse with the exact and with the fp8 indexer on the same inputs.
     """
     cfg, layers = loaded.config, loaded.layers
     attns = [loaded.attention[l] for l in layers]
@@ -145,10 +145,11 @@ def run_context(loaded: LoadedLayers, hidden: torch.Tensor, per_layer: bool, con
     dense = Runner.for_layers(window, device, pages, "bf16", backend=backend, dense_threshold=N, max_dense_tokens=N)
     meta, _ = dense.prepare({_REQ: N})
     assert meta.use_dense
+    per_layer = isinstance(hidden, dict)
     x = None if per_layer else hidden[:N].to(dtype)
     inputs, runs = {}, []
     for j, (l, attn) in enumerate(zip(layers, attns)):
-        xin = hidden[l, :N].to(dtype) if per_layer else x
+        xin = hidden[l][:N].to(dtype) if per_layer else x
         xn = norms[l](xin)
         with _pool_layer(attn, j):
             out, _ = attn(xn, cos, sin, meta, dense.pool, None)
@@ -256,7 +257,8 @@ def measure(run: LayerRun, prev: LayerRun | None, topk: int) -> dict:
 # ---- hidden states -----------------------------------------------------------------------------------
 
 def read_hidden(path: str | os.PathLike, cfg: DSAConfig) -> tuple[torch.Tensor, bool]:
-    """A saved hidden-state tensor -> (``[T, hidden]`` or ``[L, T, hidden]`` float, per_layer). Shapes: module docstring."""
+    """A saved hidden-state tensor -> (``[T, hidden]`` or ``[L, T, hidden]`` float, per_layer). Shapes: module
+    docstring. A ``.pt`` file is memory-mapped: only the rows the report uses are read (and checked finite)."""
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"hidden: {path} does not exist")
@@ -273,7 +275,7 @@ def read_hidden(path: str | os.PathLike, cfg: DSAConfig) -> tuple[torch.Tensor, 
                              f"'hidden_states'")
     else:
         try:
-            t = torch.load(path, map_location="cpu", weights_only=True)
+            t = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         except Exception as e:  # pickle / zip errors of every kind: not a tensor file
             raise ValueError(f"hidden: {path} is not a tensor saved with torch.save ({type(e).__name__}: {e})") from None
         if isinstance(t, (tuple, list)) and t and all(isinstance(x, torch.Tensor) for x in t):
@@ -290,8 +292,6 @@ def read_hidden(path: str | os.PathLike, cfg: DSAConfig) -> tuple[torch.Tensor, 
     if t.shape[-1] != H or not (t.dim() == 2 or (per_layer and t.shape[0] in (L, L + 1))):
         raise ValueError(f"hidden: expected [T, {H}] (the first layer's input) or [{L} or {L + 1}, T, {H}] (every "
                          f"layer's input, as HF's output_hidden_states), got {list(t.shape)} in {path}")
-    if not torch.isfinite(t).all():
-        raise ValueError(f"hidden: {path} holds non-finite values")
     return t, per_layer
 
 
@@ -346,7 +346,7 @@ def run_report(checkpoint: str | os.PathLike, layers: str | Sequence[int], *, co
                              f"every token, got {n}")
     ctxs = sorted(set(ctxs))
     if hidden is None:
-        h, per_layer = synthetic_hidden(ctxs[-1], cfg, seed), False
+        h = synthetic_hidden(ctxs[-1], cfg, seed)
         source = f"synthetic: iid N(0, 1) tokens, seed {seed}; attention-only residual stream between layers"
     else:
         h, per_layer = read_hidden(hidden, cfg)
@@ -355,14 +355,19 @@ def run_report(checkpoint: str | os.PathLike, layers: str | Sequence[int], *, co
             raise ValueError(f"context: {ctxs[-1]} exceeds the {T} tokens of --hidden {os.fspath(hidden)}")
         source = (f"{os.fspath(hidden)}: every layer's own input" if per_layer else
                   f"{os.fspath(hidden)}: the input of layer {ids[0]}; attention-only residual stream between layers")
+        # only the chosen layers' rows and the tokens used: a saved HF dump of every layer can be large
+        h = {l: h[l, :ctxs[-1]] for l in ids} if per_layer else h[:ctxs[-1]]
+        if not all(torch.isfinite(t).all() for t in (h.values() if per_layer else [h])):
+            raise ValueError(f"hidden: {os.fspath(hidden)} holds non-finite values in the rows used")
     loaded = load_layers(checkpoint, ids, device=dev, progress=progress)
-    h = h.to(dev)
+    dtype = loaded.attention[ids[0]].q_a_proj.weight.dtype
+    h = {l: t.to(dev, dtype) for l, t in h.items()} if isinstance(h, dict) else h.to(dev, dtype)
     rows = []
     for n in ctxs:
         t1 = time.perf_counter()
         q = min(queries, n - cfg.index_topk)
         with torch.no_grad():
-            runs = run_context(loaded, h, per_layer, n, q, backend=backend)
+            runs = run_context(loaded, h, n, q, backend=backend)
             rows += [measure(run, runs[i - 1] if i else None, cfg.index_topk) for i, run in enumerate(runs)]
         del runs
         if log:
