@@ -331,6 +331,9 @@ def run_report(checkpoint: str | os.PathLike, layers: str | Sequence[int], *, co
     dev = parse_device(device) if isinstance(device, str) else torch.device(device)
     if backend not in (None, "torch", "triton"):
         raise ValueError(f"backend: expected 'torch', 'triton' or None, got {backend!r}")
+    if backend == "triton" and dev.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"backend: 'triton' needs --device cuda (or TRITON_INTERPRET=1 to interpret the kernels on "
+                         f"the CPU, very slowly), got {dev}")
     _check_int("queries", queries, 1)
     _check_int("seed", seed, 0)
     _, cfg = read_hf_config(checkpoint)

@@ -377,6 +377,7 @@ def test_cli_errors(ckpt, per_layer_hidden, kpool_ckpt, tmp_path, capsys):
         (base + ["--queries", "0"], r"--queries: expected an integer >= 1"),
         (base + ["--json", str(tmp_path / "no" / "r.json")], r"--json: the folder of .* does not exist"),
         (base + ["--device", "tpu"], r"--device: expected 'cpu', 'cuda' or 'cuda:N'"),
+        (base + ["--seed", "-1"], r"--seed: expected an integer >= 0"),
         (["report", "--checkpoint", str(kpool_ckpt), "--layers", "0-1"], r"--checkpoint: index_kpool = 4"),
     ]
     torch.save(torch.randn(10, 7), tmp_path / "bad.pt")
@@ -387,6 +388,10 @@ def test_cli_errors(ckpt, per_layer_hidden, kpool_ckpt, tmp_path, capsys):
     cases.append((base + ["--context", "72", "--hidden", str(tmp_path / "nan.pt")], r"--hidden: .* non-finite values"))
     import re
 
+    with pytest.MonkeyPatch.context() as mp:   # the suite sets TRITON_INTERPRET=1 for its own kernels
+        mp.delenv("TRITON_INTERPRET", raising=False)
+        err = _one_line_error(capsys, base + ["--backend", "triton"])
+    assert "--backend: 'triton' needs --device cuda" in err, err
     for argv, pattern in cases:
         err = _one_line_error(capsys, argv)
         assert re.search(pattern, err), (argv, err)
