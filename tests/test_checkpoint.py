@@ -198,8 +198,11 @@ def test_only_the_needed_shards_are_opened(written, monkeypatch):
     assert set(opened) == want and set(loaded.shards) == want and len(opened) == 2
 
 
+@pytest.mark.parametrize("band_bytes", [1, 8 * 200 * 128 * 2, None], ids=["band128", "band256", "one-band"])
 @pytest.mark.parametrize("shape", [(300, 200), (128, 128), (1, 129), (576, 256)], ids=lambda s: f"{s[0]}x{s[1]}")
-def test_dequant_fp8_matches_the_block_loop(shape):
+def test_dequant_fp8_matches_the_block_loop(shape, band_bytes, monkeypatch):
+    if band_bytes:   # bands of 1 or 2 block rows (at 200 columns)
+        monkeypatch.setattr(ck, "_DEQUANT_BYTES", band_bytes)
     w = torch.randn(shape) * torch.logspace(-3, 2, shape[1])   # blocks of very different magnitudes
     q, s = quantize_blocks(w)
     assert torch.equal(ck.dequant_fp8(q, s, dtype=torch.float32), dequant_blocks(q, s))
