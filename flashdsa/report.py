@@ -41,6 +41,7 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
+from flashdsa.cache.layouts import INDEX_DIM, MLA_DIM
 from flashdsa.checkpoint import LoadedLayers, load_layers, parse_layers, read_hf_config
 from flashdsa.config import DSAConfig
 from flashdsa.engine.runner import Runner
@@ -102,7 +103,8 @@ def window_config(cfg: DSAConfig, layers: Sequence[int]) -> DSAConfig:
 
 
 def check_window(cfg: DSAConfig, layers: Sequence[int]) -> None:
-    """A contiguous range whose first layer computes its own top-k (the report has no earlier selection)."""
+    """A contiguous range whose first layer computes its own top-k (the report has no earlier selection), of a
+    model whose sizes the engine's caches take."""
     if list(layers) != list(range(layers[0], layers[0] + len(layers))):
         raise ValueError(f"layers: expected a contiguous range A-B (each layer is compared with the one before), "
                          f"got {list(layers)}")
@@ -110,6 +112,9 @@ def check_window(cfg: DSAConfig, layers: Sequence[int]) -> None:
         start = max(l for l in cfg.topk_layers if l < layers[0])
         raise ValueError(f"layers: layer {layers[0]} reuses the top-k of the layer before it (skip-top-k); start "
                          f"the range at layer {start}, the last one that computes its own")
+    if cfg.kv_cache_dim != MLA_DIM or cfg.index_head_dim != INDEX_DIM:
+        raise ValueError(f"checkpoint: the engine's caches need kv_lora_rank + qk_rope_head_dim = {MLA_DIM} and "
+                         f"index_head_dim = {INDEX_DIM}, got {cfg.kv_cache_dim} and {cfg.index_head_dim}")
     if cfg.index_kpool > 1:
         raise ValueError(f"checkpoint: index_kpool = {cfg.index_kpool}: the report runs the engine, whose pooled-key "
                          f"indexer path is not built yet (flashdsa.checkpoint loads the kpool tensors)")

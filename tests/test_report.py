@@ -354,17 +354,18 @@ def _one_line_error(capsys, argv: list[str]) -> str:
     return err
 
 
-@pytest.fixture
-def kpool_ckpt(ckpt, tmp_path):
-    dst = tmp_path / "kpool"
-    shutil.copytree(ckpt, dst)
-    cfg = json.loads((dst / "config.json").read_text())
-    cfg["index_kpool"] = 4
-    (dst / "config.json").write_text(json.dumps(cfg))
-    return dst
+def _edited(ckpt, folder, **changes):
+    """A copy of the checkpoint whose config.json says otherwise."""
+    shutil.copytree(ckpt, folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.update(changes)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return folder
 
 
-def test_cli_errors(ckpt, per_layer_hidden, kpool_ckpt, tmp_path, capsys):
+def test_cli_errors(ckpt, per_layer_hidden, tmp_path, capsys):
+    kpool = _edited(ckpt, tmp_path / "kpool", index_kpool=4)
+    narrow = _edited(ckpt, tmp_path / "narrow", kv_lora_rank=256)
     base = ["report", "--checkpoint", str(ckpt), "--layers", "0-1"]
     cases = [
         (["report", "--checkpoint", str(tmp_path / "none"), "--layers", "0"], r"--checkpoint: .*none is not a folder"),
@@ -378,7 +379,8 @@ def test_cli_errors(ckpt, per_layer_hidden, kpool_ckpt, tmp_path, capsys):
         (base + ["--json", str(tmp_path / "no" / "r.json")], r"--json: the folder of .* does not exist"),
         (base + ["--device", "tpu"], r"--device: expected 'cpu', 'cuda' or 'cuda:N'"),
         (base + ["--seed", "-1"], r"--seed: expected an integer >= 0"),
-        (["report", "--checkpoint", str(kpool_ckpt), "--layers", "0-1"], r"--checkpoint: index_kpool = 4"),
+        (["report", "--checkpoint", str(kpool), "--layers", "0-1"], r"--checkpoint: index_kpool = 4"),
+        (["report", "--checkpoint", str(narrow), "--layers", "0-1"], r"--checkpoint: the engine's caches need .* got 320"),
     ]
     torch.save(torch.randn(10, 7), tmp_path / "bad.pt")
     cases.append((base + ["--hidden", str(tmp_path / "bad.pt")], r"--hidden: expected \[T, 256\]"))
