@@ -79,8 +79,8 @@ class LoadedLayers:
     ``attention[i]``: the :class:`~flashdsa.layers.DSAAttention` of layer i (``layer_id = i``, checkpoint
     weights, eval mode, no grad); ``input_layernorm[i]``: its RMSNorm weight ``[hidden] float32``;
     ``kpool[i]``: the layer's kpool tensors by name suffix (``"compress_gate"``, ``"compress_ape"``),
-    empty when the checkpoint has none. ``source``: the folder; ``shards``: the shard files opened; ``hf_config``: the
-    checkpoint's ``config.json`` as read.
+    empty when the checkpoint has none. ``source``: the folder; ``shards``: the shard files opened;
+    ``hf_config``: the checkpoint's ``config.json`` as read.
     """
 
     config: DSAConfig
