@@ -535,8 +535,9 @@ def run_demo(preset: str = "tiny", device: str = "cpu", next_n: int = 2, seed: i
         log(f"[demo] offload: device KV {r['device_kv_bytes'] / 2**20:.2f} MiB (indexer caches, "
             f"{off_cfg.max_requests} buffers x {off_cfg.device_buffer} rows per layer, resident map), host KV "
             f"{r['host_kv_bytes'] / 2**20:.2f} MiB; all on the device {r['on_device_kv_bytes'] / 2**20:.2f} MiB")
+        same = "bitwise the same" if r["max_abs_vs_on_device"] == 0 else "DIFFERENT"
         log(f"[demo] offload: swap-in {r['swap_in_tokens_per_step']:.1f} tokens per decode step "
             f"({r['swap_in_tokens_per_layer_request']:.1f} per layer and request), max |offload - on device| "
-            f"{r['max_abs_vs_on_device']:.3g} ({'bitwise the same' if r['max_abs_vs_on_device'] == 0 else 'DIFFERENT'})")
+            f"{r['max_abs_vs_on_device']:.3g} ({same})")
     log(f"[demo] {'ok' if ok else 'FAILED'}")
     return report

@@ -31,7 +31,7 @@ in the same order. Turned off with offload: the dense fallback (SPEC §6: the Ru
 0) and CUDA-graph capture (each layer's swap-in needs a host sync: the host gathers the rows to copy).
 The swap-in sits between a layer's top-k and its attention, and the next layer's indexer needs this
 layer's output, so there is nothing to overlap it with inside one step; the side stream keeps it off the
-compute stream's queue and orders it with an event. A copy kernel that reads pinned host memory from the
+compute stream's queue, ordered by stream waits both ways. A copy kernel that reads pinned host memory from the
 device (zero-copy, SGLang's swap-in kernel) would remove the per-layer sync; not built.
 """
 
@@ -162,8 +162,8 @@ class ResidentMap:
         s = slots.reshape(-1).to(self.device, torch.int64)
         r = self.row_of_slot[ls][:, s].long()
         r = torch.where(r >= 0, r, self.sink)
-        self.slot_of_row[ls] = self.slot_of_row[ls].scatter(1, r, -1)
-        self.last_used[ls] = self.last_used[ls].scatter(1, r, -1)
+        self.slot_of_row[ls].scatter_(1, r, -1)  # basic slices are views: in place
+        self.last_used[ls].scatter_(1, r, -1)
         self.row_of_slot[ls, s] = -1
 
     # ---- one layer's step ------------------------------------------------------------------------
@@ -277,7 +277,8 @@ class OffloadKVPool(KVPool):
         self._batch_buffers: torch.Tensor | None = None
 
     # ---- the hook the layer calls -----------------------------------------------------------------
-    def mla_for_attention(self, layer: int, sel: torch.Tensor, batch: BatchMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    def mla_for_attention(self, layer: int, sel: torch.Tensor,
+                          batch: BatchMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """Swap the rows ``sel [B * n, topk] int32`` (pool slots, -1 = none) selects into the requests' device
         buffers and return ``(pages [R * N / 64, 64, width], rows [B * n, topk] int32)``: the layer's buffers as
         64-token pages and the selection as their rows (-1 kept).

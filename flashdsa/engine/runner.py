@@ -71,8 +71,8 @@ class Runner:
             self.pool = KVPool(self.cfg, num_pages, kv_format, torch.device(device), kv_scale)
         else:
             if dense_threshold not in (None, 0):
-                raise ValueError(f"dense_threshold: expected None or 0 with offload (the dense fallback is off when the "
-                                 f"MLA cache lives on the host, docs/DSA.md §6), got {dense_threshold!r}")
+                raise ValueError(f"dense_threshold: expected None or 0 with offload (the dense fallback is off when "
+                                 f"the MLA cache lives on the host, docs/DSA.md §6), got {dense_threshold!r}")
             dense_threshold = 0
             self.pool = OffloadKVPool(self.cfg, num_pages, kv_format, torch.device(device), kv_scale, offload)
         self.offload = offload

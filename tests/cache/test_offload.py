@@ -302,7 +302,8 @@ def test_free_and_truncate_drop_the_device_rows():
         off.mla_for_attention(layer, sel, meta)
     assert off.resident.resident_rows() == 2 * TOPK * CFG.num_hidden_layers
     with pytest.raises(ValueError, match="max_requests"):  # both buffers are held
-        off.mla_for_attention(0, off.slots("c").to(torch.int32).view(1, -1), build_decode(off.allocator, ["c"], 1, DECODE))
+        off.mla_for_attention(0, off.slots("c").to(torch.int32).view(1, -1),
+                              build_decode(off.allocator, ["c"], 1, DECODE))
     dropped = off.slots("a")[80:]
     off.truncate("a", 80)
     assert off.allocator.seq_len("a") == 80
