@@ -63,3 +63,36 @@ def check_range(name: str, t: torch.Tensor, lo: int | None, hi: int | None, what
         m = int(t.max())
         if m > hi:
             fail(name, f"{what} <= {hi}", m)
+
+
+def check_slots(name: str, slots, limit: int, *, distinct: bool = False) -> None:
+    """Raise ValueError naming ``name`` unless ``slots`` is a 1-D integer tensor; when value checks are
+    on, also unless every slot lies in ``[0, limit)`` and, for a write (``distinct``), no slot repeats
+    (two rows for one slot would leave whichever the scatter happened to store last)."""
+    if not isinstance(slots, torch.Tensor):
+        fail(name, "a 1-D integer tensor", type(slots).__name__)
+    if slots.dim() != 1 or slots.is_floating_point() or slots.is_complex() or slots.dtype == torch.bool:
+        fail(name, "a 1-D integer tensor", f"{slots.dtype} {list(slots.shape)}")
+    check_range(name, slots, 0, limit - 1, what="slots")
+    if distinct and slots.numel() > 1 and value_checks_enabled(slots):
+        s = slots.sort().values
+        repeated = s[1:][s[1:] == s[:-1]]
+        if repeated.numel():
+            fail(name, "distinct slots", f"slot {int(repeated[0])} more than once")
+
+
+def check_finite(name: str, t: torch.Tensor, bound: float | None = None) -> None:
+    """Raise ValueError unless every element of ``t`` is finite (float8_e4m3fn: no NaN code, it has no
+    inf) and, if given, ``|t| <= bound``; skipped when value checks are off. For inputs on which the
+    backends' NaN / inf handling differs (the kernels' max, ReLU and conversions do not propagate NaN as
+    torch does), and ``bound`` for those whose intermediates would overflow to inf."""
+    if t.numel() == 0 or not value_checks_enabled(t):
+        return
+    if t.dtype == torch.float8_e4m3fn:
+        if bool(((t.view(torch.uint8) & 0x7F) == 0x7F).any()):
+            fail(name, "finite values", "an e4m3 NaN code (0x7F / 0xFF)")
+        return
+    amax = float(t.detach().abs().amax())  # NaN if any element is NaN
+    if not amax <= (float("inf") if bound is None else bound) or amax == float("inf"):
+        fail(name, "finite values" if bound is None else f"finite values with |values| <= {bound:g}",
+             f"max |value| {amax}")

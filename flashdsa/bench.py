@@ -1,4 +1,4 @@
-"""``flashdsa bench``: our ops timed next to the peers that import, at SPEC §9's shapes, checked first.
+"""``flashdsa bench``: our ops timed next to the peers that import, at docs/DSA.md §9's shapes, checked first.
 
 Cases (``--quick`` keeps those marked Q; the sweeps feed the plot):
 
@@ -45,10 +45,8 @@ import torch
 
 from flashdsa.testing import peers
 from flashdsa.testing.compare import cos_diff, masked_cos_diff, topk_tie_safe
-from flashdsa.testing.inputs import (decode_slots, index_cache, mla_cache, paged_batch, prefill_indices, randn,
-                                     rows_subset)
-# the names _setup_layer uses (rewritten on main meanwhile): drop when it uses randn / rows_subset / CHUNK_PAGES
-from flashdsa.testing.inputs import CHUNK_PAGES as _CHUNK_PAGES, randn as _randn, rows_subset as _rows
+from flashdsa.testing.inputs import (CHUNK_PAGES, decode_slots, index_cache, mla_cache, paged_batch, prefill_indices,
+                                     randn, rows_subset)
 from flashdsa.testing.peers import peer_status
 from flashdsa.testing.timing import do_bench_us, time_us
 
@@ -76,7 +74,7 @@ def _ctx_name(ctx: int) -> str:
 
 
 def cases(ops: tuple[str, ...] = OPS, quick: bool = False, tiny: bool = False) -> list[Case]:
-    """The cases of ``ops`` in run order: SPEC §9's shapes, or ``tiny`` ones for the CPU check."""
+    """The cases of ``ops`` in run order: docs/DSA.md §9's shapes, or ``tiny`` ones for the CPU check."""
     out: list[Case] = []
     if tiny:  # every kind of case, small enough for the Triton interpreter
         if "indexer" in ops:
@@ -378,19 +376,19 @@ def _setup_layer(p: dict, dev, status) -> list[tuple[str, Bench]]:
             alloc.extend(r, min(16 * page, ctx - start))
 
     def write(slots):  # random MLA rows and indexer keys through the pool's writers
-        for i in range(0, slots.numel(), _CHUNK_PAGES * 64):
-            s = slots[i:i + _CHUNK_PAGES * 64]
-            pool.write(0, s, _randn((s.numel(), 576), g, dev, torch.bfloat16), _randn((s.numel(), 128), g, dev, FP8),
+        for i in range(0, slots.numel(), CHUNK_PAGES * 64):
+            s = slots[i:i + CHUNK_PAGES * 64]
+            pool.write(0, s, randn((s.numel(), 576), g, dev, torch.bfloat16), randn((s.numel(), 128), g, dev, FP8),
                        torch.rand(s.numel(), generator=g, device=dev) + 0.5)
     write(torch.cat([alloc.slots(r) for r in reqs]))
     for r in reqs:
         alloc.extend(r, 1)  # this step's token, written before attending as the layer does
     meta = build_decode(alloc, reqs, 1, DECODE, backend="triton")
     write(meta.slot_mapping)
-    idx = IndexerOutput(_randn((B, H_I, 128), g, dev, FP8), _randn((B, H_I), g, dev) * H_I ** -0.5, None, None)
-    q = _randn((B, h, 576), g, dev, torch.bfloat16)
+    idx = IndexerOutput(randn((B, H_I, 128), g, dev, FP8), randn((B, H_I), g, dev) * H_I ** -0.5, None, None)
+    q = randn((B, h, 576), g, dev, torch.bfloat16)
     lens, bt, max_len = meta.context_lens, meta.block_table, meta.max_context_len
-    sub = _rows(B, 4, dev)
+    sub = rows_subset(B, 4, dev)
     # the torch reference on a few requests: the same step with the rows' metadata and backend="torch"
     ref_meta = dataclasses.replace(meta, context_lens=lens[sub], block_table=bt[sub], backend="torch")
     ref_idx = IndexerOutput(idx.q[sub], idx.weights[sub], None, None)

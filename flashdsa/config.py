@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -39,12 +40,32 @@ def _architectures(hf_config: Mapping[str, Any]) -> list[str]:
 
 
 def is_dsa(hf_config: Mapping[str, Any]) -> bool:
-    """True iff the HF config describes a DSA model (SPEC §2: DSA architecture AND ``index_topk``).
+    """True iff the HF config describes a DSA model (docs/DSA.md §2: DSA architecture AND ``index_topk``).
 
     Without ``architectures`` (a config built in code), ``model_type`` "deepseek_v32" / "glm_moe_dsa" names it.
     """
     archs = _architectures(hf_config)
     return any(a in DSA_ARCHITECTURES for a in archs) and hf_config.get("index_topk") is not None
+
+
+def _read_json(source: str | os.PathLike) -> Mapping[str, Any]:
+    """The object in a ``config.json`` (or a folder holding one); ValueError naming the file otherwise."""
+    try:
+        path = os.fspath(source)
+    except TypeError:
+        raise ValueError(f"config: expected a dict, a path to config.json or a model folder, got "
+                         f"{type(source).__name__}") from None
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"config: {os.fsdecode(path)} is not valid JSON ({e})") from None
+    if not isinstance(config, Mapping):
+        raise ValueError(f"config: {os.fsdecode(path)} holds a JSON {type(config).__name__}, expected an object "
+                         "of config keys")
+    return config
 
 
 def _skip_rule(
@@ -67,7 +88,7 @@ def _skip_rule(
 
 @dataclass(frozen=True)
 class DSAConfig:
-    """The DSA-relevant part of a DeepSeek-V3.2 / GLM-5 config (SPEC §2). All sizes are per layer.
+    """The DSA-relevant part of a DeepSeek-V3.2 / GLM-5 config (docs/DSA.md §2). All sizes are per layer.
 
     MLA in absorbed form: the cache holds ``kv_lora_rank`` latent + ``qk_rope_head_dim`` rope dims per
     token (576 for both V3.2 and GLM-5), the value is the latent (``kv_lora_rank`` = 512).
@@ -102,12 +123,26 @@ class DSAConfig:
         positive = (
             "num_hidden_layers", "hidden_size", "num_attention_heads", "q_lora_rank", "kv_lora_rank",
             "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "index_n_heads", "index_head_dim",
-            "index_topk", "index_kpool", "vocab_size", "intermediate_size",
+            "index_topk", "index_kpool", "vocab_size", "intermediate_size", "max_position_embeddings",
         )
         for key in positive:
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{key}: expected a positive integer, got {value!r}")
+        for key in ("rope_theta", "rms_norm_eps"):
+            value = getattr(self, key)
+            number = not isinstance(value, bool) and isinstance(value, (int, float))
+            if not (number and math.isfinite(value) and value > 0):
+                raise ValueError(f"{key}: expected a finite number > 0, got {value!r}")
+        if self.rope_scaling is not None:
+            if not isinstance(self.rope_scaling, Mapping):
+                raise ValueError(f"rope_scaling: expected a dict or null, got {self.rope_scaling!r}")
+            for key in ("factor", "mscale_all_dim"):  # the keys softmax_scale reads
+                value = self.rope_scaling.get(key)
+                if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                    raise ValueError(f"rope_scaling: expected a number for {key!r}, got {value!r}")
+        if not all(isinstance(a, str) for a in self.architectures):
+            raise ValueError(f"architectures: expected a list of names, got {self.architectures!r}")
         if not isinstance(self.indexer_rope_interleave, bool):
             raise ValueError(f"indexer_rope_interleave: expected true/false, got {self.indexer_rope_interleave!r}")
         if self.index_head_dim % 128 != 0 or self.index_head_dim < 64:
@@ -117,10 +152,12 @@ class DSAConfig:
         if self.indexer_types is not None:
             if len(self.indexer_types) != n:
                 raise ValueError(f"indexer_types: expected {n} entries (num_hidden_layers), got {len(self.indexer_types)}")
-            bad = sorted({t for t in self.indexer_types if t not in ("full", "shared")})
+            bad = [t for t in self.indexer_types if t not in ("full", "shared")]
             if bad:
                 raise ValueError(f"indexer_types: expected 'full' or 'shared', got {bad}")
         if self.index_topk_pattern is not None:
+            if not isinstance(self.index_topk_pattern, str):
+                raise ValueError(f"index_topk_pattern: expected a string of 'F' / 'S', got {self.index_topk_pattern!r}")
             if len(self.index_topk_pattern) != n:
                 raise ValueError(f"index_topk_pattern: expected {n} characters (num_hidden_layers), "
                                  f"got {len(self.index_topk_pattern)}")
@@ -177,7 +214,6 @@ class DSAConfig:
         factor = rs.get("factor")
         mscale_all_dim = rs.get("mscale_all_dim")
         if factor and mscale_all_dim and factor > 1:
-            import math
             m = 0.1 * mscale_all_dim * math.log(factor) + 1.0
             scale *= m * m
         return scale
@@ -190,11 +226,10 @@ class DSAConfig:
         Raises ValueError naming the key when the model is not DSA or a value is unknown/inconsistent.
         """
         if not isinstance(config, Mapping):
-            path = os.fspath(config)
-            if os.path.isdir(path):
-                path = os.path.join(path, "config.json")
-            with open(path) as f:
-                config = json.load(f)
+            config = _read_json(config)
+        for key in ("architectures", "indexer_types"):
+            if config.get(key) is not None and not isinstance(config[key], (list, tuple)):
+                raise ValueError(f"{key}: expected a list, got {config[key]!r}")
         if not is_dsa(config):
             if config.get("index_topk") is None:
                 raise ValueError("index_topk: missing, so this is not a DSA model "

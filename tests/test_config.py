@@ -27,7 +27,7 @@ def _hf(**changes):
 
 
 def _expected_skip(num_layers, freq, offset):
-    """The SPEC §2 frequency rule written out independently of config.py."""
+    """The docs/DSA.md §2 frequency rule written out independently of config.py."""
     skip = []
     for layer in range(num_layers):
         base = layer - 1 if offset is None else layer - offset + 1
@@ -325,3 +325,47 @@ def test_missing_file(tmp_path):
 def test_skip_offset_errors(bad):
     with pytest.raises(ValueError, match="index_skip_topk_offset"):
         DSAConfig.from_hf(_hf(index_topk_freq=2, index_skip_topk_offset=bad))
+
+
+# ---- malformed sources and values (issue #15: no file name, TypeErrors) ------------------------------
+
+@pytest.mark.parametrize("text,what", [
+    ("{not json", "is not valid JSON"),
+    ("", "is not valid JSON"),
+    ("[1, 2]", "holds a JSON list"),
+    ('"DeepseekV32ForCausalLM"', "holds a JSON str"),
+])
+def test_malformed_file_names_it(tmp_path, text, what):
+    (tmp_path / "config.json").write_text(text)
+    for source in (tmp_path, tmp_path / "config.json"):
+        with pytest.raises(ValueError, match="config: .*config.json " + what):
+            DSAConfig.from_hf(source)
+
+
+def test_binary_file_names_it(tmp_path):
+    (tmp_path / "config.json").write_bytes(bytes(range(128, 256)))
+    with pytest.raises(ValueError, match="config: .*config.json is not valid JSON"):
+        DSAConfig.from_hf(tmp_path)
+
+
+@pytest.mark.parametrize("bad", [123, 1.5, ["config.json"], None])
+def test_source_type(bad):
+    with pytest.raises(ValueError, match="config: expected a dict, a path"):
+        DSAConfig.from_hf(bad)
+
+
+@pytest.mark.parametrize("key,bad", [
+    ("architectures", "DeepseekV32ForCausalLM"), ("architectures", 3), ("indexer_types", "full"),
+    ("indexer_types", 8), ("index_topk_pattern", ["F"] * 8), ("rope_theta", "1e4"), ("rope_theta", 0),
+    ("rope_theta", float("nan")), ("rms_norm_eps", -1e-6), ("rms_norm_eps", True),
+    ("max_position_embeddings", 0), ("max_position_embeddings", 4096.0), ("rope_scaling", "yarn"),
+    ("rope_scaling", {"factor": "40", "mscale_all_dim": 1.0}),
+])
+def test_value_types(key, bad):
+    with pytest.raises(ValueError, match=key):
+        DSAConfig.from_hf(_hf(**{key: bad}))
+
+
+def test_indexer_types_unhashable_entries():
+    with pytest.raises(ValueError, match="indexer_types"):
+        DSAConfig.from_hf(_hf(indexer_types=[["full"]] * 8))

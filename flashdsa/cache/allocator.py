@@ -81,7 +81,7 @@ class PageAllocator:
         return list(self._pages)
 
     def __contains__(self, req_id: Hashable) -> bool:
-        return req_id in self._pages
+        return _hashable(req_id) and req_id in self._pages
 
     def pages_for(self, n_tokens: int) -> int:
         """Pages that hold ``n_tokens`` tokens: ``ceil(n_tokens / page_size)``."""
@@ -101,7 +101,7 @@ class PageAllocator:
 
         Raises ValueError if ``req_id`` is already live, OutOfPagesError (nothing changed) if too few pages.
         """
-        if req_id in self._pages:
+        if _check_id(req_id) in self._pages:
             raise ValueError(f"req_id: expected a request that is not live, got {req_id!r} (already allocated)")
         _check_count("n_tokens", n_tokens)
         new = self._take(req_id, self.pages_for(n_tokens))
@@ -187,9 +187,7 @@ class PageAllocator:
         """
         n = self.seq_len(req_id)
         end = n if end is None else end
-        if isinstance(start, bool) or isinstance(end, bool) or not (0 <= start <= end <= n):
-            raise ValueError(f"start, end: expected 0 <= start <= end <= seq_len ({n}) of request {req_id!r}, "
-                             f"got start={start}, end={end}")
+        check_span(start, end, n, f"seq_len ({n}) of request {req_id!r}")
         return slots_from_pages(self._pages[req_id], start, end, self.page_size).to(self.device)
 
     def block_table(self, req_ids: Iterable[Hashable], max_pages: int | None = None,
@@ -203,6 +201,8 @@ class PageAllocator:
         One table per batch serves every layer and both caches.
         """
         req_ids = list(req_ids)
+        if isinstance(pad, bool) or not isinstance(pad, int) or not -2 ** 31 <= pad < 2 ** 31:
+            raise ValueError(f"pad: expected an int32 page id (0, or -1 to make padded reads fail), got {pad!r}")
         rows = [self._pages[self._check_live(r)] for r in req_ids]
         widest = max((len(p) for p in rows), default=0)
         if max_pages is None:
@@ -216,7 +216,7 @@ class PageAllocator:
 
     # ---- internals -----------------------------------------------------------------------------
     def _check_live(self, req_id: Hashable) -> Hashable:
-        if req_id not in self._pages:
+        if _check_id(req_id) not in self._pages:
             raise ValueError(f"req_id: expected a live request, got {req_id!r} (never allocated or already freed)")
         return req_id
 
@@ -232,6 +232,29 @@ def slots_from_pages(pages, start: int, end: int, page_size: int) -> torch.Tenso
     pos = torch.arange(start, end, dtype=torch.int64)
     table = torch.as_tensor(list(pages), dtype=torch.int64)
     return table[pos // page_size] * page_size + pos % page_size
+
+
+def check_span(start, end, n: int, what: str) -> None:
+    """ValueError unless ``start`` and ``end`` are ints with ``0 <= start <= end <= n`` (``what`` names n)."""
+    ints = all(not isinstance(v, bool) and isinstance(v, int) for v in (start, end))
+    if not ints or not 0 <= start <= end <= n:
+        raise ValueError(f"start, end: expected ints with 0 <= start <= end <= {what}, "
+                         f"got start={start!r}, end={end!r}")
+
+
+def _hashable(req_id) -> bool:
+    try:
+        hash(req_id)
+    except TypeError:
+        return False
+    return True
+
+
+def _check_id(req_id: Hashable) -> Hashable:
+    if not _hashable(req_id):
+        raise ValueError(f"req_id: expected a hashable id (str, int, tuple, ...), got {type(req_id).__name__} "
+                         f"{req_id!r}")
+    return req_id
 
 
 def _check_count(name: str, v) -> None:

@@ -1,4 +1,4 @@
-"""Byte layouts of the two paged KV caches (SPEC §4), their writers and readers.
+"""Byte layouts of the two paged KV caches (docs/DSA.md §4), their writers and readers.
 
 Indexer cache, one page of 64 tokens = 8448 bytes (DeepGEMM's paged layout)::
 
@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from flashdsa._checks import check_range
+from flashdsa._checks import check_finite, check_slots
 from flashdsa.quant import FP8, FP8_MAX, act_quant
 
 PAGE_SIZE = 64
@@ -46,16 +46,37 @@ def _check(cond: bool, name: str, expected: str, got) -> None:
         raise ValueError(f"{name}: expected {expected}, got {got}")
 
 
+def _describe(t) -> str:
+    return f"{t.dtype} {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+
+
+def _check_device(cache: torch.Tensor, **rows: torch.Tensor) -> None:
+    """The rows a writer stores live where the cache does (slots may live anywhere: they are moved)."""
+    for name, t in rows.items():
+        _check(t.device == cache.device, name, f"a tensor on {cache.device} (the cache's device)", t.device)
+
+
 # ---- indexer cache ---------------------------------------------------------------------------------
 
-def index_page_views(index_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def check_index_cache(index_cache: torch.Tensor, name: str = "index_cache") -> None:
+    """ValueError naming ``name`` unless ``index_cache`` is a contiguous ``[P, 8448] uint8`` tensor whose
+    start is 4-byte aligned: it is read and written in place, its scales as float32 (never copied)."""
+    if not isinstance(index_cache, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(index_cache).__name__}")
+    _check(index_cache.dtype == torch.uint8 and index_cache.dim() == 2 and index_cache.shape[1] == INDEX_PAGE_BYTES,
+           name, f"uint8 [P, {INDEX_PAGE_BYTES}]", f"{index_cache.dtype} {list(index_cache.shape)}")
+    _check(index_cache.is_contiguous(), name, "a contiguous tensor (caches are used in place, never copied)",
+           f"strides {index_cache.stride()}")
+    _check(index_cache.storage_offset() % 4 == 0, name, "a start 4-byte aligned in its storage (fp32 scales)",
+           f"storage offset {index_cache.storage_offset()}")
+
+
+def index_page_views(index_cache: torch.Tensor, name: str = "index_cache") -> tuple[torch.Tensor, torch.Tensor]:
     """Typed views into an indexer cache, sharing its storage.
 
-    ``index_cache: [P, 8448] uint8`` -> ``keys [P, 64, 128] float8_e4m3fn``, ``scales [P, 64] float32``.
+    ``index_cache: [P, 8448] uint8`` (contiguous) -> ``keys [P, 64, 128] float8_e4m3fn``, ``scales [P, 64] float32``.
     """
-    _check(index_cache.dtype == torch.uint8 and index_cache.dim() == 2 and index_cache.shape[1] == INDEX_PAGE_BYTES,
-           "index_cache", f"uint8 [P, {INDEX_PAGE_BYTES}]", f"{index_cache.dtype} {list(index_cache.shape)}")
-    _check(index_cache.is_contiguous(), "index_cache", "a contiguous tensor", "a strided view")
+    check_index_cache(index_cache, name)
     keys = index_cache[:, :INDEX_KEY_BYTES].view(FP8).view(-1, PAGE_SIZE, INDEX_DIM)
     scales = index_cache[:, INDEX_KEY_BYTES:].view(torch.float32)
     return keys, scales
@@ -78,43 +99,46 @@ def pack_index_pages(k_fp8: torch.Tensor, k_scale: torch.Tensor) -> torch.Tensor
 
 def unpack_index_pages(pages: torch.Tensor, n: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Inverse of :func:`pack_index_pages`: ``[P, 8448] u8 -> k_fp8 [n, 128], k_scale [n]`` (n defaults to 64 P)."""
-    keys, scales = index_page_views(pages)
+    keys, scales = index_page_views(pages, "pages")
     n = keys.shape[0] * PAGE_SIZE if n is None else n
-    _check(0 <= n <= keys.shape[0] * PAGE_SIZE, "n", f"0..{keys.shape[0] * PAGE_SIZE}", n)
+    _check(not isinstance(n, bool) and isinstance(n, int) and 0 <= n <= keys.shape[0] * PAGE_SIZE,
+           "n", f"an int in 0..{keys.shape[0] * PAGE_SIZE}", repr(n))
     return keys.reshape(-1, INDEX_DIM)[:n].clone(), scales.reshape(-1)[:n].clone()
 
 
 def store_index_keys(index_cache: torch.Tensor, slots: torch.Tensor, k_fp8: torch.Tensor, k_scale: torch.Tensor) -> None:
-    """Write N indexer keys at the given slots; no other byte of the cache changes.
+    """Write N indexer keys at N distinct slots; no other byte of the cache changes.
 
-    ``index_cache [P, 8448] u8``, ``slots [N] int``, ``k_fp8 [N, 128] e4m3``, ``k_scale [N] f32``.
+    ``index_cache [P, 8448] u8`` (contiguous), ``slots [N] int``, ``k_fp8 [N, 128] e4m3``, ``k_scale [N] f32``
+    (any strides). Every argument is checked before anything is written.
     """
     keys, scales = index_page_views(index_cache)
-    _check(slots.dim() == 1 and not slots.is_floating_point(), "slots", "a 1-D integer tensor",
-           f"{slots.dtype} {list(slots.shape)}")
-    _check(k_fp8.shape == (slots.shape[0], INDEX_DIM) and k_fp8.dtype == FP8, "k_fp8",
-           f"float8_e4m3fn [{slots.shape[0]}, {INDEX_DIM}]", f"{k_fp8.dtype} {list(k_fp8.shape)}")
-    _check(k_scale.shape == (slots.shape[0],) and k_scale.dtype == torch.float32, "k_scale",
-           f"float32 [{slots.shape[0]}]", f"{k_scale.dtype} {list(k_scale.shape)}")
-    slots = slots.long()
-    check_range("slots", slots, 0, keys.shape[0] * PAGE_SIZE - 1)
+    check_slots("slots", slots, keys.shape[0] * PAGE_SIZE, distinct=True)
+    _check(isinstance(k_fp8, torch.Tensor) and k_fp8.shape == (slots.shape[0], INDEX_DIM) and k_fp8.dtype == FP8,
+           "k_fp8", f"float8_e4m3fn [{slots.shape[0]}, {INDEX_DIM}]", _describe(k_fp8))
+    _check(isinstance(k_scale, torch.Tensor) and k_scale.shape == (slots.shape[0],) and k_scale.dtype == torch.float32,
+           "k_scale", f"float32 [{slots.shape[0]}]", _describe(k_scale))
+    _check_device(index_cache, k_fp8=k_fp8, k_scale=k_scale)
+    check_finite("k_fp8", k_fp8)  # a NaN key would make the indexer backends disagree (ops.indexer_logits_paged)
+    slots = slots.to(index_cache.device, torch.int64)
     page, row = slots // PAGE_SIZE, slots % PAGE_SIZE
     keys[page, row] = k_fp8
     scales[page, row] = k_scale
 
 
 def gather_index_keys(index_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Read keys back: ``slots [N] -> k_fp8 [N, 128] e4m3, k_scale [N] f32``."""
+    """Read keys back: ``slots [N] int -> k_fp8 [N, 128] e4m3, k_scale [N] f32``; slots in ``[0, 64 P)``."""
     keys, scales = index_page_views(index_cache)
-    slots = slots.long()
+    check_slots("slots", slots, keys.shape[0] * PAGE_SIZE)
+    slots = slots.to(index_cache.device, torch.int64)
     return keys[slots // PAGE_SIZE, slots % PAGE_SIZE], scales[slots // PAGE_SIZE, slots % PAGE_SIZE]
 
 
 # ---- MLA cache ---------------------------------------------------------------------------------------
 
 def _check_kv(kv: torch.Tensor) -> None:
-    _check(kv.dim() == 2 and kv.shape[1] == MLA_DIM and kv.is_floating_point(), "kv",
-           f"a float tensor [N, {MLA_DIM}]", f"{kv.dtype} {list(kv.shape)}")
+    _check(isinstance(kv, torch.Tensor) and kv.dim() == 2 and kv.shape[1] == MLA_DIM and kv.is_floating_point(),
+           "kv", f"a float tensor [N, {MLA_DIM}]", _describe(kv))
 
 
 def quantize_mla_656(kv: torch.Tensor, ue8m0: bool = True) -> torch.Tensor:
@@ -154,7 +178,7 @@ def dequantize_mla_656(packed: torch.Tensor) -> torch.Tensor:
 def quantize_mla_576(kv: torch.Tensor, scale: float) -> torch.Tensor:
     """``kv [N, 576] -> [N, 576] u8`` (raw e4m3 of every dim, rope too) with one per-tensor ``scale`` > 0."""
     _check_kv(kv)
-    _check(scale > 0 and math.isfinite(scale), "scale", "a finite positive float", scale)
+    _check_scale("fp8_raw", scale)
     return (kv.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(torch.uint8)
 
 
@@ -162,62 +186,93 @@ def dequantize_mla_576(packed: torch.Tensor, scale: float) -> torch.Tensor:
     """``[..., 576] u8 -> [..., 576] bf16``."""
     _check(packed.dtype == torch.uint8 and packed.shape[-1] == MLA_FP8_RAW_BYTES, "kv_cache",
            f"uint8 [..., {MLA_FP8_RAW_BYTES}]", f"{packed.dtype} {list(packed.shape)}")
+    _check_scale("fp8_raw", scale)
     return (packed.view(FP8).float() * scale).to(torch.bfloat16)
 
 
-def mla_cache_format(kv_cache: torch.Tensor) -> str:
-    """Which MLA format a paged cache holds, from its dtype and last dim: 'bf16', 'fp8' or 'fp8_raw'."""
+def mla_cache_format(kv_cache: torch.Tensor, name: str = "kv_cache") -> str:
+    """Which MLA format a paged cache holds, from its dtype and last dim: 'bf16', 'fp8' or 'fp8_raw'
+    (ValueError naming ``name`` for anything else)."""
+    if not isinstance(kv_cache, torch.Tensor) or kv_cache.dim() == 0:
+        raise ValueError(f"{name}: expected a tensor [..., width], got {_describe(kv_cache)}")
     if kv_cache.dtype == torch.bfloat16 and kv_cache.shape[-1] == MLA_DIM:
         return "bf16"
     if kv_cache.dtype == torch.uint8 and kv_cache.shape[-1] == MLA_FP8_BYTES:
         return "fp8"
     if kv_cache.dtype == torch.uint8 and kv_cache.shape[-1] == MLA_FP8_RAW_BYTES:
         return "fp8_raw"
-    raise ValueError(f"kv_cache: expected bf16 [..., {MLA_DIM}], uint8 [..., {MLA_FP8_BYTES}] or uint8 "
+    raise ValueError(f"{name}: expected bf16 [..., {MLA_DIM}], uint8 [..., {MLA_FP8_BYTES}] or uint8 "
                      f"[..., {MLA_FP8_RAW_BYTES}], got {kv_cache.dtype} {list(kv_cache.shape)}")
 
 
+def _check_scale(fmt: str, scale) -> None:
+    """fp8_raw needs its per-tensor scale (a finite float > 0); the other formats must not get one."""
+    if fmt == "fp8_raw":
+        _check(not isinstance(scale, bool) and isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0,
+               "scale", "the pool's per-tensor scale for fp8_raw, a finite float > 0", repr(scale))
+    else:
+        _check(scale is None, "scale", f"None for the {fmt!r} format (only 'fp8_raw' has a per-tensor scale)",
+               repr(scale))
+
+
 def encode_mla(kv: torch.Tensor, fmt: str, scale: float | None = None) -> torch.Tensor:
-    """``kv [N, 576]`` -> one token row per cache format: bf16 [N, 576] or u8 [N, 656] / [N, 576]."""
+    """``kv [N, 576]`` -> one token row per cache format: bf16 [N, 576] or u8 [N, 656] / [N, 576].
+    ``scale``: the per-tensor scale of "fp8_raw", None for the other formats."""
+    if fmt not in MLA_FORMATS:
+        raise ValueError(f"fmt: expected one of {MLA_FORMATS}, got {fmt!r}")
+    _check_kv(kv)
+    _check_scale(fmt, scale)
     if fmt == "bf16":
-        _check_kv(kv)
         return kv.to(torch.bfloat16)
     if fmt == "fp8":
         return quantize_mla_656(kv)
-    if fmt == "fp8_raw":
-        _check(scale is not None, "scale", "the pool's per-tensor scale for fp8_raw", None)
-        return quantize_mla_576(kv, scale)
-    raise ValueError(f"fmt: expected one of {MLA_FORMATS}, got {fmt!r}")
+    return quantize_mla_576(kv, scale)
 
 
 def decode_mla(rows: torch.Tensor, scale: float | None = None) -> torch.Tensor:
-    """Token rows of any MLA format -> ``[..., 576] bf16`` (format read off dtype and width)."""
-    fmt = mla_cache_format(rows)
+    """Token rows of any MLA format -> ``[..., 576] bf16`` (format read off dtype and width; ``scale`` as
+    in :func:`encode_mla`)."""
+    fmt = mla_cache_format(rows, "rows")
+    _check_scale(fmt, scale)
     if fmt == "bf16":
         return rows
     if fmt == "fp8":
         return dequantize_mla_656(rows)
-    _check(scale is not None, "scale", "the pool's per-tensor scale for fp8_raw", None)
     return dequantize_mla_576(rows, scale)
 
 
-def store_mla(kv_cache: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor, scale: float | None = None) -> None:
-    """Quantise (per the cache's format) and write N tokens at the given slots; nothing else changes.
-
-    ``kv_cache: [P, 64, 576] bf16 | [P, 64, 656] u8 | [P, 64, 576] u8``, ``slots [N] int``, ``kv [N, 576]``.
-    """
+def _check_paged_mla(kv_cache: torch.Tensor, page_size: int | None) -> str:
+    """Format of a paged MLA cache ``[P, page_size, width]`` (any page size when None); ValueError otherwise."""
     fmt = mla_cache_format(kv_cache)
-    _check(kv_cache.dim() == 3 and kv_cache.shape[1] == PAGE_SIZE, "kv_cache",
-           f"[P, {PAGE_SIZE}, width]", list(kv_cache.shape))
-    _check(slots.dim() == 1 and slots.shape[0] == kv.shape[0] and not slots.is_floating_point(), "slots",
-           f"a 1-D integer tensor of {kv.shape[0]} slots", f"{slots.dtype} {list(slots.shape)}")
-    flat = kv_cache.view(-1, kv_cache.shape[-1])
-    slots = slots.long()
-    check_range("slots", slots, 0, flat.shape[0] - 1)
-    flat[slots] = encode_mla(kv, fmt, scale)
+    _check(kv_cache.dim() == 3 and (page_size is None or kv_cache.shape[1] == page_size), "kv_cache",
+           f"[P, {page_size or 'page_size'}, width]", list(kv_cache.shape))
+    return fmt
+
+
+def store_mla(kv_cache: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor, scale: float | None = None) -> None:
+    """Quantise (per the cache's format) and write N tokens at N distinct slots; nothing else changes.
+
+    ``kv_cache: [P, 64, 576] bf16 | [P, 64, 656] u8 | [P, 64, 576] u8``, written in place through its
+    strides (a slice of a bigger pool is fine, an expanded view is not); ``slots [N] int`` with slot
+    ``page * 64 + row``; ``kv [N, 576]`` float. Every argument is checked before anything is written.
+    """
+    fmt = _check_paged_mla(kv_cache, PAGE_SIZE)
+    _check(all(st != 0 or n <= 1 for n, st in zip(kv_cache.shape, kv_cache.stride())), "kv_cache",
+           "a tensor that can be written in place (no expanded, stride-0 dims)", f"strides {kv_cache.stride()}")
+    _check_kv(kv)
+    check_slots("slots", slots, kv_cache.shape[0] * PAGE_SIZE, distinct=True)
+    _check(slots.shape[0] == kv.shape[0], "slots", f"one slot per row of kv ({kv.shape[0]})", slots.shape[0])
+    _check_device(kv_cache, kv=kv)
+    rows = encode_mla(kv, fmt, scale)
+    slots = slots.to(kv_cache.device, torch.int64)
+    kv_cache[slots // PAGE_SIZE, slots % PAGE_SIZE] = rows
 
 
 def gather_mla(kv_cache: torch.Tensor, slots: torch.Tensor, scale: float | None = None) -> torch.Tensor:
-    """Read and dequantise tokens: ``slots [N] -> [N, 576] bf16``."""
-    flat = kv_cache.reshape(-1, kv_cache.shape[-1])
-    return decode_mla(flat[slots.long()], scale)
+    """Read and dequantise tokens: ``kv_cache [P, page_size, width]`` (any strides), ``slots [N] int`` in
+    ``[0, P * page_size)`` -> ``[N, 576] bf16``."""
+    _check_paged_mla(kv_cache, None)
+    page_size = kv_cache.shape[1]
+    check_slots("slots", slots, kv_cache.shape[0] * page_size)
+    slots = slots.to(kv_cache.device, torch.int64)
+    return decode_mla(kv_cache[slots // page_size, slots % page_size], scale)

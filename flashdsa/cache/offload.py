@@ -27,7 +27,7 @@ its gathered KV from the host. ``free`` drops the request's rows and buffer, ``t
 dropped tokens.
 
 Bitwise the same as the on-device pool: rows are copied byte for byte and sparse MLA reads the same bytes
-in the same order. Turned off with offload: the dense fallback (SPEC §6: the Runner sets dense_threshold
+in the same order. Turned off with offload: the dense fallback (docs/DSA.md §6: the Runner sets dense_threshold
 0) and CUDA-graph capture (each layer's swap-in needs a host sync: the host gathers the rows to copy).
 The swap-in sits between a layer's top-k and its attention, and the next layer's indexer needs this
 layer's output, so there is nothing to overlap it with inside one step; the side stream keeps it off the

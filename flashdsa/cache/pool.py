@@ -29,9 +29,9 @@ from typing import Hashable
 import torch
 
 from flashdsa.cache import layouts
-from flashdsa.cache.allocator import BLOCK_TABLE_PAD, PageAllocator, slots_from_pages
+from flashdsa.cache.allocator import BLOCK_TABLE_PAD, PageAllocator, check_span, slots_from_pages
 from flashdsa.config import DSAConfig
-from flashdsa._checks import check_range
+from flashdsa._checks import check_finite, check_slots
 from flashdsa.quant import FP8
 
 _MLA_DTYPE = {"bf16": torch.bfloat16, "fp8": torch.uint8, "fp8_raw": torch.uint8}
@@ -157,9 +157,7 @@ class KVPool:
         """
         n = -(-self.allocator.seq_len(req_id) // self.kpool)
         end = n if end is None else end
-        if isinstance(start, bool) or isinstance(end, bool) or not (0 <= start <= end <= n):
-            raise ValueError(f"start, end: expected 0 <= start <= end <= ceil(seq_len / kpool) ({n}) of request "
-                             f"{req_id!r}, got start={start}, end={end}")
+        check_span(start, end, n, f"ceil(seq_len / kpool) ({n}) of request {req_id!r}")
         return slots_from_pages(self.allocator.pages(req_id), start, end, layouts.PAGE_SIZE).to(self.device)
 
     def block_table(self, req_ids, max_pages: int | None = None, pad: int = BLOCK_TABLE_PAD) -> torch.Tensor:
@@ -173,17 +171,20 @@ class KVPool:
         """Store N tokens' MLA rows (quantised per ``kv_format``) and, optionally, M indexer keys.
 
         Args:
-            slots:         ``[N] int`` MLA slots (``slots()``), distinct.
+            slots:         ``[N] int`` MLA slots (``slots()``), distinct (ValueError otherwise, when value
+                           checks are on).
             kv:            ``[N, 576]`` float: 512 latent + 64 rope.
-            index_k_fp8:   ``[M, 128] float8_e4m3fn`` indexer keys (M = N with c = 1; pooled keys with c > 1).
+            index_k_fp8:   ``[M, 128] float8_e4m3fn`` indexer keys (M = N with c = 1; pooled keys with c > 1), no
+                           NaN codes (ValueError when value checks are on).
             index_k_scale: ``[M] float32``, given together with ``index_k_fp8``.
-            index_slots:   ``[M] int`` (``index_slots()``); defaults to ``slots`` when c = 1, required when c > 1.
+            index_slots:   ``[M] int`` (``index_slots()``), distinct; defaults to ``slots`` when c = 1, required
+                           when c > 1.
 
         Every argument is checked before any byte is written; only the given slots change.
         ValueError for index keys on a layer without an indexer cache.
         """
         self._check_layer(layer)
-        _check_slots("slots", slots, self.num_pages * self.page_size)
+        check_slots("slots", slots, self.num_pages * self.page_size, distinct=True)
         if not (isinstance(kv, torch.Tensor) and kv.dim() == 2 and kv.shape[1] == layouts.MLA_DIM
                 and kv.is_floating_point() and kv.shape[0] == slots.shape[0]):
             _fail("kv", f"a float tensor [{slots.shape[0]}, {layouts.MLA_DIM}] (one row per slot)",
@@ -199,7 +200,7 @@ class KVPool:
                 if self.kpool > 1:
                     _fail("index_slots", f"the pooled keys' slots (index_slots()) with kpool {self.kpool}", None)
                 index_slots = slots
-            _check_slots("index_slots", index_slots, self.num_pages * layouts.PAGE_SIZE)
+            check_slots("index_slots", index_slots, self.num_pages * layouts.PAGE_SIZE, distinct=True)
             m = index_slots.shape[0]
             if not (isinstance(index_k_fp8, torch.Tensor) and index_k_fp8.dtype == FP8
                     and index_k_fp8.shape == (m, layouts.INDEX_DIM)):
@@ -208,13 +209,14 @@ class KVPool:
             if not (isinstance(index_k_scale, torch.Tensor) and index_k_scale.dtype == torch.float32
                     and index_k_scale.shape == (m,)):
                 _fail("index_k_scale", f"float32 [{m}]", _describe(index_k_scale))
+            check_finite("index_k_fp8", index_k_fp8)  # store_index_keys would refuse it after the MLA write
         self._store_mla(layer, slots, kv)
         if index_k_fp8 is not None:
             layouts.store_index_keys(index, index_slots.to(self.device), index_k_fp8, index_k_scale)
 
     def read(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
         """Dequantised MLA rows: ``slots [N] -> [N, 576] bf16``."""
-        _check_slots("slots", slots, self.num_pages * self.page_size)
+        check_slots("slots", slots, self.num_pages * self.page_size)
         return self._gather_mla(self._check_layer(layer), slots)
 
     def mla_for_attention(self, layer: int, sel: torch.Tensor, batch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -238,7 +240,7 @@ class KVPool:
 
     def read_index(self, layer: int, index_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Indexer keys: ``index_slots [M] -> k_fp8 [M, 128] e4m3, k_scale [M] f32``."""
-        _check_slots("index_slots", index_slots, self.num_pages * layouts.PAGE_SIZE)
+        check_slots("index_slots", index_slots, self.num_pages * layouts.PAGE_SIZE)
         return layouts.gather_index_keys(self.index_cache(layer), index_slots.to(self.device))
 
     # ---- memory ----------------------------------------------------------------------------------
@@ -278,11 +280,3 @@ class KVPool:
 
 def _describe(t) -> str:
     return f"{t.dtype} {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
-
-
-def _check_slots(name: str, slots, limit: int) -> None:
-    """1-D integer tensor with values in [0, limit); checked before any write."""
-    if not (isinstance(slots, torch.Tensor) and slots.dim() == 1 and not slots.is_floating_point()
-            and not slots.is_complex() and slots.dtype != torch.bool):
-        _fail(name, "a 1-D integer tensor", _describe(slots))
-    check_range(name, slots, 0, limit - 1)

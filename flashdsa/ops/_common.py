@@ -13,7 +13,8 @@ from typing import Callable, Iterable
 
 import torch
 
-from flashdsa._checks import check_range, fail, set_value_checks, value_checks_enabled  # noqa: F401 (re-exported)
+from flashdsa._checks import (check_finite, check_range, fail, set_value_checks,  # noqa: F401 (re-exported)
+                              value_checks_enabled)
 
 BACKENDS = ("torch", "triton")
 
@@ -41,6 +42,21 @@ def check_tensor(name: str, t, *, dtype: torch.dtype | Iterable[torch.dtype] | N
         fail(name, f"a tensor on {device} (like the first argument)", t.device)
     if contiguous_last and t.dim() and t.stride(-1) != 1 and t.shape[-1] > 1:
         fail(name, "unit stride in the last dim", f"strides {t.stride()}")
+
+
+def dense(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    """The small metadata arguments (lengths, offsets, page tables, head gates, slot lists) made
+    contiguous, so that every backend may index them densely: a strided view such as
+    ``context_lens[:, 0]`` then means the same on both. Free when already contiguous; never used for
+    the caches or the [T, N] logits, which are rejected or read through their strides instead."""
+    return tuple(None if t is None else t.contiguous() for t in tensors)
+
+
+def check_int(name: str, x, lo: int) -> int:
+    """A Python int (not a bool) >= ``lo``."""
+    if isinstance(x, bool) or not isinstance(x, int) or x < lo:
+        fail(name, f"an int >= {lo}", repr(x))
+    return x
 
 
 def check_scalar(name: str, x, *, positive: bool = True) -> float:

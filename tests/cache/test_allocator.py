@@ -263,7 +263,8 @@ def test_slots_formula_on_fragmented_pages():
         s = a.slots("x", start, end)
         assert s.dtype == torch.int64 and s.tolist() == formula_slots(pages, start, end, 64)
     assert a.slots("x", 63, 66).tolist() == [2 * 64 + 63, 0, 1]
-    for start, end in [(-1, 3), (5, 4), (0, 151), (True, 3)]:
+    # fractional bounds used to reach torch.arange, which rounds them up (issue #15)
+    for start, end in [(-1, 3), (5, 4), (0, 151), (True, 3), (0, 2.5), (0.5, 3), (0.0, 3)]:
         with pytest.raises(ValueError, match="start, end"):
             a.slots("x", start, end)
 
@@ -305,6 +306,15 @@ def test_bad_arguments():
         a.extend("b", 1)
     with pytest.raises(ValueError, match="req_id"):
         a.seq_len("b")
+    for unhashable in (["a"], {"a": 1}, {1, 2}):  # a TypeError from the dict before (issue #15)
+        for call in (lambda r: a.allocate(r, 1), lambda r: a.extend(r, 1), a.seq_len, a.pages, a.free, a.slots,
+                     lambda r: a.block_table([r])):
+            with pytest.raises(ValueError, match="req_id: expected a hashable id"):
+                call(unhashable)
+        assert unhashable not in a
+    for bad in (0.5, 1.0, True, 2 ** 31, "0"):
+        with pytest.raises(ValueError, match="pad"):
+            a.block_table(["a"], pad=bad)
     assert snapshot(a) == before
 
 

@@ -349,3 +349,18 @@ def test_store_mla_errors():
     with pytest.raises(ValueError, match="scale"):
         L.store_mla(torch.zeros(2, 64, 576, dtype=torch.uint8), slots, kv)
     assert (cache == 0).all()
+
+
+def test_writers_name_a_device_mismatch():
+    """Rows on another device than the cache: a ValueError naming them before anything is written (slots
+    may live anywhere). The meta device stands in for a GPU."""
+    cache = torch.zeros(2, 8448, dtype=torch.uint8)
+    k, s = _random_keys(3)
+    with pytest.raises(ValueError, match="k_fp8: expected a tensor on cpu"):
+        L.store_index_keys(cache, torch.tensor([0, 1, 2]), k.to("meta"), s)
+    with pytest.raises(ValueError, match="k_scale: expected a tensor on cpu"):
+        L.store_index_keys(cache, torch.tensor([0, 1, 2]), k, s.to("meta"))
+    mla = torch.zeros(2, 64, 656, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="kv: expected a tensor on cpu"):
+        L.store_mla(mla, torch.tensor([0, 1, 2]), torch.randn(3, 576, device="meta"))
+    assert (cache == 0).all() and (mla == 0).all()

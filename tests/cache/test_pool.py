@@ -144,6 +144,12 @@ def test_failed_write_changes_nothing():
         (dict(index_k_scale=ks.double()), "index_k_scale"),
         (dict(index_k_scale=None), "index_k_scale"),
         (dict(index_slots=torch.full((70,), 3 * 64)), "index_slots"),
+        # documented as distinct, accepted before issue #15 (the scatter kept whichever row came last)
+        (dict(slots=torch.cat([s[:-1], s[:1]])), "slots: expected distinct slots"),
+        (dict(index_slots=torch.cat([s[1:], s[-1:]])), "index_slots: expected distinct slots"),
+        (dict(slots=s.clone().fill_(s[3])), "slots: expected distinct slots"),
+        # a NaN key is refused by store_index_keys: it must be refused before the MLA rows are written
+        (dict(index_k_fp8=torch.cat([k[:-1], torch.full((1, 128), float("nan")).to(k.dtype)])), "index_k_fp8"),
     ]
     for change, name in bad:
         args = dict(slots=s, kv=kv, index_k_fp8=k, index_k_scale=ks) | change
@@ -201,7 +207,7 @@ def test_memory_accounting(preset, pages, fmt):
     assert m["index_per_token"] == len(cfg.topk_layers) * 132
     assert page_bytes(cfg, fmt) == m["total"] // pages
     if preset == "v32" and fmt == "fp8":
-        # SPEC §4: 61 layers, fp8 MLA ~ 40 KB/token, + indexer ~ 48 KB, indexer ~ 17 %.
+        # docs/DSA.md §4: 61 layers, fp8 MLA ~ 40 KB/token, + indexer ~ 48 KB, indexer ~ 17 %.
         assert (m["mla_per_token"], m["total_per_token"]) == (61 * 656, 61 * (656 + 132))
         assert 0.16 < m["index_per_token"] / m["total_per_token"] < 0.18
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from flashdsa.cache.layouts import MLA_DIM, MLA_LATENT
-from flashdsa.ops._common import check_range, check_scalar, check_tensor, fail, pick_backend, value_checks_enabled
+from flashdsa.ops._common import (check_range, check_scalar, check_tensor, dense, fail, pick_backend,
+                                  value_checks_enabled)
 from flashdsa.ops.dense_mla import reference
 
 
@@ -48,6 +49,7 @@ def dense_mla_prefill(q: torch.Tensor, kv: torch.Tensor, cu_seqlens_q: torch.Ten
     check_scalar("sm_scale", sm_scale)
     if isinstance(d_v, bool) or not isinstance(d_v, int) or not 1 <= d_v <= MLA_LATENT:
         fail("d_v", f"an int in 1..{MLA_LATENT}", d_v)
+    cu_seqlens_q, cu_seqlens_kv = dense(cu_seqlens_q, cu_seqlens_kv)
     if value_checks_enabled(cu_seqlens_q):
         cq, ck = cu_seqlens_q.long(), cu_seqlens_kv.long()
         if int(cq[0]) != 0 or int(cq[-1]) != T:

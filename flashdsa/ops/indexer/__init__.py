@@ -6,8 +6,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from flashdsa.cache.layouts import INDEX_PAGE_BYTES, PAGE_SIZE
-from flashdsa.ops._common import check_range, check_tensor, fail, pick_backend, value_checks_enabled
+from flashdsa.cache.layouts import INDEX_PAGE_BYTES, PAGE_SIZE, check_index_cache
+from flashdsa.ops._common import (check_finite, check_int, check_range, check_tensor, dense, fail, pick_backend,
+                                  value_checks_enabled)
 from flashdsa.ops.indexer import reference
 from flashdsa.ops.topk import topk_transform
 from flashdsa.quant import FP8
@@ -53,12 +54,19 @@ def indexer_logits_ragged(q_fp8: torch.Tensor, k_fp8: torch.Tensor, k_scale: tor
         weights: ``[T, H] float32`` head gates with q_scale, H^-0.5 and D^-0.5 folded in.
         ks, ke:  ``[T] int32``; row i scores keys in ``[ks[i], ke[i])``, ``0 <= ks <= ke <= N``.
 
+    Any strides: q_fp8 and k_fp8 are read through theirs, the small per-row / per-key tensors made
+    contiguous. An e4m3 NaN code in q_fp8 / k_fp8 is a ValueError when value checks are on (the kernels'
+    fp8 conversions and ReLU do not propagate NaN as the reference does).
+
     Returns:
         ``[T, N] float32``: ``k_scale[s] * sum_h weights[i, h] * relu(q[i, h] . k[s])`` inside the
         row's range, ``-inf`` everywhere else.
     """
     T, N = _check_ragged(q_fp8, k_fp8, k_scale, weights, ks, ke)
     dev = q_fp8.device
+    k_scale, weights, ks, ke = dense(k_scale, weights, ks, ke)
+    check_finite("q_fp8", q_fp8)
+    check_finite("k_fp8", k_fp8)
     check_range("ks", ks, 0, N)
     check_range("ke", ke, 0, N)
     check_range("ke - ks", ke - ks, 0, None, what="ke >= ks, i.e. values")
@@ -80,6 +88,11 @@ def indexer_logits_paged(q_fp8: torch.Tensor, index_cache: torch.Tensor, weights
         block_table:  ``[B, maxp] int32``; position p of request b lives at page ``block_table[b, p // 64]``.
         max_context_len: width of the output, ``>= context_lens.max()``.
 
+    ``index_cache`` must be contiguous (it is read in place, never copied: ValueError otherwise); q_fp8
+    may have any strides, the small tensors are made contiguous. NaN codes: a ValueError in q_fp8 (value
+    checks on); keys must not hold them at reachable positions (not checked: that would read the whole
+    cache; ``store_index_keys`` rejects them), else the backends may disagree.
+
     Returns:
         ``[B * n, max_context_len] float32``, ``-inf`` at and past each row's length.
     """
@@ -89,13 +102,15 @@ def indexer_logits_paged(q_fp8: torch.Tensor, index_cache: torch.Tensor, weights
     if D != 128:
         fail("q_fp8", "head dim 128 (the indexer page layout holds 128-dim keys)", D)
     check_tensor("index_cache", index_cache, dtype=torch.uint8, shape=(None, INDEX_PAGE_BYTES), device=dev)
+    check_index_cache(index_cache)
     check_tensor("weights", weights, dtype=torch.float32, shape=(B * n, H), device=dev)
     check_tensor("context_lens", context_lens, dtype=torch.int32, shape=(B, n), device=dev)
     check_tensor("block_table", block_table, dtype=torch.int32, ndim=2, device=dev)
     if block_table.shape[0] != B:
         fail("block_table", f"{B} rows (one per request)", block_table.shape[0])
-    if isinstance(max_context_len, bool) or not isinstance(max_context_len, int) or max_context_len < 0:
-        fail("max_context_len", "a non-negative int", max_context_len)
+    check_int("max_context_len", max_context_len, 0)
+    weights, context_lens, block_table = dense(weights, context_lens, block_table)
+    check_finite("q_fp8", q_fp8)
     maxp = block_table.shape[1]
     check_range("context_lens", context_lens, 0, min(max_context_len, maxp * PAGE_SIZE))
     impl = pick_backend(backend, _PAGED, dev, "indexer_logits_paged")
@@ -122,7 +137,8 @@ def _row_chunks(ks: np.ndarray, ke: np.ndarray, cap: int) -> list[tuple[int, int
             stop = min(T, r0 + span)
             lo = np.minimum.accumulate(lo_src[r0:stop])
             hi = np.maximum.accumulate(hi_src[r0:stop])
-            width = np.maximum(hi - lo, 0)  # 0 while only empty rows have been seen
+            # 0 while only empty rows have been seen (hi - lo would wrap around: int64 min - int64 max)
+            width = np.where(hi > lo, hi - lo, 0)
             # rows * width only grows with the row count, so the rows that fit are a prefix (>= 1 row:
             # every single row was checked against the budget)
             take = max(1, int((np.arange(1, stop - r0 + 1) * width <= cap).sum()))
@@ -166,10 +182,10 @@ def indexer_topk_ragged(q_fp8: torch.Tensor, k_fp8: torch.Tensor, k_scale: torch
     """
     T, N = _check_ragged(q_fp8, k_fp8, k_scale, weights, ks, ke)
     dev = q_fp8.device
-    if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
-        fail("topk", "an int >= 1", topk)
+    check_int("topk", topk, 1)
     if out_offsets is not None:
         check_tensor("out_offsets", out_offsets, dtype=torch.int32, shape=(T,), device=dev)
+    k_scale, weights, ks, ke, out_offsets = dense(k_scale, weights, ks, ke, out_offsets)
     if isinstance(max_logits_bytes, bool) or not isinstance(max_logits_bytes, int) or max_logits_bytes < 4:
         fail("max_logits_bytes", "an int >= 4 (one fp32 logit)", max_logits_bytes)
     pick_backend(backend, _RAGGED, dev, "indexer_topk_ragged")  # reject a bad backend before any work

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import torch
 
-from flashdsa.ops._common import check_tensor, fail, pick_backend
+from flashdsa.ops._common import check_finite, check_tensor, dense, fail, pick_backend
 from flashdsa.ops.indexer_quant import reference
 
 HEAD_DIM = 128
 ROPE_HALF = 32
+# |x| <= 2^118 and |cos|, |sin| <= 2 (a YaRN table is scaled by its mscale, ~1.4) keep every fp32
+# intermediate finite: RoPE <= 2^120, the unnormalised Hadamard sums of 128 <= 2^127 < fp32's 2^128
+X_BOUND = 2.0 ** 118
+COS_BOUND = 2.0
 
 
 def _triton_indexer_quant(*args, **kwargs):
@@ -24,14 +28,17 @@ def indexer_quant(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interle
                   backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE on the first 64 dims, rounding to the model dtype, Sylvester Hadamard, fp8 with a UE8M0 scale.
 
-    Per head (SPEC §3), exactly as ``flashdsa.quant`` composes it::
+    Per head (docs/DSA.md §3), exactly as ``flashdsa.quant`` composes it::
 
         y = x.dtype(indexer_rope(x, cos, sin, interleave))   # layout [rope 64 | nope 64]
         z = x.dtype(H128 y / sqrt(128))                        # hadamard(): fp32 butterflies
         x_fp8, scale = act_quant(z, block=128)                 # scale = 2^ceil(log2(max(amax, 1e-4) / 448))
 
-    Both backends give the same bits for finite inputs; the Triton one (default on CUDA) is one launch
-    for any T and head count. Use it for the queries ``[T, H, 128]`` and the key ``[T, 128]`` alike.
+    Both backends give the same bits; the Triton one (default on CUDA) is one launch for any T and head
+    count. Use it for the queries ``[T, H, 128]`` and the key ``[T, 128]`` alike. NaN / inf in x, cos or
+    sin, ``|x| > 2^118`` or ``|cos|, |sin| > 2`` (where RoPE or the Hadamard sums could overflow) are a
+    ValueError when value checks are on: the kernel's amax and casts do not propagate NaN / inf as torch
+    does, so with the checks off such inputs give unspecified results.
 
     Args:
         x:          ``[T, ..., 128]`` bfloat16 or float32 (the model dtype), unit stride not required.
@@ -50,5 +57,9 @@ def indexer_quant(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interle
     check_tensor("sin", sin, dtype=torch.float32, shape=(T, ROPE_HALF), device=x.device)
     if not isinstance(interleave, bool):
         fail("interleave", "a bool", type(interleave).__name__)
+    cos, sin = dense(cos, sin)
+    check_finite("x", x, X_BOUND)
+    check_finite("cos", cos, COS_BOUND)
+    check_finite("sin", sin, COS_BOUND)
     impl = pick_backend(backend, _IMPLS, x.device, "indexer_quant")
     return impl(x, cos, sin, interleave)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from flashdsa.cache.layouts import MLA_DIM, MLA_LATENT, PAGE_SIZE, mla_cache_format
-from flashdsa.ops._common import check_scalar, check_tensor, fail, pick_backend
+from flashdsa.ops._common import check_scalar, check_tensor, dense, fail, pick_backend
 from flashdsa.ops.sparse_mla import reference
 
 
@@ -29,6 +29,18 @@ def _check_d_v(d_v) -> None:
         fail("d_v", f"an int in 1..{MLA_LATENT} (the value is the leading latent dims)", d_v)
 
 
+def _check_cache_strides(kv_cache: torch.Tensor, fmt: str) -> None:
+    """The cache is read in place through its page and row strides (a slice of a bigger pool is fine),
+    never copied: each token row must be contiguous, and in the 656-B layout 4-byte aligned (its fp32
+    scales and bf16 rope are read as such)."""
+    if kv_cache.stride(-1) != 1:
+        fail("kv_cache", "token rows with unit stride (the cache is read in place, never copied)",
+             f"strides {kv_cache.stride()}")
+    if fmt == "fp8" and (kv_cache.data_ptr() % 4 or kv_cache.stride(0) % 4 or kv_cache.stride(1) % 4):
+        fail("kv_cache", "4-byte aligned token rows for the 656-B layout",
+             f"data_ptr % 4 = {kv_cache.data_ptr() % 4}, strides {kv_cache.stride()}")
+
+
 def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, sm_scale: float,
                       d_v: int = 512, *, kv_scale: float | None = None,
                       backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -39,10 +51,11 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Te
                   decode, next_n for MTP verify; any h_q.
         kv_cache: ``[P, 64, 656] uint8`` (fp8 latent + 4 fp32 scales + bf16 rope, FlashMLA's layout),
                   ``[P, 64, 576] bfloat16``, or ``[P, 64, 576] uint8`` (raw fp8, needs ``kv_scale``).
+                  Any page / row stride (read in place), unit stride within a token row.
         indices:  ``[B, s_q, topk] int32`` physical slots ``page * 64 + row``; -1 or >= P * 64 = skip.
         sm_scale: softmax scale.
         d_v:      value dims (the first d_v of the 576).
-        kv_scale: per-tensor scale of the raw fp8 cache.
+        kv_scale: per-tensor scale of the raw fp8 cache; None for the other formats.
 
     Returns:
         ``out [B, s_q, h_q, d_v] bfloat16`` and ``lse [B, s_q, h_q] float32`` (natural log). A row with
@@ -57,11 +70,15 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Te
     fmt = mla_cache_format(kv_cache)
     if kv_cache.shape[1] != PAGE_SIZE:
         fail("kv_cache", f"pages of {PAGE_SIZE} tokens [P, {PAGE_SIZE}, width]", list(kv_cache.shape))
+    _check_cache_strides(kv_cache, fmt)
     if fmt == "fp8_raw":
         kv_scale = check_scalar("kv_scale", kv_scale)
+    elif kv_scale is not None:
+        fail("kv_scale", f"None for a {fmt!r} cache (only the raw fp8 cache has a per-tensor scale)", kv_scale)
     check_tensor("indices", indices, dtype=torch.int32, shape=(B, s_q, None), device=dev)
     check_scalar("sm_scale", sm_scale)
     _check_d_v(d_v)
+    (indices,) = dense(indices)
     impl = pick_backend(backend, _DECODE, dev, "sparse_mla_decode")
     return impl(q, kv_cache, indices, float(sm_scale), d_v, kv_scale)
 
@@ -88,6 +105,7 @@ def sparse_mla_prefill(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
     check_tensor("indices", indices, dtype=torch.int32, shape=(T, None), device=dev)
     check_scalar("sm_scale", sm_scale)
     _check_d_v(d_v)
+    (indices,) = dense(indices)
     impl = pick_backend(backend, _PREFILL, dev, "sparse_mla_prefill")
     return impl(q, kv, indices, float(sm_scale), d_v)
 
@@ -100,8 +118,11 @@ def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tenso
     log. Exact for empty parts: a part with lse = -inf contributes nothing; two empty parts give
     out = 0, lse = -inf.
     """
-    check_tensor("out_a", out_a)
+    check_tensor("out_a", out_a, dtype=(torch.bfloat16, torch.float16, torch.float32, torch.float64))
+    if out_a.dim() < 1:
+        fail("out_a", "a tensor [..., d_v]", "a 0-d tensor")
     check_tensor("lse_a", lse_a, dtype=torch.float32, shape=tuple(out_a.shape[:-1]), device=out_a.device)
-    check_tensor("out_b", out_b, shape=tuple(out_a.shape), device=out_a.device)
+    check_tensor("out_b", out_b, dtype=(torch.bfloat16, torch.float16, torch.float32, torch.float64),
+                 shape=tuple(out_a.shape), device=out_a.device)
     check_tensor("lse_b", lse_b, dtype=torch.float32, shape=tuple(out_a.shape[:-1]), device=out_a.device)
     return reference.merge_attention(out_a, lse_a, out_b, lse_b)

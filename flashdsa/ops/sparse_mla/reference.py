@@ -51,7 +51,9 @@ def sparse_attention(q: torch.Tensor, kv_rows: torch.Tensor, indices: torch.Tens
 def sparse_mla_decode(q, kv_cache, indices, sm_scale, d_v, kv_scale):
     B, s_q, h_q, d = q.shape
     rows = kv_cache.reshape(-1, kv_cache.shape[-1])
-    out, lse = sparse_attention(q.reshape(B * s_q, h_q, d), rows, indices.reshape(B * s_q, -1), sm_scale, d_v, kv_scale)
+    # the index width spelled out: -1 cannot be inferred from 0 rows (B = 0 or s_q = 0)
+    idx = indices.reshape(B * s_q, indices.shape[-1])
+    out, lse = sparse_attention(q.reshape(B * s_q, h_q, d), rows, idx, sm_scale, d_v, kv_scale)
     return out.view(B, s_q, h_q, d_v), lse.view(B, s_q, h_q)
 
 

@@ -5,8 +5,11 @@ from __future__ import annotations
 import torch
 
 from flashdsa.cache.layouts import PAGE_SIZE
-from flashdsa.ops._common import check_range, check_tensor, fail, pick_backend, value_checks_enabled
+from flashdsa.ops._common import (check_int, check_range, check_tensor, dense, fail, pick_backend,
+                                  value_checks_enabled)
 from flashdsa.ops.topk import reference
+
+INT32_MAX = 2 ** 31 - 1
 
 
 def _triton_topk(*args, **kwargs):
@@ -35,7 +38,7 @@ def topk_transform(logits: torch.Tensor, lengths: torch.Tensor, topk: int = 2048
     sync and scratch sized from shapes only (CUDA-graph capturable).
 
     Args:
-        logits:      ``[R, L] float32`` (unit stride along L).
+        logits:      ``[R, L] float32``, unit stride along L (any row stride: it is read in place).
         lengths:     ``[R] int32``, ``0 <= lengths[r]`` and ``row_starts[r] + lengths[r] <= L``.
         topk:        k >= 1.
         page_table:  ``[R / g, maxp] int32`` (g = 1, or next_n when R = B * next_n verify rows share
@@ -46,6 +49,8 @@ def topk_transform(logits: torch.Tensor, lengths: torch.Tensor, topk: int = 2048
                      gathered KV). Exclusive with ``page_table``.
         page_size:   tokens per page of ``page_table`` (64; 64 * c with kpool).
 
+    The metadata tensors may be strided views (``context_lens[:, 0]``); they are made contiguous first.
+
     Returns:
         ``[R, topk] int32``: the selected candidates in ascending position order, then -1 padding
         (a row with fewer than topk candidates returns all of them).
@@ -54,30 +59,33 @@ def topk_transform(logits: torch.Tensor, lengths: torch.Tensor, topk: int = 2048
     R, L = logits.shape
     dev = logits.device
     check_tensor("lengths", lengths, dtype=torch.int32, shape=(R,), device=dev)
-    if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
-        fail("topk", "an int >= 1", topk)
-    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
-        fail("page_size", "an int >= 1", page_size)
+    check_int("topk", topk, 1)
+    check_int("page_size", page_size, 1)
     if page_table is not None and out_offsets is not None:
         fail("out_offsets", "None when page_table is given (one translation per call)", "both")
-    check_range("lengths", lengths, 0, L)
     if row_starts is not None:
         check_tensor("row_starts", row_starts, dtype=torch.int32, shape=(R,), device=dev)
-        check_range("row_starts", row_starts, 0, L)
-        check_range("row_starts + lengths", row_starts + lengths, None, L)
     if out_offsets is not None:
         check_tensor("out_offsets", out_offsets, dtype=torch.int32, shape=(R,), device=dev)
-        check_range("out_offsets", out_offsets, 0, None)
     if page_table is not None:
         check_tensor("page_table", page_table, dtype=torch.int32, ndim=2, device=dev)
         g_rows = page_table.shape[0]
         if g_rows == 0 and R or g_rows and R % g_rows:
             fail("page_table", f"a row count that divides R = {R}", g_rows)
-        if R and value_checks_enabled(lengths):
-            per_table = lengths.view(g_rows, -1).amax(dim=1)
-            pages_needed = (per_table + page_size - 1) // page_size
-            check_range("page_table", pages_needed, None, page_table.shape[1], what="pages needed by lengths")
-            used = torch.arange(page_table.shape[1], device=dev)[None, :] < pages_needed[:, None]
-            check_range("page_table", page_table[used], 0, None, what="page ids")
+    lengths, page_table, row_starts, out_offsets = dense(lengths, page_table, row_starts, out_offsets)
+    check_range("lengths", lengths, 0, L)
+    if row_starts is not None:
+        check_range("row_starts", row_starts, 0, L)
+        check_range("row_starts + lengths", row_starts + lengths, None, L)
+    if out_offsets is not None:
+        check_range("out_offsets", out_offsets, 0, None)
+        # the largest output p + out_offsets[r] must fit the int32 result
+        check_range("out_offsets", out_offsets.long() + lengths - 1, None, INT32_MAX, what="out_offsets + lengths - 1")
+    if page_table is not None and R and value_checks_enabled(lengths):
+        per_table = lengths.view(g_rows, -1).amax(dim=1)
+        pages_needed = (per_table + page_size - 1) // page_size
+        check_range("page_table", pages_needed, None, page_table.shape[1], what="pages needed by lengths")
+        used = torch.arange(page_table.shape[1], device=dev)[None, :] < pages_needed[:, None]
+        check_range("page_table", page_table[used], 0, (INT32_MAX + 1) // page_size - 1, what="page ids (int32 slots)")
     impl = pick_backend(backend, _IMPLS, dev, "topk_transform")
     return impl(logits, lengths, topk, page_table, row_starts, out_offsets, page_size)
