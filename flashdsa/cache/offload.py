@@ -353,6 +353,7 @@ class OffloadKVPool(KVPool):
         rows = layouts.encode_mla(kv, self.kv_format, self.kv_scale)
         self.resident.drop(slots, layer)  # a device copy of an older value must never be read again
         if self._pinned:  # to pinned host memory without waiting; _flush scatters it into the cache
+            self._flush(layer)  # an earlier write still pending (bulk writes): at most one in flight per layer
             done = torch.cuda.Event()
             self._pending[layer].append((slots.to("cpu", non_blocking=True, copy=True),
                                          rows.to("cpu", non_blocking=True, copy=True), done))
