@@ -31,7 +31,8 @@ def _demo(args: argparse.Namespace) -> int:
 
     report = run_demo(preset=args.preset, device=args.device, next_n=args.next_n, seed=args.seed,
                       backend=args.backend, layers=args.layers, kv_format=args.kv_format,
-                      log=None if args.json else print, force=args.force)
+                      log=None if args.json else print, force=args.force, offload=args.offload,
+                      device_buffer=args.device_buffer)
     if args.json:
         print(json.dumps(report))
     return 0 if report["ok"] else 1
@@ -170,6 +171,12 @@ def _add_demo(sub) -> None:
     demo.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompts")
     demo.add_argument("--force", action="store_true",
                       help="run even when the memory estimate exceeds the device's free memory")
+    demo.add_argument("--offload", action="store_true",
+                      help="serve with the MLA cache in host memory and small per-request device buffers, and "
+                           "check it against the same scenario all on the device (bitwise)")
+    demo.add_argument("--device-buffer", type=int, default=None, metavar="N",
+                      help="with --offload: device rows per request and layer, a multiple of 64 >= next_n * "
+                           "index_topk (default max(2, next_n) * index_topk)")
     demo.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
     demo.set_defaults(func=_demo)
 
