@@ -26,6 +26,7 @@ from flashdsa.cache.metadata import (DECODE, DRAFT_EXTEND, EXTEND, TARGET_VERIFY
 from flashdsa.cache.pool import KVPool
 from flashdsa.config import DSAConfig
 from flashdsa.engine.model import DSAModel
+from flashdsa.parallel import Parallel
 
 _DRAFT_MODES = (TARGET_VERIFY, DRAFT_EXTEND)
 
@@ -45,6 +46,9 @@ class Runner:
         record:          keep each layer's selection of the last batch in ``self.selections`` (tests; None
                          for a layer that ran the dense fallback).
         max_logits_bytes: the largest indexer-logits buffer one prefill chunk of query rows may use.
+        parallel:        several ranks run every batch together (``flashdsa.parallel``): ``ContextParallel``
+                         (prefill CP) or ``DecodeContextParallel`` (DCP; the pool then holds this rank's
+                         shard). Every rank is given the same calls; no dense fallback (SPEC §6).
 
     The caches (MLA, indexer, and the float key stores of exact-precision indexers) are ``self.pool``'s.
     """
@@ -52,7 +56,8 @@ class Runner:
     def __init__(self, model: DSAModel | None, num_pages: int, kv_format: str = "fp8", *,
                  backend: str | None = None, dense_threshold: int | None = None, kv_scale: float | None = None,
                  record: bool = False, max_dense_tokens: int = 1 << 16, max_logits_bytes: int = 1 << 30,
-                 config: DSAConfig | None = None, device: torch.device | str | None = None):
+                 config: DSAConfig | None = None, device: torch.device | str | None = None,
+                 parallel: Parallel | None = None):
         if model is not None:
             config, device = model.config, next(model.parameters()).device
         elif config is None or device is None:
@@ -63,7 +68,8 @@ class Runner:
             raise NotImplementedError("index_kpool > 1: the pooled-key indexer path (docs/DSA.md §7) is not built "
                                       "yet; the pool and config support it, the runner does not")
         self.pool = KVPool(self.cfg, num_pages, kv_format, torch.device(device), kv_scale)
-        self.alloc = self.pool.allocator
+        self.parallel = parallel
+        self.alloc = self.pool.allocator if parallel is None else parallel.allocator(self.pool.allocator)
         self.backend = backend
         self.dense_threshold = self.cfg.index_topk if dense_threshold is None else dense_threshold
         self.max_dense_tokens = max_dense_tokens
@@ -101,8 +107,15 @@ class Runner:
             max_pages:  decode modes: the block table's width (CUDA graphs keep shapes fixed).
 
         Returns ``(metadata, reservation)``; give the reservation to :meth:`undo` if the forward fails. All
-        or nothing: on any error nothing is reserved.
+        or nothing: on any error nothing is reserved (with ``parallel``: on any rank, see ``Parallel.together``).
         """
+        if self.parallel is not None:
+            return self.parallel.together(lambda: self._prepare(new_tokens, mode, force_sparse, max_pages), self.undo,
+                                          (mode, list(new_tokens.items()), force_sparse, max_pages))
+        return self._prepare(new_tokens, mode, force_sparse, max_pages)
+
+    def _prepare(self, new_tokens: dict[Hashable, int], mode: str | None, force_sparse: bool,
+                 max_pages: int | None) -> tuple[BatchMetadata, Reservation]:
         if mode is None:
             mode = DECODE if new_tokens and all(
                 n == 1 and r in self.alloc and self.alloc.seq_len(r) > 0 for r, n in new_tokens.items()) else EXTEND
@@ -118,7 +131,10 @@ class Runner:
         reservation = self.alloc.reserve(new_tokens)
         try:
             ids = list(new_tokens)
-            if mode == EXTEND:
+            if self.parallel is not None:  # the mode builds this rank's metadata (flashdsa.parallel)
+                meta = self.parallel.build(self.alloc, ids, list(new_tokens.values()), mode, max_pages=max_pages,
+                                           backend=self.backend, max_logits_bytes=self.max_logits_bytes)
+            elif mode == EXTEND:
                 meta = build_extend(self.alloc, ids, list(new_tokens.values()), dense_threshold=self.dense_threshold,
                                     dense_allowed=not force_sparse and self.pool.kv_format != "fp8_raw",
                                     max_dense_tokens=self.max_dense_tokens, backend=self.backend,
@@ -206,7 +222,8 @@ class Runner:
         m = self.model
         if m is None:
             raise ValueError("this runner has no model (Runner.for_layers): call each layer's DSAAttention")
-        x = m.embed_tokens(input_ids)
+        par = meta.parallel
+        x = m.embed_tokens(input_ids if par is None else par.local(input_ids))  # CP: this rank's tokens only
         cos, sin = m.rotary(meta.positions)
         selection = None
         if self.record:
@@ -217,6 +234,8 @@ class Runner:
                 self.selections[layer.self_attn.layer_id] = selection
             x = x + attn_out
             x = x + layer.mlp(layer.post_attention_layernorm(x))
+        if par is not None:
+            x = par.unshard(x)
         return m.lm_head(m.norm(x)).float()
 
 
