@@ -15,9 +15,10 @@ layer finds the batch's plan in ``BatchMetadata.parallel``. Every rank runs the 
 
 from flashdsa.parallel.base import Parallel, ParallelPlan
 from flashdsa.parallel.comm import Comm, ParallelError, init
-from flashdsa.parallel.decode import DecodeContextParallel, ShardedAllocator, ShardedPlan
+from flashdsa.parallel.decode import DecodeContextParallel, ShardedAllocator, ShardedPlan, merge_topk
 from flashdsa.parallel.prefill import ContextParallel, PrefillPlan
 from flashdsa.parallel.split import SPLITS, KVShards, token_owners
 
 __all__ = ["Comm", "ContextParallel", "DecodeContextParallel", "KVShards", "Parallel", "ParallelError",
-           "ParallelPlan", "PrefillPlan", "SPLITS", "ShardedAllocator", "ShardedPlan", "init", "token_owners"]
+           "ParallelPlan", "PrefillPlan", "SPLITS", "ShardedAllocator", "ShardedPlan", "init", "merge_topk",
+           "token_owners"]

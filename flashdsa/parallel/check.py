@@ -48,8 +48,9 @@ def selection_positions(sel: torch.Tensor, batch: BatchMetadata, page_size: int)
     table = batch.block_table.long().cpu()
     out = torch.full(sel.shape, -1, dtype=torch.int64)
     s = sel.cpu()
+    pages_used = (batch.context_lens.cpu().amax(1) + page_size - 1) // page_size  # the rest of a row is padding
     for row in range(s.shape[0]):
-        index_of_page = {int(p): j for j, p in enumerate(table[row // n])}
+        index_of_page = {int(p): j for j, p in enumerate(table[row // n, : pages_used[row // n]])}
         valid = s[row] >= 0
         pages = [index_of_page[int(p)] for p in (s[row][valid] // page_size)]
         out[row, valid] = torch.tensor(pages, dtype=torch.int64) * page_size + s[row][valid] % page_size
@@ -121,25 +122,29 @@ def compare(one: list[dict], par: list[dict], max_v: dict[int, float], topk: int
     """Layer-by-layer comparison of a forced parallel trace with one process's (module docstring).
 
     ``max_v[layer]``: max |V| of the layer's values (one process's cache). Returns ``selections_equal``
-    (bool), ``max_abs`` (the largest |out_par - out_one|), ``worst_over_tolerance`` (the largest
+    (bool), ``mismatches`` (the first few ``(forward, layer, rows)`` that differ), ``max_abs`` (the largest |out_par - out_one|), ``worst_over_tolerance`` (the largest
     |out_par - out_one| / tolerance of its layer; <= 1 passes) and ``layers`` compared.
     """
-    equal, max_abs, worst, n = True, 0.0, 0.0, 0
-    for a, b in zip(one, par, strict=True):
+    mismatches, max_abs, worst, n = [], 0.0, 0.0, 0
+    for step, (a, b) in enumerate(zip(one, par, strict=True)):
         for layer, rec in b.items():
             ref = a[layer]
             rows = rec["rows"]
             pick = (lambda t: t) if rows is None else (lambda t: t.index_select(0, rows.to(t.device)))
             if (rec["positions"] is None) != (ref["positions"] is None):
-                equal = False
+                mismatches.append((step, layer, "dense vs sparse"))
             elif rec["positions"] is not None:
-                equal &= torch.equal(rec["positions"].sort(1).values.cpu(), pick(ref["positions"]).sort(1).values.cpu())
+                got, want = rec["positions"].sort(1).values.cpu(), pick(ref["positions"]).sort(1).values.cpu()
+                if got.shape != want.shape or not torch.equal(got, want):
+                    rows_off = (got != want).any(1).nonzero().squeeze(1).tolist() if got.shape == want.shape else "all"
+                    mismatches.append((step, layer, rows_off))
             d = float((rec["out"].float() - pick(ref["out"]).float().to(rec["out"].device)).abs().max()) \
                 if rec["out"].numel() else 0.0
             max_abs = max(max_abs, d)
             worst = max(worst, d / output_tolerance(max_v[layer], topk))
             n += 1
-    return {"selections_equal": bool(equal), "max_abs": max_abs, "worst_over_tolerance": worst, "layers": n}
+    return {"selections_equal": not mismatches, "mismatches": mismatches[:8], "max_abs": max_abs,
+            "worst_over_tolerance": worst, "layers": n}
 
 
 def max_values(pool, req_ids) -> dict[int, float]:

@@ -170,19 +170,10 @@ class ShardedPlan(ParallelPlan):
         return pos, val
 
     def _merge(self, score: torch.Tensor, g: torch.Tensor, topk: int, backend: str | None) -> torch.Tensor:
-        """Every rank's candidates ``score [R, k] f32, g [R, k]`` (global positions, -1 = none) -> the exact
-        top-k of their union: ``[R, k] int64`` global positions, ascending, -1 padded."""
-        R, world = score.shape[0], self.comm.world
         mine = torch.stack((score.contiguous().view(torch.int32), g.to(torch.int32)), dim=-1)  # [R, k, 2]
         every = self.comm.all_gather(mine, "the top-k candidates")                               # [p, R, k, 2]
-        self._received("topk_candidates", (world - 1) * mine.numel() * mine.element_size())
-        every = every.permute(1, 0, 2, 3).reshape(R, world * topk, 2)
-        sc, gp = every[..., 0].contiguous().view(torch.float32), every[..., 1].long()
-        # the union in position order (none last), so topk_transform's "smaller position wins" is global
-        order = torch.where(gp >= 0, gp, torch.iinfo(torch.int64).max).argsort(dim=1, stable=True)
-        sc, gp = sc.gather(1, order).contiguous(), gp.gather(1, order)
-        pick = ops.topk_transform(sc, (gp >= 0).sum(1).to(torch.int32), topk, backend=backend)
-        return torch.where(pick >= 0, gp.gather(1, pick.clamp(min=0).long()), -1)
+        self._received("topk_candidates", (self.comm.world - 1) * mine.numel() * mine.element_size())
+        return merge_topk(every[..., 0].contiguous().view(torch.float32), every[..., 1].long(), topk, backend)
 
     def _localize(self, merged: torch.Tensor, batch: BatchMetadata, pool) -> torch.Tensor:
         own = (merged >= 0) & (self.shards.owner(merged) == self.shards.rank)
@@ -205,6 +196,26 @@ class ShardedPlan(ParallelPlan):
         for o, l in parts[1:]:
             acc, acc_lse = ops.merge_attention(acc, acc_lse, o.float(), l)
         return acc.to(out.dtype)
+
+
+def merge_topk(scores: torch.Tensor, positions: torch.Tensor, topk: int, backend: str | None = None) -> torch.Tensor:
+    """The exact top-k of the union of every rank's top-k (module docstring).
+
+    Args:
+        scores:    ``[p, R, k] float32`` each rank's candidates' logits.
+        positions: ``[p, R, k] int64`` their global positions (distinct across ranks), -1 = no candidate.
+
+    Returns ``[R, topk] int64``: global positions, ascending, -1 padded — what ``topk_transform`` returns
+    for the whole row, ties to the smaller position.
+    """
+    p, R, k = scores.shape
+    sc = scores.permute(1, 0, 2).reshape(R, p * k)
+    gp = positions.permute(1, 0, 2).reshape(R, p * k)
+    # the union in position order (none last), so topk_transform's "smaller position wins" is global
+    order = torch.where(gp >= 0, gp, torch.iinfo(torch.int64).max).argsort(dim=1, stable=True)
+    sc, gp = sc.gather(1, order).contiguous(), gp.gather(1, order)
+    pick = ops.topk_transform(sc, (gp >= 0).sum(1).to(torch.int32), topk, backend=backend)
+    return torch.where(pick >= 0, gp.gather(1, pick.clamp(min=0).long()), -1)
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Run a function on p gloo processes (CPU) and collect what each rank returns or raises.
 
 ``run_ranks(fn, world, *args)`` spawns ``world`` processes; rank r calls ``fn(comm, *args)`` after joining
-a gloo group with a short timeout, and its return value (anything ``torch.save`` takes) or its error
+a gloo group with a short timeout (``timeout_s``), and its return value (anything ``torch.save`` takes) or its error
 message comes back. The parent never waits longer than ``deadline_s``: a rank still running then is
 killed and reported as a hang, so a test can fail but never hang.
 """
@@ -27,7 +27,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(fn, rank: int, world: int, port: int, out_dir: str, args: tuple) -> None:
+def _child(fn, rank: int, world: int, port: int, out_dir: str, timeout_s: float, args: tuple) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)  # p processes share the machine's cores
@@ -35,7 +35,7 @@ def _child(fn, rank: int, world: int, port: int, out_dir: str, args: tuple) -> N
     try:
         from flashdsa.parallel import init
 
-        comm = init("cpu", timeout_s=GROUP_TIMEOUT_S)
+        comm = init("cpu", timeout_s=timeout_s)
         result = {"ok": fn(comm, *args)}
     except BaseException as e:  # noqa: BLE001 (reported to the parent)
         result = {"error": f"{type(e).__name__}: {e}", "type": type(e).__name__,
@@ -46,12 +46,12 @@ def _child(fn, rank: int, world: int, port: int, out_dir: str, args: tuple) -> N
     os._exit(0)
 
 
-def run_ranks(fn, world: int, *args, deadline_s: float = 240.0) -> list[dict]:
+def run_ranks(fn, world: int, *args, deadline_s: float = 240.0, timeout_s: float = GROUP_TIMEOUT_S) -> list[dict]:
     """``[{"ok": value} | {"error": message, "type": name, "traceback": text}]`` per rank."""
     ctx = mp.get_context("spawn")
     port = _free_port()
     with tempfile.TemporaryDirectory() as out_dir:
-        procs = [ctx.Process(target=_child, args=(fn, r, world, port, out_dir, args), daemon=True)
+        procs = [ctx.Process(target=_child, args=(fn, r, world, port, out_dir, timeout_s, args), daemon=True)
                  for r in range(world)]
         for p in procs:
             p.start()
