@@ -505,6 +505,9 @@ def run_parallel_demo(mode: str, world: int, split: str = "zigzag", preset: str 
     dev = parse_device(device)
     cfg = demo_config(preset, layers)
     _check_args(dev, next_n, seed, backend, kv_format)
+    if "WORLD_SIZE" not in os.environ:
+        raise ValueError(f"{mode}: expected one process per rank: torchrun --nproc-per-node {world} -m flashdsa.cli "
+                         f"demo --{mode} {world} ... (no torchrun environment here)")
     comm = init(dev)
     if isinstance(world, bool) or not isinstance(world, int) or world != comm.world:
         raise ValueError(f"{mode}: expected the number of processes torchrun started ({comm.world}), got {world!r}")

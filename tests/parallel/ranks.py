@@ -1,7 +1,7 @@
 """Run a function on p gloo processes (CPU) and collect what each rank returns or raises.
 
 ``run_ranks(fn, world, *args)`` spawns ``world`` processes; rank r calls ``fn(comm, *args)`` after joining
-a gloo group with a short timeout (``timeout_s``), and its return value (anything ``torch.save`` takes) or its error
+a gloo group (``timeout_s``), and its return value (anything ``torch.save`` takes) or its error
 message comes back. The parent never waits longer than ``deadline_s``: a rank still running then is
 killed and reported as a hang, so a test can fail but never hang.
 """
