@@ -21,6 +21,8 @@ class DecodeGraph:
     def __init__(self, runner: Runner, req_ids: list, max_pages: int):
         if runner.pool.device.type != "cuda":
             raise ValueError("runner: CUDA graphs need the model and caches on a CUDA device")
+        if runner.parallel is not None and runner.parallel.shards_kv:
+            raise ValueError("runner: DCP decode is not captured (the new tokens each rank stores change every step)")
         self.runner, self.req_ids, self.max_pages = runner, list(req_ids), max_pages
         self.ids = torch.zeros(len(req_ids), dtype=torch.int64, device=runner.pool.device)
         # Capture on a step whose tokens are reserved, then give them back: replay() reserves its own.

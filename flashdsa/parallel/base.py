@@ -64,6 +64,7 @@ class Parallel:
     """A parallel mode's configuration: the process group it runs over."""
 
     comm: Comm
+    shards_kv = False  # (not a field) True: each rank's pool holds its shard of the KV (DCP)
 
     @property
     def world(self) -> int:

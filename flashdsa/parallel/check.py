@@ -78,6 +78,8 @@ def trace(model, force: list[dict] | None = None) -> Iterator[list[dict]]:
             current.clear()
             records.append({})
         rows = getattr(batch.parallel, "rows", None)
+        if hasattr(batch.parallel, "keep_positions"):
+            batch.parallel.keep_positions = True  # DCP: keep the merged positions for the comparison
         if force is not None:
             full = force[len(records) - 1][module.layer_id]["x"]
             x = full if rows is None else full.index_select(0, rows.to(full.device))

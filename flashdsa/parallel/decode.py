@@ -107,14 +107,15 @@ class ShardedAllocator:
 
 class ShardedPlan(ParallelPlan):
     """One batch under DCP: ``store_rows [n] int64`` the query rows whose KV this rank stores, in the
-    order of ``batch.slot_mapping``. ``positions[layer]``: each row's merged top-k as global positions
-    ``[R, topk] int64`` (ascending, -1 padded), kept for checks."""
+    order of ``batch.slot_mapping``. With ``keep_positions`` set (checks), ``positions[layer]`` keeps each
+    row's merged top-k as global positions ``[R, topk] int64`` (ascending, -1 padded)."""
 
     shards_kv = True
 
     def __init__(self, comm: Comm, shards: KVShards, store_rows: torch.Tensor):
         super().__init__(comm)
         self.shards, self.store_rows = shards, store_rows
+        self.keep_positions = False  # off by default: 8 R k bytes a layer, 2 GiB at 128K rows x top-2048
         self.positions: dict[int, torch.Tensor] = {}
 
     def exchange(self, kv_rows: torch.Tensor, idx):
@@ -137,7 +138,8 @@ class ShardedPlan(ParallelPlan):
             score = logits.gather(1, pos.clamp(min=0).long())
         g = torch.where(pos >= 0, self.shards.to_global(pos.long()), -1)
         merged = self._merge(score, g, topk, batch.backend)
-        self.positions[layer.layer_id] = merged
+        if self.keep_positions:
+            self.positions[layer.layer_id] = merged
         return self._localize(merged, batch, pool)
 
     def _topk_ragged(self, layer, idx, batch: BatchMetadata, pool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -223,6 +225,7 @@ class DecodeContextParallel(Parallel):
     """DCP over ``comm``'s ranks: each request's KV sharded in blocks of ``block`` tokens (module doc)."""
 
     block: int = 1
+    shards_kv = True
 
     def __post_init__(self) -> None:
         KVShards(1, 0, self.block)  # ValueError naming block

@@ -1,6 +1,6 @@
 """The batches the parallel tests run, on one process (the reference) and on every rank.
 
-Several requests of uneven lengths, one shorter than 2p and one of a single token, a prompt longer than
+Several requests of uneven lengths, one shorter than 2p and two of a single token (one alone in its batch), a prompt longer than
 top-k (64 in the tiny preset) so the sparse path selects, a second extend on top of a cached prefix
 (chunked prefill), two decode steps and an MTP verify step with 2 drafts.
 """
@@ -21,10 +21,11 @@ def prompt(n: int, seed: int) -> torch.Tensor:
     return torch.randint(0, CFG.vocab_size, (n,), generator=torch.Generator().manual_seed(seed))
 
 
-_P = {"a": prompt(90, 1), "b": prompt(37, 2), "c": prompt(5, 3), "d": prompt(1, 4)}
+_P = {"a": prompt(90, 1), "b": prompt(37, 2), "c": prompt(5, 3), "d": prompt(1, 4), "e": prompt(1, 5)}
 STEPS = [
     ("extend", {"a": _P["a"][:70], "b": _P["b"], "c": _P["c"][:2], "d": _P["d"]}),
     ("extend", {"a": _P["a"][70:], "c": _P["c"][2:]}),
+    ("extend", {"e": _P["e"]}),  # one token: every rank but one computes no row at all
     ("decode", {r: torch.tensor([7 + i]) for i, r in enumerate(_P)}),
     ("target_verify", {r: torch.tensor([3 + i, 40 + i]) for i, r in enumerate(_P)}),
 ]
@@ -55,7 +56,7 @@ def reference(precision: str = "fp8", steps=STEPS) -> dict:
     run = Runner(m, PAGES, "fp8", backend="torch")
     with check.trace(m) as records:
         logits, _ = drive(run, steps)
-    return {"logits": logits, "trace": records, "max_v": check.max_values(run.pool, list(steps[0][1]))}
+    return {"logits": logits, "trace": records, "max_v": check.max_values(run.pool, list(steps[-1][1]))}
 
 
 def on_rank(comm, cases: list[tuple[str, object, str]], force: dict, refuse: bool = False, steps=STEPS) -> dict:

@@ -59,3 +59,13 @@ def test_bad_parallel_launches_are_one_line_errors(capsys, monkeypatch, argv, st
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(start) and "\n" not in err, err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["--cp", "--dcp"])
+def test_nccl_path_at_world_size_one_on_one_gpu(mode):
+    # One rank over NCCL: the all-gathers and the merge run and change nothing, so it is one process's bits.
+    report = torchrun(1, mode, "1", "--device", "cuda")
+    assert report["ok"] is True, report
+    assert report["world_size"] == 1 and report["device"].startswith("cuda") and report["backend"] == "triton"
+    assert report["max_abs_vs_single_process"] == 0.0 and report["ranks_agree"] is True

@@ -80,7 +80,7 @@ def test_bytes_per_rank_per_layer_are_the_plan_s(runs, world, case):
             first = traffic[0]
             assert first["mla"] == [want["mla"]] * cfg.num_hidden_layers
             assert first["indexer"] == [key] * len(cfg.topk_layers)
-            assert traffic[2] is None  # decode runs replicated under prefill CP: nothing moves
+            assert traffic[3] is None  # decode runs replicated under prefill CP: nothing moves
         else:
             decode = next(i for i, (m, _) in enumerate(S.STEPS) if m == "decode")
             want = cost.dcp_bytes_per_rank_per_layer(cfg, len(S.STEPS[decode][1]), world)
