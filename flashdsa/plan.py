@@ -410,7 +410,8 @@ def format_plan(report: dict[str, Any]) -> str:
         f"{_times(ratio['mla']):>10}   o_proj all-reduce vs latent all-gather",
         f"  flashdsa CP  {_si(cpg['total'], 'B')} all-gathered: cache rows {_si(cpg['mla'], 'B')} + fp8 index keys "
         f"{_si(cpg['indexer'], 'B')} (padded to ceil(S/p) tokens a rank)",
-        f"  flashdsa DCP {_si(dcp['total'], 'B')} a decode step of {mem['batch']} row{'s' if mem['batch'] > 1 else ''}: "
+        f"  flashdsa DCP {_si(dcp['total'], 'B')} a decode step of {mem['batch']} "
+        f"row{'s' if mem['batch'] > 1 else ''}: "
         f"top-k candidates {_si(dcp['topk_candidates'], 'B')} + partial attention {_si(dcp['partial_attention'], 'B')}",
         "",
         f"KV memory per GPU, {mem['batch']} x {mem['context']} tokens on {p} GPU{'s' if p > 1 else ''} "

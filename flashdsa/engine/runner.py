@@ -48,7 +48,7 @@ class Runner:
         max_logits_bytes: the largest indexer-logits buffer one prefill chunk of query rows may use.
         parallel:        several ranks run every batch together (``flashdsa.parallel``): ``ContextParallel``
                          (prefill CP) or ``DecodeContextParallel`` (DCP; the pool then holds this rank's
-                         shard). Every rank is given the same calls; no dense fallback (SPEC §6).
+                         shard). Every rank is given the same calls; no dense fallback (docs/DSA.md §6).
 
     The caches (MLA, indexer, and the float key stores of exact-precision indexers) are ``self.pool``'s.
     """

@@ -1,4 +1,4 @@
-"""Context parallelism on ``torch.distributed`` (SPEC §8): NCCL between GPUs, gloo between CPU processes.
+"""Context parallelism on ``torch.distributed`` (docs/DSA.md §8): NCCL between GPUs, gloo between CPU processes.
 
 - ``prefill``: :class:`ContextParallel` — each rank computes its share of the prompt's tokens (split
   "interleave" or "zigzag"), all-gathers the MLA cache rows and index keys once per layer, writes the

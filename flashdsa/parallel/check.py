@@ -7,7 +7,7 @@ single process first and records, for every forward and every DSA layer, its inp
 (as positions) and its latent attention output (what ``finish`` gets); then the parallel run gets each
 layer's recorded input (:func:`trace` with ``force``), and every layer is compared on equal inputs:
 
-    selection   bitwise: the same positions for every query row (SPEC §8: ranks select one process's tokens)
+    selection   bitwise: the same positions for every query row (docs/DSA.md §8: ranks select one process's tokens)
     output      |out_par - out_one| <= (3 * 2^-8 + 2 k 2^-24) * max |V|
 
 The bound: one process rounds its output ``o`` to bf16 once (error <= u |o|, u = 2^-8); DCP rounds each
@@ -124,7 +124,8 @@ def compare(one: list[dict], par: list[dict], max_v: dict[int, float], topk: int
     """Layer-by-layer comparison of a forced parallel trace with one process's (module docstring).
 
     ``max_v[layer]``: max |V| of the layer's values (one process's cache). Returns ``selections_equal``
-    (bool), ``mismatches`` (the first few ``(forward, layer, rows)`` that differ), ``max_abs`` (the largest |out_par - out_one|), ``worst_over_tolerance`` (the largest
+    (bool), ``mismatches`` (the first few ``(forward, layer, rows)`` that differ), ``max_abs`` (the largest
+    |out_par - out_one|), ``worst_over_tolerance`` (the largest
     |out_par - out_one| / tolerance of its layer; <= 1 passes) and ``layers`` compared.
     """
     mismatches, max_abs, worst, n = [], 0.0, 0.0, 0

@@ -1,4 +1,4 @@
-"""Decode context parallelism (DCP, SPEC §8): the KV sharded over the ranks, partial attention merged.
+"""Decode context parallelism (DCP, docs/DSA.md §8): the KV sharded over the ranks, partial attention merged.
 
 Every rank runs every query row (the projections are replicated) but holds only its shard of each
 request's KV, MLA rows and index keys alike (:class:`~flashdsa.parallel.split.KVShards`: position t on
@@ -96,7 +96,8 @@ class ShardedAllocator:
     def truncate(self, req_id: Hashable, n_tokens: int) -> None:
         n = self.seq_len(req_id)
         if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or not 0 <= n_tokens <= n:
-            raise ValueError(f"n_tokens: expected an int in [0, seq_len ({n})] for request {req_id!r}, got {n_tokens!r}")
+            raise ValueError(f"n_tokens: expected an int in [0, seq_len ({n})] for request {req_id!r}, "
+                             f"got {n_tokens!r}")
         self.local.truncate(req_id, self.shards.count(n_tokens))
         self._lens[req_id] = n_tokens
 

@@ -1,4 +1,4 @@
-"""Prefill context parallelism (SPEC §8): split the query tokens, gather the keys once per layer.
+"""Prefill context parallelism (docs/DSA.md §8): split the query tokens, gather the keys once per layer.
 
 Each rank computes the projections, the MLA cache rows and the indexer keys of ITS share of the new
 tokens (:mod:`flashdsa.parallel.split`: interleave or zigzag). In every layer one all-gather brings the
@@ -12,14 +12,14 @@ What travels, per new token and layer (``(p-1) ceil(T/p)`` tokens received per r
     index key, fp8      128 e4m3 + 1 f32 = 132 B (after RoPE and Hadamard, quantised)
     index key, exact    128 bf16 = 256 B          (precision="exact": there is no quantised form)
 
-SPEC §8 gathers the bf16 key before quantisation (256 B). act_quant's block is the whole 128-dim key,
+docs/DSA.md §8 gathers the bf16 key before quantisation (256 B). act_quant's block is the whole 128-dim key,
 so a token's fp8 key and scale depend on that token alone: quantising on the owner and gathering
 (fp8, scale) is bitwise the same as gathering bf16 and quantising on every rank, with 132 / 256 = 52 % of
 the bytes and no repeated quantisation. (kpool, docs/DSA.md §7, needs the un-pooled bf16 keys and the
 gate inputs of neighbouring tokens that interleave puts on other ranks: that gather belongs before
 pooling, see :meth:`PrefillPlan.exchange`.)
 
-The dense fallback is off under CP (SPEC §6): its kernel takes each request's queries as one contiguous
+The dense fallback is off under CP (docs/DSA.md §6): its kernel takes each request's queries as one contiguous
 stretch at the end of its KV, which a split is not. For contexts <= top-k the sparse path selects every
 visible key, which is the same attention.
 """

@@ -1,8 +1,8 @@
 """The batches the parallel tests run, on one process (the reference) and on every rank.
 
-Several requests of uneven lengths, one shorter than 2p and two of a single token (one alone in its batch), a prompt longer than
-top-k (64 in the tiny preset) so the sparse path selects, a second extend on top of a cached prefix
-(chunked prefill), two decode steps and an MTP verify step with 2 drafts.
+Several requests of uneven lengths, one shorter than 2p and two of a single token (one alone in its
+batch), a prompt longer than top-k (64 in the tiny preset) so the sparse path selects, a second extend on
+top of a cached prefix (chunked prefill), a decode step and an MTP verify step with 2 drafts.
 """
 
 from __future__ import annotations
@@ -143,5 +143,6 @@ def stall(comm, timeout_s: float) -> str:
         time.sleep(3 * timeout_s)
         return "stalled"
     short = Comm(comm.device, group, timeout_s)
-    Runner(model(), PAGES, "fp8", backend="torch", parallel=ContextParallel(short, "zigzag")).extend({"a": prompt(9, 1)})
+    run = Runner(model(), PAGES, "fp8", backend="torch", parallel=ContextParallel(short, "zigzag"))
+    run.extend({"a": prompt(9, 1)})
     return "finished"

@@ -36,7 +36,8 @@ def test_zigzag_gives_rank_r_chunks_r_and_2p_minus_1_minus_r(q_lens, world):
         start += n
         # chunks 0 .. 2p-1 in order, n // 2p or n // 2p + 1 tokens each; the middle two are both rank
         # p-1's and read as one run of twice that
-        for r, parts in [(r, 1) for r in range(world - 1)] + [(world - 1, 2)] + [(r, 1) for r in reversed(range(world - 1))]:
+        runs = [(r, 1) for r in range(world - 1)] + [(world - 1, 2)] + [(r, 1) for r in reversed(range(world - 1))]
+        for r, parts in runs:
             size = 0
             while at < n and o[at] == r and size < parts * (base + 1):
                 at, size = at + 1, size + 1
@@ -140,6 +141,7 @@ def test_pack_rows_round_trips_any_dtype_and_empty():
     assert rows.shape == (5, 1152 + 128 + 4) and rows.dtype == torch.uint8
     a, b, c = unpack_rows(rows, layout(kv, k, s))
     assert torch.equal(a, kv) and torch.equal(b.view(torch.uint8), k.view(torch.uint8)) and torch.equal(c, s)
-    assert [t.shape for t in unpack_rows(pack_rows(kv[:0], k[:0], s[:0]), layout(kv, k, s))] == [(0, 576), (0, 128), (0,)]
+    empty = unpack_rows(pack_rows(kv[:0], k[:0], s[:0]), layout(kv, k, s))
+    assert [t.shape for t in empty] == [(0, 576), (0, 128), (0,)]
     with pytest.raises(ValueError, match="like"):
         unpack_rows(rows, layout(kv, k))
