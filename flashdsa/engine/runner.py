@@ -62,6 +62,10 @@ class Runner:
             config, device = model.config, next(model.parameters()).device
         elif config is None or device is None:
             raise ValueError("model: expected a DSAModel, or model=None with config= and device= (Runner.for_layers)")
+        if parallel is not None and model is None:
+            raise ValueError("parallel: context parallelism needs the runner's own layer loop (Runner(model, ...)), "
+                             "which hands each rank its tokens and gathers the hidden states; for_layers callers "
+                             "(flashdsa.hf) do not split their batches")
         self.model = model
         self.cfg = config
         if self.cfg.index_kpool > 1:
