@@ -27,6 +27,7 @@ from flashdsa.cache.offload import OffloadConfig, OffloadKVPool
 from flashdsa.cache.pool import KVPool
 from flashdsa.config import DSAConfig
 from flashdsa.engine.model import DSAModel
+from flashdsa.parallel import Parallel
 
 _DRAFT_MODES = (TARGET_VERIFY, DRAFT_EXTEND)
 
@@ -49,6 +50,10 @@ class Runner:
         offload:         an :class:`~flashdsa.cache.offload.OffloadConfig` keeps the MLA cache in host memory with
                          small per-request device buffers (``self.pool`` is then an ``OffloadKVPool``); it turns
                          the dense fallback off (dense_threshold must be None or 0) and CUDA-graph capture.
+        parallel:        several ranks run every batch together (``flashdsa.parallel``): ``ContextParallel``
+                         (prefill CP) or ``DecodeContextParallel`` (DCP; the pool then holds this rank's
+                         shard). Every rank is given the same calls; no dense fallback (docs/DSA.md §6).
+                         Not together with ``offload`` (not built).
 
     The caches (MLA, indexer, and the float key stores of exact-precision indexers) are ``self.pool``'s.
     """
@@ -57,16 +62,22 @@ class Runner:
                  backend: str | None = None, dense_threshold: int | None = None, kv_scale: float | None = None,
                  record: bool = False, max_dense_tokens: int = 1 << 16, max_logits_bytes: int = 1 << 30,
                  config: DSAConfig | None = None, device: torch.device | str | None = None,
-                 offload: OffloadConfig | None = None):
+                 offload: OffloadConfig | None = None, parallel: Parallel | None = None):
         if model is not None:
             config, device = model.config, next(model.parameters()).device
         elif config is None or device is None:
             raise ValueError("model: expected a DSAModel, or model=None with config= and device= (Runner.for_layers)")
+        if parallel is not None and model is None:
+            raise ValueError("parallel: context parallelism needs the runner's own layer loop (Runner(model, ...)), "
+                             "which hands each rank its tokens and gathers the hidden states; for_layers callers "
+                             "(flashdsa.hf) do not split their batches")
         self.model = model
         self.cfg = config
         if self.cfg.index_kpool > 1:
             raise NotImplementedError("index_kpool > 1: the pooled-key indexer path (docs/DSA.md §7) is not built "
                                       "yet; the pool and config support it, the runner does not")
+        if offload is not None and parallel is not None:
+            raise ValueError("offload: host offload together with context parallelism is not built; use one of them")
         if offload is None:
             self.pool = KVPool(self.cfg, num_pages, kv_format, torch.device(device), kv_scale)
         else:
@@ -76,7 +87,8 @@ class Runner:
             dense_threshold = 0
             self.pool = OffloadKVPool(self.cfg, num_pages, kv_format, torch.device(device), kv_scale, offload)
         self.offload = offload
-        self.alloc = self.pool.allocator
+        self.parallel = parallel
+        self.alloc = self.pool.allocator if parallel is None else parallel.allocator(self.pool.allocator)
         self.backend = backend
         self.dense_threshold = self.cfg.index_topk if dense_threshold is None else dense_threshold
         self.max_dense_tokens = max_dense_tokens
@@ -122,8 +134,15 @@ class Runner:
             max_pages:  decode modes: the block table's width (CUDA graphs keep shapes fixed).
 
         Returns ``(metadata, reservation)``; give the reservation to :meth:`undo` if the forward fails. All
-        or nothing: on any error nothing is reserved.
+        or nothing: on any error nothing is reserved (with ``parallel``: on any rank, see ``Parallel.together``).
         """
+        if self.parallel is not None:
+            return self.parallel.together(lambda: self._prepare(new_tokens, mode, force_sparse, max_pages), self.undo,
+                                          (mode, list(new_tokens.items()), force_sparse, max_pages))
+        return self._prepare(new_tokens, mode, force_sparse, max_pages)
+
+    def _prepare(self, new_tokens: dict[Hashable, int], mode: str | None, force_sparse: bool,
+                 max_pages: int | None) -> tuple[BatchMetadata, Reservation]:
         if mode is None:
             mode = DECODE if new_tokens and all(
                 n == 1 and r in self.alloc and self.alloc.seq_len(r) > 0 for r, n in new_tokens.items()) else EXTEND
@@ -139,7 +158,10 @@ class Runner:
         reservation = self.alloc.reserve(new_tokens)
         try:
             ids = list(new_tokens)
-            if mode == EXTEND:
+            if self.parallel is not None:  # the mode builds this rank's metadata (flashdsa.parallel)
+                meta = self.parallel.build(self.alloc, ids, list(new_tokens.values()), mode, max_pages=max_pages,
+                                           backend=self.backend, max_logits_bytes=self.max_logits_bytes)
+            elif mode == EXTEND:
                 meta = build_extend(self.alloc, ids, list(new_tokens.values()), dense_threshold=self.dense_threshold,
                                     dense_allowed=not force_sparse and self.pool.kv_format != "fp8_raw",
                                     max_dense_tokens=self.max_dense_tokens, backend=self.backend,
@@ -227,7 +249,8 @@ class Runner:
         m = self.model
         if m is None:
             raise ValueError("this runner has no model (Runner.for_layers): call each layer's DSAAttention")
-        x = m.embed_tokens(input_ids)
+        par = meta.parallel
+        x = m.embed_tokens(input_ids if par is None else par.local(input_ids))  # CP: this rank's tokens only
         cos, sin = m.rotary(meta.positions)
         selection = None
         if self.record:
@@ -238,6 +261,8 @@ class Runner:
                 self.selections[layer.self_attn.layer_id] = selection
             x = x + attn_out
             x = x + layer.mlp(layer.post_attention_layernorm(x))
+        if par is not None:
+            x = par.unshard(x)
         return m.lm_head(m.norm(x)).float()
 
 
