@@ -1,20 +1,28 @@
-"""generate() tokens/s of a small random HF DeepSeek-V3.2 model: HF eager vs patched by flashdsa.hf.
+"""generate() tokens/s of a small random HF DeepSeek-V3.2 model: HF eager vs patched by flashdsa.hf, same run.
 
-    PYTHONPATH=. python benchmarks/bench_hf.py [--quick] [--lens 4096,16384] [--new 32] [--smoke]
+    PYTHONPATH=. python benchmarks/bench_hf.py [--quick] [--lens 4096,16384] [--batches 1,8] [--new 32] [--smoke]
 
-The model: ``DeepseekV32ForCausalLM`` from transformers, random, bf16, 4 layers, hidden 1024, 16 heads,
-the real MLA / indexer dims (kv_lora 512, rope 64, nope 128, v 128, index head dim 128, index_topk 2048),
-16 indexer heads (HF's eager indexer materialises [S, heads, T] fp32 scores: 64 heads at 16K would need
-64 GiB), dense MLPs. One prompt (batch 1) of 4K and 16K tokens, greedy, ``--new`` new tokens.
+The model: ``DeepseekV32ForCausalLM`` from transformers with its default initialisation (nothing re-scaled),
+bf16, 4 layers, hidden 1024, 16 heads, the real MLA / indexer dims (kv_lora 512, rope 64, nope 128, v 128,
+index head dim 128, index_topk 2048), 16 indexer heads (HF's eager indexer materialises [B, S, heads, T]
+fp32 scores: 64 heads at 16K would need 64 GiB), dense MLPs. Greedy, ``--new`` new tokens.
 
+Cases (default, ~4 minutes on an H200): batch 1 at 4K and 16K prompts, batch 8 at 4K (at 16K HF eager's
+indexer scores alone would take 128 GiB: flashdsa rows only, with ``--batches 1,8 --lens 16384``).
 Rows: ``hf-eager`` (the unpatched model, ``attn_implementation="eager"``, its DynamicCache),
-``flashdsa-fp8`` (``flashdsa.hf.apply(model, indexer="fp8")``, bf16 MLA cache) and ``flashdsa-exact``
-(``indexer="exact"``). Per row: prefill = time of ``generate(max_new_tokens=1)``; decode tokens/s =
-``(new - 1) / (t(new) - t(1))``; gen tokens/s = ``new / t(new)`` (prefill included, what a user sees).
-Best of 3 after a warm-up at the same lengths; value checks of the ops are off while timing (production setting).
+``fd-fp8`` (``flashdsa.hf.apply(model, indexer="fp8")``: bf16 MLA cache, decode from CUDA graphs),
+``fd-fp8-eager`` (the same, ``cuda_graphs=False``: what the graphs buy), ``fd-exact`` (``indexer="exact"``,
+graphs). Per row: prefill = time of ``generate(max_new_tokens=1)``; decode tokens/s = ``B (new - 1) /
+(t(new) - t(1))`` (every row's tokens); gen tokens/s = ``B new / t(new)`` (prefill included, what a user
+sees); peak GiB = ``torch.cuda.max_memory_allocated`` over the row's runs (graph pools included). Best of
+3 after a warm-up at the same shapes (Triton compiles, graphs are captured); value checks of the ops are
+off while timing (production setting). A short table comes last: decode_x = decode tokens/s / HF eager's.
 
-Checked first, at a 3K prompt (sparse: > index_topk): exact vs HF — the same greedy tokens and logits
-close (bf16 model: both sides round in bf16); fp8 vs exact — close, not equal.
+Checked first, at a 3K prompt (sparse: > index_topk), against HF's own answers:
+* fp32 copy of the model, ``indexer="exact"`` (kv_format auto -> the fp32 cache, fp32 kernels): logits
+  within 1e-4 of their maximum and the same 8 greedy tokens as HF fp32 — the exact path is exact;
+* the bf16 model: how far flashdsa exact is from HF's fp32 logits, in units of HF's own bf16 run's distance
+  (printed; tests/test_hf.py bounds it by 1.5x on its models); fp8 close to exact, not equal.
 ``--smoke`` runs the whole script on a tiny model on CPU to check the script itself; its times mean nothing.
 """
 
@@ -43,14 +51,19 @@ SMOKE = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_
              num_key_value_heads=4, q_lora_rank=64, kv_lora_rank=512, qk_nope_head_dim=32, qk_rope_head_dim=64,
              v_head_dim=32, index_n_heads=8, index_head_dim=128, index_topk=16, first_k_dense_replace=3,
              max_position_embeddings=1024)
+IMPLS = {  # name -> flashdsa.hf.apply keywords (None: HF eager, unpatched)
+    "hf-eager": None,
+    "fd-fp8": dict(indexer="fp8"),
+    "fd-fp8-eager": dict(indexer="fp8", cuda_graphs=False),
+    "fd-exact": dict(indexer="exact"),
+}
+HF_EAGER_MAX_SCORES = 64 << 30  # skip HF eager where its [B, S, heads, T] fp32 indexer scores exceed this
 
 
 def build(cfg: dict, device: str, dtype: torch.dtype):
     torch.manual_seed(0)
     with torch.device(device):
         model = DeepseekV32ForCausalLM(DeepseekV32Config(**cfg, pad_token_id=0, eos_token_id=None))
-        # a residual stream larger than one layer's output, as in trained checkpoints (see tests/test_hf.py)
-        model.model.embed_tokens.weight.data.normal_(0, 1.0)
     model.config._attn_implementation = "eager"
     return model.to(dtype).eval()
 
@@ -77,69 +90,37 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 
 
-def _tf_logits(model, seq: torch.Tensor, prompt: int) -> torch.Tensor:
-    """Teacher-forced logits ``[new, vocab] f32`` that predict the tokens of ``seq`` after the prompt."""
-    return model(seq).logits[0, prompt - 1:-1].float()
-
-
-def _decode_logits(model, seq: torch.Tensor, prompt: int) -> torch.Tensor:
-    """The same logits through the decode path: prefill the prompt, then feed ``seq``'s tokens one at a time."""
-    out = model(seq[:, :prompt], use_cache=True)
-    rows = [out.logits[0, -1].float()]
-    for i in range(prompt, seq.shape[1] - 1):
-        out = model(seq[:, i:i + 1], cache=out.cache, use_cache=True)
-        rows.append(out.logits[0, -1].float())
-    return torch.stack(rows)
-
-
-def _agree(a: torch.Tensor, b: torch.Tensor) -> int:
-    return int((a.argmax(-1) == b.argmax(-1)).sum())
-
-
 def check(model, vocab: int, prompt: int, device: str, max_tokens: int, new: int = 8) -> None:
-    """exact == HF on tokens, close on logits; fp8 close to exact but not equal.
-
-    Greedy tokens of a random model sit on near-ties, so one flipped token changes every later one. The
-    control says how many flips rounding alone causes: the same HF model in fp32 vs in the model's dtype.
-    Teacher-forced agreement (both sides fed HF's greedy sequence, through one prefill and through
-    prefill + decode steps) counts flips without that cascade, and the top-1 / top-2 margin of HF's logits
-    where they flip says whether they were near-ties. On the H200 (bf16, 3K prompt) the greedy tokens
-    differed after one such flip (7/8 decode steps agree teacher-forced) while the logits stayed as close
-    to HF's as HF's own fp32 run is.
-    """
+    """The numerics against HF before any timing (module docstring); raises if they are off."""
     ids = torch.randint(1, vocab, (1, prompt), device=device, generator=torch.Generator(device).manual_seed(1))
     with torch.no_grad():
-        ref = model(ids).logits.float()
-        ref_tokens = generate(model, ids, new)
-        ref_tf = _tf_logits(model, ref_tokens, prompt)
         m32 = copy.deepcopy(model).float()
+        ref32 = m32(ids).logits.float()
         tokens32 = generate(m32, ids, new)
-        tf32 = _tf_logits(m32, ref_tokens, prompt)
+        fh.apply(m32, indexer="exact", max_tokens=max_tokens)
+        exact32 = m32(ids).logits.float()
+        exact_tokens32 = generate(m32, ids, new)
+        fmt32 = fh.get_patch(m32).runner.pool.kv_format
         del m32
+        ref16 = model(ids).logits.float()
         fh.apply(model, indexer="exact", max_tokens=max_tokens)
-        exact = model(ids).logits.float()
-        exact_tokens = generate(model, ids, new)
-        exact_tf = _tf_logits(model, ref_tokens, prompt)
-        exact_dec = _decode_logits(model, ref_tokens, prompt)
+        exact16 = model(ids).logits.float()
         fh.apply(model, indexer="fp8", max_tokens=max_tokens)
         fp8 = model(ids).logits.float()
     fh.unapply(model)
-    same = int((exact_tokens[0, prompt:] == ref_tokens[0, prompt:]).sum())
-    same32 = int((tokens32[0, prompt:] == ref_tokens[0, prompt:]).sum())
-    top2 = ref_tf.topk(2, dim=-1).values
-    margin = (top2[:, 0] - top2[:, 1]) / ref_tf.std(dim=-1)
-    flips = sorted(set((exact_tf.argmax(-1) != ref_tf.argmax(-1)).nonzero().flatten().tolist())
-                   | set((exact_dec.argmax(-1) != ref_tf.argmax(-1)).nonzero().flatten().tolist()))
-    print(f"[check] prompt {prompt}: exact vs HF logits rel {rel(exact, ref):.2e}, greedy tokens equal {same}/{new} "
-          f"(control: HF fp32 vs HF {str(ref.dtype)[6:]}: {same32}/{new}); teacher-forced argmax equal: one "
-          f"prefill {_agree(exact_tf, ref_tf)}/{new}, decode steps {_agree(exact_dec, ref_tf)}/{new} (control "
-          f"{_agree(tf32, ref_tf)}/{new}); logits rel {rel(exact_tf, ref_tf):.2e} / {rel(exact_dec, ref_tf):.2e} "
-          f"(control {rel(tf32, ref_tf):.2e}); HF top1-top2 margin / std at the flips "
-          f"{[round(float(margin[i]), 4) for i in flips]}, median over all {float(margin.median()):.4f}")
-    print(f"[check] fp8 vs exact rel {rel(fp8, exact):.2e} (equal: {torch.equal(fp8, exact)}), fp8 vs HF "
-          f"{rel(fp8, ref):.2e}")
-    assert rel(exact, ref) < 2e-2, "exact mode drifted from HF"
-    assert 0 < rel(fp8, exact) < 1e-1, "fp8 mode should differ from exact, a little"
+    gc.collect()
+    err32 = float((exact32 - ref32).abs().max() / ref32.abs().max())
+    same32 = int((exact_tokens32[0, prompt:] == tokens32[0, prompt:]).sum())
+    print(f"[check] prompt {prompt}, fp32 model ({fmt32} cache): exact vs HF max|diff| / max|HF| {err32:.2e} "
+          f"(bound 1e-4), greedy tokens equal {same32}/{new}")
+    ratio = rel(exact16, ref32) / rel(ref16, ref32)
+    print(f"[check] bf16 model vs HF fp32: flashdsa exact rel {rel(exact16, ref32):.2e}, HF bf16 rel "
+          f"{rel(ref16, ref32):.2e}: {ratio:.2f}x HF's own bf16 spread ({'within' if ratio <= 1.5 else 'OUTSIDE'} "
+          f"the tests' 1.5x); exact vs HF bf16 rel {rel(exact16, ref16):.2e}; fp8 vs exact rel "
+          f"{rel(fp8, exact16):.2e}")
+    # what holds by construction is asserted; the bf16 spread is a statistic (asserted on the tests' models)
+    assert fmt32 == "fp32" and err32 < 1e-4 and same32 == new, "the fp32 exact path is not HF's fp32"
+    assert not torch.equal(fp8, exact16), "fp8 mode should differ from exact"
 
 
 def profile(model, ids, device: str, max_tokens: int, path: str | None) -> None:
@@ -160,26 +141,32 @@ def profile(model, ids, device: str, max_tokens: int, path: str | None) -> None:
 
 
 def run(model, impl: str, ids, new: int, device: str, max_tokens: int) -> dict:
-    if impl != "hf-eager":
-        fh.apply(model, indexer=impl.split("-")[1], max_tokens=max_tokens)
+    B, L = ids.shape
+    row = {"prompt": L, "batch": B, "impl": impl}
+    kw = IMPLS[impl]
+    if kw is None and B * L * L * MODEL["index_n_heads"] * 4 > HF_EAGER_MAX_SCORES and device == "cuda":
+        row["prefill_ms"] = "skipped (HF's indexer scores > 64 GiB)"
+        return row
+    patch = fh.apply(model, max_tokens=max_tokens, **kw) if kw is not None else None
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    row = {"prompt": ids.shape[1], "impl": impl}
     try:
         with torch.no_grad():
-            # warm-up at the timed lengths: Triton compiles the variants those shapes pick, the allocator settles
+            # warm-up at the timed shapes: Triton compiles the variants they pick, graphs are captured
             generate(model, ids, new)
             t1s = [timed(model, ids, 1, device) for _ in range(3)]
             tns = [timed(model, ids, new, device) for _ in range(3)]
-            t1, tn = min(t1s), min(tns)
-            row["runs_ms"] = {"1": [round(1e3 * t) for t in t1s], str(new): [round(1e3 * t) for t in tns]}
+        t1, tn = min(t1s), min(tns)
+        row["runs_ms"] = {"1": [round(1e3 * t) for t in t1s], str(new): [round(1e3 * t) for t in tns]}
         # decode rate from the difference of two generate() times; "noise" when timing noise exceeds it
-        decode = (new - 1) / (tn - t1) if tn > t1 else "noise"
-        row.update(prefill_ms=1e3 * t1, decode_tok_s=decode, gen_tok_s=new / tn)
+        row.update(prefill_ms=1e3 * t1, decode_tok_s=B * (new - 1) / (tn - t1) if tn > t1 else "noise",
+                   gen_tok_s=B * new / tn)
         if device == "cuda":
             row["peak_GiB"] = torch.cuda.max_memory_allocated() / 2**30
+        if patch is not None:
+            row["graphs"] = sorted(patch.graphs) if patch.graph_failure is None else f"failed: {patch.graph_failure}"
     except torch.OutOfMemoryError:
         row["prefill_ms"] = "OOM"
     finally:
@@ -190,26 +177,37 @@ def run(model, impl: str, ids, new: int, device: str, max_tokens: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true", help="4K prompt only, 16 new tokens")
+    ap.add_argument("--quick", action="store_true", help="batch 1 at 4K only, 16 new tokens")
     ap.add_argument("--lens", default="4096,16384")
+    ap.add_argument("--batches", default="1,8", help="batch sizes; batch > 1 runs at the shortest length only "
+                    "unless --lens names one length")
     ap.add_argument("--new", type=int, default=32)
+    ap.add_argument("--impls", default=",".join(IMPLS))
+    ap.add_argument("--no-check", action="store_true", help="skip the numerics check against HF")
     ap.add_argument("--profile", action="store_true", help="also print torch.profiler's host-side table of "
                     "patched decode steps")
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU: checks the script, times mean nothing")
     args = ap.parse_args()
+    impls = args.impls.split(",")
+    unknown = set(impls) - set(IMPLS)
+    if unknown:
+        sys.exit(f"bench_hf: unknown --impls {sorted(unknown)}; choose from {list(IMPLS)}")
     if args.smoke:
-        device, dtype, cfg, lens, new, check_len = "cpu", torch.float32, SMOKE, [48], 4, 40
+        device, dtype, cfg, lens, batches, new, check_len = "cpu", torch.bfloat16, SMOKE, [48], [1, 2], 4, 40
     else:
         if not torch.cuda.is_available():
             sys.exit("bench_hf: needs a CUDA device (or --smoke)")
         device, dtype, cfg = "cuda", torch.bfloat16, MODEL
         lens = [4096] if args.quick else [int(x) for x in args.lens.split(",")]
+        batches = [1] if args.quick else [int(x) for x in args.batches.split(",")]
         new, check_len = (16 if args.quick else args.new), 3072
-    max_tokens = max(lens + [check_len]) + new + 256
+    cases = [(L, 1) for L in lens if 1 in batches] + [(min(lens), b) for b in batches if b > 1]
+    max_tokens = max([b * (L + new + 64) for L, b in cases] + [check_len + 64 + 8])
     model = build(cfg, device, dtype)
     print(f"model: DeepseekV32ForCausalLM {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M params, {dtype}, "
-          f"{device}; op backends: default (Triton on CUDA where a kernel exists)")
-    check(model, cfg["vocab_size"], check_len, device, max_tokens)
+          f"{device}, default initialisation; op backends: default (Triton on CUDA where a kernel exists)")
+    if not args.no_check:
+        check(model, cfg["vocab_size"], check_len, device, max_tokens)
     ops.set_value_checks(False)
     if args.profile:
         ids = torch.randint(1, cfg["vocab_size"], (1, 512 if device == "cuda" else 40), device=device)
@@ -217,22 +215,27 @@ def main() -> None:
         profile(model, ids, device, max_tokens, os.path.join(out, "hf_profile.txt") if out else None)
     rows = []
     g = torch.Generator(device).manual_seed(2)
-    for L in lens:
-        ids = torch.randint(1, cfg["vocab_size"], (1, L), device=device, generator=g)
+    for L, b in cases:
+        ids = torch.randint(1, cfg["vocab_size"], (b, L), device=device, generator=g)
         base = None
-        for impl in ("hf-eager", "flashdsa-fp8", "flashdsa-exact"):
+        for impl in impls:
+            t0 = time.perf_counter()
             row = run(model, impl, ids, new, device, max_tokens)
+            row["wall_s"] = round(time.perf_counter() - t0, 1)
             if impl == "hf-eager":
                 base = row
-            elif isinstance(row.get("gen_tok_s"), float) and isinstance(base.get("gen_tok_s"), float):
-                row["gen_speedup"] = row["gen_tok_s"] / base["gen_tok_s"]
-                if isinstance(row["decode_tok_s"], float) and isinstance(base["decode_tok_s"], float):
-                    row["decode_speedup"] = row["decode_tok_s"] / base["decode_tok_s"]
+            elif base is not None and isinstance(row.get("decode_tok_s"), float) and \
+                    isinstance(base.get("decode_tok_s"), float):
+                row["decode_x"] = row["decode_tok_s"] / base["decode_tok_s"]
+                row["gen_x"] = row["gen_tok_s"] / base["gen_tok_s"]
             rows.append(row)
-            print(row)
+            print(row, flush=True)
     ops.set_value_checks(True)
     write_json(rows, "bench_hf")
-    print_table(rows, f"generate() of a random DeepseekV32ForCausalLM, batch 1, {new} new tokens, greedy")
+    short = [{k: r.get(k, "") for k in ("prompt", "batch", "impl", "prefill_ms", "decode_tok_s", "decode_x",
+                                        "gen_tok_s", "gen_x", "peak_GiB")} for r in rows]
+    print_table(short, f"generate() of a random bf16 DeepseekV32ForCausalLM, {new} new tokens, greedy; "
+                       "decode_x / gen_x: vs hf-eager at the same prompt and batch")
 
 
 if __name__ == "__main__":

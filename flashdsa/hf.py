@@ -4,7 +4,7 @@
     import flashdsa.hf
 
     model = AutoModelForCausalLM.from_pretrained(...)      # DeepseekV32ForCausalLM or GlmMoeDsaForCausalLM
-    flashdsa.hf.apply(model, indexer="fp8")                # or "exact"
+    flashdsa.hf.apply(model, indexer="fp8")                # or "exact"; kv_format="auto", cuda_graphs=True
     model.generate(input_ids, max_new_tokens=64)           # unchanged
 
 After :func:`apply`, every attention layer (``model.model.layers[i].self_attn``) runs flashdsa's path with
@@ -25,8 +25,12 @@ Numerics:
       for V3.2, interleaved for GLM (``DSAConfig.indexer_rope_interleave``).
     * GLM's ``indexer_types``: a "shared" layer has no indexer (in HF as here) and reuses the previous
       layer's selection.
-    * The attention itself is bf16 (flashdsa's sparse MLA takes bf16 q and a bf16 / fp8 cache), so an fp32
-      HF model agrees to about bf16 rounding of the attention, not bit for bit.
+    * The attention runs at the model's precision (``kv_format="auto"``): for an fp32 model the absorbed
+      query, the MLA cache rows (the "fp32" format, 2304 B a token) and the attention kernels are fp32
+      (IEEE products), so ``indexer="exact"`` reproduces HF's fp32 logits to fp32 rounding (~1e-6 of their
+      maximum on the tests' models) and its greedy tokens; otherwise bf16 rows and query, as deployed,
+      whose distance from HF's fp32 answer is that of HF's own bf16 run. ``kv_format="bf16"`` on an fp32
+      model rounds the attention to bf16 (2-3e-2 of the logits' maximum on the same models).
 
 The cache (a design decision): flashdsa's own. ``model(...)`` and ``model.generate(...)`` hand a
 :class:`FlashDSACache` around — a ``transformers.Cache`` whose KV lives in flashdsa's paged pool
@@ -56,13 +60,32 @@ out of attention is zero; HF's is garbage, and neither is used). Other 4-D / cus
 ``crop`` (assisted decoding's rollback) works, padded rows included. Not supported (clear errors): beam
 search / contrastive search (``reorder_cache`` / ``batch_select_indices``), static / compiled caches
 (4-D masks), kpool, training (inference only: raises with grad enabled in train mode).
+
+Decode in CUDA graphs (a design decision, ``apply(cuda_graphs=True)``, the default). transformers' own
+route to graphed decode — a static cache plus ``torch.compile(mode="reduce-overhead")`` — needs a cache
+whose every step is traceable tensor indexing; ours reserves pages and builds a block table on the host,
+which no trace can hold. So the patch captures the step itself, the way flashdsa's engine does
+(:class:`flashdsa.engine.graph.DecodeGraph`): on a plain decode step (one new real token per live row,
+batch <= 16, token ids in, nothing asked of the decoder but its last hidden state) the decoder's whole
+forward — HF's embedding, norms and MLPs, flashdsa's attention — is captured once per (batch size,
+block-table width) and replayed for every later step with the token ids, HF's position ids and the
+batch metadata copied into the graph's buffers first. The width is a power of two >= 16 pages covering
+the rows (capped at the pool): the indexer scores that many positions (-inf past each row's length), so
+a row that outgrows it gets a wider graph. generate() and the caches are unchanged (prefill, padded
+steps and anything unusual run eagerly); left-padded batches replay graphs too. A model that cannot be
+captured (a host sync in a custom module) warns once and decodes eagerly; ``model.to(...)`` and a new
+pool drop the graphs. On CPU, with ``backend="torch"`` or ``record=True``, every step is eager.
+``get_patch(model).cuda_graphs = False`` (or ``apply(..., cuda_graphs=False)``) opts out.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import inspect
 import itertools
 import math
+import warnings
 import weakref
 from dataclasses import dataclass, field
 
@@ -77,7 +100,7 @@ except ImportError as e:  # pragma: no cover - the optional dependency is missin
 from flashdsa.cache.allocator import OutOfPagesError
 from flashdsa.cache.layouts import INDEX_DIM, MLA_DIM
 from flashdsa.config import DSAConfig, is_dsa
-from flashdsa.cache.metadata import BatchMetadata
+from flashdsa.cache.metadata import DECODE, BatchMetadata
 from flashdsa.engine.runner import Runner
 from flashdsa.layers.attention import DSAAttention
 from flashdsa.layers.indexer import PRECISIONS
@@ -88,6 +111,7 @@ _MIN_TRANSFORMERS = (5, 23)
 _MLA_PARTS = ("q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj",
               "o_proj")
 _INDEXER_PARTS = ("wq_b", "wk", "k_norm", "weights_proj")
+KV_FORMATS = ("auto", "bf16", "fp8", "fp32")
 _uids = itertools.count()
 
 
@@ -225,15 +249,18 @@ class FlashDSACache(Cache):
         return f"FlashDSACache(rows={len(self.rows or [])}, seen={self.seen}, seq_lens={self.seq_lens()})"
 
     # ---- one forward ------------------------------------------------------------------------------
-    def _advance(self, runner: Runner, real: torch.Tensor | None, B: int, S: int) -> BatchMetadata:
+    def _advance(self, runner: Runner, real: torch.Tensor | None, B: int, S: int,
+                 max_pages: int | None = None) -> BatchMetadata:
         """Reserve the batch's new real tokens and build the metadata every layer shares (the runner decides
-        decode vs extend). Nothing changes until :meth:`_commit`; :meth:`_abort` takes it all back."""
+        decode vs extend; ``max_pages``: a decode step whose block table has this width, as a CUDA graph
+        needs). Nothing changes until :meth:`_commit`; :meth:`_abort` takes it all back."""
         if self.rows is not None and len(self.rows) != B:
             raise ValueError(f"input_ids: this cache holds a batch of {len(self.rows)} rows, got {B}")
         rows = self.rows if self.rows is not None else [(self.uid, b) for b in range(B)]
         q_lens = [S] * B if real is None else real.sum(1).tolist()
         try:
-            meta, self._pending = runner.prepare(dict(zip(rows, q_lens)))
+            meta, self._pending = runner.prepare(dict(zip(rows, q_lens)), DECODE if max_pages else None,
+                                                 max_pages=max_pages)
         except OutOfPagesError as e:
             raise OutOfPagesError(e.req_id, e.needed, e.free) from ValueError(
                 f"flashdsa.hf: the pool holds {runner.pool.capacity_tokens} tokens; pass a larger max_tokens to "
@@ -283,6 +310,7 @@ class _Forward:
     cache: FlashDSACache
     tok_idx: torch.Tensor | None          # [T] positions of the real tokens in the flattened [B * S]; None: all
     temporary: bool
+    graph_pages: int | None = None        # a decode step replayed from the CUDA graph of this block-table width
     cos: torch.Tensor | None = None       # [T, 32] f32, from HF's position_embeddings (first layer)
     sin: torch.Tensor | None = None
     prev: torch.Tensor | None = None      # the last selection, for the next shared layer
@@ -292,9 +320,11 @@ class _Forward:
 class Patch:
     """What :func:`apply` installed on a model (``get_patch(model)``).
 
-    ``calls[i]``: forwards of attention layer i through flashdsa (each layer once per model forward).
-    ``runner``: the :class:`Runner` owning the pool (made on the first forward, on the model's device);
-    with ``record=True`` its ``selections`` hold each layer's last selection.
+    ``calls[i]``: forwards of attention layer i through flashdsa (each layer once per model forward, a
+    graph replay included). ``runner``: the :class:`Runner` owning the pool (made on the first forward, on
+    the model's device); with ``record=True`` its ``selections`` hold each layer's last selection.
+    ``cuda_graphs``: decode steps replay CUDA graphs (may be switched off at any time);
+    ``graphs``: the captured ones by ``(batch, block-table pages)``; ``graph_replays``: steps they ran.
     """
 
     model: torch.nn.Module
@@ -305,9 +335,13 @@ class Patch:
     backend: str | None
     record: bool
     attentions: list[DSAAttention]
+    cuda_graphs: bool = True
     calls: list[int] = field(default_factory=list)
     runner: Runner | None = None
     closed: bool = False
+    graphs: dict = field(default_factory=dict)
+    graph_replays: int = 0
+    graph_failure: str | None = None      # why graphs are off for this patch (a capture that failed)
     _hf_caches: "weakref.WeakKeyDictionary" = field(default_factory=weakref.WeakKeyDictionary)
     _hooks: list = field(default_factory=list)
     _patched: list = field(default_factory=list)
@@ -315,7 +349,8 @@ class Patch:
 
     def __repr__(self) -> str:
         return (f"Patch({type(self.model).__name__}, indexer={self.indexer!r}, kv_format={self.kv_format!r}, "
-                f"max_tokens={self.max_tokens}, calls={self.calls}{', closed' if self.closed else ''})")
+                f"max_tokens={self.max_tokens}, cuda_graphs={self.cuda_graphs}, calls={self.calls}"
+                f"{', closed' if self.closed else ''})")
 
     # ---- hooks on the decoder (model.model) ----------------------------------------------------------
     def _begin(self, module, args, kwargs):
@@ -343,8 +378,9 @@ class Patch:
         if self.record:
             runner.selections = {}
         tok_idx = None if real is None else real.reshape(-1).nonzero().squeeze(1).to(ref.device)
-        meta = cache._advance(runner, real, B, S)  # the last step that can fail here: _end undoes it if later ones do
-        self._fwd = _Forward(meta, cache, tok_idx, temporary)
+        pages = self._graph_pages(kwargs, cache, real, B, S, ref.device)
+        meta = cache._advance(runner, real, B, S, pages)  # the last step that can fail here: _end undoes it
+        self._fwd = _Forward(meta, cache, tok_idx, temporary, pages)
         return args, kwargs
 
     def _end(self, module, args, kwargs, output):
@@ -393,15 +429,27 @@ class Patch:
         return None if bool(real.all()) else real
 
     def _runner_for(self, device: torch.device) -> Runner:
-        if self.runner is not None and self.runner.pool.device == device:
-            return self.runner
-        if self.runner is not None and self.runner.alloc.req_ids:
-            raise ValueError(f"flashdsa.hf: the model moved to {device} while caches on {self.runner.pool.device} "
-                             "are live; drop or reset them first")
+        r = self.runner
+        if r is not None and r.pool.device == device and r.pool.kv_format == self.cache_format():
+            return r
+        if r is not None and r.alloc.req_ids:
+            raise ValueError(f"flashdsa.hf: the model moved to {device} / {self.cache_format()} caches while "
+                             f"{r.pool.kv_format} caches on {r.pool.device} are live; drop or reset them first")
         num_pages = math.ceil(self.max_tokens / self.config.page_size)
-        self.runner = Runner.for_layers(self.config, device, num_pages, self.kv_format, backend=self.backend,
+        fmt = self.cache_format()
+        self.graphs.clear()  # they read the old pool's caches
+        self.runner = Runner.for_layers(self.config, device, num_pages, fmt, backend=self.backend,
                                         record=self.record)
+        for attn in self.attentions:
+            attn.mla_dtype = torch.float32 if fmt == "fp32" else torch.bfloat16
         return self.runner
+
+    def cache_format(self) -> str:
+        """The MLA cache format in use: ``kv_format`` as given, or for "auto" "fp32" while the model's
+        attention weights are fp32 and "bf16" otherwise."""
+        if self.kv_format != "auto":
+            return self.kv_format
+        return "fp32" if self.attentions[0].kv_a_proj_with_mqa.weight.dtype == torch.float32 else "bf16"
 
     # ---- the attention layers -----------------------------------------------------------------------
     def _attend(self, lid: int, hidden_states: torch.Tensor, position_embeddings) -> torch.Tensor:
@@ -424,6 +472,155 @@ class Patch:
             full[fwd.tok_idx] = out
             out = full
         return out.view(B, S, D)
+
+    # ---- CUDA-graph decode ----------------------------------------------------------------------------
+    def _graph_pages(self, kwargs: dict, cache: FlashDSACache, real, B: int, S: int,
+                     device: torch.device) -> int | None:
+        """The block-table width (pages) of the graph that will run this forward, or None to run it eagerly.
+
+        A graph runs plain decode steps: one new real token per live row, token ids in, nothing asked of the
+        decoder but its last hidden state. The width is a power of two >= 16 pages covering every row after
+        this step, capped at the pool: one graph per (batch, width), a new one only when a row outgrows it.
+        """
+        if not (self.cuda_graphs and self.graph_failure is None and _graphs_possible(device)):
+            return None
+        if self.backend == "torch" or self.record or S != 1 or real is not None or cache.rows is None:
+            return None
+        if B > _GRAPH_MAX_BATCH or set(kwargs) - _DECODE_KWARGS or kwargs.get("inputs_embeds") is not None:
+            return None
+        if not isinstance(kwargs.get("input_ids"), torch.Tensor):
+            return None
+        pos = kwargs.get("position_ids")
+        if pos is not None and not (isinstance(pos, torch.Tensor) and tuple(pos.shape) in ((B, 1), (1, 1))):
+            return None
+        hf = self.model.config
+        if getattr(hf, "output_attentions", False) or getattr(hf, "output_hidden_states", False):
+            return None
+        lens = cache.seq_lens()
+        if min(lens) == 0:  # a row without tokens yet (all padding so far): an extend step, not decode
+            return None
+        need = -(-(max(lens) + 1) // self.config.page_size)
+        return min(max(_GRAPH_MIN_PAGES, 1 << (need - 1).bit_length()), self.runner.pool.num_pages)
+
+    def _decoder_forward(self, orig, *args, **kwargs):
+        """The decoder's forward, as the patch installs it: eager, or a decode step from a CUDA graph."""
+        fwd = self._fwd
+        if fwd is None or fwd.graph_pages is None:
+            return orig(*args, **kwargs)
+        key = (len(fwd.cache.rows), fwd.graph_pages)
+        graph = self.graphs.get(key)
+        if graph is not None and graph.weights != self._weights():
+            self.graphs.clear()  # the weights moved (model.to(...)): the graphs read the old ones
+            graph = None
+        if graph is None:
+            calls = list(self.calls)
+            try:
+                graph = _DecodeGraph(self, orig, fwd, kwargs)
+            except Exception as e:  # a module that cannot be captured (a host sync, a data-dependent shape)
+                self.graph_failure = f"{type(e).__name__}: {e}"
+            finally:
+                self.calls[:] = calls  # warm-up and capture are not forwards of the model
+                self._fwd = fwd
+            if graph is None:
+                warnings.warn(f"flashdsa.hf: capturing the decode step in a CUDA graph failed ({self.graph_failure}); "
+                              "decoding eagerly from now on", RuntimeWarning, stacklevel=2)
+                return orig(*args, **kwargs)
+            self.graphs[key] = graph
+        out = graph.replay(fwd, kwargs)
+        self.graph_replays += 1
+        for i in range(len(self.calls)):
+            self.calls[i] += 1
+        return out
+
+    def _weights(self) -> tuple:
+        """Addresses a graph depends on that ``model.to(...)`` changes (the first and last attention layers')."""
+        a, b = self.attentions[0], self.attentions[-1]
+        return (a.q_a_proj.weight.data_ptr(), a.kv_b_proj.weight.data_ptr(), b.o_proj.weight.data_ptr(),
+                a.q_a_proj.weight.dtype)
+
+
+_GRAPH_MAX_BATCH = 16   # decode batches up to this size replay graphs ("batch 1 and small batches")
+_GRAPH_MIN_PAGES = 16   # the narrowest block table a graph gets (1024 tokens)
+_DECODE_KWARGS = {"input_ids", "attention_mask", "position_ids", "cache", "inputs_embeds", "use_cache"}
+
+
+def _graphs_possible(device: torch.device) -> bool:
+    return device.type == "cuda"
+
+
+def _capture(run, device: torch.device):
+    """Warm ``run`` up on a side stream (Triton compiles, the allocator settles), then capture one call of it
+    in a CUDA graph. Returns ``(graph, output of the captured call)``."""
+    with torch.cuda.device(device):
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                run()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = run()
+    return graph, out
+
+
+class _DecodeGraph:
+    """The decoder's forward for one decode step of B rows with a ``[B, pages]`` block table, captured once in
+    a CUDA graph (HF's embedding, norms and MLPs, flashdsa's attention) and replayed per token.
+
+    Before each replay the step's inputs are copied into the graph's buffers: token ids and HF's position ids
+    ``[B, 1]``, and the batch metadata (``positions``, ``slot_mapping``, ``block_table [B, pages]``,
+    ``context_lens [B, 1]``) that :meth:`FlashDSACache._advance` built for the step with the same width.
+    Everything else it reads stays where it was at capture: the weights (``Patch._weights`` notices when
+    they move) and the pool's caches (a new pool drops the graphs). Nothing inside the graph depends on a
+    value read on the host, so the one graph serves every cache object and every length up to the width.
+    """
+
+    def __init__(self, patch: Patch, orig, fwd: _Forward, kwargs: dict):
+        m = fwd.meta
+        # ordinary tensors even under torch.inference_mode(): later steps may copy into them outside it
+        with torch.inference_mode(False):
+            self.meta = dataclasses.replace(m, positions=m.positions.clone(), slot_mapping=m.slot_mapping.clone(),
+                                            block_table=m.block_table.clone(), context_lens=m.context_lens.clone())
+            self.ids = kwargs["input_ids"].clone()
+            self.pos = torch.empty_like(self.ids)
+        self._positions(kwargs.get("position_ids"), fwd.cache)
+        static = dict(input_ids=self.ids, position_ids=self.pos, attention_mask=_NoMasks(), cache=fwd.cache,
+                      use_cache=kwargs.get("use_cache"))
+
+        def run():
+            # a fresh _Forward each run: the RoPE tables and the shared-layer selection are made inside
+            patch._fwd = _Forward(self.meta, fwd.cache, None, False, fwd.graph_pages)
+            with torch.no_grad():
+                return orig(**static)
+
+        self.weights = patch._weights()
+        self.graph, out = _capture(run, self.ids.device)
+        extra = [k for k, v in out.items() if v is not None and k != "last_hidden_state" and v is not fwd.cache]
+        if extra:
+            raise ValueError(f"the decoder returned {extra}; a graph replays the last hidden state only")
+        # keep the output's type and key names, never the capture's cache object (its pages must be freed)
+        self.out_type = type(out)
+        self.cache_key = next((k for k, v in out.items() if v is fwd.cache), None)
+        self.hidden = out["last_hidden_state"]
+
+    def _positions(self, position_ids: torch.Tensor | None, cache: FlashDSACache) -> None:
+        if position_ids is None:  # HF's default: the columns seen so far (what get_seq_length() counts)
+            self.pos.fill_(cache.seen)
+        else:
+            self.pos.copy_(position_ids)
+
+    def replay(self, fwd: _Forward, kwargs: dict):
+        m, new = self.meta, fwd.meta
+        for name in ("positions", "slot_mapping", "block_table", "context_lens"):
+            getattr(m, name).copy_(getattr(new, name))
+        self.ids.copy_(kwargs["input_ids"])
+        self._positions(kwargs.get("position_ids"), fwd.cache)
+        self.graph.replay()
+        out = {"last_hidden_state": self.hidden.clone()}  # the buffer is the next replay's output too
+        if self.cache_key is not None:
+            out[self.cache_key] = fwd.cache
+        return self.out_type(**out)
 
 
 def _rope_half(t: torch.Tensor, B: int, S: int, tok_idx: torch.Tensor | None) -> torch.Tensor:
@@ -482,18 +679,24 @@ def _adopt(hf_attn, cfg: DSAConfig, lid: int, precision: str) -> DSAAttention:
     return attn
 
 
-def apply(model, indexer: str = "fp8", *, kv_format: str = "bf16", max_tokens: int = 32768,
-          backend: str | None = None, record: bool = False) -> Patch:
+def apply(model, indexer: str = "fp8", *, kv_format: str = "auto", max_tokens: int = 32768,
+          backend: str | None = None, record: bool = False, cuda_graphs: bool = True) -> Patch:
     """Patch an HF DSA model (``DeepseekV32ForCausalLM``, ``GlmMoeDsaForCausalLM``) in place.
 
     Args:
         model:      the HF model (the ``*ForCausalLM`` or its decoder ``*Model``).
         indexer:    "fp8" (deployment numerics, docs/DSA.md §3) or "exact" (fp32 scores, HF's numbers).
-        kv_format:  MLA cache format: "bf16" (default; the closest to HF) or "fp8" (656-B FlashMLA rows).
+        kv_format:  MLA cache format: "auto" (default: the model's own precision — "fp32" for an fp32
+                    model, "bf16" otherwise; decided on each new pool, i.e. after ``model.to(dtype)`` too),
+                    "bf16", "fp8" (656-B FlashMLA rows) or "fp32" (2304-B rows; the absorbed query and
+                    the attention kernels in fp32 too, IEEE products: exact to fp32 rounding).
         max_tokens: capacity of the paged pool in tokens, over all live sequences (each row rounds up to
                     64-token pages); made on the first forward, on the model's device.
         backend:    force flashdsa's op backend ("torch" / "triton"); default: Triton on CUDA.
-        record:     keep each layer's last selection in ``get_patch(model).runner.selections``.
+        record:     keep each layer's last selection in ``get_patch(model).runner.selections`` (decode
+                    then runs eagerly).
+        cuda_graphs: replay decode steps of batches up to 16 rows from CUDA graphs (on CUDA, Triton
+                    backends; see the module docstring). False: every step eagerly.
 
     Returns the :class:`Patch`. Applying again replaces the previous patch (same settings: a no-op in
     effect; caches of the old patch become invalid). ValueError for a model that is not DSA.
@@ -503,10 +706,12 @@ def apply(model, indexer: str = "fp8", *, kv_format: str = "bf16", max_tokens: i
                           f"found {transformers.__version__}")
     if indexer not in PRECISIONS:
         raise ValueError(f"indexer: expected one of {PRECISIONS}, got {indexer!r}")
-    if kv_format not in ("bf16", "fp8"):
-        raise ValueError(f"kv_format: expected 'bf16' or 'fp8', got {kv_format!r}")
+    if kv_format not in KV_FORMATS:
+        raise ValueError(f"kv_format: expected one of {KV_FORMATS}, got {kv_format!r}")
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
         raise ValueError(f"max_tokens: expected an int >= 1, got {max_tokens!r}")
+    if not isinstance(cuda_graphs, bool):
+        raise ValueError(f"cuda_graphs: expected a bool, got {cuda_graphs!r}")
     hf_config = getattr(model, "config", None)
     d = hf_config.to_dict() if hasattr(hf_config, "to_dict") else {}
     if not is_dsa(d):
@@ -526,12 +731,15 @@ def apply(model, indexer: str = "fp8", *, kv_format: str = "bf16", max_tokens: i
         unapply(model)
     attentions = [_adopt(layer.self_attn, cfg, i, indexer) for i, layer in enumerate(base.layers)]
     patch = Patch(model=model, config=cfg, indexer=indexer, kv_format=kv_format, max_tokens=max_tokens,
-                  backend=backend, record=record, attentions=attentions, calls=[0] * cfg.num_hidden_layers)
+                  backend=backend, record=record, attentions=attentions, cuda_graphs=cuda_graphs,
+                  calls=[0] * cfg.num_hidden_layers)
     for i, layer in enumerate(base.layers):
         hf_attn = layer.self_attn
         returns_topk = "prev_topk_indices" in inspect.signature(type(hf_attn).forward).parameters
         hf_attn.forward = _attention_forward(patch, i, returns_topk)
         patch._patched.append(hf_attn)
+    base.forward = functools.partial(patch._decoder_forward, type(base).forward.__get__(base))
+    patch._patched.append(base)
     patch._hooks = [base.register_forward_pre_hook(patch._begin, with_kwargs=True),
                     base.register_forward_hook(patch._end, with_kwargs=True, always_call=True)]
     model.__dict__["_flashdsa_patch"] = patch  # a plain attribute: not a submodule, not in the state dict
@@ -543,9 +751,10 @@ def unapply(model) -> None:
     patch = get_patch(model)
     if patch is None:
         raise ValueError("model: not patched by flashdsa.hf.apply")
-    for hf_attn in patch._patched:
-        hf_attn.__dict__.pop("forward", None)
+    for module in patch._patched:  # the attention layers and the decoder
+        module.__dict__.pop("forward", None)
     for h in patch._hooks:
         h.remove()
+    patch.graphs.clear()
     patch.closed, patch.runner, patch._fwd = True, None, None
     del model.__dict__["_flashdsa_patch"]

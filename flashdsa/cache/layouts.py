@@ -5,11 +5,13 @@ Indexer cache, one page of 64 tokens = 8448 bytes (DeepGEMM's paged layout)::
     bytes [0, 8192)     64 x 128 float8_e4m3fn keys, token-major (token t at bytes 128 t .. 128 t + 127)
     bytes [8192, 8448)  64 x float32 scales (token t at 8192 + 4 t)
 
-MLA cache, per token, three formats:
+MLA cache, per token, three deployment formats (``MLA_FORMATS``) and one for exactness studies:
 
     "bf16"     1152 B: 576 bf16 (512 latent + 64 rope)
     "fp8"       656 B: 512 e4m3 latent | 4 fp32 scales (one per 128 latent dims) | 64 bf16 rope   (FlashMLA)
     "fp8_raw"   576 B: 576 e4m3, one per-tensor fp32 scale held by the pool
+    "fp32"     2304 B: 576 fp32 — an fp32 model's cache rows kept as the model computes them, so that
+               attention over them is exact to fp32 rounding (``flashdsa.hf``'s default for fp32 models)
 
 Slot of token p of a request: ``block_table[p // 64] * 64 + p % 64``; the page is ``slot // 64``.
 """
@@ -35,10 +37,12 @@ MLA_DIM = MLA_LATENT + MLA_ROPE  # 576
 MLA_BF16_BYTES = 2 * MLA_DIM  # 1152
 MLA_FP8_BYTES = MLA_LATENT + 4 * (MLA_LATENT // 128) + 2 * MLA_ROPE  # 656
 MLA_FP8_RAW_BYTES = MLA_DIM  # 576
+MLA_FP32_BYTES = 4 * MLA_DIM  # 2304
 
-MLA_FORMATS = ("bf16", "fp8", "fp8_raw")
+MLA_FORMATS = ("bf16", "fp8", "fp8_raw")       # what serving sizes and plans for
+ALL_MLA_FORMATS = MLA_FORMATS + ("fp32",)       # what the pool, the writers and the attention ops take
 BYTES_PER_TOKEN = {"bf16": MLA_BF16_BYTES, "fp8": MLA_FP8_BYTES, "fp8_raw": MLA_FP8_RAW_BYTES,
-                   "index": INDEX_BYTES_PER_TOKEN}
+                   "fp32": MLA_FP32_BYTES, "index": INDEX_BYTES_PER_TOKEN}
 
 
 def _check(cond: bool, name: str, expected: str, got) -> None:
@@ -191,18 +195,21 @@ def dequantize_mla_576(packed: torch.Tensor, scale: float) -> torch.Tensor:
 
 
 def mla_cache_format(kv_cache: torch.Tensor, name: str = "kv_cache") -> str:
-    """Which MLA format a paged cache holds, from its dtype and last dim: 'bf16', 'fp8' or 'fp8_raw'
-    (ValueError naming ``name`` for anything else)."""
+    """Which MLA format a paged cache holds, from its dtype and last dim: 'bf16', 'fp8', 'fp8_raw' or
+    'fp32' (ValueError naming ``name`` for anything else)."""
     if not isinstance(kv_cache, torch.Tensor) or kv_cache.dim() == 0:
         raise ValueError(f"{name}: expected a tensor [..., width], got {_describe(kv_cache)}")
     if kv_cache.dtype == torch.bfloat16 and kv_cache.shape[-1] == MLA_DIM:
         return "bf16"
+    if kv_cache.dtype == torch.float32 and kv_cache.shape[-1] == MLA_DIM:
+        return "fp32"
     if kv_cache.dtype == torch.uint8 and kv_cache.shape[-1] == MLA_FP8_BYTES:
         return "fp8"
     if kv_cache.dtype == torch.uint8 and kv_cache.shape[-1] == MLA_FP8_RAW_BYTES:
         return "fp8_raw"
-    raise ValueError(f"{name}: expected bf16 [..., {MLA_DIM}], uint8 [..., {MLA_FP8_BYTES}] or uint8 "
-                     f"[..., {MLA_FP8_RAW_BYTES}], got {kv_cache.dtype} {list(kv_cache.shape)}")
+    raise ValueError(f"{name}: expected bf16 [..., {MLA_DIM}], uint8 [..., {MLA_FP8_BYTES}], uint8 "
+                     f"[..., {MLA_FP8_RAW_BYTES}] or float32 [..., {MLA_DIM}], got {kv_cache.dtype} "
+                     f"{list(kv_cache.shape)}")
 
 
 def _check_scale(fmt: str, scale) -> None:
@@ -216,25 +223,27 @@ def _check_scale(fmt: str, scale) -> None:
 
 
 def encode_mla(kv: torch.Tensor, fmt: str, scale: float | None = None) -> torch.Tensor:
-    """``kv [N, 576]`` -> one token row per cache format: bf16 [N, 576] or u8 [N, 656] / [N, 576].
-    ``scale``: the per-tensor scale of "fp8_raw", None for the other formats."""
-    if fmt not in MLA_FORMATS:
-        raise ValueError(f"fmt: expected one of {MLA_FORMATS}, got {fmt!r}")
+    """``kv [N, 576]`` -> one token row per cache format: bf16 [N, 576], u8 [N, 656] / [N, 576] or
+    fp32 [N, 576]. ``scale``: the per-tensor scale of "fp8_raw", None for the other formats."""
+    if fmt not in ALL_MLA_FORMATS:
+        raise ValueError(f"fmt: expected one of {ALL_MLA_FORMATS}, got {fmt!r}")
     _check_kv(kv)
     _check_scale(fmt, scale)
     if fmt == "bf16":
         return kv.to(torch.bfloat16)
+    if fmt == "fp32":
+        return kv.to(torch.float32)
     if fmt == "fp8":
         return quantize_mla_656(kv)
     return quantize_mla_576(kv, scale)
 
 
 def decode_mla(rows: torch.Tensor, scale: float | None = None) -> torch.Tensor:
-    """Token rows of any MLA format -> ``[..., 576] bf16`` (format read off dtype and width; ``scale`` as
-    in :func:`encode_mla`)."""
+    """Token rows of any MLA format -> ``[..., 576]`` bf16, or fp32 for the fp32 format (format read off
+    dtype and width; ``scale`` as in :func:`encode_mla`)."""
     fmt = mla_cache_format(rows, "rows")
     _check_scale(fmt, scale)
-    if fmt == "bf16":
+    if fmt in ("bf16", "fp32"):
         return rows
     if fmt == "fp8":
         return dequantize_mla_656(rows)
@@ -252,7 +261,7 @@ def _check_paged_mla(kv_cache: torch.Tensor, page_size: int | None) -> str:
 def store_mla(kv_cache: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor, scale: float | None = None) -> None:
     """Quantise (per the cache's format) and write N tokens at N distinct slots; nothing else changes.
 
-    ``kv_cache: [P, 64, 576] bf16 | [P, 64, 656] u8 | [P, 64, 576] u8``, written in place through its
+    ``kv_cache: [P, 64, 576] bf16 | [P, 64, 656] u8 | [P, 64, 576] u8 | [P, 64, 576] f32``, written in place through its
     strides (a slice of a bigger pool is fine, an expanded view is not); ``slots [N] int`` with slot
     ``page * 64 + row``; ``kv [N, 576]`` float. Every argument is checked before anything is written.
     """
@@ -270,7 +279,7 @@ def store_mla(kv_cache: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor, sca
 
 def gather_mla(kv_cache: torch.Tensor, slots: torch.Tensor, scale: float | None = None) -> torch.Tensor:
     """Read and dequantise tokens: ``kv_cache [P, page_size, width]`` (any strides), ``slots [N] int`` in
-    ``[0, P * page_size)`` -> ``[N, 576] bf16``."""
+    ``[0, P * page_size)`` -> ``[N, 576] bf16`` (fp32 for an fp32 cache)."""
     _check_paged_mla(kv_cache, None)
     page_size = kv_cache.shape[1]
     check_slots("slots", slots, kv_cache.shape[0] * page_size)

@@ -4,6 +4,7 @@ All caches share one page allocator, so one page id addresses the same tokens in
 layer, and one block table per batch serves all layers. Shapes (P pages, page_size = 64 c, c = kpool)::
 
     MLA cache, per layer       [P, page_size, 576] bf16 | [P, page_size, 656] u8 ("fp8") | [P, page_size, 576] u8 ("fp8_raw")
+                               | [P, page_size, 576] f32 ("fp32": exactness studies of fp32 models, 2304 B a token)
     indexer cache, top-k layer [P, 8448] u8: 64 keys per page (layouts.py); skip-top-k layers have none
 
 Token p of a request (MLA):        slot = block_table[p // (64 c)] * 64 c + p % (64 c)
@@ -34,8 +35,9 @@ from flashdsa.config import DSAConfig
 from flashdsa._checks import check_finite, check_slots
 from flashdsa.quant import FP8
 
-_MLA_DTYPE = {"bf16": torch.bfloat16, "fp8": torch.uint8, "fp8_raw": torch.uint8}
-_MLA_WIDTH = {"bf16": layouts.MLA_DIM, "fp8": layouts.MLA_FP8_BYTES, "fp8_raw": layouts.MLA_FP8_RAW_BYTES}
+_MLA_DTYPE = {"bf16": torch.bfloat16, "fp8": torch.uint8, "fp8_raw": torch.uint8, "fp32": torch.float32}
+_MLA_WIDTH = {"bf16": layouts.MLA_DIM, "fp8": layouts.MLA_FP8_BYTES, "fp8_raw": layouts.MLA_FP8_RAW_BYTES,
+              "fp32": layouts.MLA_DIM}
 
 
 def _fail(name: str, expected: str, got) -> None:
@@ -44,8 +46,8 @@ def _fail(name: str, expected: str, got) -> None:
 
 def page_bytes(config: DSAConfig, kv_format: str) -> int:
     """Bytes one page costs across all layers: MLA rows of every layer + one indexer page per top-k layer."""
-    if kv_format not in layouts.MLA_FORMATS:
-        _fail("kv_format", f"one of {layouts.MLA_FORMATS}", repr(kv_format))
+    if kv_format not in layouts.ALL_MLA_FORMATS:
+        _fail("kv_format", f"one of {layouts.ALL_MLA_FORMATS}", repr(kv_format))
     mla = config.num_hidden_layers * config.page_size * layouts.BYTES_PER_TOKEN[kv_format]
     return mla + len(config.topk_layers) * layouts.INDEX_PAGE_BYTES
 
@@ -56,7 +58,8 @@ class KVPool:
     Args:
         config:    the model; uses ``num_hidden_layers``, ``topk_layers``, ``page_size`` (64 c), ``index_kpool``.
         num_pages: pages per cache (>= 1); capacity ``num_pages * page_size`` tokens.
-        kv_format: MLA cache format, "bf16" (1152 B/token), "fp8" (656 B, FlashMLA) or "fp8_raw" (576 B).
+        kv_format: MLA cache format, "bf16" (1152 B/token), "fp8" (656 B, FlashMLA), "fp8_raw" (576 B) or
+                   "fp32" (2304 B: an fp32 model's rows unrounded, for exactness studies).
         device:    where the caches live.
         kv_scale:  the per-tensor fp32 scale of "fp8_raw" (required there, must be None otherwise).
 
@@ -76,8 +79,8 @@ class KVPool:
                   config.index_head_dim)
         if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 1:
             _fail("num_pages", "an int >= 1", repr(num_pages))
-        if kv_format not in layouts.MLA_FORMATS:
-            _fail("kv_format", f"one of {layouts.MLA_FORMATS}", repr(kv_format))
+        if kv_format not in layouts.ALL_MLA_FORMATS:
+            _fail("kv_format", f"one of {layouts.ALL_MLA_FORMATS}", repr(kv_format))
         if kv_format == "fp8_raw":
             if kv_scale is None or not (isinstance(kv_scale, (int, float)) and math.isfinite(kv_scale) and kv_scale > 0):
                 _fail("kv_scale", "a finite float > 0 for kv_format 'fp8_raw'", kv_scale)
@@ -215,7 +218,7 @@ class KVPool:
             layouts.store_index_keys(index, index_slots.to(self.device), index_k_fp8, index_k_scale)
 
     def read(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
-        """Dequantised MLA rows: ``slots [N] -> [N, 576] bf16``."""
+        """Dequantised MLA rows: ``slots [N] -> [N, 576] bf16`` (fp32 for the "fp32" format)."""
         check_slots("slots", slots, self.num_pages * self.page_size)
         return self._gather_mla(self._check_layer(layer), slots)
 

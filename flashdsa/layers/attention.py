@@ -81,27 +81,33 @@ class DSAAttention(nn.Module):
         w = self.kv_b_proj.weight.view(self.h, self.nope + self.v, self.kv_lora_rank)
         return w[:, : self.nope], w[:, self.nope:]  # W_uk [h, nope, 512], W_uv [h, v, 512]
 
+    # The dtype of the absorbed query and the cache rows that prepare() hands to the caches and kernels:
+    # bf16 for the bf16 / fp8 caches; fp32 for the "fp32" cache, whose kernels are exact to fp32 rounding
+    # (set per layer by whoever makes the pool, e.g. flashdsa.hf for an fp32 model).
+    mla_dtype: torch.dtype = torch.bfloat16
+
     def prepare(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """``x [T, hidden]`` -> (``q [T, h, 576] bf16`` absorbed query, ``kv [T, 576] bf16`` cache rows,
-        ``qr [T, q_lora]`` the normed query latent the indexer reads)."""
+        """``x [T, hidden]`` -> (``q [T, h, 576]`` absorbed query, ``kv [T, 576]`` cache rows, both in
+        ``self.mla_dtype`` (bf16 or fp32), ``qr [T, q_lora]`` the normed query latent the indexer reads)."""
         T = x.shape[0]
         qr = self.q_a_layernorm(self.q_a_proj(x))
         q = self.q_b_proj(qr).view(T, self.h, self.nope + self.rope)
         q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
         w_uk, _ = self._w_kv_b()
         # In the weights' dtype (fp32 accumulation inside the GEMM): an fp32 copy of W_uk per call would
-        # move 3x its bytes every decode step, and q is rounded to bf16 for the kernels anyway.
+        # move 3x its bytes every decode step, and q is rounded to mla_dtype for the kernels anyway.
         q_lat = torch.einsum("thn,hnc->thc", q_nope.to(w_uk.dtype), w_uk)
         q_pe = apply_rope(q_pe, cos, sin, interleave=True)
-        q_abs = torch.cat((q_lat, q_pe), dim=-1).to(torch.bfloat16)
+        q_abs = torch.cat((q_lat, q_pe), dim=-1).to(self.mla_dtype)
         kv = self.kv_a_proj_with_mqa(x)
         c, k_pe = kv.split([self.kv_lora_rank, self.rope], dim=-1)
         k_pe = apply_rope(k_pe, cos, sin, interleave=True)
-        kv_rows = torch.cat((self.kv_a_layernorm(c).float(), k_pe), dim=-1).to(torch.bfloat16)
+        kv_rows = torch.cat((self.kv_a_layernorm(c).float(), k_pe), dim=-1).to(self.mla_dtype)
         return q_abs, kv_rows, qr
 
     def finish(self, out_latent: torch.Tensor) -> torch.Tensor:
-        """``out_latent [T, h, 512] bf16`` -> ``[T, hidden]`` (W_uv per head, then o_proj)."""
+        """``out_latent [T, h, 512]`` (bf16, or fp32 from an fp32 cache) -> ``[T, hidden]`` (W_uv per head,
+        then o_proj)."""
         _, w_uv = self._w_kv_b()
         o = torch.einsum("thc,hvc->thv", out_latent.to(w_uv.dtype), w_uv).to(self.o_proj.weight.dtype)
         return self.o_proj(o.flatten(1))

@@ -50,7 +50,8 @@ def _random_keys(n: int) -> tuple[torch.Tensor, torch.Tensor]:
 def test_bytes_per_token_constants():
     assert L.INDEX_PAGE_BYTES == 8448 and L.INDEX_KEY_BYTES == 8192 and L.INDEX_BYTES_PER_TOKEN == 132
     assert L.MLA_BF16_BYTES == 1152 and L.MLA_FP8_BYTES == 656 and L.MLA_FP8_RAW_BYTES == 576
-    assert L.BYTES_PER_TOKEN == {"bf16": 1152, "fp8": 656, "fp8_raw": 576, "index": 132}
+    assert L.BYTES_PER_TOKEN == {"bf16": 1152, "fp8": 656, "fp8_raw": 576, "fp32": 2304, "index": 132}
+    assert L.MLA_FP32_BYTES == 2304 and L.ALL_MLA_FORMATS == L.MLA_FORMATS + ("fp32",)
     assert L.PAGE_SIZE == 64 and L.MLA_DIM == 576 and L.MLA_LATENT == 512
 
 
@@ -269,7 +270,9 @@ def test_mla_cache_format():
     assert L.mla_cache_format(torch.zeros(2, 64, 576, dtype=torch.bfloat16)) == "bf16"
     assert L.mla_cache_format(torch.zeros(2, 64, 656, dtype=torch.uint8)) == "fp8"
     assert L.mla_cache_format(torch.zeros(2, 64, 576, dtype=torch.uint8)) == "fp8_raw"
+    assert L.mla_cache_format(torch.zeros(2, 64, 576, dtype=torch.float32)) == "fp32"
     for bad in (torch.zeros(2, 64, 576, dtype=torch.float16), torch.zeros(2, 64, 656, dtype=torch.bfloat16),
+                torch.zeros(2, 64, 576, dtype=torch.float64), torch.zeros(2, 64, 512, dtype=torch.float32),
                 torch.zeros(2, 64, 600, dtype=torch.uint8), torch.zeros(2, 64, 576, dtype=torch.float8_e4m3fn)):
         with pytest.raises(ValueError, match="kv_cache"):
             L.mla_cache_format(bad)
@@ -283,7 +286,7 @@ def test_encode_decode_errors():
         L.encode_mla(kv, "fp8_raw")
     with pytest.raises(ValueError, match="scale"):
         L.decode_mla(L.encode_mla(kv, "fp8_raw", 1.0))
-    for fmt in L.MLA_FORMATS:
+    for fmt in L.ALL_MLA_FORMATS:
         with pytest.raises(ValueError, match="kv"):
             L.encode_mla(torch.randn(3, 512), fmt, 1.0)
         with pytest.raises(ValueError, match="kv"):
@@ -297,12 +300,11 @@ def test_encode_decode_errors():
 # ---- store_mla / gather_mla ------------------------------------------------------------------------
 
 def _cache(fmt: str, pages: int) -> torch.Tensor:
-    width = {"bf16": 1152, "fp8": 656, "fp8_raw": 576}[fmt]
-    raw = _random_bytes(pages, 64, width)
-    return raw.view(torch.bfloat16) if fmt == "bf16" else raw
+    raw = _random_bytes(pages, 64, L.BYTES_PER_TOKEN[fmt])
+    return raw.view({"bf16": torch.bfloat16, "fp32": torch.float32}.get(fmt, torch.uint8))
 
 
-@pytest.mark.parametrize("fmt", L.MLA_FORMATS)
+@pytest.mark.parametrize("fmt", L.ALL_MLA_FORMATS)
 @pytest.mark.parametrize("n_pages,n", [(1, 1), (2, 64), (4, 65), (5, 200)], ids=["P1-N1", "P2-N64", "P4-N65", "P5-N200"])
 def test_store_mla_touches_only_its_slots(fmt, n_pages, n):
     cache = _cache(fmt, n_pages)
@@ -319,9 +321,10 @@ def test_store_mla_touches_only_its_slots(fmt, n_pages, n):
         expect[s] = rows[i]
     assert torch.equal(after, expect)
     got = L.gather_mla(cache, slots, scale)
-    assert got.dtype == torch.bfloat16 and torch.equal(got, L.decode_mla(L.encode_mla(kv, fmt, scale), scale))
-    if fmt == "bf16":
-        assert torch.equal(got, kv)
+    assert got.dtype == (torch.float32 if fmt == "fp32" else torch.bfloat16)
+    assert torch.equal(got, L.decode_mla(L.encode_mla(kv, fmt, scale), scale))
+    if fmt in ("bf16", "fp32"):
+        assert torch.equal(got.float(), kv.float())
 
 
 def test_store_mla_errors():

@@ -10,9 +10,10 @@ from flashdsa.cache import KVPool, OutOfPagesError, layouts, page_bytes
 from flashdsa.config import DSAConfig
 from flashdsa.quant import act_quant
 
-FORMATS = ["bf16", "fp8", "fp8_raw"]
-SCALE = {"bf16": None, "fp8": None, "fp8_raw": 0.02}
-WIDTH = {"bf16": (torch.bfloat16, 576), "fp8": (torch.uint8, 656), "fp8_raw": (torch.uint8, 576)}
+FORMATS = ["bf16", "fp8", "fp8_raw", "fp32"]
+SCALE = {"bf16": None, "fp8": None, "fp8_raw": 0.02, "fp32": None}
+WIDTH = {"bf16": (torch.bfloat16, 576), "fp8": (torch.uint8, 656), "fp8_raw": (torch.uint8, 576),
+         "fp32": (torch.float32, 576)}
 
 
 def tiny(c: int = 1) -> DSAConfig:
@@ -122,8 +123,9 @@ def test_write_touches_only_given_slots(fmt, lens):
         assert torch.equal(rows_of(pool.mla_cache(layer), s), want)
         got_k, got_s = pool.read_index(layer, s)
         assert torch.equal(got_k.view(torch.uint8), k.view(torch.uint8)) and torch.equal(got_s, ks)
-        if fmt == "bf16":
-            assert torch.equal(pool.read(layer, s), kv)
+        if fmt in ("bf16", "fp32"):  # kept as written (fp32: bf16 inputs widen exactly)
+            got = pool.read(layer, s)
+            assert got.dtype == WIDTH[fmt][0] and torch.equal(got.float(), kv.float())
 
 
 def test_failed_write_changes_nothing():
@@ -203,7 +205,7 @@ def test_memory_accounting(preset, pages, fmt):
     assert held["mla"] == m["mla"] and held["index"] == m["index"]
     tokens = pages * cfg.page_size
     assert m["total_per_token"] == pool.bytes_per_token() == m["total"] / tokens
-    assert m["mla_per_token"] == cfg.num_hidden_layers * {"bf16": 1152, "fp8": 656, "fp8_raw": 576}[fmt]
+    assert m["mla_per_token"] == cfg.num_hidden_layers * {"bf16": 1152, "fp8": 656, "fp8_raw": 576, "fp32": 2304}[fmt]
     assert m["index_per_token"] == len(cfg.topk_layers) * 132
     assert page_bytes(cfg, fmt) == m["total"] // pages
     if preset == "v32" and fmt == "fp8":
@@ -212,7 +214,7 @@ def test_memory_accounting(preset, pages, fmt):
         assert 0.16 < m["index_per_token"] / m["total_per_token"] < 0.18
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "bf16"])
+@pytest.mark.parametrize("fmt", ["fp8", "bf16", "fp32"])
 def test_from_memory(fmt):
     cfg = tiny()
     per_page = page_bytes(cfg, fmt)

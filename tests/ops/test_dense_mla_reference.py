@@ -116,7 +116,7 @@ def _args():
     ("q", dict(q=torch.randn(4, 2, 576))),
     ("q", dict(q=torch.randn(4, 576).bfloat16())),
     ("q", dict(q=torch.randn(4, 2, 512).bfloat16())),
-    ("kv", dict(kv=torch.randn(9, 576))),
+    ("kv", dict(kv=torch.randn(9, 576).double())),
     ("kv", dict(kv=torch.randn(9, 512).bfloat16())),
     ("kv", dict(kv=torch.randn(9, 1, 576).bfloat16())),
     ("cu_seqlens_q", dict(cu_seqlens_q=_cu([1, 3]).long())),

@@ -328,7 +328,8 @@ def _decode_args():
     ("kv_cache", dict(kv_cache=torch.zeros(2, 64, 576, dtype=torch.float16))),
     ("kv_cache", dict(kv_cache=torch.zeros(2, 64, 600, dtype=torch.uint8))),
     ("kv_cache", dict(kv_cache=torch.zeros(2, 32, 656, dtype=torch.uint8))),
-    ("kv_cache", dict(kv_cache=torch.zeros(2, 64, 576, dtype=torch.float32))),
+    ("kv_cache", dict(kv_cache=torch.zeros(2, 64, 576, dtype=torch.float64))),
+    ("q", dict(q=torch.randn(2, 1, 4, 576))),  # an fp32 q with a bf16 / fp8 cache is refused, not rounded
     ("kv_scale", dict(kv_cache=torch.zeros(2, 64, 576, dtype=torch.uint8))),  # raw fp8 needs kv_scale
     ("kv_scale", dict(kv_cache=torch.zeros(2, 64, 576, dtype=torch.uint8), kv_scale=0.0)),
     ("kv_scale", dict(kv_cache=torch.zeros(2, 64, 576, dtype=torch.uint8), kv_scale=-1.0)),
@@ -365,7 +366,7 @@ def _prefill_args():
     ("q", dict(q=torch.randn(3, 4, 576))),
     ("q", dict(q=torch.randn(3, 1, 4, 576).bfloat16())),
     ("q", dict(q=torch.randn(3, 4, 512).bfloat16())),
-    ("kv", dict(kv=torch.randn(10, 576))),
+    ("kv", dict(kv=torch.randn(10, 576).double())),
     ("kv", dict(kv=torch.randn(10, 512).bfloat16())),
     ("kv", dict(kv=torch.randn(10, 1, 576).bfloat16())),
     ("kv", dict(kv=torch.zeros(10, 656, dtype=torch.uint8))),

@@ -8,6 +8,7 @@ from flashdsa.cache.layouts import MLA_DIM, MLA_LATENT
 from flashdsa.ops._common import (check_range, check_scalar, check_tensor, dense, fail, pick_backend,
                                   value_checks_enabled)
 from flashdsa.ops.dense_mla import reference
+from flashdsa.ops.sparse_mla import _widen_for_fp32
 
 
 def _triton(*args, **kwargs):
@@ -24,24 +25,27 @@ def dense_mla_prefill(q: torch.Tensor, kv: torch.Tensor, cu_seqlens_q: torch.Ten
     """Causal attention of each request's new queries over its whole KV (cached prefix + new tokens).
 
     Args:
-        q:             ``[T, h_q, 576] bfloat16``, requests concatenated.
-        kv:            ``[N, 576] bfloat16``, each request's full KV concatenated.
+        q:             ``[T, h_q, 576] bfloat16``, requests concatenated (float32 with float32 kv; a bf16
+                       q is then widened).
+        kv:            ``[N, 576] bfloat16``, each request's full KV concatenated; or float32 (the fp32
+                       cache's rows: computed in fp32 throughout, IEEE products).
         cu_seqlens_q:  ``[B + 1] int32`` query offsets; cu_seqlens_kv ``[B + 1] int32`` key offsets.
                        Request b's queries are its LAST ``q_len`` tokens: query i sits at position
                        ``kv_len - q_len + i`` and sees keys ``0 .. kv_len - q_len + i``.
 
     Returns:
-        ``out [T, h_q, d_v] bfloat16``, ``lse [T, h_q] float32`` (natural log).
+        ``out [T, h_q, d_v]`` bfloat16 (float32 with float32 kv), ``lse [T, h_q] float32`` (natural log).
 
     Backends: "torch" (fp32 math, the reference) and "triton" (default on CUDA: the sparse prefill
     kernel over every visible key, bf16 operands with fp32 accumulation).
     """
-    check_tensor("q", q, dtype=torch.bfloat16, ndim=3)
+    check_tensor("q", q, dtype=(torch.bfloat16, torch.float32), ndim=3)
     T, h_q, d = q.shape
     dev = q.device
     if d != MLA_DIM:
         fail("q", f"last dim {MLA_DIM}", d)
-    check_tensor("kv", kv, dtype=torch.bfloat16, shape=(None, MLA_DIM), device=dev)
+    check_tensor("kv", kv, dtype=(torch.bfloat16, torch.float32), shape=(None, MLA_DIM), device=dev)
+    q = _widen_for_fp32(q, "fp32" if kv.dtype == torch.float32 else "bf16", "kv")
     check_tensor("cu_seqlens_q", cu_seqlens_q, dtype=torch.int32, ndim=1, device=dev)
     check_tensor("cu_seqlens_kv", cu_seqlens_kv, dtype=torch.int32, shape=tuple(cu_seqlens_q.shape), device=dev)
     if cu_seqlens_q.numel() < 1:

@@ -26,4 +26,4 @@ def dense_mla_prefill(q, kv, cu_seqlens_q, cu_seqlens_kv, sm_scale, d_v):
         s = s.masked_fill(~visible[:, None, :], float("-inf"))
         lse[q0:q1] = torch.logsumexp(s, dim=-1)
         out[q0:q1] = torch.einsum("thn,nd->thd", torch.softmax(s, dim=-1), k[:, :d_v])
-    return out.to(torch.bfloat16), lse
+    return out.to(q.dtype), lse

@@ -23,8 +23,9 @@ def dense_mla_prefill(q: torch.Tensor, kv: torch.Tensor, cu_seqlens_q: torch.Ten
                       sm_scale: float, d_v: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Arguments as :func:`flashdsa.ops.dense_mla_prefill` (validated there).
 
-    ``q [T, h_q, 576] bf16``, ``kv [N, 576] bf16``, ``cu_seqlens_q / cu_seqlens_kv [B + 1] int32`` ->
-    ``out [T, h_q, d_v] bf16``, ``lse [T, h_q] f32``. Reads the offsets on the host (a prefill op).
+    ``q [T, h_q, 576]``, ``kv [N, 576]`` both bf16 or both fp32, ``cu_seqlens_q / cu_seqlens_kv [B + 1]
+    int32`` -> ``out [T, h_q, d_v]`` in q's dtype, ``lse [T, h_q] f32``. Reads the offsets on the host
+    (a prefill op).
     """
     T, h_q, _ = q.shape
     dev = q.device
@@ -37,7 +38,7 @@ def dense_mla_prefill(q: torch.Tensor, kv: torch.Tensor, cu_seqlens_q: torch.Ten
     start, seen = start.to(dev), seen.to(device=dev, dtype=torch.int64)
     width = max(WIDTH_ALIGN, cdiv(max(kv_lens, default=0), WIDTH_ALIGN) * WIDTH_ALIGN)
     cols = torch.arange(width, device=dev)
-    out = torch.empty(T, h_q, d_v, dtype=torch.bfloat16, device=dev)
+    out = torch.empty(T, h_q, d_v, dtype=q.dtype, device=dev)
     lse = torch.empty(T, h_q, dtype=torch.float32, device=dev)
     rows = max(1, INDEX_BYTES // (4 * width))
     for r0 in range(0, T, rows):

@@ -29,6 +29,16 @@ def _check_d_v(d_v) -> None:
         fail("d_v", f"an int in 1..{MLA_LATENT} (the value is the leading latent dims)", d_v)
 
 
+def _widen_for_fp32(q: torch.Tensor, kv_fmt: str, kv_name: str) -> torch.Tensor:
+    """The query in the precision of the KV it meets: fp32 next to fp32 KV (a bf16 query widens exactly),
+    bf16 otherwise (an fp32 query is refused rather than rounded: rounding it is the caller's choice)."""
+    if kv_fmt == "fp32":
+        return q.float()
+    if q.dtype != torch.bfloat16:
+        fail("q", f"dtype torch.bfloat16 with a {kv_fmt} {kv_name} (float32 only with float32 KV)", q.dtype)
+    return q
+
+
 def _check_cache_strides(kv_cache: torch.Tensor, fmt: str) -> None:
     """The cache is read in place through its page and row strides (a slice of a bigger pool is fine),
     never copied: each token row must be contiguous, and in the 656-B layout 4-byte aligned (its fp32
@@ -48,9 +58,11 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Te
 
     Args:
         q:        ``[B, s_q, h_q, 576] bfloat16`` absorbed queries (512 latent + 64 rope); s_q = 1 for
-                  decode, next_n for MTP verify; any h_q.
+                  decode, next_n for MTP verify; any h_q. float32 with an fp32 cache (a bf16 q is then
+                  widened: the fp32 path computes in fp32 throughout, IEEE products, no tf32).
         kv_cache: ``[P, 64, 656] uint8`` (fp8 latent + 4 fp32 scales + bf16 rope, FlashMLA's layout),
-                  ``[P, 64, 576] bfloat16``, or ``[P, 64, 576] uint8`` (raw fp8, needs ``kv_scale``).
+                  ``[P, 64, 576] bfloat16``, ``[P, 64, 576] uint8`` (raw fp8, needs ``kv_scale``) or
+                  ``[P, 64, 576] float32`` (the "fp32" format).
                   Any page / row stride (read in place), unit stride within a token row.
         indices:  ``[B, s_q, topk] int32`` physical slots ``page * 64 + row``; -1 or >= P * 64 = skip.
         sm_scale: softmax scale.
@@ -58,10 +70,10 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Te
         kv_scale: per-tensor scale of the raw fp8 cache; None for the other formats.
 
     Returns:
-        ``out [B, s_q, h_q, d_v] bfloat16`` and ``lse [B, s_q, h_q] float32`` (natural log). A row with
-        no valid index gives out = 0 and lse = -inf.
+        ``out [B, s_q, h_q, d_v] bfloat16`` (float32 with an fp32 cache) and ``lse [B, s_q, h_q] float32``
+        (natural log). A row with no valid index gives out = 0 and lse = -inf.
     """
-    check_tensor("q", q, dtype=torch.bfloat16, ndim=4)
+    check_tensor("q", q, dtype=(torch.bfloat16, torch.float32), ndim=4)
     B, s_q, h_q, d = q.shape
     dev = q.device
     if d != MLA_DIM:
@@ -71,6 +83,7 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Te
     if kv_cache.shape[1] != PAGE_SIZE:
         fail("kv_cache", f"pages of {PAGE_SIZE} tokens [P, {PAGE_SIZE}, width]", list(kv_cache.shape))
     _check_cache_strides(kv_cache, fmt)
+    q = _widen_for_fp32(q, fmt, "cache")
     if fmt == "fp8_raw":
         kv_scale = check_scalar("kv_scale", kv_scale)
     elif kv_scale is not None:
@@ -88,20 +101,23 @@ def sparse_mla_prefill(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
     """Sparse MLA prefill over a gathered bf16 KV buffer.
 
     Args:
-        q:       ``[T, h_q, 576] bfloat16``.
-        kv:      ``[N, 576] bfloat16`` (the requests' KV, gathered and dequantised).
+        q:       ``[T, h_q, 576] bfloat16`` (float32 with float32 kv; a bf16 q is then widened).
+        kv:      ``[N, 576] bfloat16`` (the requests' KV, gathered and dequantised), or float32 (the
+                 fp32 cache's rows: computed in fp32 throughout, IEEE products).
         indices: ``[T, topk] int32`` rows of ``kv``; -1 or >= N = skip.
 
     Returns:
-        ``out [T, h_q, d_v] bfloat16``, ``lse [T, h_q] float32`` (natural log; -inf for empty rows).
-        A row's result does not depend on the other rows of the call (chunked prefill == one-shot).
+        ``out [T, h_q, d_v]`` bfloat16 (float32 with float32 kv), ``lse [T, h_q] float32`` (natural log;
+        -inf for empty rows). A row's result does not depend on the other rows of the call (chunked
+        prefill == one-shot).
     """
-    check_tensor("q", q, dtype=torch.bfloat16, ndim=3)
+    check_tensor("q", q, dtype=(torch.bfloat16, torch.float32), ndim=3)
     T, h_q, d = q.shape
     dev = q.device
     if d != MLA_DIM:
         fail("q", f"last dim {MLA_DIM} (512 latent + 64 rope)", d)
-    check_tensor("kv", kv, dtype=torch.bfloat16, shape=(None, MLA_DIM), device=dev)
+    check_tensor("kv", kv, dtype=(torch.bfloat16, torch.float32), shape=(None, MLA_DIM), device=dev)
+    q = _widen_for_fp32(q, "fp32" if kv.dtype == torch.float32 else "bf16", "kv")
     check_tensor("indices", indices, dtype=torch.int32, shape=(T, None), device=dev)
     check_scalar("sm_scale", sm_scale)
     _check_d_v(d_v)

@@ -10,7 +10,8 @@ dims). ``sparse_mla_fwd_kernel`` puts the heads on the tensor-core M side with t
 the latent as one 512-dim tile (fp8 at h_q > 64); ``sparse_mla_fwd_small_h_kernel`` computes the
 transposed product so that 16 or 32 heads still use wgmma (bf16). Few rows with long top-k lists split
 the list over programs (flash-decoding) and ``sparse_mla_combine_kernel`` merges the partial (out, lse)
-pairs. Design, measurements and roofline: README.md.
+pairs. The fp32 format (FMT 3: fp32 rows and queries, for exactness studies of fp32 models) runs the
+same code with fp32 tiles and IEEE fp32 products (``_mma``). Design, measurements and roofline: README.md.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-# cache formats (constexpr FMT); the 656-B row is 512 e4m3 | 4 fp32 scales at 512 | 64 bf16 rope at 528
-CACHE_FORMATS = {"bf16": 0, "fp8": 1, "fp8_raw": 2}
+# cache formats (constexpr FMT); the 656-B row is 512 e4m3 | 4 fp32 scales at 512 | 64 bf16 rope at 528.
+# FMT 3 (fp32 rows, fp32 q) is the exact path: every product in IEEE fp32, P kept in fp32.
+CACHE_FORMATS = {"bf16": 0, "fp8": 1, "fp8_raw": 2, "fp32": 3}
 
 
 @triton.jit
@@ -30,6 +32,25 @@ def _dot_in(x, UPCAST: tl.constexpr):
         return x.to(tl.float32)
     else:
         return x
+
+
+@triton.jit
+def _mma(a, b, acc, FMT: tl.constexpr):
+    # fp32 operands (FMT 3) multiply in IEEE fp32: tf32 would round them to 10 mantissa bits, the very
+    # error the fp32 path exists to avoid. The other formats' bf16 operands are unaffected by the flag.
+    if FMT == 3:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _mma0(a, b, FMT: tl.constexpr):
+    # _mma without an accumulator (the first product of a step)
+    if FMT == 3:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
 
 
 @triton.jit
@@ -46,14 +67,15 @@ def _cast(x, dtype: tl.constexpr, UPCAST: tl.constexpr):
 
 @triton.jit
 def _load_chunk(p_row, valid, d0, kv_scale, FMT: tl.constexpr, UPCAST: tl.constexpr):
-    """Latent dims [d0, d0 + 128) of BLOCK_N gathered rows -> [BLOCK_N, 128] bf16, dequantised.
+    """Latent dims [d0, d0 + 128) of BLOCK_N gathered rows -> [BLOCK_N, 128] bf16 (fp32 rows: fp32),
+    dequantised.
 
-    d0 is a multiple of 128; p_row [BLOCK_N] points at each row's first element (bf16) or byte (fp8).
+    d0 is a multiple of 128; p_row [BLOCK_N] points at each row's first element (bf16 / fp32) or byte (fp8).
     The tile is 128 wide so that fp8 dequantisation stays in a few registers per thread.
     """
     o_d = d0 + tl.arange(0, 128)
-    if FMT == 0:
-        # [BLOCK_N, 128] bf16
+    if FMT == 0 or FMT == 3:
+        # [BLOCK_N, 128] bf16 | fp32
         b_k = tl.load(p_row[:, None] + o_d[None, :], mask=valid[:, None], other=0.0)
     elif FMT == 1:
         # [BLOCK_N] fp32 scale of this 128-dim block, at byte 512 + 4 (d0 // 128) of the 656-B row
@@ -70,10 +92,10 @@ def _load_chunk(p_row, valid, d0, kv_scale, FMT: tl.constexpr, UPCAST: tl.conste
 
 @triton.jit
 def _load_rope(p_row, valid, kv_scale, FMT: tl.constexpr, UPCAST: tl.constexpr):
-    """Rope dims (64) of BLOCK_N gathered rows -> [BLOCK_N, 64] bf16."""
+    """Rope dims (64) of BLOCK_N gathered rows -> [BLOCK_N, 64] bf16 (fp32 rows: fp32)."""
     o_r = tl.arange(0, 64)
-    if FMT == 0:
-        # [BLOCK_N, 64] bf16 at elements 512..575
+    if FMT == 0 or FMT == 3:
+        # [BLOCK_N, 64] bf16 | fp32 at elements 512..575
         b_r = tl.load(p_row[:, None] + 512 + o_r[None, :], mask=valid[:, None], other=0.0)
     elif FMT == 1:
         # [BLOCK_N, 64] bf16 at bytes 528..655 (never quantised)
@@ -146,9 +168,9 @@ def _online_softmax(b_s, b_m, b_l, AXIS: tl.constexpr):
 
 
 @triton.jit
-def _p_operand(b_p, UPCAST: tl.constexpr):
-    # P in bf16 for the tensor cores, as FlashMLA does (kept fp32 in the interpreter)
-    if UPCAST:
+def _p_operand(b_p, FMT: tl.constexpr, UPCAST: tl.constexpr):
+    # P in bf16 for the tensor cores, as FlashMLA does (kept fp32 in the interpreter and on the fp32 path)
+    if UPCAST or FMT == 3:
         return b_p
     else:
         return b_p.to(tl.bfloat16)
@@ -170,10 +192,10 @@ def sparse_mla_fwd_kernel(
 ):
     """Heads on the M side: one (query row, BLOCK_H heads, BLOCK_DV value dims, top-k split) per program.
 
-    q    [R, h_q, 576] bf16 (unit stride last)         idx [R, topk] int32 slots
+    q    [R, h_q, 576] bf16, fp32 with FMT 3 (unit stride last)     idx [R, topk] int32 slots
     kv   paged rows: slot -> kv + (slot // 64) * stride_kv_page + (slot % 64) * stride_kv_row;
-         bf16 elements (FMT 0) or bytes of a 656-B (FMT 1) / 576-B (FMT 2) row
-    out  [R, num_splits, h_q, D_V] (bf16 final or fp32 partial, unit stride last)
+         bf16 / fp32 elements (FMT 0 / 3) or bytes of a 656-B (FMT 1) / 576-B (FMT 2) row
+    out  [R, num_splits, h_q, D_V] (q's dtype final or fp32 partial, unit stride last)
     lse  [R, num_splits, h_q] fp32, natural log; -inf where the row (split) has no valid index
     qk_scale = sm_scale * log2(e): the softmax runs in the exp2 domain.
 
@@ -229,22 +251,22 @@ def sparse_mla_fwd_kernel(
         b_kr = _dot_in(_load_rope(p_row, valid, kv_scale, FMT, UPCAST), UPCAST)
 
         # [BLOCK_H, BLOCK_N] scores over the 576 dims, fp32 accumulation
-        b_s = tl.dot(b_qr, tl.trans(b_kr))
-        b_s = tl.dot(b_q0, tl.trans(b_k0), b_s)
-        b_s = tl.dot(b_q1, tl.trans(b_k1), b_s)
-        b_s = tl.dot(b_q2, tl.trans(b_k2), b_s)
-        b_s = tl.dot(b_q3, tl.trans(b_k3), b_s)
+        b_s = _mma0(b_qr, tl.trans(b_kr), FMT)
+        b_s = _mma(b_q0, tl.trans(b_k0), b_s, FMT)
+        b_s = _mma(b_q1, tl.trans(b_k1), b_s, FMT)
+        b_s = _mma(b_q2, tl.trans(b_k2), b_s, FMT)
+        b_s = _mma(b_q3, tl.trans(b_k3), b_s, FMT)
         b_s = tl.where(valid[None, :], b_s * qk_scale, float("-inf"))
         b_p, b_alpha, b_m, b_l = _online_softmax(b_s, b_m, b_l, 1)
-        b_p = _p_operand(b_p, UPCAST)
+        b_p = _p_operand(b_p, FMT, UPCAST)
 
         # [BLOCK_H, 128] += [BLOCK_H, BLOCK_N] @ [BLOCK_N, 128], for the BLOCK_DV // 128 value chunks
-        b_acc0 = tl.dot(b_p, b_k0, b_acc0 * b_alpha[:, None])
+        b_acc0 = _mma(b_p, b_k0, b_acc0 * b_alpha[:, None], FMT)
         if BLOCK_DV > 128:
-            b_acc1 = tl.dot(b_p, b_k1, b_acc1 * b_alpha[:, None])
+            b_acc1 = _mma(b_p, b_k1, b_acc1 * b_alpha[:, None], FMT)
         if BLOCK_DV > 256:
-            b_acc2 = tl.dot(b_p, b_k2, b_acc2 * b_alpha[:, None])
-            b_acc3 = tl.dot(b_p, b_k3, b_acc3 * b_alpha[:, None])
+            b_acc2 = _mma(b_p, b_k2, b_acc2 * b_alpha[:, None], FMT)
+            b_acc3 = _mma(b_p, b_k3, b_acc3 * b_alpha[:, None], FMT)
 
     # empty rows (no valid index): out 0 (acc is 0), lse -inf
     b_empty = b_l == 0.0
@@ -268,11 +290,11 @@ def sparse_mla_fwd_kernel(
 
 @triton.jit
 def _load_latent(p_row, valid, kv_scale, BLOCK_N: tl.constexpr, FMT: tl.constexpr, UPCAST: tl.constexpr):
-    """All 512 latent dims of BLOCK_N gathered rows -> [BLOCK_N, 512] bf16, dequantised (one tile, so that
-    the score and value products are one tensor-core op each)."""
+    """All 512 latent dims of BLOCK_N gathered rows -> [BLOCK_N, 512] bf16 (fp32 rows: fp32), dequantised
+    (one tile, so that the score and value products are one tensor-core op each)."""
     o_d = tl.arange(0, 512)
-    if FMT == 0:
-        # [BLOCK_N, 512] bf16
+    if FMT == 0 or FMT == 3:
+        # [BLOCK_N, 512] bf16 | fp32
         b_k = tl.load(p_row[:, None] + o_d[None, :], mask=valid[:, None], other=0.0)
     elif FMT == 1:
         # [BLOCK_N, 4] fp32 scales at byte 512 of each row, one per 128 dims
@@ -338,11 +360,11 @@ def sparse_mla_fwd_wide_kernel(
         # [BLOCK_N, 512] latent (K and V), [BLOCK_N, 64] rope; bf16
         b_k = _dot_in(_load_latent(p_row, valid, kv_scale, BLOCK_N, FMT, UPCAST), UPCAST)
         b_kr = _dot_in(_load_rope(p_row, valid, kv_scale, FMT, UPCAST), UPCAST)
-        b_s = tl.dot(b_qr, tl.trans(b_kr))
-        b_s = tl.dot(b_q, tl.trans(b_k), b_s)
+        b_s = _mma0(b_qr, tl.trans(b_kr), FMT)
+        b_s = _mma(b_q, tl.trans(b_k), b_s, FMT)
         b_s = tl.where(valid[None, :], b_s * qk_scale, float("-inf"))
         b_p, b_alpha, b_m, b_l = _online_softmax(b_s, b_m, b_l, 1)
-        b_acc = tl.dot(_p_operand(b_p, UPCAST), b_k, b_acc * b_alpha[:, None])
+        b_acc = _mma(_p_operand(b_p, FMT, UPCAST), b_k, b_acc * b_alpha[:, None], FMT)
 
     b_empty = b_l == 0.0
     b_l = tl.where(b_empty, 1.0, b_l)
@@ -411,23 +433,23 @@ def sparse_mla_fwd_small_h_kernel(
         b_kr = _dot_in(_load_rope(p_row, valid, kv_scale, FMT, UPCAST), UPCAST)
 
         # [BLOCK_N, BLOCK_H] transposed scores
-        b_s = tl.dot(b_kr, b_qr)
-        b_s = tl.dot(b_k0, b_q0, b_s)
-        b_s = tl.dot(b_k1, b_q1, b_s)
-        b_s = tl.dot(b_k2, b_q2, b_s)
-        b_s = tl.dot(b_k3, b_q3, b_s)
+        b_s = _mma0(b_kr, b_qr, FMT)
+        b_s = _mma(b_k0, b_q0, b_s, FMT)
+        b_s = _mma(b_k1, b_q1, b_s, FMT)
+        b_s = _mma(b_k2, b_q2, b_s, FMT)
+        b_s = _mma(b_k3, b_q3, b_s, FMT)
         b_s = tl.where(valid[:, None], b_s * qk_scale, float("-inf"))
         b_p, b_alpha, b_m, b_l = _online_softmax(b_s, b_m, b_l, 0)
-        b_p = _p_operand(b_p, UPCAST)
+        b_p = _p_operand(b_p, FMT, UPCAST)
 
         # [128, BLOCK_H] += [128, BLOCK_N] @ [BLOCK_N, BLOCK_H] per value chunk
-        b_acc0 = tl.dot(tl.trans(b_k0), b_p, b_acc0 * b_alpha[None, :])
+        b_acc0 = _mma(tl.trans(b_k0), b_p, b_acc0 * b_alpha[None, :], FMT)
         if D_V > 128:
-            b_acc1 = tl.dot(tl.trans(b_k1), b_p, b_acc1 * b_alpha[None, :])
+            b_acc1 = _mma(tl.trans(b_k1), b_p, b_acc1 * b_alpha[None, :], FMT)
         if D_V > 256:
-            b_acc2 = tl.dot(tl.trans(b_k2), b_p, b_acc2 * b_alpha[None, :])
+            b_acc2 = _mma(tl.trans(b_k2), b_p, b_acc2 * b_alpha[None, :], FMT)
         if D_V > 384:
-            b_acc3 = tl.dot(tl.trans(b_k3), b_p, b_acc3 * b_alpha[None, :])
+            b_acc3 = _mma(tl.trans(b_k3), b_p, b_acc3 * b_alpha[None, :], FMT)
 
     b_empty = b_l == 0.0
     b_l = tl.where(b_empty, 1.0, b_l)

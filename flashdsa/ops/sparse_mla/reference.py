@@ -20,8 +20,8 @@ _CHUNK_BYTES = 256 << 20
 
 def sparse_attention(q: torch.Tensor, kv_rows: torch.Tensor, indices: torch.Tensor, sm_scale: float,
                      d_v: int, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``q [T, h, 576] bf16``, ``kv_rows [N, width]`` (any MLA cache format, one row per slot),
-    ``indices [T, k] int`` -> ``out [T, h, d_v] bf16``, ``lse [T, h] f32``."""
+    """``q [T, h, 576]`` bf16 (fp32 with fp32 rows), ``kv_rows [N, width]`` (any MLA cache format, one row
+    per slot), ``indices [T, k] int`` -> ``out [T, h, d_v]`` in q's dtype, ``lse [T, h] f32``."""
     T, h, d = q.shape
     N = kv_rows.shape[0]
     topk = indices.shape[1]
@@ -45,7 +45,7 @@ def sparse_attention(q: torch.Tensor, kv_rows: torch.Tensor, indices: torch.Tens
         p = torch.where(valid[:, None, :], torch.exp(s - row_lse.nan_to_num(neginf=0.0)[..., None]), 0.0)
         out[t0:t1] = torch.einsum("thk,tkd->thd", p, k[..., :d_v])
         lse[t0:t1] = row_lse
-    return out.to(torch.bfloat16), lse
+    return out.to(q.dtype), lse
 
 
 def sparse_mla_decode(q, kv_cache, indices, sm_scale, d_v, kv_scale):

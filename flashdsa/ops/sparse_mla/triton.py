@@ -78,10 +78,16 @@ def launch_config(h_q: int, fmt: str, rows: int, topk: int, device: torch.device
     * bf16 (prefill, bf16 paged cache): h_q > 32 heads-on-M 64 x 64 on 8 warps with 2 stages and the
       slots loaded in-step (3 stages of 64-token bf16 tiles do not fit in shared memory); h_q <= 32 the
       heads-on-N kernel (64 tokens are the tensor-core M side).
+    * fp32 (exactness studies; IEEE fp32 products run on the FMA units, not the tensor cores): heads on M,
+      16 heads x 16 tokens on 4 warps, one stage, slots in-step — small tiles, since fp32 FMA dots hold
+      their operands in registers.
 
     The default split count comes from the default tiles, whatever ``config`` changes.
     """
-    if fmt == "bf16":
+    if fmt == "fp32":
+        tiles = dict(kernel="heads_m", block_h=16, block_n=16, num_warps=4, num_stages=1)
+        ctas_per_sm = 1
+    elif fmt == "bf16":
         if h_q > 32:
             tiles = dict(kernel="heads_m", block_h=64, block_n=64, num_warps=8, num_stages=2)
         else:
@@ -95,7 +101,7 @@ def launch_config(h_q: int, fmt: str, rows: int, topk: int, device: torch.device
         ctas_per_sm = 2
     programs = rows * cdiv(h_q, tiles["block_h"])
     splits = pick_num_splits(programs, topk, num_sms(device), ctas_per_sm) if split else 1
-    default = SparseMLAConfig(**tiles, block_dv=512, slots_ahead=fmt != "bf16", num_splits=splits)
+    default = SparseMLAConfig(**tiles, block_dv=512, slots_ahead=fmt not in ("bf16", "fp32"), num_splits=splits)
     if config is None:
         return default
     return replace(default, **{f.name: v for f in fields(config) if (v := getattr(config, f.name)) is not None})
@@ -122,16 +128,17 @@ def sparse_mla_fwd(q: torch.Tensor, kv: torch.Tensor, stride_kv_page: int, strid
                    config: SparseMLAConfig | None = None, split: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Run sparse MLA over R query rows.
 
-    ``q [R, h_q, 576] bf16`` (unit stride last), ``kv`` the cache storage (bf16 elements or uint8 bytes,
-    addressed by ``slot -> (slot // 64) * stride_kv_page + (slot % 64) * stride_kv_row``), ``indices
-    [R, topk] int32`` (unit stride last). Returns ``out [R, h_q, d_v] bf16``, ``lse [R, h_q] f32``.
+    ``q [R, h_q, 576] bf16`` (fp32 with the fp32 format; unit stride last), ``kv`` the cache storage (bf16 /
+    fp32 elements or uint8 bytes, addressed by ``slot -> (slot // 64) * stride_kv_page + (slot % 64) *
+    stride_kv_row``), ``indices [R, topk] int32`` (unit stride last). Returns ``out [R, h_q, d_v]`` in q's
+    dtype, ``lse [R, h_q] f32``.
     ``config`` overrides :func:`launch_config`'s defaults (tests and benchmarks compare configurations);
     ``split`` as there.
     """
     R, h_q, _ = q.shape
     topk = indices.shape[1]
     dev = q.device
-    out = torch.empty(R, h_q, d_v, dtype=torch.bfloat16, device=dev)
+    out = torch.empty(R, h_q, d_v, dtype=q.dtype, device=dev)
     lse = torch.empty(R, h_q, dtype=torch.float32, device=dev)
     if R == 0 or h_q == 0:
         return out, lse
@@ -250,5 +257,6 @@ def sparse_mla_prefill(q, kv, indices, sm_scale, d_v, config: SparseMLAConfig | 
     # No split-K in prefill by default: a row's bits must not depend on how many rows share the call, so
     # chunked prefill equals one-shot prefill exactly (split-K's merge order would differ for small chunks).
     # A flat [N, 576] buffer is a paged one whose pages are 64 consecutive rows.
-    return sparse_mla_fwd(_unit_last(q), kv, PAGE_SIZE * kv.stride(0), kv.stride(0), kv.shape[0], "bf16",
+    fmt = "fp32" if kv.dtype == torch.float32 else "bf16"
+    return sparse_mla_fwd(_unit_last(q), kv, PAGE_SIZE * kv.stride(0), kv.stride(0), kv.shape[0], fmt,
                           _unit_last(indices), sm_scale, d_v, None, config, split=False)
