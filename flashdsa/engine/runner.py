@@ -21,8 +21,8 @@ from typing import Hashable, Iterator, Sequence
 import torch
 
 from flashdsa.cache.allocator import Reservation
-from flashdsa.cache.metadata import (DECODE, DRAFT_EXTEND, EXTEND, TARGET_VERIFY, BatchMetadata, build_decode,
-                                     build_extend)
+from flashdsa.cache.metadata import (DECODE, DRAFT_EXTEND, EXTEND, TARGET_VERIFY, BatchMetadata, add_kpool,
+                                     build_decode, build_extend)
 from flashdsa.cache.pool import KVPool
 from flashdsa.config import DSAConfig
 from flashdsa.engine.model import DSAModel
@@ -45,24 +45,26 @@ class Runner:
         record:          keep each layer's selection of the last batch in ``self.selections`` (tests; None
                          for a layer that ran the dense fallback).
         max_logits_bytes: the largest indexer-logits buffer one prefill chunk of query rows may use.
+        max_requests, max_next_n: kpool (``index_kpool`` > 1) only, as in :class:`KVPool`: the live requests
+                         the tail rings hold, the longest verify after which any draft count may be kept.
 
-    The caches (MLA, indexer, and the float key stores of exact-precision indexers) are ``self.pool``'s.
+    The caches (MLA, indexer, and the float key stores of exact-precision indexers, kpool's tail rings) are
+    ``self.pool``'s. With kpool each row selects ``index_topk + c - 1`` tokens (docs/DSA.md §7).
     """
 
     def __init__(self, model: DSAModel | None, num_pages: int, kv_format: str = "fp8", *,
                  backend: str | None = None, dense_threshold: int | None = None, kv_scale: float | None = None,
                  record: bool = False, max_dense_tokens: int = 1 << 16, max_logits_bytes: int = 1 << 30,
-                 config: DSAConfig | None = None, device: torch.device | str | None = None):
+                 config: DSAConfig | None = None, device: torch.device | str | None = None,
+                 max_requests: int = 256, max_next_n: int = 8):
         if model is not None:
             config, device = model.config, next(model.parameters()).device
         elif config is None or device is None:
             raise ValueError("model: expected a DSAModel, or model=None with config= and device= (Runner.for_layers)")
         self.model = model
         self.cfg = config
-        if self.cfg.index_kpool > 1:
-            raise NotImplementedError("index_kpool > 1: the pooled-key indexer path (docs/DSA.md §7) is not built "
-                                      "yet; the pool and config support it, the runner does not")
-        self.pool = KVPool(self.cfg, num_pages, kv_format, torch.device(device), kv_scale)
+        self.pool = KVPool(self.cfg, num_pages, kv_format, torch.device(device), kv_scale,
+                           max_requests=max_requests, max_next_n=max_next_n)
         self.alloc = self.pool.allocator
         self.backend = backend
         self.dense_threshold = self.cfg.index_topk if dense_threshold is None else dense_threshold
@@ -81,11 +83,13 @@ class Runner:
 
     # ---- requests ------------------------------------------------------------------------------
     def free(self, req_id: Hashable) -> None:
-        self.alloc.free(req_id)
+        self.pool.free(req_id)
 
     def truncate(self, req_id: Hashable, seq_len: int) -> None:
-        """Drop the tokens past ``seq_len`` (rejected drafts); pages no longer needed go back."""
-        self.alloc.truncate(req_id, seq_len)
+        """Drop the tokens past ``seq_len`` (rejected drafts); pages no longer needed go back. With kpool, a
+        ValueError (nothing changed) if the new unfinished group's raw keys are no longer kept
+        (``KVPool.truncate``)."""
+        self.pool.truncate(req_id, seq_len)
 
     def prepare(self, new_tokens: dict[Hashable, int], mode: str | None = None, *, force_sparse: bool = False,
                 max_pages: int | None = None) -> tuple[BatchMetadata, Reservation]:
@@ -115,7 +119,7 @@ class Runner:
             if unknown:
                 raise ValueError(f"req_ids: {mode} continues live requests; unknown: {unknown[:8]!r} (start a "
                                  f"request with extend)")
-        reservation = self.alloc.reserve(new_tokens)
+        reservation = self.pool.reserve(new_tokens)
         try:
             ids = list(new_tokens)
             if mode == EXTEND:
@@ -126,14 +130,17 @@ class Runner:
             else:
                 meta = build_decode(self.alloc, ids, next(iter(new_tokens.values()), 1), mode, max_pages,
                                     backend=self.backend)
+            if self.cfg.index_kpool > 1:
+                add_kpool(meta, self.alloc, self.cfg.index_kpool, self.pool.tail_rows(ids), self.pool.tail_len)
         except BaseException:
-            self.alloc.undo(reservation)
+            self.pool.undo(reservation)
             raise
         return meta, reservation
 
     def undo(self, reservation: Reservation) -> None:
-        """Give back what :meth:`prepare` reserved (a forward that failed): the requests are as before."""
-        self.alloc.undo(reservation)
+        """Give back what :meth:`prepare` reserved (a forward that failed): the requests are as before (kpool's
+        tail rings included)."""
+        self.pool.undo(reservation)
 
     @contextlib.contextmanager
     def _batch(self, new_tokens: dict[Hashable, int], mode: str, **kw) -> Iterator[BatchMetadata]:
