@@ -234,17 +234,20 @@ class KVPool:
         return PoolReservation(steps.steps, tuple(tails))
 
     def undo(self, reservation: Reservation) -> None:
-        """Take back a :meth:`reserve`: the allocator's pages and lengths, and kpool's rows and saved ring."""
+        """Take back a :meth:`reserve`: the allocator's pages and lengths, and kpool's rows and saved ring (what
+        a later call reads is as before; :meth:`truncate` may keep fewer old positions than it did)."""
         self.allocator.undo(reservation)
         for r, row, hi, fresh, saved in reversed(getattr(reservation, "tails", ())):
-            if saved is not None:
-                for layer, rows in saved.items():
-                    self.tail_rings[layer][row] = rows
             if fresh:
                 del self._tails[r]
                 self._free_rows.append(row)
-            else:
+            elif saved is not None:
+                for layer, rows in saved.items():
+                    self.tail_rings[layer][row] = rows
                 self._tails[r][1] = hi
+            # else the forward may have written the ring past the old length, over positions older than its
+            # unfinished group (never over that group: nothing saved means no wrap onto it). Keeping the
+            # higher mark counts those positions as lost, so truncate never relies on them.
 
     def truncate(self, req_id: Hashable, n_tokens: int) -> list[int]:
         """``allocator.truncate``; with kpool, ValueError (nothing changed) unless the tokens of the request's
