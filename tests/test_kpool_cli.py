@@ -54,3 +54,18 @@ def test_plan_kpool_shrinks_the_indexer(capsys):
     assert rep["crossover_context"] == 4 * base["crossover_context"]
     assert main(["plan", "--preset", "glm5", "--kpool", "4"]) == 0
     assert "kpool 4" in capsys.readouterr().out
+
+
+def test_bench_kpool_script_smoke(monkeypatch):
+    """benchmarks/bench_kpool.py on tiny shapes (CPU: the Triton interpreter): its checks pass, its rows say
+    the indexer cache shrinks by c."""
+    import sys
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    monkeypatch.setattr(sys, "argv", ["bench_kpool.py", "--smoke"])
+    import bench_kpool
+
+    rows = bench_kpool.run(smoke=True)
+    assert [(r["c"], r["ok"]) for r in rows] == [(1, True), (4, True)]
+    assert rows[0]["index B/token"] == 132 and rows[1]["index B/token"] == 33

@@ -262,3 +262,20 @@ def test_decode_kpool_metadata_stays_the_same_from_step_to_step(model):
         for name in ("kpool_rows", "kpool_first", "kpool_anchors", "kpool_tail_tokens"):
             assert torch.equal(getattr(m, name), getattr(metas[0], name)), name
     assert metas[0].kpool_anchors.tolist() == [0, 1] and metas[0].kpool == C
+
+
+@pytest.mark.gpu
+def test_bench_kpool_on_the_gpu(monkeypatch):
+    """The H200 numbers for BENCHMARKS.md: ``PYTHONPATH=. python benchmarks/bench_kpool.py`` (32K and 128K).
+    Here 32K only: the checks pass, the cache shrinks by 4 and the scan + top-k gets cheaper."""
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import bench_kpool
+
+    rows = bench_kpool.run(quick=True)
+    print(rows)
+    one, four = rows
+    assert one["ok"] and four["ok"]
+    assert four["index B/token"] * 4 == one["index B/token"] == 132
+    assert four["select vs c=1"] < 0.75, four
