@@ -57,7 +57,7 @@ def setup(preset: str, ctx: int, c: int, batch: int, dev: str, backend: str) -> 
     g = torch.Generator(device=dev).manual_seed(ctx + c)
     page = cfg.page_size
     run = Runner.for_layers(cfg, dev, batch * (-(-(ctx + 1) // page)) + 1, "fp8", backend=backend,
-                            max_requests=batch)
+                            kpool_max_requests=batch)
     pool = run.pool
     attn = DSAAttention(cfg, 0).to(dev)
     with torch.no_grad():

@@ -1,4 +1,4 @@
-"""``flashdsa bench``: our ops timed next to the peers that import, at SPEC §9's shapes, checked first.
+"""``flashdsa bench``: our ops timed next to the peers that import, at docs/DSA.md §9's shapes, checked first.
 
 Cases (``--quick`` keeps those marked Q; the sweeps feed the plot):
 
@@ -74,7 +74,7 @@ def _ctx_name(ctx: int) -> str:
 
 
 def cases(ops: tuple[str, ...] = OPS, quick: bool = False, tiny: bool = False) -> list[Case]:
-    """The cases of ``ops`` in run order: SPEC §9's shapes, or ``tiny`` ones for the CPU check."""
+    """The cases of ``ops`` in run order: docs/DSA.md §9's shapes, or ``tiny`` ones for the CPU check."""
     out: list[Case] = []
     if tiny:  # every kind of case, small enough for the Triton interpreter
         if "indexer" in ops:

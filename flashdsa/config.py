@@ -41,7 +41,7 @@ def _architectures(hf_config: Mapping[str, Any]) -> list[str]:
 
 
 def is_dsa(hf_config: Mapping[str, Any]) -> bool:
-    """True iff the HF config describes a DSA model (SPEC §2: DSA architecture AND ``index_topk``).
+    """True iff the HF config describes a DSA model (docs/DSA.md §2: DSA architecture AND ``index_topk``).
 
     Without ``architectures`` (a config built in code), ``model_type`` "deepseek_v32" / "glm_moe_dsa" names it.
     """
@@ -89,7 +89,7 @@ def _skip_rule(
 
 @dataclass(frozen=True)
 class DSAConfig:
-    """The DSA-relevant part of a DeepSeek-V3.2 / GLM-5 config (SPEC §2). All sizes are per layer.
+    """The DSA-relevant part of a DeepSeek-V3.2 / GLM-5 config (docs/DSA.md §2). All sizes are per layer.
 
     MLA in absorbed form: the cache holds ``kv_lora_rank`` latent + ``qk_rope_head_dim`` rope dims per
     token (576 for both V3.2 and GLM-5), the value is the latent (``kv_lora_rank`` = 512).

@@ -18,7 +18,7 @@ Per layer the adapter is a :class:`flashdsa.layers.DSAAttention` whose submodule
 Numerics:
     * ``indexer="exact"``: the indexer of :mod:`flashdsa.layers.indexer` in exact precision — no Hadamard,
       no fp8, fp32 scores ``sum_h w relu(q . k / sqrt(D))`` — the numbers HF's indexer computes, so the
-      same tokens are selected. ``indexer="fp8"``: the deployment numerics of SPEC §3 (DeepGEMM's).
+      same tokens are selected. ``indexer="fp8"``: the deployment numerics of docs/DSA.md §3 (DeepGEMM's).
     * RoPE comes from HF's own ``position_embeddings`` (cos / sin of HF's ``position_ids``, YaRN attention
       factor included). MLA RoPE uses interleaved pairs (HF's ``apply_rotary_pos_emb_interleave`` writes the
       same pairs de-interleaved; only q . k matters and q and k share one layout). Indexer RoPE: NeoX pairs
@@ -488,7 +488,7 @@ def apply(model, indexer: str = "fp8", *, kv_format: str = "bf16", max_tokens: i
 
     Args:
         model:      the HF model (the ``*ForCausalLM`` or its decoder ``*Model``).
-        indexer:    "fp8" (deployment numerics, SPEC §3) or "exact" (fp32 scores, HF's numbers).
+        indexer:    "fp8" (deployment numerics, docs/DSA.md §3) or "exact" (fp32 scores, HF's numbers).
         kv_format:  MLA cache format: "bf16" (default; the closest to HF) or "fp8" (656-B FlashMLA rows).
         max_tokens: capacity of the paged pool in tokens, over all live sequences (each row rounds up to
                     64-token pages); made on the first forward, on the model's device.

@@ -1,7 +1,7 @@
 """The DSA cost model (``flashdsa plan``): KV bytes, FLOPs, the indexer crossover, TP vs CP traffic, memory.
 
 Everything here is arithmetic over a :class:`~flashdsa.config.DSAConfig`; nothing is measured. The
-definitions follow SPEC §1, §4 and §8 (and the seed document they come from). Notation:
+definitions follow docs/DSA.md §1, §4 and §8. Notation:
 
     L      num_hidden_layers            L_I   layers with an indexer (``cfg.topk_layers``; skip-top-k
     h_q    num_attention_heads                layers build no indexer and keep no indexer cache)
@@ -22,7 +22,7 @@ FLOPs per query token and layer (2 per multiply-add; the attention part only, no
 Crossover: the smallest S at which the indexer's FLOPs reach sparse MLA's; for S > k that is
 ``S = 2 h_q 1088 k c / (2 H_I D_I)`` (34816 for V3.2 and GLM-5).
 
-Prefill communication per rank per layer (T = S, SPEC §8), in bytes:
+Prefill communication per rank per layer (T = S, docs/DSA.md §8), in bytes:
 
     TP indexer logits all-reduce   2 (p-1)/p * 4 S * S/c     (fp32 [T, S/c] logits; why TP replicates it)
     CP indexer key all-gather        (p-1)/p * 2 D_I S       (bf16 keys, before pooling: 256 S)
@@ -33,7 +33,7 @@ Memory: the KV cache of ``batch`` requests of ``context`` tokens each, rounded u
 (``cfg.page_size`` tokens), on each of ``gpus`` GPUs. ``parallel="tp"``: every rank holds the whole KV
 (MLA has one KV head, so tensor parallelism cannot split the latent, and the indexer is replicated);
 ``parallel="cp"``: the KV is sharded over the ranks (decode context parallelism, DCP), each holds
-``ceil(context / gpus)`` tokens of every request. SPEC §8's prefill CP writes the full sequence on every
+``ceil(context / gpus)`` tokens of every request. docs/DSA.md §8's prefill CP writes the full sequence on every
 rank, so for it use the ``tp`` figure. Model weights are not included (a DSAConfig has no MoE sizes);
 :func:`attention_params` counts the attention block's parameters separately.
 """
@@ -67,7 +67,7 @@ DEFINITIONS = {
                                      "layer with an indexer: tp_indexer 2(p-1)/p*4*S*S/c (fp32 logits all-reduce), "
                                      "cp_indexer (p-1)/p*2*D_I*S (bf16 key all-gather), tp_mla "
                                      "2(p-1)/p*2*hidden*S (bf16 o_proj all-reduce), cp_mla (p-1)/p*2*576*S "
-                                     "(bf16 latent all-gather); SPEC section 8",
+                                     "(bf16 latent all-gather); docs/DSA.md §8",
     "comm_tp_over_cp": "TP bytes / CP bytes of comm_bytes_per_rank_per_layer, independent of p: indexer "
                        "4*S/(c*D_I), mla 2*hidden/576",
     "memory_gb": "KV cache per GPU in GB (1e9 bytes) for batch requests of context tokens, whole pages; tp: every "

@@ -1,4 +1,4 @@
-"""Numerics of the indexer (SPEC §3): block fp8 quantisation, the Hadamard rotation, indexer RoPE.
+"""Numerics of the indexer (docs/DSA.md §3): block fp8 quantisation, the Hadamard rotation, indexer RoPE.
 
 All math is fp32; results are returned in the dtype each function documents.
 """

@@ -27,7 +27,7 @@ def _hf(**changes):
 
 
 def _expected_skip(num_layers, freq, offset):
-    """The SPEC §2 frequency rule written out independently of config.py."""
+    """The docs/DSA.md §2 frequency rule written out independently of config.py."""
     skip = []
     for layer in range(num_layers):
         base = layer - 1 if offset is None else layer - offset + 1

@@ -1,4 +1,4 @@
-"""flashdsa.plan: the cost model pinned to the seed document's figures (SPEC §1, §4, §8), GLM-5, skip-top-k
+"""flashdsa.plan: the cost model pinned to the figures of docs/DSA.md §1, §4, §8, GLM-5, skip-top-k
 layers, kpool, memory, and the ``flashdsa plan`` command line."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def run_cli(argv, capsys):
     return rc, out, err
 
 
-# ---- the seed document's figures (DeepSeek-V3.2, 61 layers) ----------------------------------------
+# ---- the figures of docs/DSA.md (DeepSeek-V3.2, 61 layers) --------------------------------------------------
 
 def test_v32_kv_bytes_match_the_seed():
     kv = P.kv_bytes_per_token(V32)

@@ -1,4 +1,4 @@
-"""Paged KV caches (SPEC §4).
+"""Paged KV caches (docs/DSA.md §4).
 
 - ``layouts``: byte layouts of the MLA cache (bf16 1152 B, fp8 656 B, fp8_raw 576 B per token) and the
   indexer cache (8448-B pages of 64 keys), with their writers and readers.

@@ -1,4 +1,4 @@
-"""Byte layouts of the two paged KV caches (SPEC §4), their writers and readers.
+"""Byte layouts of the two paged KV caches (docs/DSA.md §4), their writers and readers.
 
 Indexer cache, one page of 64 tokens = 8448 bytes (DeepGEMM's paged layout)::
 

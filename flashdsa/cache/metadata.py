@@ -28,7 +28,7 @@ class BatchMetadata:
     Common:  ``positions [T] int64``, ``slot_mapping [T] int64``, ``block_table [B, maxp] int32``.
     extend:  ``cu_seqlens_q / cu_seqlens_kv [B + 1] int32``; ``kv_slots [N] int64`` (every request's whole
              KV, concatenated, for the gather); ``ks, ke [T] int32`` each query's key range in that
-             gathered buffer; ``use_dense`` (the fallback of SPEC §6).
+             gathered buffer; ``use_dense`` (the fallback of docs/DSA.md §6).
     decode / target_verify / draft_extend: ``next_n`` rows per request; ``context_lens [B, next_n] int32``
              with ``context_lens[b, j] = seq_len[b] - next_n + j + 1``; ``max_context_len`` (the width of
              the logits; fixed to the block table's capacity under CUDA graphs).

@@ -23,6 +23,7 @@ import torch
 from flashdsa.cache.allocator import Reservation
 from flashdsa.cache.metadata import (DECODE, DRAFT_EXTEND, EXTEND, TARGET_VERIFY, BatchMetadata, add_kpool,
                                      build_decode, build_extend)
+from flashdsa.cache.offload import OffloadConfig, OffloadKVPool
 from flashdsa.cache.pool import KVPool
 from flashdsa.config import DSAConfig
 from flashdsa.engine.model import DSAModel
@@ -45,8 +46,12 @@ class Runner:
         record:          keep each layer's selection of the last batch in ``self.selections`` (tests; None
                          for a layer that ran the dense fallback).
         max_logits_bytes: the largest indexer-logits buffer one prefill chunk of query rows may use.
-        max_requests, max_next_n: kpool (``index_kpool`` > 1) only, as in :class:`KVPool`: the live requests
-                         the tail rings hold, the longest verify after which any draft count may be kept.
+        offload:         an :class:`~flashdsa.cache.offload.OffloadConfig` keeps the MLA cache in host memory with
+                         small per-request device buffers (``self.pool`` is then an ``OffloadKVPool``); it turns
+                         the dense fallback off (dense_threshold must be None or 0) and CUDA-graph capture.
+        kpool_max_requests, kpool_max_next_n: kpool (``index_kpool`` > 1) only, ``KVPool``'s ``max_requests`` /
+                         ``max_next_n``: the live requests the tail rings hold, the longest verify after which any
+                         draft count may be kept.
 
     The caches (MLA, indexer, and the float key stores of exact-precision indexers, kpool's tail rings) are
     ``self.pool``'s. With kpool each row selects ``index_topk + c - 1`` tokens (docs/DSA.md §7).
@@ -56,15 +61,23 @@ class Runner:
                  backend: str | None = None, dense_threshold: int | None = None, kv_scale: float | None = None,
                  record: bool = False, max_dense_tokens: int = 1 << 16, max_logits_bytes: int = 1 << 30,
                  config: DSAConfig | None = None, device: torch.device | str | None = None,
-                 max_requests: int = 256, max_next_n: int = 8):
+                 offload: OffloadConfig | None = None, kpool_max_requests: int = 256, kpool_max_next_n: int = 8):
         if model is not None:
             config, device = model.config, next(model.parameters()).device
         elif config is None or device is None:
             raise ValueError("model: expected a DSAModel, or model=None with config= and device= (Runner.for_layers)")
         self.model = model
         self.cfg = config
-        self.pool = KVPool(self.cfg, num_pages, kv_format, torch.device(device), kv_scale,
-                           max_requests=max_requests, max_next_n=max_next_n)
+        kpool = dict(max_requests=kpool_max_requests, max_next_n=kpool_max_next_n)
+        if offload is None:
+            self.pool = KVPool(self.cfg, num_pages, kv_format, torch.device(device), kv_scale, **kpool)
+        else:
+            if dense_threshold not in (None, 0):
+                raise ValueError(f"dense_threshold: expected None or 0 with offload (the dense fallback is off when "
+                                 f"the MLA cache lives on the host, docs/DSA.md §6), got {dense_threshold!r}")
+            dense_threshold = 0
+            self.pool = OffloadKVPool(self.cfg, num_pages, kv_format, torch.device(device), kv_scale, offload, **kpool)
+        self.offload = offload
         self.alloc = self.pool.allocator
         self.backend = backend
         self.dense_threshold = self.cfg.index_topk if dense_threshold is None else dense_threshold
@@ -83,12 +96,14 @@ class Runner:
 
     # ---- requests ------------------------------------------------------------------------------
     def free(self, req_id: Hashable) -> None:
+        """End the request: its pages go back (with kpool its tail ring row, with offload its device rows and
+        buffer too)."""
         self.pool.free(req_id)
 
     def truncate(self, req_id: Hashable, seq_len: int) -> None:
-        """Drop the tokens past ``seq_len`` (rejected drafts); pages no longer needed go back. With kpool, a
-        ValueError (nothing changed) if the new unfinished group's raw keys are no longer kept
-        (``KVPool.truncate``)."""
+        """Drop the tokens past ``seq_len`` (rejected drafts); pages no longer needed go back (with offload, the
+        dropped tokens' device rows too). With kpool, a ValueError (nothing changed) if the new unfinished
+        group's raw keys are no longer kept (``KVPool.truncate``)."""
         self.pool.truncate(req_id, seq_len)
 
     def prepare(self, new_tokens: dict[Hashable, int], mode: str | None = None, *, force_sparse: bool = False,

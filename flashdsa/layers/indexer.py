@@ -1,6 +1,6 @@
-"""The lightning indexer layer (SPEC §3): projections, RoPE, then one of two precisions.
+"""The lightning indexer layer (docs/DSA.md §3): projections, RoPE, then one of two precisions.
 
-``precision="fp8"`` (default) is the deployment numerics of SPEC §3: RoPE, Hadamard rotation, block fp8
+``precision="fp8"`` (default) is the deployment numerics of docs/DSA.md §3: RoPE, Hadamard rotation, block fp8
 quantisation, the per-(query, head) scale folded into the head gate; the keys go to the 8448-B indexer
 pages and the fp8 ops (``indexer_logits_ragged`` / ``_paged``) score them.
 

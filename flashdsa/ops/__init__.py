@@ -1,4 +1,4 @@
-"""Public DSA ops (SPEC §5). Each dispatches to Triton on CUDA and to the PyTorch reference elsewhere;
+"""Public DSA ops (docs/DSA.md §5). Each dispatches to Triton on CUDA and to the PyTorch reference elsewhere;
 ``backend="torch" | "triton"`` forces one. Bad input raises ValueError naming the argument."""
 
 from flashdsa.ops._common import set_value_checks

@@ -207,7 +207,7 @@ def test_memory_accounting(preset, pages, fmt):
     assert m["index_per_token"] == len(cfg.topk_layers) * 132
     assert page_bytes(cfg, fmt) == m["total"] // pages
     if preset == "v32" and fmt == "fp8":
-        # SPEC §4: 61 layers, fp8 MLA ~ 40 KB/token, + indexer ~ 48 KB, indexer ~ 17 %.
+        # docs/DSA.md §4: 61 layers, fp8 MLA ~ 40 KB/token, + indexer ~ 48 KB, indexer ~ 17 %.
         assert (m["mla_per_token"], m["total_per_token"]) == (61 * 656, 61 * (656 + 132))
         assert 0.16 < m["index_per_token"] / m["total_per_token"] < 0.18
 

@@ -175,7 +175,7 @@ def test_truncate_after_verify_then_decode_matches_fresh_run(model):
 
 
 def test_truncate_refused_when_the_ring_no_longer_holds_the_tail(model):
-    r = Runner(model, 8, "fp8", max_next_n=1)  # the ring keeps the last c = 4 positions
+    r = Runner(model, 8, "fp8", kpool_max_next_n=1)  # the ring keeps the last c = 4 positions
     assert r.pool.tail_len == C
     p = prompt(TOPK + 6, 10)
     r.extend({"a": p}, force_sparse=True)
@@ -220,7 +220,7 @@ def test_failed_forward_leaves_everything_as_before(model, monkeypatch, call):
 
 
 def test_tail_rows_run_out_and_come_back(model):
-    r = Runner(model, 8, "fp8", max_requests=2)
+    r = Runner(model, 8, "fp8", kpool_max_requests=2)
     r.extend({"a": prompt(9, 1), "b": prompt(6, 2)})
     before = state(r)
     with pytest.raises(ValueError, match="new_tokens.*max_requests"):
@@ -279,3 +279,23 @@ def test_bench_kpool_on_the_gpu(monkeypatch):
     assert one["ok"] and four["ok"]
     assert four["index B/token"] * 4 == one["index B/token"] == 132
     assert four["select vs c=1"] < 0.75, four
+
+
+def test_kpool_with_host_offload_is_bitwise_the_on_device_run(model):
+    """kpool and host offload together: the offloading pool keeps the tail rings too (its free / truncate go
+    through KVPool's), and a row's selection of topk + c - 1 tokens fits its device buffer."""
+    from flashdsa.cache.offload import OffloadConfig
+
+    p = {"a": prompt(2 * TOPK + 9, 16), "b": prompt(TOPK + 2, 17)}
+    dev, off = Runner(model, 8, "fp8", dense_threshold=0), Runner(model, 8, "fp8", offload=OffloadConfig(max_requests=2))
+    assert off.pool.buffer_rows >= 2 * WIDTH
+    for run in (dev, off):
+        run.extend(p)
+    for step in range(C + 1):
+        assert torch.equal(off.decode({"a": step, "b": step + 1}), dev.decode({"a": step, "b": step + 1}))
+    assert torch.equal(off.verify({"a": [1, 2, 3], "b": [4, 5, 6]}), dev.verify({"a": [1, 2, 3], "b": [4, 5, 6]}))
+    for run in (dev, off):
+        run.truncate("a", run.alloc.seq_len("a") - 2)
+        run.free("b")
+    assert "b" not in off.pool._tails and off.pool._free_rows == dev.pool._free_rows
+    assert torch.equal(off.decode({"a": 9}), dev.decode({"a": 9}))

@@ -25,7 +25,7 @@ from typing import Callable
 
 import pytest
 import torch
-from helpers import assert_close
+from flashdsa.testing.compare import assert_close
 
 from flashdsa import ops
 from flashdsa.cache import layouts

@@ -404,7 +404,7 @@ def test_row_chunks_respect_the_cap():
 # ---- GPU sizes ----------------------------------------------------------------------------------------
 
 def _quantised(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[..., 128]`` -> e4m3 values and their per-row scale (SPEC §3 act_quant)."""
+    """``[..., 128]`` -> e4m3 values and their per-row scale (docs/DSA.md §3 act_quant)."""
     x_fp8, s = act_quant(x, block=128)
     return x_fp8, s[..., 0]
 
@@ -472,7 +472,7 @@ def test_paged_gpu_both_kernels_junk_pages(n, H, cfg, tma):
 
 @pytest.mark.gpu
 def test_paged_gpu_cuda_graph_replay():
-    """Decode is captured once and replayed with lengths and tables refreshed in place (SPEC §6)."""
+    """Decode is captured once and replayed with lengths and tables refreshed in place (docs/DSA.md §6)."""
     dev = "cuda"
     seq_lens = [300, 70, 129]
     q, cache, w, ctx, bt, width = _paged_inputs(seq_lens, 2, 64, None, 64, seed=8, device=dev)

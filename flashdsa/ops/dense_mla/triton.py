@@ -1,6 +1,6 @@
 """Dense causal MLA on the tensor cores: the sparse prefill kernel over each query's whole causal range.
 
-The dense fallback runs while every context fits in ``index_topk`` (SPEC §6), so a query sees at most a
+The dense fallback runs while every context fits in ``index_topk`` (docs/DSA.md §6), so a query sees at most a
 few thousand keys: the sparse prefill kernel (``ops/sparse_mla/kernels.py``, batch-invariant, bf16
 operands with fp32 accumulation and softmax) given every visible key as its index list computes exactly
 the causal attention, without a kernel of its own. The fp32 torch reference computes the same math with

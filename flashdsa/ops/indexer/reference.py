@@ -1,4 +1,4 @@
-"""Lightning-indexer logits in plain PyTorch, fp32 (SPEC §3 step 6).
+"""Lightning-indexer logits in plain PyTorch, fp32 (docs/DSA.md §3 step 6).
 
     logit[t, s] = k_scale[s] * sum_h weights[t, h] * ReLU(q_fp8[t, h] . k_fp8[s])
 

@@ -28,7 +28,7 @@ def indexer_quant(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interle
                   backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE on the first 64 dims, rounding to the model dtype, Sylvester Hadamard, fp8 with a UE8M0 scale.
 
-    Per head (SPEC §3), exactly as ``flashdsa.quant`` composes it::
+    Per head (docs/DSA.md §3), exactly as ``flashdsa.quant`` composes it::
 
         y = x.dtype(indexer_rope(x, cos, sin, interleave))   # layout [rope 64 | nope 64]
         z = x.dtype(H128 y / sqrt(128))                        # hadamard(): fp32 butterflies

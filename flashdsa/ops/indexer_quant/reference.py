@@ -1,4 +1,4 @@
-"""The indexer's deployment numerics (SPEC §3) as flashdsa.quant composes them: RoPE, rounding to the
+"""The indexer's deployment numerics (docs/DSA.md §3) as flashdsa.quant composes them: RoPE, rounding to the
 model dtype, Hadamard rotation, block fp8 quantisation. Plain PyTorch, the definition the kernel matches."""
 
 from __future__ import annotations
