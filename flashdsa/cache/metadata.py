@@ -42,7 +42,8 @@ class BatchMetadata:
              request's complete groups, concatenated (the pooled keys the rows score), and ``kpool_ks,
              kpool_ke [T] int32`` each row's range in them (``ke - ks = (position + 1) // c``). Decode
              derives its pooled lengths from ``context_lens // c``; all its kpool fields stay the same
-             from step to step of one batch (CUDA graphs need not refresh them).
+             from step to step of one batch (CUDA graphs need not refresh them), and
+             ``kpool_every_token`` says every new token is an anchor and goes to the ring (no gathers).
     """
 
     mode: str
@@ -69,6 +70,7 @@ class BatchMetadata:
     kpool_slots: torch.Tensor | None = None
     kpool_ks: torch.Tensor | None = None
     kpool_ke: torch.Tensor | None = None
+    kpool_every_token: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -174,6 +176,7 @@ def add_kpool(meta: BatchMetadata, alloc: PageAllocator, c: int, rows: list[int]
     meta.kpool = c
     meta.kpool_rows, meta.kpool_first = cat(tok_rows), cat(first)
     meta.kpool_anchors, meta.kpool_tail_tokens = cat(anchors), cat(tail)
+    meta.kpool_every_token = meta.mode == DECODE  # one token per request: its own group's anchor, in the ring
     if meta.mode == EXTEND:
         meta.kpool_slots = cat(slots)
         meta.kpool_ks, meta.kpool_ke = cat(ks, torch.int32), cat(ke, torch.int32)

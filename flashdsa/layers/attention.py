@@ -189,10 +189,14 @@ class DSAAttention(nn.Module):
                                             batch.kpool_anchors, backend=batch.backend)
         # pooled key g of a request sits at page block_table[g // 64], row g % 64: its token p = g c + i at
         # page block_table[p // 64 c], row p % 64 c, so the index slot is the token's slot // c
-        index_slots = batch.slot_mapping[batch.kpool_anchors] // c
+        every = batch.kpool_every_token  # decode: anchors and ring tokens are all tokens, skip the gathers
+        index_slots = (batch.slot_mapping if every else batch.slot_mapping[batch.kpool_anchors]) // c
         pool.write(lid, batch.slot_mapping, kv_rows, k_fp8, k_scale, index_slots=index_slots)
-        tail = batch.kpool_tail_tokens
-        pool.write_tail(lid, batch.kpool_rows[tail], batch.positions[tail], idx.k[tail], idx.gate[tail])
+        if every:
+            pool.write_tail(lid, batch.kpool_rows, batch.positions, idx.k, idx.gate)
+        else:
+            tail = batch.kpool_tail_tokens
+            pool.write_tail(lid, batch.kpool_rows[tail], batch.positions[tail], idx.k[tail], idx.gate[tail])
 
     def select_kpool(self, idx: IndexerOutput, batch: BatchMetadata, pool: KVPool) -> torch.Tensor:
         """kpool's top-k of every query row: the top ``topk / c`` complete groups by the logits of their pooled

@@ -261,7 +261,7 @@ def test_decode_kpool_metadata_stays_the_same_from_step_to_step(model):
     for m in metas[1:]:
         for name in ("kpool_rows", "kpool_first", "kpool_anchors", "kpool_tail_tokens"):
             assert torch.equal(getattr(m, name), getattr(metas[0], name)), name
-    assert metas[0].kpool_anchors.tolist() == [0, 1] and metas[0].kpool == C
+    assert metas[0].kpool_anchors.tolist() == [0, 1] and metas[0].kpool == C and metas[0].kpool_every_token
 
 
 @pytest.mark.gpu
