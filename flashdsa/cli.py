@@ -29,12 +29,36 @@ class _Parser(argparse.ArgumentParser):
 def _demo(args: argparse.Namespace) -> int:
     from flashdsa.demo import run_demo
 
+    if args.cp is not None or args.dcp is not None:
+        if args.kpool is not None:
+            raise ValueError("kpool: context parallelism (--cp / --dcp) with kpool is not built; run one of them")
+        return _parallel_demo(args)
     report = run_demo(preset=args.preset, device=args.device, next_n=args.next_n, seed=args.seed,
                       backend=args.backend, layers=args.layers, kv_format=args.kv_format,
                       log=None if args.json else print, force=args.force, offload=args.offload,
                       device_buffer=args.device_buffer, kpool=args.kpool)
     if args.json:
         print(json.dumps(report))
+    return 0 if report["ok"] else 1
+
+
+def _parallel_demo(args: argparse.Namespace) -> int:
+    """``demo --cp P`` / ``--dcp P``: one process per rank under torchrun; rank 0 prints the report."""
+    import torch.distributed as dist
+
+    from flashdsa.demo import run_parallel_demo
+
+    if args.cp is not None and args.dcp is not None:
+        raise ValueError("dcp: expected --cp or --dcp, not both (prefill CP writes the whole KV on every rank)")
+    if args.force:
+        raise ValueError("force: the parallel demo makes no memory estimate to force past")
+    mode, world = ("cp", args.cp) if args.cp is not None else ("dcp", args.dcp)
+    report = run_parallel_demo(mode, world, split=args.cp_split, preset=args.preset, device=args.device,
+                               next_n=args.next_n, seed=args.seed, backend=args.backend, layers=args.layers,
+                               kv_format=args.kv_format, log=None if args.json else print)
+    if args.json and dist.get_rank() == 0:
+        print(json.dumps(report))
+    dist.destroy_process_group()
     return 0 if report["ok"] else 1
 
 
@@ -183,6 +207,13 @@ def _add_demo(sub) -> None:
     demo.add_argument("--device-buffer", type=int, default=None, metavar="N",
                       help="with --offload: device rows per request and layer, a multiple of 64 >= next_n * "
                            "index_topk (default max(2, next_n) * index_topk)")
+    demo.add_argument("--cp", type=int, default=None, metavar="P",
+                      help="prefill context parallelism on P ranks: run under torchrun --nproc-per-node P "
+                           "(gloo on --device cpu, NCCL on cuda); checked against one process")
+    demo.add_argument("--cp-split", default="zigzag", choices=["interleave", "zigzag"],
+                      help="how --cp splits the prompt tokens (default zigzag)")
+    demo.add_argument("--dcp", type=int, default=None, metavar="P",
+                      help="decode context parallelism on P ranks (KV sharded), under torchrun like --cp")
     demo.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
     demo.set_defaults(func=_demo)
 
@@ -206,6 +237,12 @@ def _out_of_memory(e: BaseException) -> bool:
 
     return (isinstance(e, (MemoryError, torch.OutOfMemoryError))
             or isinstance(e, RuntimeError) and "can't allocate memory" in str(e))
+
+
+def _parallel_error(e: BaseException) -> bool:
+    from flashdsa.parallel.comm import ParallelError  # torch is loaded by now: a rank ran
+
+    return isinstance(e, ParallelError)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -239,6 +276,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"flashdsa {args.cmd}: interrupted", file=sys.stderr)
         return 130
     except (MemoryError, RuntimeError) as e:
+        if _parallel_error(e):
+            # another rank failed (its own error is on its stderr) or the group timed out: one line
+            print(f"flashdsa {args.cmd}: {e}", file=sys.stderr)
+            return 1
         if not _out_of_memory(e):
             raise
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

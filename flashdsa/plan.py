@@ -29,6 +29,15 @@ Prefill communication per rank per layer (T = S, docs/DSA.md §8), in bytes:
     TP o_proj all-reduce           2 (p-1)/p * 2 hidden S    (bf16 [T, hidden])
     CP MLA latent all-gather         (p-1)/p * 2 (d_c + d_r) S  (bf16 latent + rope: 1152 S)
 
+What flashdsa's parallel modes move (measured by ``flashdsa demo --cp / --dcp``), per rank per layer with
+an indexer:
+
+    prefill CP  one all-gather padded to ceil(S/p) tokens per rank: (p-1) ceil(S/p) (2 (d_c + d_r) + D_I + 4)
+                (the cache row, then the index key in fp8 with its fp32 scale: 1152 + 132 B a token; docs/DSA.md §8's
+                (p-1)/p S figures when p divides S, with the key in fp8 instead of bf16)
+    DCP decode  R = batch query rows: top-k candidates (p-1) R k 8 (fp32 score + int32 position) and
+                partial attention (p-1) R h_q (2 d_c + 4) (bf16 output + fp32 lse; every layer)
+
 Memory: the KV cache of ``batch`` requests of ``context`` tokens each, rounded up to whole pages
 (``cfg.page_size`` tokens), on each of ``gpus`` GPUs. ``parallel="tp"``: every rank holds the whole KV
 (MLA has one KV head, so tensor parallelism cannot split the latent, and the indexer is replicated);
@@ -68,6 +77,14 @@ DEFINITIONS = {
                                      "cp_indexer (p-1)/p*2*D_I*S (bf16 key all-gather), tp_mla "
                                      "2(p-1)/p*2*hidden*S (bf16 o_proj all-reduce), cp_mla (p-1)/p*2*576*S "
                                      "(bf16 latent all-gather); docs/DSA.md §8",
+    "cp_gather_bytes_per_rank_per_layer": "what flashdsa's prefill CP receives per rank in one layer with an "
+                                          "indexer, T = S = context over p = gpus ranks: one all-gather padded to "
+                                          "ceil(S/p) tokens per rank, mla (p-1)*ceil(S/p)*2*576 (bf16 cache rows), "
+                                          "indexer (p-1)*ceil(S/p)*(D_I+4) (fp8 key + fp32 scale)",
+    "dcp_bytes_per_rank_per_layer": "what flashdsa's DCP receives per rank in one decode step and layer with an "
+                                    "indexer, batch query rows over p = gpus ranks: topk_candidates "
+                                    "(p-1)*batch*topk*8 (fp32 score + int32 position), partial_attention "
+                                    "(p-1)*batch*h_q*(2*512+4) (bf16 output + fp32 lse)",
     "comm_tp_over_cp": "TP bytes / CP bytes of comm_bytes_per_rank_per_layer, independent of p: indexer "
                        "4*S/(c*D_I), mla 2*hidden/576",
     "memory_gb": "KV cache per GPU in GB (1e9 bytes) for batch requests of context tokens, whole pages; tp: every "
@@ -200,6 +217,34 @@ def comm_bytes_per_rank_per_layer(cfg: DSAConfig, context: int, gpus: int) -> di
     return {k: _num(v) for k, v in per_rank.items()}
 
 
+def cp_gather_bytes_per_rank_per_layer(cfg: DSAConfig, context: int, gpus: int) -> dict[str, int]:
+    """What flashdsa's prefill CP (``flashdsa.parallel.ContextParallel``) receives per rank in one layer with
+    an indexer, T = S = ``context`` tokens over ``gpus`` ranks: ``mla``, ``indexer`` and ``total`` bytes.
+
+    Its one all-gather per layer pads every rank to ceil(S/p) tokens (both splits keep every rank within
+    one token of S/p), each a bf16 cache row (2 (d_c + d_r) B) and an fp8 index key with its fp32 scale
+    (D_I + 4 B). Equal to :func:`comm_bytes_per_rank_per_layer`'s ``cp_mla`` when p divides S; the key
+    costs (D_I + 4) / (2 D_I) = 52 % of its ``cp_indexer``. (An exact-precision indexer sends 2 D_I.)
+    """
+    S, p = _check_positive("context", context), _check_positive("gpus", gpus)
+    rows = (p - 1) * math.ceil(S / p)
+    out = {"mla": rows * 2 * cfg.kv_cache_dim, "indexer": rows * (cfg.index_head_dim + 4)}
+    out["total"] = out["mla"] + out["indexer"]
+    return out
+
+
+def dcp_bytes_per_rank_per_layer(cfg: DSAConfig, rows: int, gpus: int) -> dict[str, int]:
+    """What flashdsa's DCP (``flashdsa.parallel.DecodeContextParallel``) receives per rank in one decode step
+    of ``rows`` query rows (batch x next_n) and one layer with an indexer: ``topk_candidates`` (every rank's
+    top-k, fp32 score + int32 position: (p-1) R k 8), ``partial_attention`` (bf16 output and fp32 lse per
+    head: (p-1) R h_q (2 d_c + 4); skip-top-k layers move only this) and ``total``."""
+    R, p = _check_positive("rows", rows), _check_positive("gpus", gpus)
+    out = {"topk_candidates": (p - 1) * R * cfg.index_topk * 8,
+           "partial_attention": (p - 1) * R * cfg.num_attention_heads * (2 * cfg.kv_lora_rank + 4)}
+    out["total"] = out["topk_candidates"] + out["partial_attention"]
+    return out
+
+
 def comm_tp_over_cp(cfg: DSAConfig, context: int) -> dict[str, float]:
     """TP traffic / CP traffic per layer, which does not depend on p: indexer ``4 S / (c D_I)`` (4096 at
     S = 128K for V3.2), MLA ``2 hidden / 576`` (V3.2: 4 * 7168 / 1152 = 24.9, "about 25x")."""
@@ -312,6 +357,8 @@ def plan(cfg: DSAConfig, context: int = DEFAULT_CONTEXT, batch: int = 1, gpus: i
         "crossover_context_all_layers": crossover_context(cfg, all_layers=True),
         "comm_bytes_per_rank_per_layer": comm_bytes_per_rank_per_layer(cfg, context, gpus),
         "comm_tp_over_cp": comm_tp_over_cp(cfg, context),
+        "cp_gather_bytes_per_rank_per_layer": cp_gather_bytes_per_rank_per_layer(cfg, context, gpus),
+        "dcp_bytes_per_rank_per_layer": dcp_bytes_per_rank_per_layer(cfg, batch, gpus),
         "memory_gb": memory_gb(cfg, batch, context, gpus, kv_format, parallel),
         "attention_params": attention_params(cfg),
         "definitions": DEFINITIONS,
@@ -338,6 +385,7 @@ def format_plan(report: dict[str, Any]) -> str:
     kv, kvl = report["kv_bytes_per_token"], report["kv_bytes_per_token_per_layer"]
     fl, cm, mem = report["flops_per_token"], report["comm_bytes_per_rank_per_layer"], report["memory_gb"]
     ratio = report["comm_tp_over_cp"]
+    cpg, dcp = report["cp_gather_bytes_per_rank_per_layer"], report["dcp_bytes_per_rank_per_layer"]
     fmt = inp["kv_format"]
     S, p = inp["context"], inp["gpus"]
     lines = [
@@ -369,6 +417,11 @@ def format_plan(report: dict[str, Any]) -> str:
         f"{_times(ratio['indexer']):>10}   logits all-reduce vs key all-gather",
         f"  {'MLA':<10}{_si(cm['tp_mla'], 'B'):>12}{_si(cm['cp_mla'], 'B'):>12}"
         f"{_times(ratio['mla']):>10}   o_proj all-reduce vs latent all-gather",
+        f"  flashdsa CP  {_si(cpg['total'], 'B')} all-gathered: cache rows {_si(cpg['mla'], 'B')} + fp8 index keys "
+        f"{_si(cpg['indexer'], 'B')} (padded to ceil(S/p) tokens a rank)",
+        f"  flashdsa DCP {_si(dcp['total'], 'B')} a decode step of {mem['batch']} "
+        f"row{'s' if mem['batch'] > 1 else ''}: "
+        f"top-k candidates {_si(dcp['topk_candidates'], 'B')} + partial attention {_si(dcp['partial_attention'], 'B')}",
         "",
         f"KV memory per GPU, {mem['batch']} x {mem['context']} tokens on {p} GPU{'s' if p > 1 else ''} "
         f"({mem['parallel']}: "

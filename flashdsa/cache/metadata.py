@@ -12,10 +12,14 @@ it (``Runner.prepare``), and neither needs the other to do so.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from flashdsa.cache.allocator import PageAllocator, slots_from_pages
+
+if TYPE_CHECKING:  # the plans live above the caches (flashdsa.parallel imports this module)
+    from flashdsa.parallel.base import ParallelPlan
 
 EXTEND, DECODE, TARGET_VERIFY, DRAFT_EXTEND = "extend", "decode", "target_verify", "draft_extend"
 MODES = (EXTEND, DECODE, TARGET_VERIFY, DRAFT_EXTEND)
@@ -34,6 +38,12 @@ class BatchMetadata:
              the logits; fixed to the block table's capacity under CUDA graphs).
     How to run: ``backend`` of the ops ("torch" / "triton", None = per device); ``max_logits_bytes`` the
              largest indexer-logits buffer one prefill chunk of query rows may use.
+    Several ranks: ``parallel`` the batch's plan (``flashdsa.parallel``; None = one process), which the
+             layer calls around its store and attention. Prefill CP: ``positions``, ``ks``, ``ke``,
+             ``cu_seqlens_q`` are this rank's query rows, ``slot_mapping`` every new token's (each rank
+             writes the whole sequence). DCP: every rank runs every query row and its caches hold its
+             shard of the KV: ``slot_mapping`` (its own new tokens), ``block_table``, ``kv_slots``,
+             ``ks / ke`` and ``context_lens`` address that shard.
     kpool (``kpool`` = c > 1, :func:`add_kpool`): ``kpool_rows [T] int64`` each token's tail ring row,
              ``kpool_first [T] int64`` the batch index of its request's first new token, ``kpool_anchors
              [G] int64`` the tokens that pool their group (the last new token of every group touched),
@@ -62,6 +72,7 @@ class BatchMetadata:
     use_dense: bool = False
     backend: str | None = None
     max_logits_bytes: int = 1 << 30
+    parallel: ParallelPlan | None = None
     kpool: int = 1
     kpool_rows: torch.Tensor | None = None
     kpool_first: torch.Tensor | None = None

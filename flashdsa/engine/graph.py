@@ -24,6 +24,8 @@ class DecodeGraph:
         if runner.offload is not None:
             raise ValueError("runner: host offload syncs with the host in every layer's swap-in, which a CUDA graph "
                              "cannot capture; decode eagerly (Runner.decode)")
+        if runner.parallel is not None and runner.parallel.shards_kv:
+            raise ValueError("runner: DCP decode is not captured (the new tokens each rank stores change every step)")
         self.runner, self.req_ids, self.max_pages = runner, list(req_ids), max_pages
         self.ids = torch.zeros(len(req_ids), dtype=torch.int64, device=runner.pool.device)
         # Capture on a step whose tokens are reserved, then give them back: replay() reserves its own.

@@ -27,6 +27,7 @@ from flashdsa.cache.offload import OffloadConfig, OffloadKVPool
 from flashdsa.cache.pool import KVPool
 from flashdsa.config import DSAConfig
 from flashdsa.engine.model import DSAModel
+from flashdsa.parallel import Parallel
 
 _DRAFT_MODES = (TARGET_VERIFY, DRAFT_EXTEND)
 
@@ -49,6 +50,10 @@ class Runner:
         offload:         an :class:`~flashdsa.cache.offload.OffloadConfig` keeps the MLA cache in host memory with
                          small per-request device buffers (``self.pool`` is then an ``OffloadKVPool``); it turns
                          the dense fallback off (dense_threshold must be None or 0) and CUDA-graph capture.
+        parallel:        several ranks run every batch together (``flashdsa.parallel``): ``ContextParallel``
+                         (prefill CP) or ``DecodeContextParallel`` (DCP; the pool then holds this rank's
+                         shard). Every rank is given the same calls; no dense fallback (docs/DSA.md §6).
+                         Not together with ``offload`` (not built).
         kpool_max_requests, kpool_max_next_n: kpool (``index_kpool`` > 1) only, ``KVPool``'s ``max_requests`` /
                          ``max_next_n``: the live requests the tail rings hold, the longest verify after which any
                          draft count may be kept.
@@ -61,13 +66,23 @@ class Runner:
                  backend: str | None = None, dense_threshold: int | None = None, kv_scale: float | None = None,
                  record: bool = False, max_dense_tokens: int = 1 << 16, max_logits_bytes: int = 1 << 30,
                  config: DSAConfig | None = None, device: torch.device | str | None = None,
-                 offload: OffloadConfig | None = None, kpool_max_requests: int = 256, kpool_max_next_n: int = 8):
+                 offload: OffloadConfig | None = None, parallel: Parallel | None = None,
+                 kpool_max_requests: int = 256, kpool_max_next_n: int = 8):
         if model is not None:
             config, device = model.config, next(model.parameters()).device
         elif config is None or device is None:
             raise ValueError("model: expected a DSAModel, or model=None with config= and device= (Runner.for_layers)")
+        if parallel is not None and model is None:
+            raise ValueError("parallel: context parallelism needs the runner's own layer loop (Runner(model, ...)), "
+                             "which hands each rank its tokens and gathers the hidden states; for_layers callers "
+                             "(flashdsa.hf) do not split their batches")
         self.model = model
         self.cfg = config
+        if offload is not None and parallel is not None:
+            raise ValueError("offload: host offload together with context parallelism is not built; use one of them")
+        if self.cfg.index_kpool > 1 and parallel is not None:
+            raise ValueError(f"parallel: context parallelism with index_kpool = {self.cfg.index_kpool} is not built "
+                             "(the pooled keys and the tail ring are per rank); run kpool on one rank")
         kpool = dict(max_requests=kpool_max_requests, max_next_n=kpool_max_next_n)
         if offload is None:
             self.pool = KVPool(self.cfg, num_pages, kv_format, torch.device(device), kv_scale, **kpool)
@@ -78,7 +93,11 @@ class Runner:
             dense_threshold = 0
             self.pool = OffloadKVPool(self.cfg, num_pages, kv_format, torch.device(device), kv_scale, offload, **kpool)
         self.offload = offload
-        self.alloc = self.pool.allocator
+        self.parallel = parallel
+        self.alloc = self.pool.allocator if parallel is None else parallel.allocator(self.pool.allocator)
+        # who reserves, undoes, frees and truncates: the pool (its allocator, and kpool's tail rings / offload's
+        # device rows with it), or DCP's sharded allocator
+        self._requests = self.pool if parallel is None else self.alloc
         self.backend = backend
         self.dense_threshold = self.cfg.index_topk if dense_threshold is None else dense_threshold
         self.max_dense_tokens = max_dense_tokens
@@ -98,13 +117,13 @@ class Runner:
     def free(self, req_id: Hashable) -> None:
         """End the request: its pages go back (with kpool its tail ring row, with offload its device rows and
         buffer too)."""
-        self.pool.free(req_id)
+        self._requests.free(req_id)
 
     def truncate(self, req_id: Hashable, seq_len: int) -> None:
         """Drop the tokens past ``seq_len`` (rejected drafts); pages no longer needed go back (with offload, the
         dropped tokens' device rows too). With kpool, a ValueError (nothing changed) if the new unfinished
         group's raw keys are no longer kept (``KVPool.truncate``)."""
-        self.pool.truncate(req_id, seq_len)
+        self._requests.truncate(req_id, seq_len)
 
     def prepare(self, new_tokens: dict[Hashable, int], mode: str | None = None, *, force_sparse: bool = False,
                 max_pages: int | None = None) -> tuple[BatchMetadata, Reservation]:
@@ -120,8 +139,15 @@ class Runner:
             max_pages:  decode modes: the block table's width (CUDA graphs keep shapes fixed).
 
         Returns ``(metadata, reservation)``; give the reservation to :meth:`undo` if the forward fails. All
-        or nothing: on any error nothing is reserved.
+        or nothing: on any error nothing is reserved (with ``parallel``: on any rank, see ``Parallel.together``).
         """
+        if self.parallel is not None:
+            return self.parallel.together(lambda: self._prepare(new_tokens, mode, force_sparse, max_pages), self.undo,
+                                          (mode, list(new_tokens.items()), force_sparse, max_pages))
+        return self._prepare(new_tokens, mode, force_sparse, max_pages)
+
+    def _prepare(self, new_tokens: dict[Hashable, int], mode: str | None, force_sparse: bool,
+                 max_pages: int | None) -> tuple[BatchMetadata, Reservation]:
         if mode is None:
             mode = DECODE if new_tokens and all(
                 n == 1 and r in self.alloc and self.alloc.seq_len(r) > 0 for r, n in new_tokens.items()) else EXTEND
@@ -134,10 +160,13 @@ class Runner:
             if unknown:
                 raise ValueError(f"req_ids: {mode} continues live requests; unknown: {unknown[:8]!r} (start a "
                                  f"request with extend)")
-        reservation = self.pool.reserve(new_tokens)
+        reservation = self._requests.reserve(new_tokens)
         try:
             ids = list(new_tokens)
-            if mode == EXTEND:
+            if self.parallel is not None:  # the mode builds this rank's metadata (flashdsa.parallel)
+                meta = self.parallel.build(self.alloc, ids, list(new_tokens.values()), mode, max_pages=max_pages,
+                                           backend=self.backend, max_logits_bytes=self.max_logits_bytes)
+            elif mode == EXTEND:
                 meta = build_extend(self.alloc, ids, list(new_tokens.values()), dense_threshold=self.dense_threshold,
                                     dense_allowed=not force_sparse and self.pool.kv_format != "fp8_raw",
                                     max_dense_tokens=self.max_dense_tokens, backend=self.backend,
@@ -148,14 +177,14 @@ class Runner:
             if self.cfg.index_kpool > 1:
                 add_kpool(meta, self.alloc, self.cfg.index_kpool, self.pool.tail_rows(ids), self.pool.tail_len)
         except BaseException:
-            self.pool.undo(reservation)
+            self._requests.undo(reservation)
             raise
         return meta, reservation
 
     def undo(self, reservation: Reservation) -> None:
         """Give back what :meth:`prepare` reserved (a forward that failed): the requests are as before (kpool's
         tail rings included)."""
-        self.pool.undo(reservation)
+        self._requests.undo(reservation)
 
     @contextlib.contextmanager
     def _batch(self, new_tokens: dict[Hashable, int], mode: str, **kw) -> Iterator[BatchMetadata]:
@@ -228,7 +257,8 @@ class Runner:
         m = self.model
         if m is None:
             raise ValueError("this runner has no model (Runner.for_layers): call each layer's DSAAttention")
-        x = m.embed_tokens(input_ids)
+        par = meta.parallel
+        x = m.embed_tokens(input_ids if par is None else par.local(input_ids))  # CP: this rank's tokens only
         cos, sin = m.rotary(meta.positions)
         selection = None
         if self.record:
@@ -239,6 +269,8 @@ class Runner:
                 self.selections[layer.self_attn.layer_id] = selection
             x = x + attn_out
             x = x + layer.mlp(layer.post_attention_layernorm(x))
+        if par is not None:
+            x = par.unshard(x)
         return m.lm_head(m.norm(x)).float()
 
 

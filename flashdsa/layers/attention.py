@@ -16,6 +16,8 @@ The step (:meth:`DSAAttention.forward`), for the batch's new tokens::
 
     prepare   projections -> absorbed query q [T, h, 576], cache rows kv [T, 576], query latent qr
     indexer   (top-k layers) q / weights / keys in fp8 (or exact precision)
+    exchange  several ranks (batch.parallel): CP all-gathers every rank's kv rows and index keys, DCP keeps
+              this rank's shard (flashdsa.parallel)
     store     kv rows (and index keys) into the paged caches at batch.slot_mapping
     select    extend: ragged logits -> top-k into the gathered KV;  decode / verify: paged logits -> top-k
               with slot translation;  skip-top-k layer: the previous layer's selection as is
@@ -23,6 +25,7 @@ The step (:meth:`DSAAttention.forward`), for the batch's new tokens::
               pooled keys, takes the top topk / c groups and expands them to their tokens, plus the
               unfinished tail group: topk + c - 1 slots per row)
     attend    sparse MLA prefill / decode over the selection, or the dense fallback (extend, short contexts)
+    combine   DCP: every rank's partial (out, lse) merged
     finish    W_uv, o_proj
 
 The caller (``engine.Runner`` or ``flashdsa.hf``) prepares the batch — reserves pages and builds the
@@ -130,6 +133,9 @@ class DSAAttention(nn.Module):
         with trusted_inputs():
             q, kv_rows, qr = self.prepare(x, cos, sin)
             idx = self.indexer(x, qr, cos, sin) if self.indexer is not None else None
+            par = batch.parallel  # several ranks (flashdsa.parallel): CP gathers the sequence, DCP keeps a shard
+            if par is not None:
+                kv_rows, idx = par.exchange(kv_rows, idx)
             self.store(kv_rows, idx, batch, pool)
             if batch.mode == EXTEND:
                 kv = pool.read(self.layer_id, batch.kv_slots)  # [N, 576] bf16: every request's whole KV
@@ -138,10 +144,12 @@ class DSAAttention(nn.Module):
                                                    backend=batch.backend)
                     return self.finish(out), None
                 sel = prev if idx is None else self.select(idx, batch, pool)
-                out, _ = ops.sparse_mla_prefill(q, kv, sel, self.softmax_scale, backend=batch.backend)
+                out, lse = ops.sparse_mla_prefill(q, kv, sel, self.softmax_scale, backend=batch.backend)
             else:
                 sel = prev if idx is None else self.select(idx, batch, pool)
-                out, _ = self.attend(q, sel, batch, pool)
+                out, lse = self.attend(q, sel, batch, pool)
+            if par is not None:
+                out = par.combine(out, lse)
             return self.finish(out), sel
 
     def store(self, kv_rows: torch.Tensor, idx: IndexerOutput | None, batch: BatchMetadata, pool: KVPool) -> None:
@@ -163,6 +171,8 @@ class DSAAttention(nn.Module):
         fp32 logits never exceed ``batch.max_logits_bytes``. decode / verify: physical slots.
         """
         lid, topk, be = self.layer_id, self.index_topk, batch.backend
+        if batch.parallel is not None and batch.parallel.shards_kv:  # DCP: this rank holds part of the keys
+            return batch.parallel.select(self, idx, batch, pool)
         if idx.pooled:
             return self.select_kpool(idx, batch, pool)
         if batch.mode != EXTEND:

@@ -299,3 +299,8 @@ def test_kpool_with_host_offload_is_bitwise_the_on_device_run(model):
         run.free("b")
     assert "b" not in off.pool._tails and off.pool._free_rows == dev.pool._free_rows
     assert torch.equal(off.decode({"a": 9}), dev.decode({"a": 9}))
+
+
+def test_kpool_with_context_parallelism_is_refused(model):
+    with pytest.raises(ValueError, match="^parallel: context parallelism with index_kpool = 4 is not built"):
+        Runner(model, 8, "fp8", parallel=object())  # refused before the plan is used

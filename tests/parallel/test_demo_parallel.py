@@ -1,0 +1,71 @@
+"""``flashdsa demo --cp P / --dcp P`` under torchrun (gloo, CPU): one JSON object from rank 0 that says ok, with
+the keys the issue asks for, and the bytes per rank per layer that ``flashdsa plan`` predicts. Bad launches
+are one-line errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flashdsa import plan as cost
+from flashdsa.cli import main
+from flashdsa.config import DSAConfig
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def torchrun(nproc: int, *args: str) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                           str(nproc), "-m", "flashdsa.cli", "demo", "--layers", "3", "--json", *args],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stdout  # rank 0 prints, the others do not
+    return json.loads(lines[0])
+
+
+@pytest.mark.parametrize("nproc, args", [(2, ["--cp", "2", "--cp-split", "zigzag"]), (3, ["--dcp", "3"])],
+                         ids=["cp2-zigzag", "dcp3"])
+def test_demo_under_torchrun_says_ok_and_agrees_with_the_plan(nproc, args):
+    report = torchrun(nproc, *args)
+    assert report["ok"] is True, report
+    assert report["world_size"] == nproc and report["selections_bitwise_equal"] is True
+    assert report["split"] == ("zigzag" if "--cp" in args else "kv-by-position")
+    assert report["max_abs_over_tolerance"] <= 1.0 and report["ranks_agree"] is True
+    cfg = DSAConfig.preset("tiny")
+    if "--cp" in args:
+        assert report["max_abs_vs_single_process"] == 0.0
+        assert report["logits_max_abs_vs_single_process_free_running"] == 0.0
+        t = 32 + 64 + 32  # the first prefill batch: short, at_topk, the long prompt's first cut
+        want = cost.cp_gather_bytes_per_rank_per_layer(cfg, t, nproc)
+    else:
+        want = cost.dcp_bytes_per_rank_per_layer(cfg, 3, nproc)
+    assert report["bytes_all_gathered_per_rank_per_layer"] == want == report["plan_bytes_per_rank_per_layer"]
+
+
+@pytest.mark.parametrize("argv, start", [
+    (["demo", "--cp", "2"], "flashdsa demo: --cp: expected one process per rank: torchrun --nproc-per-node 2"),
+    (["demo", "--dcp", "2", "--cp", "2"], "flashdsa demo: --dcp: expected --cp or --dcp, not both"),
+    (["demo", "--cp", "2", "--cp-split", "ring"], "flashdsa demo: argument --cp-split: invalid choice"),
+], ids=["no-torchrun", "both", "bad-split"])
+def test_bad_parallel_launches_are_one_line_errors(capsys, monkeypatch, argv, start):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(start) and "\n" not in err, err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["--cp", "--dcp"])
+def test_nccl_path_at_world_size_one_on_one_gpu(mode):
+    # One rank over NCCL: the all-gathers and the merge run and change nothing, so it is one process's bits.
+    report = torchrun(1, mode, "1", "--device", "cuda")
+    assert report["ok"] is True, report
+    assert report["world_size"] == 1 and report["device"].startswith("cuda") and report["backend"] == "triton"
+    assert report["max_abs_vs_single_process"] == 0.0 and report["ranks_agree"] is True
