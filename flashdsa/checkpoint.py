@@ -22,7 +22,7 @@ Per layer i, with ``p = "model.layers.{i}."`` (h heads, H_I indexer heads, D = i
     p self_attn.indexer.wk.weight               [D, hidden]                           fp8 or bf16
     p self_attn.indexer.k_norm.weight, .bias    [D]
     p self_attn.indexer.weights_proj.weight     [H_I, hidden]                         bf16
-  kpool (index_kpool = c > 1), loaded when present and handed back as is (the pooled path is not built):
+  kpool (index_kpool = c > 1), required by the layer's indexer (and handed back as is in ``kpool``):
     p self_attn.indexer.index_kpool_compress_gate   [D, hidden]
     p self_attn.indexer.index_kpool_compress_ape    [c, D]
 
@@ -392,6 +392,8 @@ def load_layers(checkpoint: str | os.PathLike, layers: str | int | Sequence[int]
                         state[key] = w
                     elif kind == "kpool":
                         kpool[i][key] = w
+                        # the indexer's own parameter: the gate in the model dtype, the place term in fp32
+                        state[f"indexer.index_kpool_{key}"] = w.to(dtype) if key == "compress_gate" else w
                     else:
                         norms[i] = w
                 attention[i] = _build(cfg, i, dtype, state)
@@ -422,6 +424,10 @@ def _build(cfg: DSAConfig, layer: int, dtype: torch.dtype, state: dict[str, torc
     """A DSAAttention made on the meta device, its every parameter then the loaded tensor (no random init)."""
     with torch.device("meta"):
         attn = DSAAttention(cfg, layer, dtype)
+    missing = [n for n, _ in attn.named_parameters() if "index_kpool_" in n and n not in state]
+    if missing:
+        raise ValueError(f"checkpoint: index_kpool = {cfg.index_kpool} but layer {layer} has no "
+                         f"self_attn.{missing[0]} (the pooled indexer keys need it)")
     attn.load_state_dict(state, strict=True, assign=True)
     attn.requires_grad_(False)
     assert not any(p.is_meta for p in attn.parameters()), "every parameter comes from the checkpoint"

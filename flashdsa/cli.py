@@ -30,11 +30,13 @@ def _demo(args: argparse.Namespace) -> int:
     from flashdsa.demo import run_demo
 
     if args.cp is not None or args.dcp is not None:
+        if args.kpool is not None:
+            raise ValueError("kpool: context parallelism (--cp / --dcp) with kpool is not built; run one of them")
         return _parallel_demo(args)
     report = run_demo(preset=args.preset, device=args.device, next_n=args.next_n, seed=args.seed,
                       backend=args.backend, layers=args.layers, kv_format=args.kv_format,
                       log=None if args.json else print, force=args.force, offload=args.offload,
-                      device_buffer=args.device_buffer)
+                      device_buffer=args.device_buffer, kpool=args.kpool)
     if args.json:
         print(json.dumps(report))
     return 0 if report["ok"] else 1
@@ -61,9 +63,11 @@ def _parallel_demo(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from flashdsa.plan import format_plan, load_config, plan
+    from flashdsa.plan import format_plan, load_config, plan, with_kpool
 
     cfg, source = load_config(preset=args.preset, config=args.config)
+    if args.kpool is not None:
+        cfg = with_kpool(cfg, args.kpool)
     report = plan(cfg, context=args.context, batch=args.batch, gpus=args.gpus, kv_format=args.kv_format,
                   parallel=args.parallel, source=source)
     print(json.dumps(report, indent=2) if args.json else format_plan(report))
@@ -86,6 +90,8 @@ def _add_plan(sub) -> None:
                       help="MLA cache format for the indexer share and the memory figure")
     plan.add_argument("--parallel", default="tp", choices=list(PARALLEL_MODES),
                       help="memory: tp = whole KV on every GPU, cp = KV sharded over the GPUs (DCP)")
+    plan.add_argument("--kpool", type=int, default=None, metavar="C",
+                      help="index_kpool: one pooled index key per C tokens (default: the model's)")
     plan.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     plan.set_defaults(func=_plan)
 
@@ -191,6 +197,8 @@ def _add_demo(sub) -> None:
     demo.add_argument("--kv-format", default="fp8", choices=list(KV_FORMATS),
                       help="MLA cache: fp8 = FlashMLA's 656-B layout (default), bf16 = 1152 B, fp8_raw = 576 B")
     demo.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompts")
+    demo.add_argument("--kpool", type=int, default=None, metavar="C",
+                      help="pool every C tokens' index keys into one (GLM-5.3's index_kpool; default: the preset's, 1)")
     demo.add_argument("--force", action="store_true",
                       help="run even when the memory estimate exceeds the device's free memory")
     demo.add_argument("--offload", action="store_true",

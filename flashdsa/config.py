@@ -2,7 +2,8 @@
 
 ``DSAConfig.from_hf`` reads a config dict (or a path to ``config.json`` / its folder), checks every
 key it uses, and derives what the rest of flashdsa needs: which layers compute top-k
-(``topk_layers``), the page size with kpool, the indexer RoPE pairing. Presets ``v32``, ``glm5`` and
+(``topk_layers``), the page size with kpool (``index_kpool`` c, with ``index_kpool_compress`` and
+``index_kpool_always_select_tail``, docs/DSA.md §7), the indexer RoPE pairing. Presets ``v32``, ``glm5`` and
 ``tiny`` build the same object without a file.
 """
 
@@ -112,6 +113,8 @@ class DSAConfig:
     index_topk_freq: int | None = None
     index_skip_topk_offset: int | None = None
     index_kpool: int = 1
+    index_kpool_compress: bool = True
+    index_kpool_always_select_tail: bool = True
     vocab_size: int = 129280
     intermediate_size: int = 18432
     rms_norm_eps: float = 1e-6
@@ -171,8 +174,19 @@ class DSAConfig:
         if self.skip_topk_layers and self.skip_topk_layers[0] == 0:
             raise ValueError("indexer_types/index_topk_pattern/index_topk_freq: layer 0 cannot skip top-k "
                              "(a skip layer reuses the previous layer's selection)")
+        for key in ("index_kpool_compress", "index_kpool_always_select_tail"):
+            if not isinstance(getattr(self, key), bool):
+                raise ValueError(f"{key}: expected true/false, got {getattr(self, key)!r}")
         c = self.index_kpool
         if c > 1:
+            # GLM-5.3's kpool (SGLang's IndexerKPool asserts the same): learned softmax-gate pooling, and the
+            # unfinished tail group always selected. Other variants have no public definition to follow.
+            if not self.index_kpool_compress:
+                raise ValueError("index_kpool_compress: only the learned softmax-gate pooling (true) is built "
+                                 f"for index_kpool = {c}, got false")
+            if not self.index_kpool_always_select_tail:
+                raise ValueError("index_kpool_always_select_tail: only true (the tail group, fewer than "
+                                 f"index_kpool tokens, is always selected) is built for index_kpool = {c}, got false")
             if self.index_topk % c:
                 raise ValueError(f"index_kpool: index_topk ({self.index_topk}) must be a multiple of index_kpool ({c})")
             if PAGE_SIZE % c:

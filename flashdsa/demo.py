@@ -13,6 +13,9 @@ decodes a few steps, runs one MTP verify step, and checks the promises of the en
     offload (--offload)    the scenario served with the MLA cache in host memory (flashdsa.cache.offload)
                            vs the same scenario all on the device: bitwise the same logits
 
+With ``kpool`` (``--kpool C``) the model pools every C tokens' index keys into one (docs/DSA.md §7) and the
+long prompt's chunks split groups, so chunked_vs_oneshot also checks a group written across two chunks.
+
 A check that does not apply is reported as None (JSON null, "n/a" in the text), never as a number.
 
 Before anything is allocated, :func:`memory_estimate` adds up what the demo will hold (weights, KV
@@ -73,11 +76,19 @@ def parse_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def demo_config(preset: str, layers: int | None = None) -> DSAConfig:
-    """The preset's config, optionally cut to its first ``layers`` layers (skip-top-k rules cut alike)."""
+def demo_config(preset: str, layers: int | None = None, kpool: int | None = None) -> DSAConfig:
+    """The preset's config, optionally cut to its first ``layers`` layers (skip-top-k rules cut alike) and with
+    ``index_kpool = kpool`` (None: the preset's)."""
     if preset not in PRESETS:
         raise ValueError(f"preset: expected one of {sorted(PRESETS)}, got {preset!r}")
     cfg = DSAConfig.preset(preset)
+    if kpool is not None:
+        if isinstance(kpool, bool) or not isinstance(kpool, int) or kpool < 1:
+            raise ValueError(f"kpool: expected an integer >= 1 (tokens per pooled index key), got {kpool!r}")
+        try:
+            cfg = cfg.replace(index_kpool=kpool)
+        except ValueError as e:  # the config's rule, said of the flag
+            raise ValueError(f"kpool: {str(e).split(': ', 1)[1]}") from None
     if layers is None:
         return cfg
     L = cfg.num_hidden_layers
@@ -113,6 +124,8 @@ def _scenario(cfg: DSAConfig, next_n: int) -> tuple[dict[str, int], list[int], i
     k = cfg.index_topk
     lens = {"short": k // 2, "at_topk": k, "long": 3 * k + 7}  # straddle the dense/sparse threshold
     cuts = [0, k // 2, 2 * k, lens["long"]]
+    if cfg.index_kpool > 1:  # cut inside groups: a group written across two chunks
+        cuts = [0, k // 2 + 1, 2 * k + 3, lens["long"]]
     pages = 2 * sum(-(-(n + 2 * DECODE_STEPS + next_n) // cfg.page_size) for n in lens.values()) + 8
     return lens, cuts, pages
 
@@ -216,11 +229,11 @@ def _fits(est: dict, avail: int) -> bool:
 
 
 def _largest_fitting_layers(preset: str, kv_format: str, next_n: int, torch_ops: bool,
-                            avail: int) -> tuple[int, dict]:
+                            avail: int, kpool: int | None = None) -> tuple[int, dict]:
     """The most leading layers of ``preset`` whose demo fits ``avail`` bytes (0 if none), and the estimate
     of one layer (the quickest run)."""
-    fixed, per_layer, _ = _weights(DSAConfig.preset(preset))
-    est = [_estimate(demo_config(preset, n), kv_format, next_n, torch_ops, fixed + sum(per_layer[:n]))
+    fixed, per_layer, _ = _weights(demo_config(preset, None, kpool))
+    est = [_estimate(demo_config(preset, n, kpool), kv_format, next_n, torch_ops, fixed + sum(per_layer[:n]))
            for n in range(1, len(per_layer) + 1)]
     return sum(_fits(e, avail) for e in est), est[0]
 
@@ -235,7 +248,8 @@ def _fit_message(preset: str, cfg: DSAConfig, device: torch.device, est: dict, a
     msg = (f"preset: {preset} ({cfg.num_hidden_layers} layers) on {device} needs about {_gb(est['total'])} "
            f"(weights {_gb(est['weights'])}, KV caches {_gb(est['kv'])}, activations {_gb(est['activations'])}) "
            f"but {_gb(avail)} is {where}")
-    layers, one = _largest_fitting_layers(preset, kv_format, next_n, torch_ops, avail)
+    kpool = cfg.index_kpool if cfg.index_kpool != DSAConfig.preset(preset).index_kpool else None
+    layers, one = _largest_fitting_layers(preset, kv_format, next_n, torch_ops, avail, kpool)
     hints = []
     if layers >= 1:
         hints.append(f"--layers N fits for N <= {layers} (--layers 1: about {_gb(one['total'])})")
@@ -304,8 +318,9 @@ def _offload_config(cfg: DSAConfig, offload, device_buffer, next_n: int, request
             raise ValueError(f"device_buffer: expected None without offload (it sizes the device buffers of "
                              f"--offload), got {device_buffer!r}")
         return None
-    k = cfg.index_topk
-    rows = max(2, next_n) * k if device_buffer is None else device_buffer
+    k = cfg.index_topk + cfg.index_kpool - 1  # the tokens one row selects (kpool: the tail group too)
+    page = layouts.PAGE_SIZE
+    rows = -(-max(2, next_n) * k // page) * page if device_buffer is None else device_buffer
     if isinstance(rows, bool) or not isinstance(rows, int) or rows < next_n * k or rows % layouts.PAGE_SIZE:
         raise ValueError(f"device_buffer: expected a multiple of {layouts.PAGE_SIZE} >= next_n * index_topk "
                          f"({next_n} * {k} = {next_n * k}: the tokens one verify step of a request may select), "
@@ -349,18 +364,20 @@ class _Lockstep:
 
 def run_demo(preset: str = "tiny", device: str = "cpu", next_n: int = 2, seed: int = 0, backend: str | None = None,
              layers: int | None = None, kv_format: str = "fp8", log: Callable[[str], None] | None = print,
-             force: bool = False, offload: bool = False, device_buffer: int | None = None) -> dict:
+             force: bool = False, offload: bool = False, device_buffer: int | None = None,
+             kpool: int | None = None) -> dict:
     """Serve the scenario on a preset model and check it; returns the report (``flashdsa demo --json``).
 
     ``offload``: serve with the MLA cache in host memory and ``device_buffer`` rows per request and layer
     on the device (:func:`_offload_config`), and check it against the same scenario all on the device.
+    ``kpool``: pool every ``kpool`` tokens' index keys into one (docs/DSA.md §7; None: the preset's, 1).
 
     Raises ValueError naming the argument for a bad one, and for a preset whose :func:`memory_estimate`
     exceeds the device's free memory (unless ``force``: then it only warns).
     """
     log = log or (lambda *_: None)
     dev = parse_device(device)
-    cfg = demo_config(preset, layers)
+    cfg = demo_config(preset, layers, kpool)
     _check_args(dev, next_n, seed, backend, kv_format)
     off_cfg = _offload_config(cfg, offload, device_buffer, next_n, len(_scenario(cfg, next_n)[0]))
     torch_ops = (backend or ("triton" if dev.type == "cuda" else "torch")) == "torch"
@@ -393,7 +410,9 @@ def run_demo(preset: str = "tiny", device: str = "cpu", next_n: int = 2, seed: i
 
     log(f"[demo] {preset}: {cfg.num_hidden_layers} layer{'s' if cfg.num_hidden_layers > 1 else ''} "
         f"({len(cfg.topk_layers)} with an indexer, skip-top-k "
-        f"{cfg.skip_topk_layers}), {cfg.num_attention_heads} heads, topk {k}, on {dev}, KV {kv_format}")
+        f"{cfg.skip_topk_layers}), {cfg.num_attention_heads} heads, topk {k}, on {dev}, KV {kv_format}"
+        + (f", kpool {cfg.index_kpool} (top-{k // cfg.index_kpool} groups of {cfg.index_kpool} + the tail)"
+           if cfg.index_kpool > 1 else ""))
     log(f"[demo] memory estimate {_gb(est['total'])} (weights {_gb(est['weights'])}, KV {_gb(est['kv'])}, "
         f"activations {_gb(est['activations'])}); {'n/a' if avail is None else _gb(avail)} free")
     work = 2 * matmul_params * _tokens_processed(lens, next_n)  # a multiply-add per weight and token
@@ -405,7 +424,8 @@ def run_demo(preset: str = "tiny", device: str = "cpu", next_n: int = 2, seed: i
     model = timed("build", lambda: DSAModel.random(cfg, seed=seed, device=dev))
 
     def runner(offload: OffloadConfig | None = None, **kw) -> Runner:
-        return Runner(model, pages, kv_format, backend=backend,
+        # kpool_max_requests: the tail rings of the scenario's requests only (256 by default)
+        return Runner(model, pages, kv_format, backend=backend, kpool_max_requests=len(lens),
                       kv_scale=RAW_KV_SCALE if kv_format == "fp8_raw" else None, offload=offload, **kw)
 
     long = prompts["long"]
@@ -491,8 +511,9 @@ def run_demo(preset: str = "tiny", device: str = "cpu", next_n: int = 2, seed: i
     total_s = sum(t for name, t in stages.items() if name not in ("build", "warmup"))
     n_index = len(cfg.topk_layers)
     L = cfg.num_hidden_layers
+    index_bytes = layouts.INDEX_BYTES_PER_TOKEN * n_index / cfg.index_kpool  # one 132-B key per c tokens
     kv_bytes = {"bf16": layouts.MLA_BF16_BYTES * L, "fp8": layouts.MLA_FP8_BYTES * L,
-                "fp8_raw": layouts.MLA_FP8_RAW_BYTES * L, "index": layouts.INDEX_BYTES_PER_TOKEN * n_index,
+                "fp8_raw": layouts.MLA_FP8_RAW_BYTES * L, "index": index_bytes,
                 "total": pool_bytes_per_token}
     tol = TOL_RMS_PER_LAYER * L
     rms = [c.rel_rms for c in (dense, chunk, verify) if c is not None]
@@ -507,7 +528,7 @@ def run_demo(preset: str = "tiny", device: str = "cpu", next_n: int = 2, seed: i
         "ok": ok, "device": str(dev), "preset": preset, "layers": L, "kv_format": kv_format, "next_n": next_n,
         "backend": "torch" if torch_ops else "triton", "prompt_lens": list(lens.values()),
         "stages_s": {n: round(t, 4) for n, t in stages.items()}, "tokens_per_s": tokens / total_s,
-        "kv_bytes_per_token": kv_bytes,
+        "kv_bytes_per_token": kv_bytes, "kpool": cfg.index_kpool, "indexer_bytes_per_token": index_bytes,
         "memory_estimate_gb": {n: round(b / GB, 3) for n, b in est.items()},
         "memory_available_gb": None if avail is None else round(avail / GB, 3),
         "dense_equivalence_max_abs": None if dense is None else dense.rel_max_abs,
@@ -523,7 +544,7 @@ def run_demo(preset: str = "tiny", device: str = "cpu", next_n: int = 2, seed: i
         log(f"[demo] {name:<8} {t * 1e3:10.1f} ms")
     log(f"[demo] {tokens} tokens in {total_s:.3f} s: {report['tokens_per_s']:.1f} tokens/s (after the warm-up)")
     log(f"[demo] KV bytes/token (all layers): MLA fp8 {kv_bytes['fp8']} | bf16 {kv_bytes['bf16']} | raw "
-        f"{kv_bytes['fp8_raw']} | indexer {kv_bytes['index']} | this pool {kv_bytes['total']:.0f}")
+        f"{kv_bytes['fp8_raw']} | indexer {kv_bytes['index']:g} | this pool {kv_bytes['total']:.0f}")
     skip_text = ("n/a (no skip-top-k layers)" if skip_ok is None
                  else f"{'exact' if skip_ok else 'BROKEN'} (layers {cfg.skip_topk_layers})")
     log(f"[demo] checks, relative RMS (tolerance {tol:.3g}) | max |diff| / scale: dense equivalence "

@@ -325,6 +325,15 @@ def load_config(preset: str | None = None, config: str | os.PathLike | None = No
     return DSAConfig.from_hf(data), path
 
 
+def with_kpool(cfg: DSAConfig, kpool: int) -> DSAConfig:
+    """``cfg`` with ``index_kpool = kpool``; ValueError naming ``kpool`` (the indexer cache and scan shrink by it)."""
+    _check_positive("kpool", kpool)
+    try:
+        return cfg.replace(index_kpool=kpool)
+    except ValueError as e:
+        raise ValueError(f"kpool: {str(e).split(': ', 1)[1]}") from None
+
+
 def plan(cfg: DSAConfig, context: int = DEFAULT_CONTEXT, batch: int = 1, gpus: int = DEFAULT_GPUS,
          kv_format: str = "fp8", parallel: str = "tp", source: str | None = None) -> dict[str, Any]:
     """The whole cost model as one JSON-ready dict (keys as in ``flashdsa plan --json``)."""

@@ -116,8 +116,8 @@ def check_window(cfg: DSAConfig, layers: Sequence[int]) -> None:
         raise ValueError(f"checkpoint: the engine's caches need kv_lora_rank + qk_rope_head_dim = {MLA_DIM} and "
                          f"index_head_dim = {INDEX_DIM}, got {cfg.kv_cache_dim} and {cfg.index_head_dim}")
     if cfg.index_kpool > 1:
-        raise ValueError(f"checkpoint: index_kpool = {cfg.index_kpool}: the report runs the engine, whose pooled-key "
-                         f"indexer path is not built yet (flashdsa.checkpoint loads the kpool tensors)")
+        raise ValueError(f"checkpoint: index_kpool = {cfg.index_kpool}: the report compares exact-precision indexer "
+                         f"runs, which the pooled-key indexer (fp8 only) does not have yet")
 
 
 def run_context(loaded: LoadedLayers, hidden: torch.Tensor | dict[int, torch.Tensor], context: int, queries: int, *,

@@ -240,11 +240,16 @@ def test_kpool_tensors_are_loaded_when_present(tmp_path):
     index = json.loads((tmp_path / ck.INDEX_FILE).read_text())
     index["weight_map"].update({p + "gate": "kpool.safetensors", p + "ape": "kpool.safetensors"})
     (tmp_path / ck.INDEX_FILE).write_text(json.dumps(index))
-    loaded = ck.load_layers(tmp_path, "0-1")
+    loaded = ck.load_layers(tmp_path, "0")
     assert loaded.config.index_kpool == 4
-    assert set(loaded.kpool[0]) == {"compress_gate", "compress_ape"} and loaded.kpool[1] == {}
+    assert set(loaded.kpool[0]) == {"compress_gate", "compress_ape"}
     assert torch.equal(loaded.kpool[0]["compress_gate"], gate.float())
     assert torch.equal(loaded.kpool[0]["compress_ape"], ape.float())
+    # the layer's indexer pools with them (kpool #19): the gate in the model dtype, the place term in fp32
+    ind = loaded.attention[0].indexer
+    assert torch.equal(ind.index_kpool_compress_gate, gate) and torch.equal(ind.index_kpool_compress_ape, ape.float())
+    with pytest.raises(ValueError, match="layer 1 has no self_attn.indexer.index_kpool_compress_gate"):
+        ck.load_layers(tmp_path, "0-1")  # layer 1 computes top-k but the checkpoint has no kpool tensors for it
 
 
 # ---- against transformers' own modelling code ---------------------------------------------------------

@@ -44,6 +44,16 @@ class BatchMetadata:
              writes the whole sequence). DCP: every rank runs every query row and its caches hold its
              shard of the KV: ``slot_mapping`` (its own new tokens), ``block_table``, ``kv_slots``,
              ``ks / ke`` and ``context_lens`` address that shard.
+    kpool (``kpool`` = c > 1, :func:`add_kpool`): ``kpool_rows [T] int64`` each token's tail ring row,
+             ``kpool_first [T] int64`` the batch index of its request's first new token, ``kpool_anchors
+             [G] int64`` the tokens that pool their group (the last new token of every group touched),
+             ``kpool_tail_tokens [K] int64`` the tokens whose raw keys go to the ring (the last
+             ``tail_len`` of each request). extend also: ``kpool_slots [M] int64`` the index slots of every
+             request's complete groups, concatenated (the pooled keys the rows score), and ``kpool_ks,
+             kpool_ke [T] int32`` each row's range in them (``ke - ks = (position + 1) // c``). Decode
+             derives its pooled lengths from ``context_lens // c``; all its kpool fields stay the same
+             from step to step of one batch (CUDA graphs need not refresh them), and
+             ``kpool_every_token`` says every new token is an anchor and goes to the ring (no gathers).
     """
 
     mode: str
@@ -63,6 +73,15 @@ class BatchMetadata:
     backend: str | None = None
     max_logits_bytes: int = 1 << 30
     parallel: ParallelPlan | None = None
+    kpool: int = 1
+    kpool_rows: torch.Tensor | None = None
+    kpool_first: torch.Tensor | None = None
+    kpool_anchors: torch.Tensor | None = None
+    kpool_tail_tokens: torch.Tensor | None = None
+    kpool_slots: torch.Tensor | None = None
+    kpool_ks: torch.Tensor | None = None
+    kpool_ke: torch.Tensor | None = None
+    kpool_every_token: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -131,3 +150,45 @@ def build_decode(alloc: PageAllocator, req_ids: list, next_n: int = 1, mode: str
         mode=mode, req_ids=list(req_ids), positions=positions.to(dev), slot_mapping=slot_mapping.to(dev),
         block_table=block_table, next_n=next_n, context_lens=(positions + 1).view(-1, next_n).to(torch.int32).to(dev),
         max_context_len=block_table.shape[1] * alloc.page_size, backend=backend)
+
+
+def add_kpool(meta: BatchMetadata, alloc: PageAllocator, c: int, rows: list[int], tail_len: int) -> BatchMetadata:
+    """Fill ``meta``'s kpool fields (:class:`BatchMetadata`) for pooled indexer keys of ``c`` tokens.
+
+    ``rows``: each request's tail ring row (``KVPool.tail_rows``); ``tail_len``: the ring's positions per
+    row. The batch's tokens are each request's last new tokens, consecutive, in ``meta.req_ids`` order.
+    """
+    dev = alloc.device
+    if meta.mode == EXTEND:
+        q_lens = (meta.cu_seqlens_q[1:] - meta.cu_seqlens_q[:-1]).tolist()
+    else:
+        q_lens = [meta.next_n] * len(meta.req_ids)
+    tok_rows, first, anchors, tail, slots, ks, ke = [], [], [], [], [], [], []
+    t0 = m0 = 0
+    for r, row, n in zip(meta.req_ids, rows, q_lens):
+        end = alloc.seq_len(r)
+        pos = torch.arange(end - n, end, dtype=torch.int64)
+        tok_rows.append(torch.full((n,), row, dtype=torch.int64))
+        first.append(torch.full((n,), t0, dtype=torch.int64))
+        # the last new token of each group: the group's last token, or the request's last new token
+        anchors.append(t0 + ((pos % c == c - 1) | (pos == end - 1)).nonzero()[:, 0])
+        tail.append(t0 + (pos >= end - tail_len).nonzero()[:, 0])
+        if meta.mode == EXTEND:
+            groups = end // c  # complete groups once this chunk is written
+            slots.append(slots_from_pages(alloc.pages(r), 0, groups, alloc.page_size // c))
+            ks.append(torch.full((n,), m0, dtype=torch.int32))
+            ke.append((m0 + (pos + 1) // c).to(torch.int32))
+            m0 += groups
+        t0 += n
+
+    def cat(parts: list[torch.Tensor], dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        return (torch.cat(parts) if parts else torch.zeros(0, dtype=dtype)).to(dev)
+
+    meta.kpool = c
+    meta.kpool_rows, meta.kpool_first = cat(tok_rows), cat(first)
+    meta.kpool_anchors, meta.kpool_tail_tokens = cat(anchors), cat(tail)
+    meta.kpool_every_token = meta.mode == DECODE  # one token per request: its own group's anchor, in the ring
+    if meta.mode == EXTEND:
+        meta.kpool_slots = cat(slots)
+        meta.kpool_ks, meta.kpool_ke = cat(ks, torch.int32), cat(ke, torch.int32)
+    return meta

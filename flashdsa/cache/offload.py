@@ -251,17 +251,18 @@ class OffloadKVPool(KVPool):
 
     def __init__(self, config: DSAConfig, num_pages: int, kv_format: str = "fp8",
                  device: torch.device | str = "cpu", kv_scale: float | None = None,
-                 offload: OffloadConfig | None = None):
+                 offload: OffloadConfig | None = None, **kpool):
         offload = OffloadConfig() if offload is None else offload
         if not isinstance(offload, OffloadConfig):
             _fail("offload", "an OffloadConfig or None", type(offload).__name__)
         if isinstance(config, DSAConfig):
-            offload.rows(config.index_topk)  # checked before the host caches are made
+            offload.rows(config.index_topk + config.index_kpool - 1)  # checked before the host caches are made
         # Pinned host memory makes the copies DMA transfers; without CUDA there is nothing to pin.
         self._pinned = torch.device(device).type == "cuda"
-        super().__init__(config, num_pages, kv_format, device, kv_scale)
+        super().__init__(config, num_pages, kv_format, device, kv_scale, **kpool)
         self.offload = offload
-        self.buffer_rows = n = offload.rows(config.index_topk)
+        # a row selects index_topk tokens, plus the tail group's c - 1 with kpool
+        self.buffer_rows = n = offload.rows(config.index_topk + config.index_kpool - 1)
         self.max_requests = r = offload.max_requests
         width, dtype = self.mla_caches[0].shape[-1], self.mla_caches[0].dtype
         self.buffers: list[torch.Tensor] = [torch.zeros(r * n, width, dtype=dtype, device=self.device)
@@ -390,7 +391,7 @@ class OffloadKVPool(KVPool):
     # ---- request ends -----------------------------------------------------------------------------
     def free(self, req_id: Hashable) -> list[int]:
         """Release the request: its pages (``allocator.free``), then its device rows and buffer."""
-        pages = self.allocator.free(req_id)
+        pages = super().free(req_id)  # with kpool also its tail ring row
         self.resident.release(req_id)
         self._batch = None  # its buffer ids may be handed to another request
         return pages
@@ -398,7 +399,7 @@ class OffloadKVPool(KVPool):
     def truncate(self, req_id: Hashable, n_tokens: int) -> list[int]:
         """Keep the request's first ``n_tokens`` (``allocator.truncate``) and drop the device rows of the rest."""
         pages, old = self.allocator.pages(req_id), self.allocator.seq_len(req_id)
-        dropped = self.allocator.truncate(req_id, n_tokens)  # checks n_tokens before changing anything
+        dropped = super().truncate(req_id, n_tokens)  # checks n_tokens (and kpool's ring) before changing anything
         self.resident.drop(slots_from_pages(pages, n_tokens, old, self.page_size))
         return dropped
 
@@ -411,7 +412,7 @@ class OffloadKVPool(KVPool):
         buffers = sum(b.numel() * b.element_size() for b in self.buffers)
         rmap = self.resident.nbytes()
         m.update(device_buffers=buffers, resident_map=rmap, host=m["mla"],
-                 device=m["index"] + m["exact_index"] + buffers + rmap)
+                 device=m["index"] + m["exact_index"] + m["kpool_tail"] + buffers + rmap)
         m["total"] = m["device"] + m["host"]
         m["total_per_token"] = m["total"] / self.capacity_tokens
         return m

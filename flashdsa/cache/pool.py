@@ -16,6 +16,15 @@ token and both slot formulas agree.
 Memory per page: ``num_layers * page_size * mla_bytes + num_topk_layers * 8448``; per token divide by
 page_size (the indexer costs 132 / c bytes per token per top-k layer).
 
+kpool keeps per request what a group needs before it is full (SPEC §7; SGLang keeps it in its KV pool per
+request slot too): the tail ring, per top-k layer ``[R, S, 2, 128]`` in the model dtype — request row r
+holds the key (``[.., 0, :]``, after LayerNorm and RoPE, not rotated) and the pooling gate (``[.., 1, :]``)
+of position p at ``[r, p % S]``, ``S = c + max_next_n - 1``. A request gets its row on its first
+reservation and gives it back with :meth:`free`. :meth:`reserve` / :meth:`undo` / :meth:`truncate` keep
+the ring right: a failed forward's writes are put back (the rows it could overwrite are saved first),
+and a truncation must leave its unfinished group's tokens among the last S written (ValueError else;
+always true for drafts of a verify of at most ``max_next_n`` tokens).
+
 An indexer run in exact precision (``Indexer(precision="exact")``: float keys, fp32 scores) cannot use the
 fp8 pages: its keys go to a float store per top-k layer, ``[P * page_size, 128]`` in the model dtype,
 addressed by MLA slot and made on the layer's first exact write (``exact_index_cache``). It is counted in
@@ -25,12 +34,13 @@ addressed by MLA slot and made on the layer's first exact write (``exact_index_c
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Hashable
 
 import torch
 
 from flashdsa.cache import layouts
-from flashdsa.cache.allocator import BLOCK_TABLE_PAD, PageAllocator, check_span, slots_from_pages
+from flashdsa.cache.allocator import BLOCK_TABLE_PAD, PageAllocator, Reservation, check_span, slots_from_pages
 from flashdsa.config import DSAConfig
 from flashdsa._checks import check_finite, check_slots
 from flashdsa.quant import FP8
@@ -52,6 +62,14 @@ def page_bytes(config: DSAConfig, kv_format: str) -> int:
     return mla + len(config.topk_layers) * layouts.INDEX_PAGE_BYTES
 
 
+@dataclass(frozen=True)
+class PoolReservation(Reservation):
+    """A :class:`Reservation` plus what :meth:`KVPool.undo` puts back for kpool: per request of the batch,
+    ``(req_id, row, hi before, row newly given, saved ring rows {layer: [S, 2, 128]} or None)``."""
+
+    tails: tuple = ()
+
+
 class KVPool:
     """The paged MLA and indexer caches of every layer, plus the page allocator that hands out their pages.
 
@@ -62,13 +80,18 @@ class KVPool:
                    "fp32" (2304 B: an fp32 model's rows unrounded, for exactness studies).
         device:    where the caches live.
         kv_scale:  the per-tensor fp32 scale of "fp8_raw" (required there, must be None otherwise).
+        max_requests: kpool: live requests with a tail ring row (default 256).
+        max_next_n:   kpool: the longest verify after which any draft count may be kept (truncate); the
+                      ring keeps the last ``c + max_next_n - 1`` positions of a request (default 8).
 
     Caches start zeroed. ``allocator`` reserves pages per request; ``block_table`` / ``slots`` /
-    ``index_slots`` turn them into the addresses the ops and writers take.
+    ``index_slots`` turn them into the addresses the ops and writers take. With kpool, reserve through
+    :meth:`reserve` (and :meth:`undo`, :meth:`truncate`, :meth:`free`), which also keep the tail ring.
     """
 
     def __init__(self, config: DSAConfig, num_pages: int, kv_format: str = "fp8",
-                 device: torch.device | str = "cpu", kv_scale: float | None = None):
+                 device: torch.device | str = "cpu", kv_scale: float | None = None, *,
+                 max_requests: int = 256, max_next_n: int = 8):
         if not isinstance(config, DSAConfig):
             _fail("config", "a DSAConfig", type(config).__name__)
         if config.kv_cache_dim != layouts.MLA_DIM:
@@ -87,6 +110,9 @@ class KVPool:
             kv_scale = float(kv_scale)
         elif kv_scale is not None:
             _fail("kv_scale", f"None for kv_format {kv_format!r} (only 'fp8_raw' has a per-tensor scale)", kv_scale)
+        for name, v in (("max_requests", max_requests), ("max_next_n", max_next_n)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                _fail(name, "an int >= 1", repr(v))
 
         self.config = config
         self.num_pages = num_pages
@@ -104,6 +130,12 @@ class KVPool:
             layer: torch.zeros(num_pages, layouts.INDEX_PAGE_BYTES, dtype=torch.uint8, device=self.device)
             for layer in config.topk_layers}
         self.exact_index_caches: dict[int, torch.Tensor] = {}  # made on first use (exact_index_cache)
+        # kpool's tail ring (module docstring): made on a layer's first pooled write, in the model dtype
+        self.tail_requests = max_requests  # (OffloadKVPool's max_requests counts its buffers)
+        self.tail_len = self.kpool + max_next_n - 1
+        self.tail_rings: dict[int, torch.Tensor] = {}
+        self._tails: dict[Hashable, list[int]] = {}  # req_id -> [ring row, 1 + the last position written]
+        self._free_rows: list[int] = list(range(max_requests - 1, -1, -1))  # pop() gives the lowest row
 
     @classmethod
     def from_memory(cls, config: DSAConfig, bytes_budget: int, kv_format: str = "fp8",
@@ -146,6 +178,99 @@ class KVPool:
             store = torch.zeros(self.num_pages * self.page_size, layouts.INDEX_DIM, dtype=dtype, device=self.device)
             self.exact_index_caches[layer] = store
         return store
+
+    def tail_ring(self, layer: int, dtype: torch.dtype) -> torch.Tensor:
+        """kpool: the layer's tail ring ``[max_requests, tail_len, 2, 128]`` of ``dtype`` (module docstring);
+        made on first use, or remade if ``dtype`` changed. ValueError without kpool or on a skip-top-k layer."""
+        self.index_cache(layer)
+        if self.kpool == 1:
+            _fail("layer", "a pool with index_kpool > 1 (only kpool keeps a tail ring)", f"index_kpool {self.kpool}")
+        ring = self.tail_rings.get(layer)
+        if ring is None or ring.dtype != dtype:
+            ring = torch.zeros(self.tail_requests, self.tail_len, 2, layouts.INDEX_DIM, dtype=dtype, device=self.device)
+            self.tail_rings[layer] = ring
+        return ring
+
+    def write_tail(self, layer: int, rows: torch.Tensor, positions: torch.Tensor, k: torch.Tensor,
+                   gate: torch.Tensor) -> None:
+        """kpool: store N tokens' keys ``k [N, 128]`` and gates ``gate [N, 128]`` (model dtype) at ring
+        ``[rows[i], positions[i] % tail_len]``; the (row, slot) pairs must be distinct."""
+        ring = self.tail_ring(layer, k.dtype)
+        idx = (rows.long(), positions.long() % self.tail_len)
+        ring[idx] = torch.stack((k, gate.to(k.dtype)), dim=1)
+
+    def tail_rows(self, req_ids) -> list[int]:
+        """kpool: the ring row of each request (given by :meth:`reserve`)."""
+        return [self._tails[r][0] for r in req_ids]
+
+    # ---- reservations (the allocator's, plus kpool's tail ring) ---------------------------------
+    def reserve(self, new_tokens: dict[Hashable, int]) -> Reservation:
+        """``allocator.reserve`` (all or nothing) and, with kpool, a ring row for every request of the batch.
+
+        Also saves the ring rows a forward of these tokens could overwrite while the request's unfinished
+        group still needs them (a write of more than ``tail_len - (seq_len % c)`` tokens), so that
+        :meth:`undo` puts back the pool exactly. ValueError (nothing changed) when the rows run out.
+        """
+        if self.kpool == 1:
+            return self.allocator.reserve(new_tokens)
+        alloc, c, S = self.allocator, self.kpool, self.tail_len
+        for r in [r for r in self._tails if r not in alloc]:  # requests freed through the allocator directly
+            self._free_rows.append(self._tails.pop(r)[0])
+        new = [r for r in new_tokens if r not in self._tails]
+        if len(new) > len(self._free_rows):
+            _fail("new_tokens", f"at most {len(self._free_rows)} new request(s): kpool keeps a tail ring row for "
+                  f"each of at most max_requests = {self.tail_requests} live requests", f"{len(new)} new")
+        steps = alloc.reserve(new_tokens)
+        tails = []
+        for r, n in new_tokens.items():
+            fresh = r not in self._tails
+            if fresh:
+                self._tails[r] = [self._free_rows.pop(), 0]
+            row, hi = self._tails[r]
+            end = alloc.seq_len(r)
+            start = end - n
+            saved = None
+            if start % c and end - start // c * c > S:  # the write wraps onto the unfinished group's tokens
+                saved = {layer: ring[row].clone() for layer, ring in self.tail_rings.items()}
+            tails.append((r, row, hi, fresh, saved))
+            self._tails[r][1] = max(hi, end)
+        return PoolReservation(steps.steps, tuple(tails))
+
+    def undo(self, reservation: Reservation) -> None:
+        """Take back a :meth:`reserve`: the allocator's pages and lengths, and kpool's rows and saved ring (what
+        a later call reads is as before; :meth:`truncate` may keep fewer old positions than it did)."""
+        self.allocator.undo(reservation)
+        for r, row, hi, fresh, saved in reversed(getattr(reservation, "tails", ())):
+            if fresh:
+                del self._tails[r]
+                self._free_rows.append(row)
+            elif saved is not None:
+                for layer, rows in saved.items():
+                    self.tail_rings[layer][row] = rows
+                self._tails[r][1] = hi
+            # else the forward may have written the ring past the old length, over positions older than its
+            # unfinished group (never over that group: nothing saved means no wrap onto it). Keeping the
+            # higher mark counts those positions as lost, so truncate never relies on them.
+
+    def truncate(self, req_id: Hashable, n_tokens: int) -> list[int]:
+        """``allocator.truncate``; with kpool, ValueError (nothing changed) unless the tokens of the request's
+        new unfinished group are still in its ring (the last ``tail_len`` positions it wrote)."""
+        if (self.kpool > 1 and req_id in self._tails and isinstance(n_tokens, int)
+                and 0 <= n_tokens <= self.allocator.seq_len(req_id)):  # else the allocator says what is wrong
+            start = n_tokens // self.kpool * self.kpool
+            hi = self._tails[req_id][1]
+            if start < n_tokens and start < hi - self.tail_len:
+                _fail("n_tokens", f"a length whose unfinished group starts at >= {hi - self.tail_len} (kpool keeps the "
+                      f"raw keys of the last {self.tail_len} positions written: c + max_next_n - 1), or a multiple of "
+                      f"index_kpool ({self.kpool})", n_tokens)
+        return self.allocator.truncate(req_id, n_tokens)
+
+    def free(self, req_id: Hashable) -> list[int]:
+        """``allocator.free``, and the request's ring row back to kpool's free rows."""
+        pages = self.allocator.free(req_id)
+        if req_id in self._tails:
+            self._free_rows.append(self._tails.pop(req_id)[0])
+        return pages
 
     # ---- addresses -----------------------------------------------------------------------------
     def slots(self, req_id: Hashable, start: int = 0, end: int | None = None) -> torch.Tensor:
@@ -249,15 +374,16 @@ class KVPool:
     # ---- memory ----------------------------------------------------------------------------------
     def memory_bytes(self) -> dict[str, float]:
         """Bytes held, by cache: ``mla``, ``index``, ``exact_index`` (the float key stores made so far),
-        ``total`` (ints, all layers), and the same per token of capacity as ``mla_per_token``,
-        ``index_per_token``, ``exact_index_per_token``, ``total_per_token`` (floats: the indexer costs
-        132 / c per token per top-k layer)."""
+        ``kpool_tail`` (kpool's tail rings made so far: per request, not per token), ``total`` (ints, all
+        layers), and per token of capacity ``mla_per_token``, ``index_per_token``, ``exact_index_per_token``,
+        ``total_per_token`` (floats: the indexer costs 132 / c per token per top-k layer)."""
         mla = self.num_layers * self.num_pages * self.page_size * layouts.BYTES_PER_TOKEN[self.kv_format]
         index = len(self.index_caches) * self.num_pages * layouts.INDEX_PAGE_BYTES
         exact = sum(t.numel() * t.element_size() for t in self.exact_index_caches.values())
-        total = mla + index + exact
+        tail = sum(t.numel() * t.element_size() for t in self.tail_rings.values())
+        total = mla + index + exact + tail
         tokens = self.num_pages * self.page_size
-        return {"mla": mla, "index": index, "exact_index": exact, "total": total,
+        return {"mla": mla, "index": index, "exact_index": exact, "kpool_tail": tail, "total": total,
                 "mla_per_token": mla / tokens, "index_per_token": index / tokens,
                 "exact_index_per_token": exact / tokens, "total_per_token": total / tokens}
 

@@ -49,7 +49,8 @@ class DSAModel(nn.Module):
     @classmethod
     def random(cls, cfg: DSAConfig, seed: int = 0, device: str | torch.device = "cpu",
                dtype: torch.dtype = torch.bfloat16) -> "DSAModel":
-        """Seeded random weights, scaled so activations stay O(1) through the layers."""
+        """Seeded random weights, scaled so activations stay O(1) through the layers (kpool's gate scores
+        ``index_kpool_compress_gate @ x`` too, its place term ``index_kpool_compress_ape`` about half of them)."""
         device = torch.device(device)
         # Drawn on the target device: a big preset's weights are too slow to draw on the CPU.
         gen = torch.Generator(device=device).manual_seed(seed)
@@ -63,6 +64,8 @@ class DSAModel(nn.Module):
                     w = 1 + 0.1 * w
                 elif name.endswith("k_norm.bias"):
                     w = 0.1 * w
+                elif name.endswith("index_kpool_compress_ape"):
+                    w = 0.5 * w  # a place term as large as the gate scores' spread, so both shape the pooling
                 elif p.dim() == 2 and "embed" not in name:
                     w = w * p.shape[1] ** -0.5
                 p.copy_(w.to(p.dtype))

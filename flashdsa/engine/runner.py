@@ -21,8 +21,8 @@ from typing import Hashable, Iterator, Sequence
 import torch
 
 from flashdsa.cache.allocator import Reservation
-from flashdsa.cache.metadata import (DECODE, DRAFT_EXTEND, EXTEND, TARGET_VERIFY, BatchMetadata, build_decode,
-                                     build_extend)
+from flashdsa.cache.metadata import (DECODE, DRAFT_EXTEND, EXTEND, TARGET_VERIFY, BatchMetadata, add_kpool,
+                                     build_decode, build_extend)
 from flashdsa.cache.offload import OffloadConfig, OffloadKVPool
 from flashdsa.cache.pool import KVPool
 from flashdsa.config import DSAConfig
@@ -54,15 +54,20 @@ class Runner:
                          (prefill CP) or ``DecodeContextParallel`` (DCP; the pool then holds this rank's
                          shard). Every rank is given the same calls; no dense fallback (docs/DSA.md §6).
                          Not together with ``offload`` (not built).
+        kpool_max_requests, kpool_max_next_n: kpool (``index_kpool`` > 1) only, ``KVPool``'s ``max_requests`` /
+                         ``max_next_n``: the live requests the tail rings hold, the longest verify after which any
+                         draft count may be kept.
 
-    The caches (MLA, indexer, and the float key stores of exact-precision indexers) are ``self.pool``'s.
+    The caches (MLA, indexer, and the float key stores of exact-precision indexers, kpool's tail rings) are
+    ``self.pool``'s. With kpool each row selects ``index_topk + c - 1`` tokens (docs/DSA.md §7).
     """
 
     def __init__(self, model: DSAModel | None, num_pages: int, kv_format: str = "fp8", *,
                  backend: str | None = None, dense_threshold: int | None = None, kv_scale: float | None = None,
                  record: bool = False, max_dense_tokens: int = 1 << 16, max_logits_bytes: int = 1 << 30,
                  config: DSAConfig | None = None, device: torch.device | str | None = None,
-                 offload: OffloadConfig | None = None, parallel: Parallel | None = None):
+                 offload: OffloadConfig | None = None, parallel: Parallel | None = None,
+                 kpool_max_requests: int = 256, kpool_max_next_n: int = 8):
         if model is not None:
             config, device = model.config, next(model.parameters()).device
         elif config is None or device is None:
@@ -73,22 +78,26 @@ class Runner:
                              "(flashdsa.hf) do not split their batches")
         self.model = model
         self.cfg = config
-        if self.cfg.index_kpool > 1:
-            raise NotImplementedError("index_kpool > 1: the pooled-key indexer path (docs/DSA.md §7) is not built "
-                                      "yet; the pool and config support it, the runner does not")
         if offload is not None and parallel is not None:
             raise ValueError("offload: host offload together with context parallelism is not built; use one of them")
+        if self.cfg.index_kpool > 1 and parallel is not None:
+            raise ValueError(f"parallel: context parallelism with index_kpool = {self.cfg.index_kpool} is not built "
+                             "(the pooled keys and the tail ring are per rank); run kpool on one rank")
+        kpool = dict(max_requests=kpool_max_requests, max_next_n=kpool_max_next_n)
         if offload is None:
-            self.pool = KVPool(self.cfg, num_pages, kv_format, torch.device(device), kv_scale)
+            self.pool = KVPool(self.cfg, num_pages, kv_format, torch.device(device), kv_scale, **kpool)
         else:
             if dense_threshold not in (None, 0):
                 raise ValueError(f"dense_threshold: expected None or 0 with offload (the dense fallback is off when "
                                  f"the MLA cache lives on the host, docs/DSA.md §6), got {dense_threshold!r}")
             dense_threshold = 0
-            self.pool = OffloadKVPool(self.cfg, num_pages, kv_format, torch.device(device), kv_scale, offload)
+            self.pool = OffloadKVPool(self.cfg, num_pages, kv_format, torch.device(device), kv_scale, offload, **kpool)
         self.offload = offload
         self.parallel = parallel
         self.alloc = self.pool.allocator if parallel is None else parallel.allocator(self.pool.allocator)
+        # who reserves, undoes, frees and truncates: the pool (its allocator, and kpool's tail rings / offload's
+        # device rows with it), or DCP's sharded allocator
+        self._requests = self.pool if parallel is None else self.alloc
         self.backend = backend
         self.dense_threshold = self.cfg.index_topk if dense_threshold is None else dense_threshold
         self.max_dense_tokens = max_dense_tokens
@@ -106,19 +115,15 @@ class Runner:
 
     # ---- requests ------------------------------------------------------------------------------
     def free(self, req_id: Hashable) -> None:
-        """End the request: its pages go back (with offload, its device rows and buffer too)."""
-        if self.offload is None:
-            self.alloc.free(req_id)
-        else:
-            self.pool.free(req_id)
+        """End the request: its pages go back (with kpool its tail ring row, with offload its device rows and
+        buffer too)."""
+        self._requests.free(req_id)
 
     def truncate(self, req_id: Hashable, seq_len: int) -> None:
         """Drop the tokens past ``seq_len`` (rejected drafts); pages no longer needed go back (with offload, the
-        dropped tokens' device rows too)."""
-        if self.offload is None:
-            self.alloc.truncate(req_id, seq_len)
-        else:
-            self.pool.truncate(req_id, seq_len)
+        dropped tokens' device rows too). With kpool, a ValueError (nothing changed) if the new unfinished
+        group's raw keys are no longer kept (``KVPool.truncate``)."""
+        self._requests.truncate(req_id, seq_len)
 
     def prepare(self, new_tokens: dict[Hashable, int], mode: str | None = None, *, force_sparse: bool = False,
                 max_pages: int | None = None) -> tuple[BatchMetadata, Reservation]:
@@ -155,7 +160,7 @@ class Runner:
             if unknown:
                 raise ValueError(f"req_ids: {mode} continues live requests; unknown: {unknown[:8]!r} (start a "
                                  f"request with extend)")
-        reservation = self.alloc.reserve(new_tokens)
+        reservation = self._requests.reserve(new_tokens)
         try:
             ids = list(new_tokens)
             if self.parallel is not None:  # the mode builds this rank's metadata (flashdsa.parallel)
@@ -169,14 +174,17 @@ class Runner:
             else:
                 meta = build_decode(self.alloc, ids, next(iter(new_tokens.values()), 1), mode, max_pages,
                                     backend=self.backend)
+            if self.cfg.index_kpool > 1:
+                add_kpool(meta, self.alloc, self.cfg.index_kpool, self.pool.tail_rows(ids), self.pool.tail_len)
         except BaseException:
-            self.alloc.undo(reservation)
+            self._requests.undo(reservation)
             raise
         return meta, reservation
 
     def undo(self, reservation: Reservation) -> None:
-        """Give back what :meth:`prepare` reserved (a forward that failed): the requests are as before."""
-        self.alloc.undo(reservation)
+        """Give back what :meth:`prepare` reserved (a forward that failed): the requests are as before (kpool's
+        tail rings included)."""
+        self._requests.undo(reservation)
 
     @contextlib.contextmanager
     def _batch(self, new_tokens: dict[Hashable, int], mode: str, **kw) -> Iterator[BatchMetadata]:

@@ -21,6 +21,9 @@ The step (:meth:`DSAAttention.forward`), for the batch's new tokens::
     store     kv rows (and index keys) into the paged caches at batch.slot_mapping
     select    extend: ragged logits -> top-k into the gathered KV;  decode / verify: paged logits -> top-k
               with slot translation;  skip-top-k layer: the previous layer's selection as is
+              (kpool, c > 1: store_kpool pools every c tokens' keys into one; select_kpool scores the
+              pooled keys, takes the top topk / c groups and expands them to their tokens, plus the
+              unfinished tail group: topk + c - 1 slots per row)
     attend    sparse MLA prefill / decode over the selection, or the dense fallback (extend, short contexts)
     combine   DCP: every rank's partial (out, lse) merged
     finish    W_uv, o_proj
@@ -57,7 +60,8 @@ class RMSNorm(nn.Module):
 class DSAAttention(nn.Module):
     """One DSA attention layer: its projections and its step over the paged caches (module docstring).
 
-    ``self.index_topk`` tokens are selected per query row; ``self.indexer`` is None on a skip-top-k layer.
+    ``self.index_topk`` tokens are selected per query row (``+ c - 1`` with kpool: the tail group);
+    ``self.indexer`` is None on a skip-top-k layer.
     """
 
     def __init__(self, cfg: DSAConfig, layer_id: int, dtype: torch.dtype = torch.bfloat16):
@@ -68,6 +72,7 @@ class DSAAttention(nn.Module):
         self.kv_lora_rank = cfg.kv_lora_rank
         self.softmax_scale = cfg.softmax_scale
         self.index_topk = cfg.index_topk
+        self.kpool = cfg.index_kpool
         self.q_a_proj = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=False, dtype=dtype)
         self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
         self.q_b_proj = nn.Linear(cfg.q_lora_rank, self.h * (self.nope + self.rope), bias=False, dtype=dtype)
@@ -156,6 +161,8 @@ class DSAAttention(nn.Module):
     def store(self, kv_rows: torch.Tensor, idx: IndexerOutput | None, batch: BatchMetadata, pool: KVPool) -> None:
         """Write the new tokens' cache rows ``kv_rows [T, 576]`` and index keys at ``batch.slot_mapping``."""
         lid = self.layer_id
+        if idx is not None and idx.pooled:
+            return self.store_kpool(kv_rows, idx, batch, pool)
         if idx is None or idx.exact:
             pool.write(lid, batch.slot_mapping, kv_rows)
             if idx is not None:
@@ -172,6 +179,8 @@ class DSAAttention(nn.Module):
         lid, topk, be = self.layer_id, self.index_topk, batch.backend
         if batch.parallel is not None and batch.parallel.shards_kv:  # DCP: this rank holds part of the keys
             return batch.parallel.select(self, idx, batch, pool)
+        if idx.pooled:
+            return self.select_kpool(idx, batch, pool)
         if batch.mode != EXTEND:
             return self.topk_paged(self.score_paged(idx, batch, pool), batch, pool)
         if idx.exact:
@@ -182,6 +191,49 @@ class DSAAttention(nn.Module):
         k_fp8, k_scale = pool.read_index(lid, batch.kv_slots)
         return ops.indexer_topk_ragged(idx.q, k_fp8, k_scale, idx.weights, batch.ks, batch.ke, topk,
                                        out_offsets=batch.ks, max_logits_bytes=batch.max_logits_bytes, backend=be)
+
+    # ---- kpool (docs/DSA.md §7): a second kind of store and select ----------------------------------
+    def store_kpool(self, kv_rows: torch.Tensor, idx: IndexerOutput, batch: BatchMetadata, pool: KVPool) -> None:
+        """Write the MLA rows, the pooled key of every group the batch touches (a group still filling is
+        written as far as it goes and rewritten when it fills: no row scores it before it is complete),
+        then the raw keys of each request's last tokens into its tail ring (after: the pooling reads the
+        ring's older tokens)."""
+        lid, c = self.layer_id, self.kpool
+        ring = pool.tail_ring(lid, idx.k.dtype)
+        k_fp8, k_scale = ops.kpool_compress(idx.k, idx.gate, ring, self.indexer.index_kpool_compress_ape,
+                                            batch.positions, batch.kpool_rows, batch.kpool_first,
+                                            batch.kpool_anchors, backend=batch.backend)
+        # pooled key g of a request sits at page block_table[g // 64], row g % 64: its token p = g c + i at
+        # page block_table[p // 64 c], row p % 64 c, so the index slot is the token's slot // c
+        every = batch.kpool_every_token  # decode: anchors and ring tokens are all tokens, skip the gathers
+        index_slots = (batch.slot_mapping if every else batch.slot_mapping[batch.kpool_anchors]) // c
+        pool.write(lid, batch.slot_mapping, kv_rows, k_fp8, k_scale, index_slots=index_slots)
+        if every:
+            pool.write_tail(lid, batch.kpool_rows, batch.positions, idx.k, idx.gate)
+        else:
+            tail = batch.kpool_tail_tokens
+            pool.write_tail(lid, batch.kpool_rows[tail], batch.positions[tail], idx.k[tail], idx.gate[tail])
+
+    def select_kpool(self, idx: IndexerOutput, batch: BatchMetadata, pool: KVPool) -> torch.Tensor:
+        """kpool's top-k of every query row: the top ``topk / c`` complete groups by the logits of their pooled
+        keys (exact, ties to the smaller group), each expanded to its c tokens, then the row's unfinished
+        tail group: ``[T, topk + c - 1] int32``, -1 padded; rows of the gathered KV (extend) or physical
+        slots (decode / verify), as :meth:`select`."""
+        c, be = self.kpool, batch.backend
+        groups = self.index_topk // c
+        if batch.mode == EXTEND:
+            k_fp8, k_scale = pool.read_index(self.layer_id, batch.kpool_slots)
+            top = ops.indexer_topk_ragged(idx.q, k_fp8, k_scale, idx.weights, batch.kpool_ks, batch.kpool_ke, groups,
+                                          max_logits_bytes=batch.max_logits_bytes, backend=be)
+            return ops.kpool_expand(top, batch.ke - batch.ks, c, out_offsets=batch.ks, backend=be)
+        B, n = batch.context_lens.shape
+        pooled_lens = batch.context_lens // c  # complete groups each row sees
+        logits = ops.indexer_logits_paged(idx.q.view(B, n, *idx.q.shape[1:]), pool.index_cache(self.layer_id),
+                                          idx.weights, pooled_lens, batch.block_table, batch.max_context_len // c,
+                                          backend=be)
+        top = ops.topk_transform(logits, pooled_lens.view(-1), groups, backend=be)
+        return ops.kpool_expand(top, batch.context_lens.view(-1), c, page_table=batch.block_table,
+                                page_size=pool.page_size, backend=be)
 
     def score_paged(self, idx: IndexerOutput, batch: BatchMetadata, pool: KVPool) -> torch.Tensor:
         """Decode / verify indexer logits ``[B * n, max_context_len] float32`` over the paged keys."""

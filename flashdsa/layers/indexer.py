@@ -11,6 +11,11 @@ are kept in a float key store addressed by slot (the fp8 pages cannot hold them)
 :func:`exact_logits_ragged` / :func:`exact_logits_paged` below. Switch precision between sequences: the
 keys already cached were written in the precision of their time.
 
+With kpool (``index_kpool`` = c > 1, docs/DSA.md §7, fp8 only) the layer also holds GLM-5.3's two pooling
+parameters, ``index_kpool_compress_gate [128, hidden]`` (model dtype) and ``index_kpool_compress_ape [c, 128]``
+(fp32), and hands back each token's key before rotation plus its gate (``IndexerOutput.gate``): the
+attention layer pools every c tokens' keys into the one key the indexer cache holds (``ops.kpool_compress``).
+
 Parameter names follow the Hugging Face DeepSeek-V3.2 checkpoint (``self_attn.indexer.*``).
 """
 
@@ -38,16 +43,26 @@ class IndexerOutput(NamedTuple):
 
     ``precision="exact"``: ``q [T, H, D]`` and ``k [T, D]`` in the model dtype (RoPE only), ``k_scale``
     None, ``weights [T, H] float32`` = weights_proj * H^-0.5 * D^-0.5.
+
+    kpool (c > 1, fp8): ``q``, ``weights`` as for fp8; ``k [T, D]`` in the model dtype, the key after
+    LayerNorm and RoPE and before the rotation (what ``ops.kpool_compress`` pools); ``k_scale`` None;
+    ``gate [T, D]`` in the model dtype, ``index_kpool_compress_gate`` applied to the hidden states.
     """
 
     q: torch.Tensor
     weights: torch.Tensor
     k: torch.Tensor
     k_scale: torch.Tensor | None
+    gate: torch.Tensor | None = None
 
     @property
     def exact(self) -> bool:
         return self.q.dtype != FP8
+
+    @property
+    def pooled(self) -> bool:
+        """kpool: the keys are pooled (``ops.kpool_compress``) before they are stored."""
+        return self.gate is not None
 
     # the fp8 path's names, kept for its callers
     @property
@@ -68,7 +83,8 @@ def _check_precision(precision: str) -> str:
 class Indexer(nn.Module):
     """``x [T, hidden]``, ``qr [T, q_lora_rank]`` (the normed MLA query latent) -> :class:`IndexerOutput`.
 
-    ``precision`` ("fp8" | "exact", see the module docstring) can be changed on a live module.
+    ``precision`` ("fp8" | "exact", see the module docstring) can be changed on a live module; with kpool
+    (``self.kpool`` > 1) only "fp8" is built.
     """
 
     def __init__(self, cfg: DSAConfig, dtype: torch.dtype = torch.bfloat16, precision: str = "fp8"):
@@ -76,11 +92,15 @@ class Indexer(nn.Module):
         self.n_heads, self.head_dim = cfg.index_n_heads, cfg.index_head_dim
         self.rope_dim = cfg.qk_rope_head_dim
         self.interleave = cfg.indexer_rope_interleave
+        self.kpool = cfg.index_kpool
         self.precision = precision
         self.wq_b = nn.Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, bias=False, dtype=dtype)
         self.wk = nn.Linear(cfg.hidden_size, self.head_dim, bias=False, dtype=dtype)
         self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6, dtype=torch.float32)
         self.weights_proj = nn.Linear(cfg.hidden_size, self.n_heads, bias=False, dtype=dtype)
+        if self.kpool > 1:
+            self.index_kpool_compress_gate = nn.Parameter(torch.empty(self.head_dim, cfg.hidden_size, dtype=dtype))
+            self.index_kpool_compress_ape = nn.Parameter(torch.zeros(self.kpool, self.head_dim, dtype=torch.float32))
 
     @property
     def precision(self) -> str:
@@ -88,7 +108,11 @@ class Indexer(nn.Module):
 
     @precision.setter
     def precision(self, value: str) -> None:
-        self._precision = _check_precision(value)
+        value = _check_precision(value)
+        if value == "exact" and self.kpool > 1:
+            raise ValueError(f"precision: only 'fp8' is built for index_kpool = {self.kpool} (pooled keys are "
+                             "stored in the fp8 indexer pages), got 'exact'")
+        self._precision = value
 
     def forward(self, x: torch.Tensor, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> IndexerOutput:
         T = x.shape[0]
@@ -105,8 +129,13 @@ class Indexer(nn.Module):
             k = indexer_rope(k, cos, sin, self.interleave).to(x.dtype)
             return IndexerOutput(q, gate * self.head_dim ** -0.5, k, None)
         q_fp8, q_scale = self._quant(q, cos, sin)
-        k_fp8, k_scale = self._quant(k, cos, sin)
         w = gate * q_scale * self.head_dim ** -0.5
+        if self.kpool > 1:
+            # the key as indexer_quant rounds it before rotating: pooled first, rotated and quantised after
+            k = indexer_rope(k, cos, sin, self.interleave).to(x.dtype)
+            pool_gate = nn.functional.linear(x.to(self.index_kpool_compress_gate.dtype), self.index_kpool_compress_gate)
+            return IndexerOutput(q_fp8, w, k, None, pool_gate.to(x.dtype))
+        k_fp8, k_scale = self._quant(k, cos, sin)
         return IndexerOutput(q_fp8, w, k_fp8, k_scale)
 
     def _quant(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
