@@ -147,7 +147,8 @@ def arrive_counters(dev: torch.device, R: int, cached: bool) -> torch.Tensor:
     (``cached``), else fresh zeros."""
     if not cached:
         return torch.zeros(R, dtype=torch.int32, device=dev)
-    key = (dev, torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else 0)
+    # the raw stream handle (what Triton launches on); torch.cuda.current_stream builds a Stream object
+    key = (dev, torch._C._cuda_getCurrentRawStream(dev.index) if dev.type == "cuda" else 0)
     buf = _ARRIVE.get(key)
     if buf is None or buf.numel() < R:
         buf = _ARRIVE[key] = torch.zeros(max(R, 1024), dtype=torch.int32, device=dev)
