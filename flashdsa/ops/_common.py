@@ -39,7 +39,13 @@ def check_tensor(name: str, t, *, dtype: torch.dtype | Iterable[torch.dtype] | N
         fail(name, f"a {ndim}-D tensor", f"shape {list(t.shape)}")
     if shape is not None:
         got = t.shape
-        if len(got) != len(shape) or any(s is not None and s != d for s, d in zip(shape, got)):
+        bad = len(got) != len(shape)
+        if not bad:
+            for s, d in zip(shape, got):
+                if s is not None and s != d:
+                    bad = True
+                    break
+        if bad:
             want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
             fail(name, f"shape {want}", list(got))
     if device is not None and t.device != device:

@@ -43,13 +43,27 @@ def _flag(flag, bad, value, word):
 
 @triton.jit
 def _flag_lo_hi(flag, v, m, lo, hi, word_lo, word_hi):
-    """Flag the smallest value of ``v [N]`` below ``lo`` / the largest above ``hi`` (masked by ``m``);
-    returns the per-element bad mask."""
+    """Flag the smallest value of ``v [N]`` below ``lo`` / the largest above ``hi`` (masked by ``m``; a
+    value too small wins, as the host check tests ``min`` first); returns the per-element bad mask."""
     bad_lo = m & (v < lo)
     bad_hi = m & (v > hi)
-    _flag(flag, tl.max(bad_lo.to(tl.int32), axis=0) > 0, tl.min(tl.where(bad_lo, v, hi), axis=0), word_lo)
     _flag(flag, tl.max(bad_hi.to(tl.int32), axis=0) > 0, tl.max(tl.where(bad_hi, v, lo), axis=0), word_hi)
+    _flag(flag, tl.max(bad_lo.to(tl.int32), axis=0) > 0, tl.min(tl.where(bad_lo, v, hi), axis=0), word_lo)
     return bad_lo | bad_hi
+
+
+@triton.jit
+def _check_pages(flag, p_row, n_pages, last_page, w_lo, w_hi, BLOCK_P: tl.constexpr):
+    """Flag a page id outside [0, last_page] among the first ``n_pages`` of the table row ``p_row``;
+    returns 1 if there was one, else 0 (int32 scalar)."""
+    bad = tl.zeros([], tl.int32)
+    for p0 in range(0, n_pages, BLOCK_P):
+        o_p = p0 + tl.arange(0, BLOCK_P)
+        m_p = o_p < n_pages
+        ids = tl.load(p_row + o_p, mask=m_p, other=0)
+        bad_p = _flag_lo_hi(flag, ids, m_p, 0, last_page, w_lo, w_hi)
+        bad = tl.maximum(bad, tl.max(bad_p.to(tl.int32), axis=0))
+    return bad
 
 
 @triton.jit
@@ -114,13 +128,9 @@ def paged_check_kernel(lens, lens_out, bt, stride_bt, flag, B, hi, last_page,
         # pages reached by the request's longest row (none when a length is bad)
         reach = tl.where(bad > 0, 0, tl.max(b_len, axis=0))
         n_pages = tl.cdiv(reach, PAGE)
-        p_bt = bt + pid.to(tl.int64) * stride_bt
-        for p0 in range(0, n_pages, BLOCK_P):
-            o_p = p0 + tl.arange(0, BLOCK_P)
-            m_p = o_p < n_pages
-            ids = tl.load(p_bt + o_p, mask=m_p, other=0)
-            bad_p = _flag_lo_hi(flag, ids, m_p, 0, last_page, w_page_lo, w_page_hi)
-            bad = tl.maximum(bad, tl.max(bad_p.to(tl.int32), axis=0))
+        bad_p = _check_pages(flag, bt + pid.to(tl.int64) * stride_bt, n_pages, last_page, w_page_lo, w_page_hi,
+                             BLOCK_P)
+        bad = tl.maximum(bad, bad_p)
         tl.store(lens_out + pid * NEXT_N + o, tl.where(bad > 0, 0, b_len), mask=m)
     else:
         _scan(q, flag, w_q, pid - B, nq, q1, q2, q3, qt0, qt1, qt2, qt3, 0.0, 0, BLOCK)
@@ -143,32 +153,26 @@ def topk_check_kernel(lengths, len_out, starts, offsets, table, stride_t, flag, 
     m = (o_g < G) & (o < R)
     b_len = tl.load(lengths + o, mask=m, other=0)
     bad = _flag_lo_hi(flag, b_len, m, 0, L, w_len_lo, w_len_hi)
+    # each later check looks at the rows the earlier ones passed: one bad value, the host check's error
     if HAS_STARTS:
         b_st = tl.load(starts + o, mask=m, other=0)
-        bad |= _flag_lo_hi(flag, b_st, m, 0, L, w_st_lo, w_st_hi)
+        bad |= _flag_lo_hi(flag, b_st, m & (bad == 0), 0, L, w_st_lo, w_st_hi)
         end = b_st.to(tl.int64) + b_len
-        bad_end = m & (end > L)
-        _flag(flag, tl.max(bad_end.to(tl.int32), axis=0) > 0, tl.max(tl.where(bad_end, end, 0), axis=0), w_st_len)
-        bad |= bad_end
+        bad |= _flag_lo_hi(flag, end, m & (bad == 0), 0, L, w_st_len, w_st_len)
     if HAS_OFFSETS:
         b_off = tl.load(offsets + o, mask=m, other=0)
+        bad |= _flag_lo_hi(flag, b_off, m & (bad == 0), 0, INT32_MAX, w_off_lo, w_off_lo)
         last = b_off.to(tl.int64) + b_len - 1
-        bad |= _flag_lo_hi(flag, last, m & (b_off >= 0), -INT32_MAX - 1, INT32_MAX, w_off_hi, w_off_hi)
-        bad |= _flag_lo_hi(flag, b_off, m, 0, INT32_MAX, w_off_lo, w_off_lo)
+        bad |= _flag_lo_hi(flag, last, m & (bad == 0), -INT32_MAX - 1, INT32_MAX, w_off_hi, w_off_hi)
     if HAS_TABLE:
         need = tl.max(tl.where(bad, 0, b_len), axis=0)
         n_pages = tl.cdiv(need, PAGE_SIZE)
         tbad = n_pages > maxp
         _flag(flag, tbad, n_pages, w_pages)
         n_pages = tl.where(tbad, 0, n_pages)
-        p_t = table + pid.to(tl.int64) * stride_t
-        for p0 in range(0, n_pages, BLOCK_P):
-            o_p = p0 + tl.arange(0, BLOCK_P)
-            m_p = o_p < n_pages
-            ids = tl.load(p_t + o_p, mask=m_p, other=0)
-            bad_p = _flag_lo_hi(flag, ids, m_p, 0, last_page, w_page_lo, w_page_hi)
-            tbad |= tl.max(bad_p.to(tl.int32), axis=0) > 0
-        bad |= tbad
+        bad_p = _check_pages(flag, table + pid.to(tl.int64) * stride_t, n_pages, last_page, w_page_lo, w_page_hi,
+                             BLOCK_P)
+        bad |= tbad | (bad_p > 0)
     tl.store(len_out + o, tl.where(bad, 0, b_len), mask=m)
 
 
@@ -187,9 +191,8 @@ def ragged_check_kernel(ks, ke, ks_out, ke_out, flag, T, N, R_BLOCKS, Q_BLOCKS,
         b_ks = tl.load(ks + o, mask=m, other=0)
         b_ke = tl.load(ke + o, mask=m, other=0)
         bad = _flag_lo_hi(flag, b_ks, m, 0, N, w_ks_lo, w_ks_hi)
-        bad |= _flag_lo_hi(flag, b_ke, m, 0, N, w_ke_lo, w_ke_hi)
-        d = b_ke - b_ks
-        bad |= _flag_lo_hi(flag, d, m, 0, INT32_MAX, w_order, w_order)
+        bad |= _flag_lo_hi(flag, b_ke, m & (bad == 0), 0, N, w_ke_lo, w_ke_hi)
+        bad |= _flag_lo_hi(flag, b_ke - b_ks, m & (bad == 0), 0, INT32_MAX, w_order, w_order)
         tl.store(ks_out + o, tl.where(bad, 0, b_ks), mask=m)
         tl.store(ke_out + o, tl.where(bad, 0, b_ke), mask=m)
     elif pid < R_BLOCKS + Q_BLOCKS:
@@ -374,14 +377,15 @@ def check_ragged(q_fp8: torch.Tensor, k_fp8: torch.Tensor, ks: torch.Tensor,
                  ke: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Device checks of ``indexer_logits_ragged`` (ks, ke contiguous): sanitised ``(ks, ke) [T] int32``."""
     T, N = ks.shape[0], k_fp8.shape[0]
-    buf = torch.empty(2, T, dtype=torch.int32, device=ks.device)
-    ks_out, ke_out = buf[0], buf[1]
+    Tp = cdiv(T, 4) * 4  # ke's copy 16-byte aligned, as a tensor of its own would be
+    buf = torch.empty(2, Tp, dtype=torch.int32, device=ks.device)
+    ks_out, ke_out = buf[0, :T], buf[1, :T]
     flag = error_flag(ks.device)
     w = _RAGGED_WORDS
     q, k = _Scan(q_fp8, None, w[5]), _Scan(k_fp8, None, w[6])
     r_blocks = cdiv(T, ROWS)
     base = buf.data_ptr()
-    ptrs = (ks.data_ptr(), ke.data_ptr(), base, base + 4 * T, flag.data_ptr(), q.t.data_ptr(), k.t.data_ptr())
+    ptrs = (ks.data_ptr(), ke.data_ptr(), base, base + 4 * Tp, flag.data_ptr(), q.t.data_ptr(), k.t.data_ptr())
     key = (T, N, q.key(), k.key()) if aligned(*ptrs) else None
 
     def build():

@@ -127,7 +127,8 @@ def indexer_logits_paged(q_fp8: torch.Tensor, index_cache: torch.Tensor, weights
     if D != 128:
         fail("q_fp8", "head dim 128 (the indexer page layout holds 128-dim keys)", D)
     check_tensor("index_cache", index_cache, dtype=torch.uint8, shape=(None, INDEX_PAGE_BYTES), device=dev)
-    check_index_cache(index_cache)
+    if not index_cache.is_contiguous() or index_cache.storage_offset() & 3:
+        check_index_cache(index_cache)  # raises its ValueError (its messages cost a few µs to build)
     check_tensor("weights", weights, dtype=torch.float32, shape=(B * n, H), device=dev)
     check_tensor("context_lens", context_lens, dtype=torch.int32, shape=(B, n), device=dev)
     check_tensor("block_table", block_table, dtype=torch.int32, ndim=2, device=dev)

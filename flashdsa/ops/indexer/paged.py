@@ -534,12 +534,16 @@ def indexer_logits_paged(q_fp8: torch.Tensor, index_cache: torch.Tensor, weights
     cfg = config or _DEFAULT
     if not index_cache.is_contiguous():
         index_cache = index_cache.contiguous()
-    if q_fp8.stride(-1) != 1:
+    qs, ws, bts = q_fp8.stride(), weights.stride(), block_table.stride()
+    if qs[-1] != 1:
         q_fp8 = q_fp8.contiguous()
-    if weights.stride(-1) != 1:
+        qs = q_fp8.stride()
+    if ws[-1] != 1:
         weights = weights.contiguous()
-    if block_table.stride(-1) != 1:
+        ws = weights.stride()
+    if bts[-1] != 1:
         block_table = block_table.contiguous()
+        bts = block_table.stride()
     if not context_lens.is_contiguous():
         context_lens = context_lens.contiguous()
     P = index_cache.shape[0]
@@ -548,8 +552,8 @@ def indexer_logits_paged(q_fp8: torch.Tensor, index_cache: torch.Tensor, weights
             out.data_ptr())
     # everything but the pointers: shapes, strides, ints, the config, the device, and the cache's
     # alignment (it decides TMA)
-    key = (dev, B, n, H, q_fp8.stride(), P, weights.stride(0), block_table.shape[1], block_table.stride(0),
-           max_context_len, out.stride(0), cfg, not cache_ptr & 15)
+    key = (dev, B, n, H, qs, P, ws[0], block_table.shape[1], bts[0], max_context_len, out.stride(0), config,
+           not cache_ptr & 15)
     tma, fp8_dot, shape, grid, options = _launch_shape(key, cfg, q_fp8, index_cache, max_context_len)
     G, GS, HP, bn, chunk, chain, _ = shape
     if not aligned(*ptrs):

@@ -157,7 +157,7 @@ def indexer_logits_ragged(q_fp8: torch.Tensor, k_fp8: torch.Tensor, k_scale: tor
     ptrs = (q_fp8.data_ptr(), k_fp8.data_ptr(), k_scale.data_ptr(), weights.data_ptr(), ks.data_ptr(), ke.data_ptr(),
             out.data_ptr())
     key = (dev, T, N, H, D, q_fp8.stride(0), q_fp8.stride(1), k_fp8.stride(0), weights.stride(0), out.stride(0),
-           cfg) if aligned(*ptrs) else None
+           config) if aligned(*ptrs) else None
 
     def build():
         G, HP, DP, bn, chunk = ragged_config(T, N, H, D, dev, cfg)

@@ -256,7 +256,8 @@ def indexer_quant(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interle
     bf16 = x.dtype == torch.bfloat16
     cfg = config or _DEFAULT
     ptrs = (x3.data_ptr(), cos.data_ptr(), sin.data_ptr(), x_fp8.data_ptr(), scale.data_ptr())
-    key = (x.device, T, H, x3.stride(), bf16, cos.stride(), sin.stride(), interleave, cfg) if aligned(*ptrs) else None
+    key = (x.device, T, H, x3.stride(), bf16, cos.stride(), sin.stride(), interleave, config) \
+        if aligned(*ptrs) else None
 
     def build():
         block_r = cfg.block_r or (BLOCK_R_INTERPRET if interpreting() else BLOCK_R)
