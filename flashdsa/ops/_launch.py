@@ -40,18 +40,39 @@ def aligned(*ptrs: int) -> bool:
 
 
 class _Plan:
-    __slots__ = ("run", "function", "packed", "compiled", "grid", "args", "slots", "device", "stream")
+    """One shape's launch: the compiled kernel, its grid, the argument list with the per-call pointers at
+    ``slots``, and ``launch(ptrs) -> bool``, generated for this plan so that a call does no list work."""
+    __slots__ = ("compiled", "grid", "args", "slots", "device", "launch")
 
-    def __init__(self, compiled, grid, args, slots, device, stream):
+    def __init__(self, compiled, grid, args, slots, device, current_device, get_stream):
         self.compiled = compiled
-        self.run = compiled.run  # the launcher object (handles are loaded by the first launch)
-        self.function = compiled.function
-        self.packed = compiled.packed_metadata
         self.grid = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
-        self.args = args
-        self.slots = slots
-        self.device = device
-        self.stream = stream
+        self.args, self.slots, self.device = args, slots, device
+        names = [f"c{i}" for i in range(len(args))]
+        for k, i in enumerate(slots):
+            names[i] = f"p{k}"
+        env = {f"c{i}": a for i, a in enumerate(args) if i not in slots}
+        env.update(_dev=device, _cur=current_device, _stream=get_stream, _rt=knobs.runtime,
+                   _run=compiled.run,  # the launcher object (its handles were loaded by the first launch)
+                   _fn=compiled.function, _packed=compiled.packed_metadata, _grid=self.grid,
+                   _meta=compiled.launch_metadata, _g0=self.grid[0], _g1=self.grid[1], _g2=self.grid[2])
+        ptrs = ", ".join(f"p{k}" for k in range(len(slots)))
+        call = ", ".join(names)
+        src = (f"def launch(ptrs, {', '.join(f'{k}={k}' for k in env)}):\n"
+               f"    {ptrs}{',' if len(slots) == 1 else ''} = ptrs\n"
+               "    dev = _cur()\n"
+               "    if dev != _dev:\n"
+               "        return False\n"
+               "    stream = _stream(dev)\n"
+               "    enter, leave = _rt.launch_enter_hook, _rt.launch_exit_hook\n"
+               # launch metadata is only read by launch hooks (profilers); an empty HookChain has no calls
+               f"    meta = _meta(_grid, stream, {call}) if enter is not None and getattr(enter, 'calls', True) "
+               "else None\n"
+               f"    _run(_g0, _g1, _g2, stream, _fn, _packed, meta, enter, leave, {call})\n"
+               "    return True\n")
+        ns = dict(env)
+        exec(src, ns)  # noqa: S102 - generated from the kernel's own argument list
+        self.launch = ns["launch"]
 
 
 class KernelLauncher:
@@ -77,7 +98,7 @@ class KernelLauncher:
         if plan is not None:
             if VERIFY:
                 self._verify(plan, ptrs, build)
-            if _launch_plan(plan, ptrs):
+            if plan.launch(ptrs):
                 return plan.compiled
         grid, kwargs = build()
         compiled = self.kernel[grid](**kwargs)
@@ -106,10 +127,11 @@ class KernelLauncher:
             self.refused = True  # a tensor outside ``pointers``: a plan would launch on a stale address
             return None
         if _INTERPRET:
-            return _Plan(compiled, grid, args, slots, 0, lambda dev: 0)
+            return _Plan(compiled, grid, args, slots, 0, lambda: 0, lambda dev: 0)
         from triton.runtime import driver
         drv = driver.active
-        return _Plan(compiled, grid, args, slots, drv.get_current_device(), drv.get_current_stream)
+        return _Plan(compiled, grid, args, slots, drv.get_current_device(), torch.cuda.current_device,
+                     drv.get_current_stream)
 
 
     def _verify(self, plan: _Plan, ptrs: tuple, build) -> None:
@@ -133,24 +155,6 @@ def _plain(v):
     if hasattr(v, "base") and hasattr(v, "block_shape"):  # a TensorDescriptor
         return ("desc", v.base.data_ptr(), list(v.shape), list(v.strides), list(v.block_shape), v.padding)
     return v
-
-
-def _launch_plan(plan: _Plan, ptrs: tuple) -> bool:
-    """Launch ``plan`` with the per-call ``ptrs``; False (nothing launched) on another current device."""
-    dev = plan.device if _INTERPRET else torch.cuda.current_device()
-    if dev != plan.device:
-        return False
-    args = plan.args.copy()
-    for i, v in zip(plan.slots, ptrs):
-        args[i] = v
-    stream = plan.stream(dev)
-    enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
-    # launch metadata is only read by launch hooks (profilers); an empty HookChain has no calls
-    hooked = enter is not None and getattr(enter, "calls", True)
-    meta = plan.compiled.launch_metadata(plan.grid, stream, *args) if hooked else None
-    g0, g1, g2 = plan.grid
-    plan.run(g0, g1, g2, stream, plan.function, plan.packed, meta, enter, leave, *args)
-    return True
 
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"

@@ -284,9 +284,11 @@ def _mla_decode(fmt):
         g = torch.Generator().manual_seed(6)
         kv = torch.randn(128, 576, generator=g)
         cache = layouts.encode_mla(kv, fmt, 0.013 if fmt == "fp8_raw" else None).view(2, 64, -1)
-        return dict(q=torch.randn(2, 1, 16, 576, generator=g).to(torch.bfloat16), kv_cache=cache,
-                    indices=torch.randint(-1, 128, (2, 1, 300), generator=g).to(torch.int32), sm_scale=SM,
-                    **({"kv_scale": 0.013} if fmt == "fp8_raw" else {}))
+        # top-520: two splits of the top-k list (flash-decoding), so the combine kernel runs too
+        a = dict(q=torch.randn(2, 1, 16, 576, generator=g).to(torch.bfloat16), kv_cache=cache,
+                 indices=torch.randint(-1, 128, (2, 1, 520), generator=g).to(torch.int32), sm_scale=SM,
+                 **({"kv_scale": 0.013} if fmt == "fp8_raw" else {}))
+        return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in a.items()}
     return make
 
 
