@@ -1,5 +1,5 @@
-"""Command line: ``flashdsa demo`` (the main job), ``flashdsa plan`` (the DSA cost model) and ``flashdsa bench``
-(our ops vs the peers on the GPU).
+"""Command line: ``flashdsa demo`` (the main job), ``flashdsa plan`` (the DSA cost model), ``flashdsa bench``
+(our ops vs the peers on the GPU) and ``flashdsa report`` (top-k coverage on a checkpoint's layers).
 
 A user error (a bad flag or value, a preset that does not fit) is one line on stderr and exit code 2,
 never a traceback: argparse's errors and the ValueErrors the commands raise are both caught in
@@ -31,7 +31,8 @@ def _demo(args: argparse.Namespace) -> int:
 
     report = run_demo(preset=args.preset, device=args.device, next_n=args.next_n, seed=args.seed,
                       backend=args.backend, layers=args.layers, kv_format=args.kv_format,
-                      log=None if args.json else print, force=args.force)
+                      log=None if args.json else print, force=args.force, offload=args.offload,
+                      device_buffer=args.device_buffer)
     if args.json:
         print(json.dumps(report))
     return 0 if report["ok"] else 1
@@ -97,6 +98,59 @@ def _add_bench(sub) -> None:
     bench.set_defaults(func=_bench)
 
 
+def _report(args: argparse.Namespace) -> int:
+    from flashdsa.report import format_report, plot_report, run_report
+
+    for flag, path in (("json", args.json), ("plot", args.plot)):
+        folder = os.path.dirname(os.path.abspath(path)) if path else None
+        if folder and not os.path.isdir(folder):
+            raise ValueError(f"{flag}: the folder of {path} does not exist")
+    try:
+        report = run_report(args.checkpoint, args.layers, contexts=args.context, device=args.device, hidden=args.hidden,
+                            queries=args.queries, seed=args.seed, backend=args.backend,
+                            log=lambda line: print(line, file=sys.stderr))
+    except FileNotFoundError as e:  # a missing checkpoint file or --hidden: one line, like any bad argument
+        raise ValueError(str(e)) from None
+    print(format_report(report))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+        print(f"wrote {args.json}", file=sys.stderr)
+    if args.plot:
+        if plot_report(report, args.plot):
+            print(f"wrote {args.plot}", file=sys.stderr)
+        else:
+            print("no plot: matplotlib does not import (pip install 'flashdsa[bench]')", file=sys.stderr)
+    return 0
+
+
+def _add_report(sub) -> None:
+    from flashdsa.report import DEFAULT_QUERIES
+
+    about = "how much of dense attention DSA's top-k keeps, layer by layer, on a Hugging Face checkpoint's weights"
+    rep = sub.add_parser("report", help=about, description=about + (
+        ": captured attention mass (exact and fp8 indexer), sparse-vs-dense output difference, overlap with the "
+        "previous layer's selection, at a few context lengths"))
+    rep.add_argument("--checkpoint", required=True, metavar="DIR",
+                     help="a DeepSeek-V3.2 / GLM-5 model folder (config.json, model.safetensors.index.json, shards)")
+    rep.add_argument("--layers", required=True, metavar="A-B",
+                     help="the layers to load and run (inclusive; the first must compute its own top-k)")
+    rep.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    rep.add_argument("--context", type=int, nargs="+", default=None, metavar="N",
+                     help="context lengths, each > index_topk (default: 2, 4 and 8 x index_topk)")
+    rep.add_argument("--hidden", default=None, metavar="FILE",
+                     help="saved hidden states (.pt / .safetensors): [T, hidden] entering the first layer, or "
+                          "[layers(+1), T, hidden] as HF's output_hidden_states (default: synthetic)")
+    rep.add_argument("--queries", type=int, default=DEFAULT_QUERIES,
+                     help=f"query rows measured per context, the last ones (default {DEFAULT_QUERIES})")
+    rep.add_argument("--seed", type=int, default=0, help="seed of the synthetic hidden states")
+    rep.add_argument("--backend", default=None, choices=["torch", "triton"],
+                     help="force an op backend (default: triton on CUDA, torch on CPU)")
+    rep.add_argument("--json", default=None, metavar="OUT.json", help="also write the report as JSON")
+    rep.add_argument("--plot", default=None, metavar="OUT.png", help="also plot it (needs matplotlib: flashdsa[bench])")
+    rep.set_defaults(func=_report)
+
+
 def _add_demo(sub) -> None:
     from flashdsa.config import PRESETS
     from flashdsa.demo import KV_FORMATS
@@ -117,6 +171,12 @@ def _add_demo(sub) -> None:
     demo.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompts")
     demo.add_argument("--force", action="store_true",
                       help="run even when the memory estimate exceeds the device's free memory")
+    demo.add_argument("--offload", action="store_true",
+                      help="serve with the MLA cache in host memory and small per-request device buffers, and "
+                           "check it against the same scenario all on the device (bitwise)")
+    demo.add_argument("--device-buffer", type=int, default=None, metavar="N",
+                      help="with --offload: device rows per request and layer, a multiple of 64 >= next_n * "
+                           "index_topk (default max(2, next_n) * index_topk)")
     demo.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
     demo.set_defaults(func=_demo)
 
@@ -147,7 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="flashdsa", description="DeepSeek Sparse Attention, end to end.")
     sub = parser.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
     # One _add_<cmd>(sub) per subcommand, each wiring its own handler.
-    for add in (_add_demo, _add_plan, _add_bench):
+    for add in (_add_demo, _add_plan, _add_bench, _add_report):
         add(sub)
     return parser
 

@@ -10,6 +10,8 @@ decodes a few steps, runs one MTP verify step, and checks the promises of the en
     verify_vs_decode       next_n drafts verified at once vs n sequential decodes
     skip_layers_reuse      skip-top-k layers use the previous layer's selection as is
                            (n/a for a model without skip-top-k layers)
+    offload (--offload)    the scenario served with the MLA cache in host memory (flashdsa.cache.offload)
+                           vs the same scenario all on the device: bitwise the same logits
 
 A check that does not apply is reported as None (JSON null, "n/a" in the text), never as a number.
 
@@ -27,6 +29,7 @@ from typing import Callable
 import torch
 
 from flashdsa.cache import layouts
+from flashdsa.cache.offload import OffloadConfig
 from flashdsa.cache.pool import page_bytes
 from flashdsa.config import PRESETS, DSAConfig
 from flashdsa.engine import DSAModel, Runner
@@ -287,12 +290,69 @@ def _fmt_check(diff: _Diff | None, why: str = "") -> str:
     return f"n/a ({why})" if diff is None else f"{diff.rel_rms:.2e} | {diff.rel_max_abs:.2e}"
 
 
+# ---- host offload ------------------------------------------------------------------------------------
+
+def _offload_config(cfg: DSAConfig, offload, device_buffer, next_n: int, requests: int) -> OffloadConfig | None:
+    """The demo's OffloadConfig (None without offload): one device buffer per scenario request, of
+    ``device_buffer`` rows (default ``max(2, next_n) * index_topk``), which must hold a verify step's
+    ``next_n * index_topk`` selected tokens."""
+    if not isinstance(offload, bool):
+        raise ValueError(f"offload: expected True or False, got {offload!r}")
+    if not offload:
+        if device_buffer is not None:
+            raise ValueError(f"device_buffer: expected None without offload (it sizes the device buffers of "
+                             f"--offload), got {device_buffer!r}")
+        return None
+    k = cfg.index_topk
+    rows = max(2, next_n) * k if device_buffer is None else device_buffer
+    if isinstance(rows, bool) or not isinstance(rows, int) or rows < next_n * k or rows % layouts.PAGE_SIZE:
+        raise ValueError(f"device_buffer: expected a multiple of {layouts.PAGE_SIZE} >= next_n * index_topk "
+                         f"({next_n} * {k} = {next_n * k}: the tokens one verify step of a request may select), "
+                         f"got {rows!r}")
+    return OffloadConfig(device_buffer=rows, max_requests=requests)
+
+
+def _offload_report(off_cfg: OffloadConfig | None, kv_mem: dict, swap: dict | None, diff: _Diff | None,
+                    layers: int, requests: int) -> dict:
+    """The report's offload keys; without offload the device holds everything and the rest is None."""
+    on_device = kv_mem["mla"] + kv_mem["index"] + kv_mem["exact_index"]
+    per_step = swap["rows"] / swap["steps"] if swap and swap["steps"] else None
+    return {
+        "offload": off_cfg is not None, "device_buffer": off_cfg.device_buffer if off_cfg else None,
+        "device_kv_bytes": kv_mem["device"] if off_cfg else on_device,
+        "host_kv_bytes": kv_mem["host"] if off_cfg else 0, "on_device_kv_bytes": on_device,
+        "swap_in_tokens_per_step": per_step,
+        "swap_in_tokens_per_layer_request": None if per_step is None else per_step / (layers * requests),
+        "max_abs_vs_on_device": None if diff is None else diff.err_max,
+    }
+
+
+class _Lockstep:
+    """Stands in for a Runner in the serving scenario: every call runs on both runners, returns the first
+    one's logits, and ``diff`` keeps how far the second one's are from them."""
+
+    def __init__(self, first: Runner, second: Runner):
+        self.first, self.second, self.diff = first, second, _Diff()
+
+    def __getattr__(self, name: str):
+        a, b = getattr(self.first, name), getattr(self.second, name)
+
+        def both(*args, **kw):
+            out = a(*args, **kw)
+            self.diff.add(b(*args, **kw), out)
+            return out
+        return both
+
+
 # ---- the demo ----------------------------------------------------------------------------------------
 
 def run_demo(preset: str = "tiny", device: str = "cpu", next_n: int = 2, seed: int = 0, backend: str | None = None,
              layers: int | None = None, kv_format: str = "fp8", log: Callable[[str], None] | None = print,
-             force: bool = False) -> dict:
+             force: bool = False, offload: bool = False, device_buffer: int | None = None) -> dict:
     """Serve the scenario on a preset model and check it; returns the report (``flashdsa demo --json``).
+
+    ``offload``: serve with the MLA cache in host memory and ``device_buffer`` rows per request and layer
+    on the device (:func:`_offload_config`), and check it against the same scenario all on the device.
 
     Raises ValueError naming the argument for a bad one, and for a preset whose :func:`memory_estimate`
     exceeds the device's free memory (unless ``force``: then it only warns).
@@ -301,6 +361,7 @@ def run_demo(preset: str = "tiny", device: str = "cpu", next_n: int = 2, seed: i
     dev = parse_device(device)
     cfg = demo_config(preset, layers)
     _check_args(dev, next_n, seed, backend, kv_format)
+    off_cfg = _offload_config(cfg, offload, device_buffer, next_n, len(_scenario(cfg, next_n)[0]))
     torch_ops = (backend or ("triton" if dev.type == "cuda" else "torch")) == "torch"
 
     fixed, per_layer, matmul_params = _weights(cfg)
@@ -342,9 +403,9 @@ def run_demo(preset: str = "tiny", device: str = "cpu", next_n: int = 2, seed: i
     log("[demo] building the model (seeded random weights) ...")
     model = timed("build", lambda: DSAModel.random(cfg, seed=seed, device=dev))
 
-    def runner(**kw) -> Runner:
+    def runner(offload: OffloadConfig | None = None, **kw) -> Runner:
         return Runner(model, pages, kv_format, backend=backend,
-                      kv_scale=RAW_KV_SCALE if kv_format == "fp8_raw" else None, **kw)
+                      kv_scale=RAW_KV_SCALE if kv_format == "fp8_raw" else None, offload=offload, **kw)
 
     long = prompts["long"]
 
@@ -373,15 +434,27 @@ def run_demo(preset: str = "tiny", device: str = "cpu", next_n: int = 2, seed: i
     # cold cache), and on the CPU torch's first calls pick kernels and grow the allocator. Run the
     # scenario once untimed, on every device, so tokens_per_s measures serving.
     log("[demo] warm-up: the scenario once, untimed (Triton compiles its kernels; first calls) ...")
-    timed("warmup", lambda: serve(runner(), lambda _name, fn: fn(), lambda *_: None))
-    run = runner(record=True)
+    timed("warmup", lambda: serve(runner(off_cfg), lambda _name, fn: fn(), lambda *_: None))
+    run = runner(off_cfg, record=True)
     drafts, tokens = serve(run, timed, log)
     skip_ok = None
     if cfg.skip_topk_layers:
         skip_ok = all(run.selections[layer] is run.selections[layer - 1] and not run.pool.has_index_cache(layer)
                       for layer in cfg.skip_topk_layers)
     pool_bytes_per_token = run.pool.bytes_per_token()
+    kv_mem = run.pool.memory_bytes()
+    swap = run.pool.stats.get("decode") if off_cfg else None
     del run
+
+    offload_diff = None
+    if off_cfg:
+        # The reference takes the sparse path everywhere too (the dense fallback is off with offload), so
+        # the two runs do the same math on the same bytes and must agree bit for bit.
+        log("[demo] checking: offload vs all on the device ...")
+        both = _Lockstep(runner(dense_threshold=0), runner(off_cfg))
+        serve(both, lambda _name, fn: fn(), lambda *_: None)
+        offload_diff = both.diff
+        del both
 
     # ---- checks ---------------------------------------------------------------------------------
     # Prefills go one request per extend, and comparisons run over row blocks, so the [rows, vocab]
@@ -422,7 +495,8 @@ def run_demo(preset: str = "tiny", device: str = "cpu", next_n: int = 2, seed: i
                 "total": pool_bytes_per_token}
     tol = TOL_RMS_PER_LAYER * L
     rms = [c.rel_rms for c in (dense, chunk, verify) if c is not None]
-    ok = max(rms) < tol and skip_ok is not False and dense_ran is not False
+    ok = (max(rms) < tol and skip_ok is not False and dense_ran is not False
+          and (offload_diff is None or offload_diff.err_max == 0.0))
     not_applicable = {}
     if dense is None:
         not_applicable["dense_equivalence"] = dense_na
@@ -442,6 +516,7 @@ def run_demo(preset: str = "tiny", device: str = "cpu", next_n: int = 2, seed: i
         "dense_fallback_ran": dense_ran,
         "skip_layers": cfg.skip_topk_layers, "skip_layers_reuse_exact": skip_ok,
         "not_applicable": not_applicable, "tolerance_rel_rms": tol,
+        **_offload_report(off_cfg, kv_mem, swap, offload_diff, L, len(lens)),
     }
     for name, t in stages.items():
         log(f"[demo] {name:<8} {t * 1e3:10.1f} ms")
@@ -455,5 +530,14 @@ def run_demo(preset: str = "tiny", device: str = "cpu", next_n: int = 2, seed: i
         f"{_fmt_check(verify)}, skip layers reuse {skip_text}")
     if dense_ran is False:
         log("[demo] the dense fallback did not run where every context fits top-k")
+    if off_cfg:
+        r = report
+        log(f"[demo] offload: device KV {r['device_kv_bytes'] / 2**20:.2f} MiB (indexer caches, "
+            f"{off_cfg.max_requests} buffers x {off_cfg.device_buffer} rows per layer, resident map), host KV "
+            f"{r['host_kv_bytes'] / 2**20:.2f} MiB; all on the device {r['on_device_kv_bytes'] / 2**20:.2f} MiB")
+        same = "bitwise the same" if r["max_abs_vs_on_device"] == 0 else "DIFFERENT"
+        log(f"[demo] offload: swap-in {r['swap_in_tokens_per_step']:.1f} tokens per decode step "
+            f"({r['swap_in_tokens_per_layer_request']:.1f} per layer and request), max |offload - on device| "
+            f"{r['max_abs_vs_on_device']:.3g} ({same})")
     log(f"[demo] {'ok' if ok else 'FAILED'}")
     return report

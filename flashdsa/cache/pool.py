@@ -96,7 +96,7 @@ class KVPool:
         self.allocator = PageAllocator(num_pages, self.page_size, self.device)
         shape = (num_pages, self.page_size, _MLA_WIDTH[kv_format])
         self.mla_caches: list[torch.Tensor] = [
-            torch.zeros(shape, dtype=_MLA_DTYPE[kv_format], device=self.device) for _ in range(self.num_layers)]
+            self._new_mla_cache(shape, _MLA_DTYPE[kv_format]) for _ in range(self.num_layers)]
         self.index_caches: dict[int, torch.Tensor] = {
             layer: torch.zeros(num_pages, layouts.INDEX_PAGE_BYTES, dtype=torch.uint8, device=self.device)
             for layer in config.topk_layers}
@@ -183,7 +183,7 @@ class KVPool:
         Every argument is checked before any byte is written; only the given slots change.
         ValueError for index keys on a layer without an indexer cache.
         """
-        mla = self.mla_cache(layer)
+        self._check_layer(layer)
         check_slots("slots", slots, self.num_pages * self.page_size, distinct=True)
         if not (isinstance(kv, torch.Tensor) and kv.dim() == 2 and kv.shape[1] == layouts.MLA_DIM
                 and kv.is_floating_point() and kv.shape[0] == slots.shape[0]):
@@ -210,15 +210,33 @@ class KVPool:
                     and index_k_scale.shape == (m,)):
                 _fail("index_k_scale", f"float32 [{m}]", _describe(index_k_scale))
             check_finite("index_k_fp8", index_k_fp8)  # store_index_keys would refuse it after the MLA write
-        # store_mla addresses 64-token pages; [P, 64 c, W] viewed as [P c, 64, W] has the same flat rows.
-        layouts.store_mla(mla.view(-1, layouts.PAGE_SIZE, mla.shape[-1]), slots.to(self.device), kv, self.kv_scale)
+        self._store_mla(layer, slots, kv)
         if index_k_fp8 is not None:
             layouts.store_index_keys(index, index_slots.to(self.device), index_k_fp8, index_k_scale)
 
     def read(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
         """Dequantised MLA rows: ``slots [N] -> [N, 576] bf16``."""
         check_slots("slots", slots, self.num_pages * self.page_size)
-        return layouts.gather_mla(self.mla_cache(layer), slots.to(self.device), self.kv_scale)
+        return self._gather_mla(self._check_layer(layer), slots)
+
+    def mla_for_attention(self, layer: int, sel: torch.Tensor, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """What sparse MLA decode reads for the selection ``sel [B * n, topk] int32`` (pool slots, -1 = none):
+        ``(pages [P', 64, width], indices)`` with ``indices`` shaped like ``sel``. Here the layer's own pages and
+        the slots as they are; an offloading pool (``flashdsa.cache.offload``) swaps the selected rows into a
+        device buffer and hands its rows instead."""
+        return self.mla_pages(layer), sel
+
+    # Where the MLA rows live: on the device here; flashdsa.cache.offload keeps them on the host.
+    def _new_mla_cache(self, shape: tuple[int, int, int], dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros(shape, dtype=dtype, device=self.device)
+
+    def _store_mla(self, layer: int, slots: torch.Tensor, kv: torch.Tensor) -> None:
+        mla = self.mla_caches[layer]
+        # store_mla addresses 64-token pages; [P, 64 c, W] viewed as [P c, 64, W] has the same flat rows.
+        layouts.store_mla(mla.view(-1, layouts.PAGE_SIZE, mla.shape[-1]), slots.to(self.device), kv, self.kv_scale)
+
+    def _gather_mla(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        return layouts.gather_mla(self.mla_caches[layer], slots.to(self.device), self.kv_scale)
 
     def read_index(self, layer: int, index_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Indexer keys: ``index_slots [M] -> k_fp8 [M, 128] e4m3, k_scale [M] f32``."""

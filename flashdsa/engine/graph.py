@@ -21,6 +21,9 @@ class DecodeGraph:
     def __init__(self, runner: Runner, req_ids: list, max_pages: int):
         if runner.pool.device.type != "cuda":
             raise ValueError("runner: CUDA graphs need the model and caches on a CUDA device")
+        if runner.offload is not None:
+            raise ValueError("runner: host offload syncs with the host in every layer's swap-in, which a CUDA graph "
+                             "cannot capture; decode eagerly (Runner.decode)")
         self.runner, self.req_ids, self.max_pages = runner, list(req_ids), max_pages
         self.ids = torch.zeros(len(req_ids), dtype=torch.int64, device=runner.pool.device)
         # Capture on a step whose tokens are reserved, then give them back: replay() reserves its own.

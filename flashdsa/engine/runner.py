@@ -23,6 +23,7 @@ import torch
 from flashdsa.cache.allocator import Reservation
 from flashdsa.cache.metadata import (DECODE, DRAFT_EXTEND, EXTEND, TARGET_VERIFY, BatchMetadata, build_decode,
                                      build_extend)
+from flashdsa.cache.offload import OffloadConfig, OffloadKVPool
 from flashdsa.cache.pool import KVPool
 from flashdsa.config import DSAConfig
 from flashdsa.engine.model import DSAModel
@@ -45,6 +46,9 @@ class Runner:
         record:          keep each layer's selection of the last batch in ``self.selections`` (tests; None
                          for a layer that ran the dense fallback).
         max_logits_bytes: the largest indexer-logits buffer one prefill chunk of query rows may use.
+        offload:         an :class:`~flashdsa.cache.offload.OffloadConfig` keeps the MLA cache in host memory with
+                         small per-request device buffers (``self.pool`` is then an ``OffloadKVPool``); it turns
+                         the dense fallback off (dense_threshold must be None or 0) and CUDA-graph capture.
 
     The caches (MLA, indexer, and the float key stores of exact-precision indexers) are ``self.pool``'s.
     """
@@ -52,7 +56,8 @@ class Runner:
     def __init__(self, model: DSAModel | None, num_pages: int, kv_format: str = "fp8", *,
                  backend: str | None = None, dense_threshold: int | None = None, kv_scale: float | None = None,
                  record: bool = False, max_dense_tokens: int = 1 << 16, max_logits_bytes: int = 1 << 30,
-                 config: DSAConfig | None = None, device: torch.device | str | None = None):
+                 config: DSAConfig | None = None, device: torch.device | str | None = None,
+                 offload: OffloadConfig | None = None):
         if model is not None:
             config, device = model.config, next(model.parameters()).device
         elif config is None or device is None:
@@ -62,7 +67,15 @@ class Runner:
         if self.cfg.index_kpool > 1:
             raise NotImplementedError("index_kpool > 1: the pooled-key indexer path (docs/DSA.md §7) is not built "
                                       "yet; the pool and config support it, the runner does not")
-        self.pool = KVPool(self.cfg, num_pages, kv_format, torch.device(device), kv_scale)
+        if offload is None:
+            self.pool = KVPool(self.cfg, num_pages, kv_format, torch.device(device), kv_scale)
+        else:
+            if dense_threshold not in (None, 0):
+                raise ValueError(f"dense_threshold: expected None or 0 with offload (the dense fallback is off when "
+                                 f"the MLA cache lives on the host, docs/DSA.md §6), got {dense_threshold!r}")
+            dense_threshold = 0
+            self.pool = OffloadKVPool(self.cfg, num_pages, kv_format, torch.device(device), kv_scale, offload)
+        self.offload = offload
         self.alloc = self.pool.allocator
         self.backend = backend
         self.dense_threshold = self.cfg.index_topk if dense_threshold is None else dense_threshold
@@ -81,11 +94,19 @@ class Runner:
 
     # ---- requests ------------------------------------------------------------------------------
     def free(self, req_id: Hashable) -> None:
-        self.alloc.free(req_id)
+        """End the request: its pages go back (with offload, its device rows and buffer too)."""
+        if self.offload is None:
+            self.alloc.free(req_id)
+        else:
+            self.pool.free(req_id)
 
     def truncate(self, req_id: Hashable, seq_len: int) -> None:
-        """Drop the tokens past ``seq_len`` (rejected drafts); pages no longer needed go back."""
-        self.alloc.truncate(req_id, seq_len)
+        """Drop the tokens past ``seq_len`` (rejected drafts); pages no longer needed go back (with offload, the
+        dropped tokens' device rows too)."""
+        if self.offload is None:
+            self.alloc.truncate(req_id, seq_len)
+        else:
+            self.pool.truncate(req_id, seq_len)
 
     def prepare(self, new_tokens: dict[Hashable, int], mode: str | None = None, *, force_sparse: bool = False,
                 max_pages: int | None = None) -> tuple[BatchMetadata, Reservation]:

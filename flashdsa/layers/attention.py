@@ -185,9 +185,12 @@ class DSAAttention(nn.Module):
     def attend(self, q: torch.Tensor, sel: torch.Tensor, batch: BatchMetadata,
                pool: KVPool) -> tuple[torch.Tensor, torch.Tensor]:
         """Sparse MLA decode / verify of ``q [B * n, h, 576] bf16`` over the selected slots ``sel [B * n, topk]``:
-        latent outputs ``[B * n, h, 512] bf16`` and their ``lse [B * n, h] float32``."""
+        latent outputs ``[B * n, h, 512] bf16`` and their ``lse [B * n, h] float32``.
+
+        The pages and indices come from ``pool.mla_for_attention``: the layer's cache and ``sel`` itself, or,
+        with host offload, the device buffer the selected rows were just swapped into and their rows there."""
         B, n = batch.context_lens.shape
-        out, lse = ops.sparse_mla_decode(q.view(B, n, *q.shape[1:]), pool.mla_pages(self.layer_id),
-                                         sel.view(B, n, -1), self.softmax_scale, kv_scale=pool.kv_scale,
-                                         backend=batch.backend)
+        pages, indices = pool.mla_for_attention(self.layer_id, sel, batch)
+        out, lse = ops.sparse_mla_decode(q.view(B, n, *q.shape[1:]), pages, indices.view(B, n, -1),
+                                         self.softmax_scale, kv_scale=pool.kv_scale, backend=batch.backend)
         return out.view(B * n, *out.shape[2:]), lse.view(B * n, -1)
