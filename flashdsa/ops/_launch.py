@@ -17,6 +17,7 @@ interpreter) takes Triton's own launch, which is always right.
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Callable
 
 import torch
@@ -42,10 +43,10 @@ def aligned(*ptrs: int) -> bool:
 class _Plan:
     """One shape's launch: the compiled kernel, its grid, the argument list with the per-call pointers at
     ``slots``, and ``launch(ptrs) -> bool``, generated for this plan so that a call does no list work."""
-    __slots__ = ("compiled", "grid", "args", "slots", "device", "launch")
+    __slots__ = ("compiled", "grid", "args", "slots", "device", "launch", "used")
 
     def __init__(self, compiled, grid, args, slots, device, current_device, get_stream):
-        self.compiled = compiled
+        self.compiled, self.used = compiled, False
         self.grid = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
         self.args, self.slots, self.device = args, slots, device
         names = [f"c{i}" for i in range(len(args))]
@@ -98,8 +99,19 @@ class KernelLauncher:
         if plan is not None:
             if VERIFY:
                 self._verify(plan, ptrs, build)
-            if plan.launch(ptrs):
-                return plan.compiled
+            try:
+                if plan.launch(ptrs):
+                    plan.used = True
+                    return plan.compiled
+            except TypeError:
+                # the launcher refused the arguments before launching (a Triton whose launcher takes them
+                # otherwise): Triton's own path from now on; a plan that launched before re-raises
+                if plan.used:
+                    raise
+                warnings.warn(f"flashdsa: planned launches of {getattr(self.kernel, '__name__', 'a kernel')} "
+                              "failed on this Triton; using its own launch path", RuntimeWarning)
+                self.plans.clear()
+                self.refused = True
         grid, kwargs = build()
         compiled = self.kernel[grid](**kwargs)
         if key is not None and plan is None and not self.refused:
@@ -126,13 +138,16 @@ class KernelLauncher:
         if any(isinstance(a, torch.Tensor) or hasattr(a, "data_ptr") for a in args):
             self.refused = True  # a tensor outside ``pointers``: a plan would launch on a stale address
             return None
-        if _INTERPRET:
-            return _Plan(compiled, grid, args, slots, 0, lambda: 0, lambda dev: 0)
-        from triton.runtime import driver
-        drv = driver.active
-        return _Plan(compiled, grid, args, slots, drv.get_current_device(), torch.cuda.current_device,
-                     drv.get_current_stream)
-
+        try:
+            if _INTERPRET:
+                return _Plan(compiled, grid, args, slots, 0, lambda: 0, lambda dev: 0)
+            from triton.runtime import driver
+            drv = driver.active
+            return _Plan(compiled, grid, args, slots, drv.get_current_device(), torch.cuda.current_device,
+                         drv.get_current_stream)
+        except AttributeError:  # a Triton without these internals: its own launch path
+            self.refused = True
+            return None
 
     def _verify(self, plan: _Plan, ptrs: tuple, build) -> None:
         grid, kwargs = build()

@@ -342,6 +342,25 @@ def test_launcher_variants_plan_and_verify(recording, monkeypatch):
     assert [e[0] for e in recording] == ["triton", "triton"]
 
 
+def test_a_launcher_that_refuses_plans_falls_back(recording, monkeypatch):
+    """Should a Triton's launcher take the plan's arguments otherwise (a TypeError before launching), the
+    launch goes Triton's own way, with a warning, and planning stops for that kernel."""
+    from flashdsa.ops.topk import launch
+    t = _topk()
+
+    def refuse(self, *args):
+        raise TypeError("launch() takes other arguments")
+
+    monkeypatch.setattr(_Compiled, "run", refuse)
+    call = lambda: launch.topk_transform(t["logits"], t["lengths"], 8, None, None, None, 64)  # noqa: E731
+    call()
+    with pytest.warns(RuntimeWarning, match="planned launches of topk_fused_kernel failed"):
+        call()
+    call()
+    assert [e[0] for e in recording] == ["triton"] * 3 and launch._FUSED.refused
+    monkeypatch.setattr(launch._FUSED, "refused", False)  # for the fixture's check
+
+
 # ---- GPU ----------------------------------------------------------------------------------------------
 
 GPU_BAD = ["paged-lens-past-width", "paged-page-past-P", "paged-nan-q", "topk-lengths-past-L", "topk-table-too-narrow",
@@ -398,23 +417,17 @@ def test_gpu_plans_equal_tritons_launch(case, monkeypatch):
 def test_gpu_graph_capture_with_default_checks():
     """Default checks on: the ops capture into a CUDA graph (the device checks are skipped there) and the
     replays, with the metadata refreshed in place, equal eager calls."""
+    from flashdsa.testing.timing import capture_graph
     a = _paged("cuda")
     t = _topk("cuda")
+    got = []
 
     def step():
-        logits = ops.indexer_logits_paged(**a)
-        return logits, ops.topk_transform(**t)
+        got[:] = [ops.indexer_logits_paged(**a), ops.topk_transform(**t)]
 
-    want = step()
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        got = step()
+    step()
+    want = list(got)
+    graph = capture_graph(step)  # a warm-up call on a side stream, then the capture: ``got`` holds its outputs
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
