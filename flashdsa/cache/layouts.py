@@ -23,6 +23,7 @@ import math
 import torch
 
 from flashdsa._checks import check_finite, check_slots
+from flashdsa._library import op
 from flashdsa.quant import FP8, FP8_MAX, act_quant
 
 PAGE_SIZE = 64
@@ -110,6 +111,7 @@ def unpack_index_pages(pages: torch.Tensor, n: int | None = None) -> tuple[torch
     return keys.reshape(-1, INDEX_DIM)[:n].clone(), scales.reshape(-1)[:n].clone()
 
 
+@op("store_index_keys", lambda index_cache, slots, k_fp8, k_scale: None, mutates_args=("index_cache",))
 def store_index_keys(index_cache: torch.Tensor, slots: torch.Tensor, k_fp8: torch.Tensor, k_scale: torch.Tensor) -> None:
     """Write N indexer keys at N distinct slots; no other byte of the cache changes.
 
@@ -258,6 +260,7 @@ def _check_paged_mla(kv_cache: torch.Tensor, page_size: int | None) -> str:
     return fmt
 
 
+@op("store_mla", lambda kv_cache, slots, kv, scale=None: None, mutates_args=("kv_cache",))
 def store_mla(kv_cache: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor, scale: float | None = None) -> None:
     """Quantise (per the cache's format) and write N tokens at N distinct slots; nothing else changes.
 

@@ -1,9 +1,11 @@
 """Shared input checks and backend choice for the public ops.
 
-Every public op checks shapes, dtypes and devices first (cheap, no device sync) and then, when value
-checks are on, the values that could make a kernel read out of bounds (lengths, page ids). Value
-checks read device memory, so they are skipped inside CUDA-graph capture and can be turned off for
-production decode with ``flashdsa.ops.set_value_checks(False)`` or ``FLASHDSA_CHECK_VALUES=0``.
+Every public op checks shapes, dtypes and devices first (host facts: no device access) and then the
+values that could make a kernel read out of bounds or the backends disagree (lengths, page ids, NaN),
+as ``flashdsa._checks`` describes: by default on the device for a Triton launch on CUDA (deferred
+errors, no host sync), on the host elsewhere; ``flashdsa.ops.set_value_checks`` picks the mode. These
+helpers sit on every call's path, so they do only what the host already knows, in as few Python steps
+as they can.
 """
 
 from __future__ import annotations
@@ -13,10 +15,11 @@ from typing import Callable, Iterable
 
 import torch
 
-from flashdsa._checks import (check_finite, check_range, fail, set_value_checks,  # noqa: F401 (re-exported)
-                              value_checks_enabled)
+from flashdsa._checks import (DEVICE, HOST, check_errors, check_finite, check_range, fail,  # noqa: F401 (re-exported)
+                              raise_deferred, set_value_checks, value_check_mode, value_checks_enabled)
 
 BACKENDS = ("torch", "triton")
+_Tensor = torch.Tensor
 
 
 def check_tensor(name: str, t, *, dtype: torch.dtype | Iterable[torch.dtype] | None = None,
@@ -26,18 +29,25 @@ def check_tensor(name: str, t, *, dtype: torch.dtype | Iterable[torch.dtype] | N
 
     ``shape`` may hold None for a free dimension.
     """
-    if not isinstance(t, torch.Tensor):
+    if not isinstance(t, _Tensor):
         fail(name, "a torch.Tensor", type(t).__name__)
-    if dtype is not None:
+    if dtype is not None and t.dtype is not dtype:
         dtypes = (dtype,) if isinstance(dtype, torch.dtype) else tuple(dtype)
         if t.dtype not in dtypes:
             fail(name, f"dtype {' or '.join(str(d) for d in dtypes)}", t.dtype)
     if ndim is not None and t.dim() != ndim:
         fail(name, f"a {ndim}-D tensor", f"shape {list(t.shape)}")
     if shape is not None:
-        if t.dim() != len(shape) or any(s is not None and s != d for s, d in zip(shape, t.shape)):
+        got = t.shape
+        bad = len(got) != len(shape)
+        if not bad:
+            for s, d in zip(shape, got):
+                if s is not None and s != d:
+                    bad = True
+                    break
+        if bad:
             want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
-            fail(name, f"shape {want}", list(t.shape))
+            fail(name, f"shape {want}", list(got))
     if device is not None and t.device != device:
         fail(name, f"a tensor on {device} (like the first argument)", t.device)
     if contiguous_last and t.dim() and t.stride(-1) != 1 and t.shape[-1] > 1:
@@ -49,18 +59,18 @@ def dense(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
     contiguous, so that every backend may index them densely: a strided view such as
     ``context_lens[:, 0]`` then means the same on both. Free when already contiguous; never used for
     the caches or the [T, N] logits, which are rejected or read through their strides instead."""
-    return tuple(None if t is None else t.contiguous() for t in tensors)
+    return tuple(t if t is None or t.is_contiguous() else t.contiguous() for t in tensors)
 
 
 def check_int(name: str, x, lo: int) -> int:
     """A Python int (not a bool) >= ``lo``."""
-    if isinstance(x, bool) or not isinstance(x, int) or x < lo:
+    if type(x) is not int and (isinstance(x, bool) or not isinstance(x, int)) or x < lo:
         fail(name, f"an int >= {lo}", repr(x))
     return x
 
 
 def check_scalar(name: str, x, *, positive: bool = True) -> float:
-    if isinstance(x, bool) or not isinstance(x, (int, float)):
+    if type(x) is not float and (isinstance(x, bool) or not isinstance(x, (int, float))):
         fail(name, "a Python float", type(x).__name__)
     x = float(x)
     if positive and not (x > 0 and x != float("inf")):
@@ -72,10 +82,16 @@ def pick_backend(backend: str | None, impls: dict[str, Callable], device: torch.
     """The implementation to run: ``backend`` if given, else Triton on CUDA when it exists, else torch."""
     if backend is None:
         backend = "triton" if device.type == "cuda" and "triton" in impls else "torch"
-    if backend not in BACKENDS:
+    elif backend not in BACKENDS:
         fail("backend", f"one of {BACKENDS} or None", repr(backend))
     if backend not in impls:
         raise ValueError(f"backend: {op} has no {backend!r} implementation (available: {sorted(impls)})")
     if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(f"backend: 'triton' needs CUDA tensors (or TRITON_INTERPRET=1 for CPU tensors), got {device}")
     return impls[backend]
+
+
+def device_checks():
+    """The device value checks (``_device_checks``), imported on first use: they are Triton kernels."""
+    from flashdsa.ops import _device_checks
+    return _device_checks

@@ -2,24 +2,35 @@
 
 from __future__ import annotations
 
+import functools
+import importlib
+
 import torch
 
+from flashdsa._library import op
 from flashdsa.cache.layouts import MLA_DIM, MLA_LATENT
-from flashdsa.ops._common import (check_range, check_scalar, check_tensor, dense, fail, pick_backend,
+from flashdsa.ops._common import (check_range, check_scalar, check_tensor, dense, fail, pick_backend, raise_deferred,
                                   value_checks_enabled)
 from flashdsa.ops.dense_mla import reference
-from flashdsa.ops.sparse_mla import _widen_for_fp32
+from flashdsa.ops.sparse_mla import _out_dtype, _widen_for_fp32
+
+# imported on first use: importing triton is slow and CPU-only users never need it
+_module = functools.cache(importlib.import_module)
 
 
 def _triton(*args, **kwargs):
-    # imported on first use: importing triton is slow and CPU-only users never need it
-    from flashdsa.ops.dense_mla import triton as impl
-    return impl.dense_mla_prefill(*args, **kwargs)
+    return _module("flashdsa.ops.dense_mla.triton").dense_mla_prefill(*args, **kwargs)
 
 
 _IMPLS = {"torch": reference.dense_mla_prefill, "triton": _triton}
 
 
+def _dense_fake(q, kv, cu_seqlens_q, cu_seqlens_kv, sm_scale, d_v=512, *, backend=None):
+    T, h_q, _ = q.shape
+    return q.new_empty((T, h_q, d_v), dtype=_out_dtype(q, kv)), q.new_empty((T, h_q), dtype=torch.float32)
+
+
+@op("dense_mla_prefill", _dense_fake)
 def dense_mla_prefill(q: torch.Tensor, kv: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_kv: torch.Tensor,
                       sm_scale: float, d_v: int = 512, *, backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of each request's new queries over its whole KV (cached prefix + new tokens).
@@ -39,6 +50,7 @@ def dense_mla_prefill(q: torch.Tensor, kv: torch.Tensor, cu_seqlens_q: torch.Ten
     Backends: "torch" (fp32 math, the reference) and "triton" (default on CUDA: the sparse prefill
     kernel over every visible key, bf16 operands with fp32 accumulation).
     """
+    raise_deferred()
     check_tensor("q", q, dtype=(torch.bfloat16, torch.float32), ndim=3)
     T, h_q, d = q.shape
     dev = q.device
@@ -55,7 +67,8 @@ def dense_mla_prefill(q: torch.Tensor, kv: torch.Tensor, cu_seqlens_q: torch.Ten
         fail("d_v", f"an int in 1..{MLA_LATENT}", d_v)
     cu_seqlens_q, cu_seqlens_kv = dense(cu_seqlens_q, cu_seqlens_kv)
     if value_checks_enabled(cu_seqlens_q):
-        cq, ck = cu_seqlens_q.long(), cu_seqlens_kv.long()
+        # one host read of both (the Triton backend reads them again anyway: a prefill op)
+        cq, ck = torch.stack((cu_seqlens_q, cu_seqlens_kv)).cpu().long()
         if int(cq[0]) != 0 or int(cq[-1]) != T:
             fail("cu_seqlens_q", f"offsets from 0 to T = {T}", cq.tolist())
         if int(ck[0]) != 0 or int(ck[-1]) != kv.shape[0]:

@@ -3,26 +3,33 @@ logits -> top-k composition under a memory budget."""
 
 from __future__ import annotations
 
+import functools
+import importlib
+
 import numpy as np
 import torch
 
+from flashdsa._checks import trusted_inputs
+from flashdsa._library import op
 from flashdsa.cache.layouts import INDEX_PAGE_BYTES, PAGE_SIZE, check_index_cache
-from flashdsa.ops._common import (check_finite, check_int, check_range, check_tensor, dense, fail, pick_backend,
-                                  value_checks_enabled)
+from flashdsa.ops._common import (DEVICE, HOST, check_finite, check_int, check_range, check_tensor, dense,
+                                  device_checks, fail, pick_backend, raise_deferred, value_check_mode)
 from flashdsa.ops.indexer import reference
 from flashdsa.ops.topk import topk_transform
 from flashdsa.quant import FP8
 
+INT32_MAX = 2 ** 31 - 1
+
+# imported on first use: importing triton is slow and CPU-only users never need it
+_module = functools.cache(importlib.import_module)
+
 
 def _triton_ragged(*args, **kwargs):
-    # imported on first use: importing triton is slow and CPU-only users never need it
-    from flashdsa.ops.indexer import ragged
-    return ragged.indexer_logits_ragged(*args, **kwargs)
+    return _module("flashdsa.ops.indexer.ragged").indexer_logits_ragged(*args, **kwargs)
 
 
 def _triton_paged(*args, **kwargs):
-    from flashdsa.ops.indexer import paged
-    return paged.indexer_logits_paged(*args, **kwargs)
+    return _module("flashdsa.ops.indexer.paged").indexer_logits_paged(*args, **kwargs)
 
 
 _RAGGED = {"torch": reference.indexer_logits_ragged, "triton": _triton_ragged}
@@ -43,6 +50,11 @@ def _check_ragged(q_fp8, k_fp8, k_scale, weights, ks, ke) -> tuple[int, int]:
     return T, N
 
 
+def _ragged_fake(q_fp8, k_fp8, k_scale, weights, ks, ke, *, backend=None):
+    return q_fp8.new_empty((q_fp8.shape[0], k_fp8.shape[0]), dtype=torch.float32)
+
+
+@op("indexer_logits_ragged", _ragged_fake)
 def indexer_logits_ragged(q_fp8: torch.Tensor, k_fp8: torch.Tensor, k_scale: torch.Tensor, weights: torch.Tensor,
                           ks: torch.Tensor, ke: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
     """Indexer logits of T queries against N concatenated keys (prefill / extend).
@@ -56,24 +68,34 @@ def indexer_logits_ragged(q_fp8: torch.Tensor, k_fp8: torch.Tensor, k_scale: tor
 
     Any strides: q_fp8 and k_fp8 are read through theirs, the small per-row / per-key tensors made
     contiguous. An e4m3 NaN code in q_fp8 / k_fp8 is a ValueError when value checks are on (the kernels'
-    fp8 conversions and ReLU do not propagate NaN as the reference does).
+    fp8 conversions and ReLU do not propagate NaN as the reference does). Value checks (ks / ke ranges,
+    NaN codes): on the device for the Triton kernel on CUDA, a deferred ValueError (``flashdsa._checks``).
 
     Returns:
         ``[T, N] float32``: ``k_scale[s] * sum_h weights[i, h] * relu(q[i, h] . k[s])`` inside the
         row's range, ``-inf`` everywhere else.
     """
+    raise_deferred()
     T, N = _check_ragged(q_fp8, k_fp8, k_scale, weights, ks, ke)
-    dev = q_fp8.device
     k_scale, weights, ks, ke = dense(k_scale, weights, ks, ke)
-    check_finite("q_fp8", q_fp8)
-    check_finite("k_fp8", k_fp8)
-    check_range("ks", ks, 0, N)
-    check_range("ke", ke, 0, N)
-    check_range("ke - ks", ke - ks, 0, None, what="ke >= ks, i.e. values")
-    impl = pick_backend(backend, _RAGGED, dev, "indexer_logits_ragged")
+    impl = pick_backend(backend, _RAGGED, q_fp8.device, "indexer_logits_ragged")
+    mode = value_check_mode(ks, impl is _triton_ragged)
+    if mode is HOST:
+        check_finite("q_fp8", q_fp8)
+        check_finite("k_fp8", k_fp8)
+        check_range("ks", ks, 0, N)
+        check_range("ke", ke, 0, N)
+        check_range("ke - ks", ke - ks, 0, None, what="ke >= ks, i.e. values")
+    elif mode is DEVICE:
+        ks, ke = device_checks().check_ragged(q_fp8, k_fp8, ks, ke)
     return impl(q_fp8, k_fp8, k_scale, weights, ks, ke)
 
 
+def _paged_fake(q_fp8, index_cache, weights, context_lens, block_table, max_context_len, *, backend=None):
+    return q_fp8.new_empty((q_fp8.shape[0] * q_fp8.shape[1], max_context_len), dtype=torch.float32)
+
+
+@op("indexer_logits_paged", _paged_fake)
 def indexer_logits_paged(q_fp8: torch.Tensor, index_cache: torch.Tensor, weights: torch.Tensor,
                          context_lens: torch.Tensor, block_table: torch.Tensor, max_context_len: int,
                          *, backend: str | None = None) -> torch.Tensor:
@@ -91,18 +113,22 @@ def indexer_logits_paged(q_fp8: torch.Tensor, index_cache: torch.Tensor, weights
     ``index_cache`` must be contiguous (it is read in place, never copied: ValueError otherwise); q_fp8
     may have any strides, the small tensors are made contiguous. NaN codes: a ValueError in q_fp8 (value
     checks on); keys must not hold them at reachable positions (not checked: that would read the whole
-    cache; ``store_index_keys`` rejects them), else the backends may disagree.
+    cache; ``store_index_keys`` rejects them), else the backends may disagree. Value checks (lengths,
+    reachable page ids, q NaN codes): on the device for the Triton kernel on CUDA, a deferred ValueError
+    (``flashdsa._checks``); a request with a bad length or page id then reads no key.
 
     Returns:
         ``[B * n, max_context_len] float32``, ``-inf`` at and past each row's length.
     """
+    raise_deferred()
     check_tensor("q_fp8", q_fp8, dtype=FP8, ndim=4)
     B, n, H, D = q_fp8.shape
     dev = q_fp8.device
     if D != 128:
         fail("q_fp8", "head dim 128 (the indexer page layout holds 128-dim keys)", D)
     check_tensor("index_cache", index_cache, dtype=torch.uint8, shape=(None, INDEX_PAGE_BYTES), device=dev)
-    check_index_cache(index_cache)
+    if not index_cache.is_contiguous() or index_cache.storage_offset() & 3:
+        check_index_cache(index_cache)  # raises its ValueError (its messages cost a few µs to build)
     check_tensor("weights", weights, dtype=torch.float32, shape=(B * n, H), device=dev)
     check_tensor("context_lens", context_lens, dtype=torch.int32, shape=(B, n), device=dev)
     check_tensor("block_table", block_table, dtype=torch.int32, ndim=2, device=dev)
@@ -110,15 +136,19 @@ def indexer_logits_paged(q_fp8: torch.Tensor, index_cache: torch.Tensor, weights
         fail("block_table", f"{B} rows (one per request)", block_table.shape[0])
     check_int("max_context_len", max_context_len, 0)
     weights, context_lens, block_table = dense(weights, context_lens, block_table)
-    check_finite("q_fp8", q_fp8)
-    maxp = block_table.shape[1]
-    check_range("context_lens", context_lens, 0, min(max_context_len, maxp * PAGE_SIZE))
     impl = pick_backend(backend, _PAGED, dev, "indexer_logits_paged")
-    if block_table.numel() and value_checks_enabled(block_table):
-        # Only pages a row can reach must be valid; rows of a padded batch may hold junk past their length.
-        lens = context_lens.amax(dim=1) if n else torch.zeros(B, dtype=torch.int32, device=dev)
-        used = torch.arange(maxp, device=dev)[None, :] * PAGE_SIZE < lens[:, None]
-        check_range("block_table", block_table[used], 0, index_cache.shape[0] - 1, what="page ids")
+    mode = value_check_mode(context_lens, impl is _triton_paged)
+    if mode is HOST:
+        check_finite("q_fp8", q_fp8)
+        maxp = block_table.shape[1]
+        check_range("context_lens", context_lens, 0, min(max_context_len, maxp * PAGE_SIZE))
+        if block_table.numel():
+            # Only pages a row can reach must be valid; rows of a padded batch may hold junk past their length.
+            lens = context_lens.amax(dim=1) if n else torch.zeros(B, dtype=torch.int32, device=dev)
+            used = torch.arange(maxp, device=dev)[None, :] * PAGE_SIZE < lens[:, None]
+            check_range("block_table", block_table[used], 0, index_cache.shape[0] - 1, what="page ids")
+    elif mode is DEVICE and B * n * max_context_len:
+        context_lens = device_checks().check_paged(q_fp8, index_cache, context_lens, block_table, max_context_len)
     return impl(q_fp8, index_cache, weights, context_lens, block_table, max_context_len)
 
 
@@ -154,6 +184,12 @@ def _row_chunks(ks: np.ndarray, ke: np.ndarray, cap: int) -> list[tuple[int, int
     return chunks
 
 
+def _topk_ragged_fake(q_fp8, k_fp8, k_scale, weights, ks, ke, topk, *, out_offsets=None, max_logits_bytes=1 << 30,
+                      backend=None):
+    return q_fp8.new_empty((q_fp8.shape[0], topk), dtype=torch.int32)
+
+
+@op("indexer_topk_ragged", _topk_ragged_fake)
 def indexer_topk_ragged(q_fp8: torch.Tensor, k_fp8: torch.Tensor, k_scale: torch.Tensor, weights: torch.Tensor,
                         ks: torch.Tensor, ke: torch.Tensor, topk: int, *, out_offsets: torch.Tensor | None = None,
                         max_logits_bytes: int = 1 << 30, backend: str | None = None) -> torch.Tensor:
@@ -178,8 +214,11 @@ def indexer_topk_ragged(q_fp8: torch.Tensor, k_fp8: torch.Tensor, k_scale: torch
         ``p + out_offsets[i]``, ascending, -1 padded.
 
     Chunk bounds must be known on the host, so this op reads ks / ke back (one device sync) whatever
-    the value-check setting; it is a prefill op and not CUDA-graph capturable.
+    the value-check setting; it is a prefill op and not CUDA-graph capturable. Its value checks run on
+    the host, immediate (out_offsets once, the NaN codes of each chunk's rows and key window before the
+    chunk's kernels), and the chunks' own launches skip theirs.
     """
+    raise_deferred()
     T, N = _check_ragged(q_fp8, k_fp8, k_scale, weights, ks, ke)
     dev = q_fp8.device
     check_int("topk", topk, 1)
@@ -204,13 +243,20 @@ def indexer_topk_ragged(q_fp8: torch.Tensor, k_fp8: torch.Tensor, k_scale: torch
     widest = int((ke_h - ks_h).max())
     if widest > cap:
         fail("max_logits_bytes", f"room for the widest row ({widest} keys = {4 * widest} bytes)", max_logits_bytes)
+    if out_offsets is not None:  # what the chunks' top-k would check, on the host once
+        check_range("out_offsets", out_offsets, 0, None)
+        check_range("out_offsets", out_offsets.long() + (ke - ks) - 1, None, INT32_MAX,
+                    what="out_offsets + lengths - 1")
     for r0, r1, lo, hi in _row_chunks(ks_h, ke_h, cap):
         # columns relative to the window; empty rows clamp to an empty range inside it
         ks_c = (ks[r0:r1] - lo).clamp_(0, hi - lo)
         ke_c = (ke[r0:r1] - lo).clamp_(0, hi - lo)
-        logits = indexer_logits_ragged(q_fp8[r0:r1], k_fp8[lo:hi], k_scale[lo:hi], weights[r0:r1], ks_c, ke_c,
-                                       backend=backend)
-        off = None if out_offsets is None else out_offsets[r0:r1]
-        out[r0:r1] = topk_transform(logits, ke_c - ks_c, topk, row_starts=ks_c, out_offsets=off,
-                                    backend=backend)
+        check_finite("q_fp8", q_fp8[r0:r1])
+        check_finite("k_fp8", k_fp8[lo:hi])
+        with trusted_inputs():  # checked above: ks_c / ke_c are in range by construction
+            logits = indexer_logits_ragged(q_fp8[r0:r1], k_fp8[lo:hi], k_scale[lo:hi], weights[r0:r1], ks_c, ke_c,
+                                           backend=backend)
+            off = None if out_offsets is None else out_offsets[r0:r1]
+            out[r0:r1] = topk_transform(logits, ke_c - ks_c, topk, row_starts=ks_c, out_offsets=off,
+                                        backend=backend)
     return out

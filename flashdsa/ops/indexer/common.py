@@ -26,7 +26,8 @@ def fp8_dot_supported(device: torch.device) -> bool:
     """e4m3 x e4m3 tensor-core dots need sm_89+ (Ada, Hopper, Blackwell); older GPUs upcast to fp16."""
     if device.type != "cuda":
         return True  # the interpreter computes fp8 dots exactly
-    return torch.cuda.get_device_capability(device) >= (8, 9)
+    from flashdsa.ops._launch import capability
+    return capability(device) >= (8, 9)
 
 
 def logits_buffer(out: torch.Tensor | None, shape: tuple[int, int], device: torch.device) -> torch.Tensor:

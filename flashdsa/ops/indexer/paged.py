@@ -23,6 +23,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from flashdsa.cache.layouts import INDEX_KEY_BYTES, INDEX_PAGE_BYTES, PAGE_SIZE
+from flashdsa.ops._launch import KernelLauncher, aligned, capability
 from flashdsa.ops._triton_utils import cdiv, interpreting, next_pow2, num_sms, prev_pow2
 from flashdsa.ops.indexer.common import (MAX_DOT_N, e4m3_bits_to_f16, fill_neg_inf, fp8_dot_supported, gated_relu_sum,
                                          logits_buffer)
@@ -432,13 +433,83 @@ def _use_tma(cfg: PagedConfig, index_cache: torch.Tensor, fp8_dot: bool) -> bool
     if cfg.tma is False or not fp8_dot or cfg.block_n not in (None, PAGE_SIZE, 2 * PAGE_SIZE):
         return False
     if dev.type == "cuda":
-        cap = torch.cuda.get_device_capability(dev)
+        cap = capability(dev)
         if cap < (9, 0) or (cfg.tma is None and cap != (9, 0)):
             return False
     elif not cfg.tma:
         return False
     pages = index_cache.shape[0]
     return index_cache.data_ptr() % 16 == 0 and 0 < pages * PAGE_ROWS < 2 ** 31
+
+
+class _Launch(NamedTuple):
+    """What a launch of one shape needs besides the tensors (built once per shape, see _launch_shape)."""
+    tma: bool
+    fp8_dot: bool
+    shape: PagedShape
+    grid: tuple[int, int, int]
+    options: dict
+
+
+_SHAPES: dict = {}
+_TMA = KernelLauncher(indexer_logits_paged_tma_kernel,
+                      ("q", "key_desc", "scales", "w", "context_lens", "block_table", "out"))
+_PTR = KernelLauncher(indexer_logits_paged_kernel, ("q", "keys", "scales", "w", "context_lens", "block_table", "out"))
+_DESCS: dict = {}
+
+
+def _launch_shape(key, cfg: PagedConfig, q_fp8, index_cache, max_context_len) -> _Launch:
+    """The launch of ``key``'s shape: kernel choice, tiles, grid and launch options (cached per key: a
+    function of shapes, the config and the device only)."""
+    hit = _SHAPES.get(key)
+    if hit is not None:
+        return hit
+    B, n, H, _ = q_fp8.shape
+    fp8_dot = fp8_dot_supported(q_fp8.device) if cfg.fp8_dot is None else cfg.fp8_dot
+    tma = _use_tma(cfg, index_cache, fp8_dot)
+    if cfg.tma and not tma:
+        raise ValueError("config: tma=True needs fp8 dots, block_n 64 or 128, an sm_90+ GPU (or the interpreter) "
+                         "and a 16-byte aligned cache of < 2^31 / 66 pages")
+    shape = paged_config(B, n, H, max_context_len, q_fp8.device, cfg, tma)
+    grid = (cdiv(n, shape.G), B, cdiv(max_context_len, shape.chunk))
+    options = {"num_warps": shape.num_warps, "num_stages": cfg.num_stages}
+    if cfg.max_regs is not None:
+        options["maxnreg"] = cfg.max_regs
+    hit = _Launch(tma, fp8_dot, shape, grid, options)
+    if len(_SHAPES) >= 1024:
+        _SHAPES.pop(next(iter(_SHAPES)))
+    _SHAPES[key] = hit
+    return hit
+
+
+class _Address:
+    """A tensor descriptor's base for a cached descriptor: its address and dtype, no reference to the
+    tensor (the launcher reads ``base.data_ptr()`` only)."""
+    __slots__ = ("ptr",)
+    dtype = torch.float8_e4m3fn
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+    def data_ptr(self) -> int:
+        return self.ptr
+
+
+def _key_desc(index_cache: torch.Tensor, cached: bool) -> TensorDescriptor:
+    """TMA descriptor of the cache viewed as [P * 66, 128] e4m3: the [64, 128] block at row 66 p is page p's
+    keys. ``cached``: one per (address, P), holding no reference to the cache (for planned launches)."""
+    P, D = index_cache.shape[0], INDEX_KEY_BYTES // PAGE_SIZE
+    if not cached:
+        return TensorDescriptor(index_cache.view(torch.float8_e4m3fn).view(P * PAGE_ROWS, D),
+                                shape=[P * PAGE_ROWS, D], strides=[D, 1], block_shape=[PAGE_SIZE, D])
+    ptr = index_cache.data_ptr()
+    desc = _DESCS.get((ptr, P))
+    if desc is None:
+        if len(_DESCS) >= 64:
+            _DESCS.pop(next(iter(_DESCS)))
+        desc = _DESCS[(ptr, P)] = TensorDescriptor(_Address(ptr), shape=[P * PAGE_ROWS, D], strides=[D, 1],
+                                                    block_shape=[PAGE_SIZE, D])
+    return desc
 
 
 def indexer_logits_paged(q_fp8: torch.Tensor, index_cache: torch.Tensor, weights: torch.Tensor,
@@ -451,53 +522,71 @@ def indexer_logits_paged(q_fp8: torch.Tensor, index_cache: torch.Tensor, weights
     ``config`` overrides the launch (tests, benchmarks); ``out`` is an optional preallocated
     ``[B * n, max_context_len] f32`` buffer (every element is written). Dispatch: the TMA kernel on sm_90
     (see :func:`_use_tma`), the pointer kernel elsewhere.
+
+    Host path: the launch of a shape (kernel, tiles, grid) is worked out once and the kernel launched from
+    a plan (``ops/_launch.py``) whenever the pointers are 16-byte aligned.
     """
     B, n, H, D = q_fp8.shape
-    out = logits_buffer(out, (B * n, max_context_len), q_fp8.device)
+    dev = q_fp8.device
+    out = logits_buffer(out, (B * n, max_context_len), dev)
     if out.numel() == 0:
         return out
-    cfg = config or PagedConfig()
-    fp8_dot = fp8_dot_supported(q_fp8.device) if cfg.fp8_dot is None else cfg.fp8_dot
-    index_cache = index_cache.contiguous()
-    tma = _use_tma(cfg, index_cache, fp8_dot)
-    if cfg.tma and not tma:
-        raise ValueError("config: tma=True needs fp8 dots, block_n 64 or 128, an sm_90+ GPU (or the interpreter) "
-                         "and a 16-byte aligned cache of < 2^31 / 66 pages")
-    G, GS, HP, bn, chunk, chain, warps = paged_config(B, n, H, max_context_len, q_fp8.device, cfg, tma)
-    if q_fp8.stride(-1) != 1:
+    cfg = config or _DEFAULT
+    if not index_cache.is_contiguous():
+        index_cache = index_cache.contiguous()
+    qs, ws, bts = q_fp8.stride(), weights.stride(), block_table.stride()
+    if qs[-1] != 1:
         q_fp8 = q_fp8.contiguous()
-    if weights.stride(-1) != 1:
+        qs = q_fp8.stride()
+    if ws[-1] != 1:
         weights = weights.contiguous()
-    if block_table.stride(-1) != 1:
+        ws = weights.stride()
+    if bts[-1] != 1:
         block_table = block_table.contiguous()
-    grid = (cdiv(n, G), B, cdiv(max_context_len, chunk))
-    launch = {"num_warps": warps, "num_stages": cfg.num_stages}
-    if cfg.max_regs is not None:
-        launch["maxnreg"] = cfg.max_regs
+        bts = block_table.stride()
+    if not context_lens.is_contiguous():
+        context_lens = context_lens.contiguous()
+    P = index_cache.shape[0]
+    cache_ptr = index_cache.data_ptr()
+    ptrs = (q_fp8.data_ptr(), cache_ptr, weights.data_ptr(), context_lens.data_ptr(), block_table.data_ptr(),
+            out.data_ptr())
+    # everything but the pointers: shapes, strides, ints, the config, the device, and the cache's
+    # alignment (it decides TMA)
+    key = (dev, B, n, H, qs, P, ws[0], block_table.shape[1], bts[0], max_context_len, out.stride(0), config,
+           not cache_ptr & 15)
+    tma, fp8_dot, shape, grid, options = _launch_shape(key, cfg, q_fp8, index_cache, max_context_len)
+    G, GS, HP, bn, chunk, chain, _ = shape
+    if not aligned(*ptrs):
+        key = None  # Triton specialises on each pointer's alignment: its own launch
     if tma:
-        P = index_cache.shape[0]
-        # [P * 66, 128] e4m3; the [64, 128] block at row 66 p is page p's keys
-        key_desc = TensorDescriptor(index_cache.view(torch.float8_e4m3fn).view(P * PAGE_ROWS, D),
-                                    shape=[P * PAGE_ROWS, D], strides=[D, 1], block_shape=[PAGE_SIZE, D])
-        indexer_logits_paged_tma_kernel[grid](
-            q=q_fp8, key_desc=key_desc, scales=index_cache.view(torch.float32), w=weights,
-            context_lens=context_lens.contiguous(), block_table=block_table, out=out, max_len=max_context_len,
-            stride_qb=q_fp8.stride(0), stride_qn=q_fp8.stride(1), stride_qh=q_fp8.stride(2),
-            stride_w=weights.stride(0), stride_bt=block_table.stride(0), stride_o=out.stride(0),
-            NEXT_N=n, H=H, HP=HP, D=D, G=G, GS=GS, PAGES=bn // PAGE_SIZE, CHUNK=chunk,
-            PAGE=PAGE_SIZE, PAGE_ROWS=PAGE_ROWS, PAGE_WORDS=INDEX_PAGE_BYTES // 4, KEY_WORDS=INDEX_KEY_BYTES // 4,
-            CHAIN=chain, NUM_STAGES=cfg.num_stages, ASM_STORE=cfg.asm_store and not interpreting(), **launch,
-        )
+        def build():
+            return grid, dict(
+                q=q_fp8, key_desc=_key_desc(index_cache, False), scales=index_cache.view(torch.float32), w=weights,
+                context_lens=context_lens, block_table=block_table, out=out, max_len=max_context_len,
+                stride_qb=q_fp8.stride(0), stride_qn=q_fp8.stride(1), stride_qh=q_fp8.stride(2),
+                stride_w=weights.stride(0), stride_bt=block_table.stride(0), stride_o=out.stride(0),
+                NEXT_N=n, H=H, HP=HP, D=D, G=G, GS=GS, PAGES=bn // PAGE_SIZE, CHUNK=chunk,
+                PAGE=PAGE_SIZE, PAGE_ROWS=PAGE_ROWS, PAGE_WORDS=INDEX_PAGE_BYTES // 4, KEY_WORDS=INDEX_KEY_BYTES // 4,
+                CHAIN=chain, NUM_STAGES=cfg.num_stages, ASM_STORE=cfg.asm_store and not interpreting(), **options)
+
+        desc = _key_desc(index_cache, True) if key is not None else None
+        _TMA(key, (ptrs[0], desc, cache_ptr, *ptrs[2:]), build)
         return out
-    keys = index_cache.view(torch.float8_e4m3fn) if fp8_dot else index_cache
-    q_in = q_fp8 if fp8_dot else q_fp8.view(torch.uint8)
-    indexer_logits_paged_kernel[grid](
-        q=q_in, keys=keys, scales=index_cache.view(torch.float32), w=weights,
-        context_lens=context_lens.contiguous(), block_table=block_table, out=out, max_len=max_context_len,
-        stride_qb=q_in.stride(0), stride_qn=q_in.stride(1), stride_qh=q_in.stride(2),
-        stride_w=weights.stride(0), stride_bt=block_table.stride(0), stride_o=out.stride(0),
-        NEXT_N=n, H=H, HP=HP, D=D, G=G, GS=GS, BLOCK_N=bn, CHUNK=chunk,
-        PAGE=PAGE_SIZE, PAGE_BYTES=INDEX_PAGE_BYTES, KEY_BYTES=INDEX_KEY_BYTES, FP8_DOT=fp8_dot,
-        CHAIN=chain, NUM_STAGES=cfg.num_stages, **launch,
-    )
+
+    def build():
+        keys = index_cache.view(torch.float8_e4m3fn) if fp8_dot else index_cache
+        q_in = q_fp8 if fp8_dot else q_fp8.view(torch.uint8)
+        return grid, dict(
+            q=q_in, keys=keys, scales=index_cache.view(torch.float32), w=weights,
+            context_lens=context_lens, block_table=block_table, out=out, max_len=max_context_len,
+            stride_qb=q_in.stride(0), stride_qn=q_in.stride(1), stride_qh=q_in.stride(2),
+            stride_w=weights.stride(0), stride_bt=block_table.stride(0), stride_o=out.stride(0),
+            NEXT_N=n, H=H, HP=HP, D=D, G=G, GS=GS, BLOCK_N=bn, CHUNK=chunk,
+            PAGE=PAGE_SIZE, PAGE_BYTES=INDEX_PAGE_BYTES, KEY_BYTES=INDEX_KEY_BYTES, FP8_DOT=fp8_dot,
+            CHAIN=chain, NUM_STAGES=cfg.num_stages, **options)
+
+    _PTR(key, (ptrs[0], cache_ptr, cache_ptr, *ptrs[2:]), build)
     return out
+
+
+_DEFAULT = PagedConfig()

@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from flashdsa.ops._launch import KernelLauncher, aligned
 from flashdsa.ops._triton_utils import cdiv, next_pow2, num_sms
 from flashdsa.ops.indexer.common import (MAX_DOT_N, e4m3_bits_to_f16, fill_neg_inf, fp8_dot_supported, gated_relu_sum,
                                          logits_buffer)
@@ -141,27 +142,40 @@ def indexer_logits_ragged(q_fp8: torch.Tensor, k_fp8: torch.Tensor, k_scale: tor
     """
     T, H, D = q_fp8.shape
     N = k_fp8.shape[0]
-    out = logits_buffer(out, (T, N), q_fp8.device)
+    dev = q_fp8.device
+    out = logits_buffer(out, (T, N), dev)
     if out.numel() == 0:
         return out
-    cfg = config or RaggedConfig()
-    G, HP, DP, bn, chunk = ragged_config(T, N, H, D, q_fp8.device, cfg)
-    fp8_dot = fp8_dot_supported(q_fp8.device) if cfg.fp8_dot is None else cfg.fp8_dot
+    cfg = config or _DEFAULT
     if q_fp8.stride(-1) != 1:
         q_fp8 = q_fp8.contiguous()
     if k_fp8.stride(-1) != 1:
         k_fp8 = k_fp8.contiguous()
     if weights.stride(-1) != 1:
         weights = weights.contiguous()
-    q_in = q_fp8 if fp8_dot else q_fp8.view(torch.uint8)
-    k_in = k_fp8 if fp8_dot else k_fp8.view(torch.uint8)
-    grid = (cdiv(T, G), cdiv(N, chunk))
-    indexer_logits_ragged_kernel[grid](
-        q=q_in, k=k_in, k_scale=k_scale.contiguous(), w=weights, ks=ks.contiguous(), ke=ke.contiguous(),
-        out=out, T=T, N=N,
-        stride_qt=q_in.stride(0), stride_qh=q_in.stride(1), stride_k=k_in.stride(0),
-        stride_w=weights.stride(0), stride_o=out.stride(0),
-        H=H, HP=HP, D=D, DP=DP, G=G, BLOCK_N=bn, CHUNK=chunk, FP8_DOT=fp8_dot,
-        NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    k_scale, ks, ke = (t if t.is_contiguous() else t.contiguous() for t in (k_scale, ks, ke))
+    ptrs = (q_fp8.data_ptr(), k_fp8.data_ptr(), k_scale.data_ptr(), weights.data_ptr(), ks.data_ptr(), ke.data_ptr(),
+            out.data_ptr())
+    key = (dev, T, N, H, D, q_fp8.stride(0), q_fp8.stride(1), k_fp8.stride(0), weights.stride(0), out.stride(0),
+           config) if aligned(*ptrs) else None
+
+    def build():
+        G, HP, DP, bn, chunk = ragged_config(T, N, H, D, dev, cfg)
+        fp8_dot = fp8_dot_supported(dev) if cfg.fp8_dot is None else cfg.fp8_dot
+        q_in = q_fp8 if fp8_dot else q_fp8.view(torch.uint8)
+        k_in = k_fp8 if fp8_dot else k_fp8.view(torch.uint8)
+        return (cdiv(T, G), cdiv(N, chunk)), dict(
+            q=q_in, k=k_in, k_scale=k_scale, w=weights, ks=ks, ke=ke,
+            out=out, T=T, N=N,
+            stride_qt=q_in.stride(0), stride_qh=q_in.stride(1), stride_k=k_in.stride(0),
+            stride_w=weights.stride(0), stride_o=out.stride(0),
+            H=H, HP=HP, D=D, DP=DP, G=G, BLOCK_N=bn, CHUNK=chunk, FP8_DOT=fp8_dot,
+            NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+
+    _LAUNCH(key, ptrs, build)
     return out
+
+
+_DEFAULT = RaggedConfig()
+_LAUNCH = KernelLauncher(indexer_logits_ragged_kernel, ("q", "k", "k_scale", "w", "ks", "ke", "out"))

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import functools
+import importlib
+
 import torch
 
-from flashdsa.ops._common import check_finite, check_tensor, dense, fail, pick_backend
+from flashdsa._library import op
+from flashdsa.ops._common import (DEVICE, HOST, check_finite, check_tensor, dense, device_checks, fail, pick_backend,
+                                  raise_deferred, value_check_mode)
 from flashdsa.ops.indexer_quant import reference
 
 HEAD_DIM = 128
@@ -15,15 +20,23 @@ X_BOUND = 2.0 ** 118
 COS_BOUND = 2.0
 
 
+# imported on first use: importing triton is slow and CPU-only users never need it
+_module = functools.cache(importlib.import_module)
+
+
 def _triton_indexer_quant(*args, **kwargs):
-    # imported on first use: importing triton is slow and CPU-only users never need it
-    from flashdsa.ops.indexer_quant import triton as impl
-    return impl.indexer_quant(*args, **kwargs)
+    return _module("flashdsa.ops.indexer_quant.triton").indexer_quant(*args, **kwargs)
 
 
 _IMPLS = {"torch": reference.indexer_quant, "triton": _triton_indexer_quant}
 
 
+def _quant_fake(x, cos, sin, interleave, *, backend=None):
+    return (torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device),
+            torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device))
+
+
+@op("indexer_quant", _quant_fake)
 def indexer_quant(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool, *,
                   backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE on the first 64 dims, rounding to the model dtype, Sylvester Hadamard, fp8 with a UE8M0 scale.
@@ -38,7 +51,8 @@ def indexer_quant(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interle
     count. Use it for the queries ``[T, H, 128]`` and the key ``[T, 128]`` alike. NaN / inf in x, cos or
     sin, ``|x| > 2^118`` or ``|cos|, |sin| > 2`` (where RoPE or the Hadamard sums could overflow) are a
     ValueError when value checks are on: the kernel's amax and casts do not propagate NaN / inf as torch
-    does, so with the checks off such inputs give unspecified results.
+    does, so with the checks off such inputs give unspecified results (with the Triton kernel on CUDA
+    these checks run on the device: a deferred ValueError, ``flashdsa._checks``).
 
     Args:
         x:          ``[T, ..., 128]`` bfloat16 or float32 (the model dtype), unit stride not required.
@@ -49,6 +63,7 @@ def indexer_quant(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interle
         ``x_fp8 [T, ..., 128] float8_e4m3fn`` and ``scale [T, ...] float32`` (powers of two) with
         ``z ≈ x_fp8 * scale[..., None]``.
     """
+    raise_deferred()
     check_tensor("x", x, dtype=(torch.bfloat16, torch.float32))
     if x.dim() < 2 or x.shape[-1] != HEAD_DIM:
         fail("x", f"a [T, ..., {HEAD_DIM}] tensor", f"shape {list(x.shape)}")
@@ -58,8 +73,13 @@ def indexer_quant(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interle
     if not isinstance(interleave, bool):
         fail("interleave", "a bool", type(interleave).__name__)
     cos, sin = dense(cos, sin)
-    check_finite("x", x, X_BOUND)
-    check_finite("cos", cos, COS_BOUND)
-    check_finite("sin", sin, COS_BOUND)
     impl = pick_backend(backend, _IMPLS, x.device, "indexer_quant")
+    mode = value_check_mode(x, impl is _triton_indexer_quant)
+    if mode is HOST:
+        check_finite("x", x, X_BOUND)
+        check_finite("cos", cos, COS_BOUND)
+        check_finite("sin", sin, COS_BOUND)
+    elif mode is DEVICE:
+        device_checks().scan_finite("indexer_quant", [("x", x, X_BOUND), ("cos", cos, COS_BOUND),
+                                                      ("sin", sin, COS_BOUND)])
     return impl(x, cos, sin, interleave)

@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from flashdsa.ops._launch import KernelLauncher, aligned
 from flashdsa.ops._triton_utils import cdiv, interpreting
 from flashdsa.quant import AMAX_FLOOR, FP8, FP8_MAX
 
@@ -251,20 +252,30 @@ def indexer_quant(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interle
     R = T * H
     if R == 0:
         return x_fp8, scale
-    x3 = x.reshape(T, H, D)  # a view unless the middle dims cannot merge
+    x3 = x if x.dim() == 3 else x.reshape(T, H, D)  # a view unless the middle dims cannot merge
     bf16 = x.dtype == torch.bfloat16
-    cfg = config or IndexerQuantConfig()
-    block_r = cfg.block_r or (BLOCK_R_INTERPRET if interpreting() else BLOCK_R)
-    soft_casts = interpreting() if cfg.soft_casts is None else cfg.soft_casts
-    grid = (cdiv(R, block_r),)
-    indexer_quant_fwd_kernel[grid](
-        # bf16 travels as its int16 bits: the kernel widens them to fp32 exactly with a shift
-        x=x3.view(torch.int16) if bf16 else x3, cos=cos, sin=sin, x_fp8=x_fp8.view(torch.uint8), scale=scale,
-        R=R, H=H, stride_xt=x3.stride(0), stride_xh=x3.stride(1), stride_xd=x3.stride(2),
-        stride_ct=cos.stride(0), stride_cd=cos.stride(1), stride_st=sin.stride(0), stride_sd=sin.stride(1),
-        INTERLEAVE=interleave, BF16=bf16, SOFT_CASTS=soft_casts, BLOCK_R=block_r, D=D,
-        AMAX_FLOOR=AMAX_FLOOR, H_SCALE=D ** -0.5,
-        # no mul + add -> FMA contraction: RoPE's a * c - b * s must round both products, as torch does
-        num_warps=cfg.num_warps, enable_fp_fusion=False,
-    )
+    cfg = config or _DEFAULT
+    ptrs = (x3.data_ptr(), cos.data_ptr(), sin.data_ptr(), x_fp8.data_ptr(), scale.data_ptr())
+    key = (x.device, T, H, x3.stride(), bf16, cos.stride(), sin.stride(), interleave, config) \
+        if aligned(*ptrs) else None
+
+    def build():
+        block_r = cfg.block_r or (BLOCK_R_INTERPRET if interpreting() else BLOCK_R)
+        soft_casts = interpreting() if cfg.soft_casts is None else cfg.soft_casts
+        return (cdiv(R, block_r),), dict(
+            # bf16 travels as its int16 bits: the kernel widens them to fp32 exactly with a shift
+            x=x3.view(torch.int16) if bf16 else x3, cos=cos, sin=sin, x_fp8=x_fp8.view(torch.uint8), scale=scale,
+            R=R, H=H, stride_xt=x3.stride(0), stride_xh=x3.stride(1), stride_xd=x3.stride(2),
+            stride_ct=cos.stride(0), stride_cd=cos.stride(1), stride_st=sin.stride(0), stride_sd=sin.stride(1),
+            INTERLEAVE=interleave, BF16=bf16, SOFT_CASTS=soft_casts, BLOCK_R=block_r, D=D,
+            AMAX_FLOOR=AMAX_FLOOR, H_SCALE=D ** -0.5,
+            # no mul + add -> FMA contraction: RoPE's a * c - b * s must round both products, as torch does
+            num_warps=cfg.num_warps, enable_fp_fusion=False,
+        )
+
+    _LAUNCH(key, ptrs, build)
     return x_fp8, scale
+
+
+_DEFAULT = IndexerQuantConfig()
+_LAUNCH = KernelLauncher(indexer_quant_fwd_kernel, ("x", "cos", "sin", "x_fp8", "scale"))

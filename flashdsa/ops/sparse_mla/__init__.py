@@ -2,22 +2,26 @@
 
 from __future__ import annotations
 
+import functools
+import importlib
+
 import torch
 
+from flashdsa._library import op
 from flashdsa.cache.layouts import MLA_DIM, MLA_LATENT, PAGE_SIZE, mla_cache_format
-from flashdsa.ops._common import check_scalar, check_tensor, dense, fail, pick_backend
+from flashdsa.ops._common import check_scalar, check_tensor, dense, fail, pick_backend, raise_deferred
 from flashdsa.ops.sparse_mla import reference
+
+# imported on first use: importing triton is slow and CPU-only users never need it
+_module = functools.cache(importlib.import_module)
 
 
 def _triton_decode(*args, **kwargs):
-    # imported on first use: importing triton is slow and CPU-only users never need it
-    from flashdsa.ops.sparse_mla import triton as impl
-    return impl.sparse_mla_decode(*args, **kwargs)
+    return _module("flashdsa.ops.sparse_mla.triton").sparse_mla_decode(*args, **kwargs)
 
 
 def _triton_prefill(*args, **kwargs):
-    from flashdsa.ops.sparse_mla import triton as impl
-    return impl.sparse_mla_prefill(*args, **kwargs)
+    return _module("flashdsa.ops.sparse_mla.triton").sparse_mla_prefill(*args, **kwargs)
 
 
 _DECODE = {"torch": reference.sparse_mla_decode, "triton": _triton_decode}
@@ -51,6 +55,18 @@ def _check_cache_strides(kv_cache: torch.Tensor, fmt: str) -> None:
              f"data_ptr % 4 = {kv_cache.data_ptr() % 4}, strides {kv_cache.stride()}")
 
 
+def _out_dtype(q: torch.Tensor, kv: torch.Tensor) -> torch.dtype:
+    """The attention output's dtype: float32 over a float32 cache / KV (a bf16 q is widened), else q's."""
+    return torch.float32 if kv.dtype == torch.float32 else q.dtype
+
+
+def _decode_fake(q, kv_cache, indices, sm_scale, d_v=512, *, kv_scale=None, backend=None):
+    B, s_q, h_q, _ = q.shape
+    return (q.new_empty((B, s_q, h_q, d_v), dtype=_out_dtype(q, kv_cache)),
+            q.new_empty((B, s_q, h_q), dtype=torch.float32))
+
+
+@op("sparse_mla_decode", _decode_fake)
 def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, sm_scale: float,
                       d_v: int = 512, *, kv_scale: float | None = None,
                       backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,6 +89,7 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Te
         ``out [B, s_q, h_q, d_v] bfloat16`` (float32 with an fp32 cache) and ``lse [B, s_q, h_q] float32``
         (natural log). A row with no valid index gives out = 0 and lse = -inf.
     """
+    raise_deferred()
     check_tensor("q", q, dtype=(torch.bfloat16, torch.float32), ndim=4)
     B, s_q, h_q, d = q.shape
     dev = q.device
@@ -96,6 +113,12 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Te
     return impl(q, kv_cache, indices, float(sm_scale), d_v, kv_scale)
 
 
+def _prefill_fake(q, kv, indices, sm_scale, d_v=512, *, backend=None):
+    T, h_q, _ = q.shape
+    return q.new_empty((T, h_q, d_v), dtype=_out_dtype(q, kv)), q.new_empty((T, h_q), dtype=torch.float32)
+
+
+@op("sparse_mla_prefill", _prefill_fake)
 def sparse_mla_prefill(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float,
                        d_v: int = 512, *, backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA prefill over a gathered bf16 KV buffer.
@@ -111,6 +134,7 @@ def sparse_mla_prefill(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
         -inf for empty rows). A row's result does not depend on the other rows of the call (chunked
         prefill == one-shot).
     """
+    raise_deferred()
     check_tensor("q", q, dtype=(torch.bfloat16, torch.float32), ndim=3)
     T, h_q, d = q.shape
     dev = q.device
@@ -126,6 +150,12 @@ def sparse_mla_prefill(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
     return impl(q, kv, indices, float(sm_scale), d_v)
 
 
+def _merge_fake(out_a, lse_a, out_b, lse_b):
+    return torch.empty_like(out_a, memory_format=torch.contiguous_format), torch.empty_like(
+        lse_a, memory_format=torch.contiguous_format)
+
+
+@op("merge_attention", _merge_fake)
 def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
                     lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge two partial attentions over disjoint key sets into the attention over their union.
@@ -134,6 +164,7 @@ def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tenso
     log. Exact for empty parts: a part with lse = -inf contributes nothing; two empty parts give
     out = 0, lse = -inf.
     """
+    raise_deferred()
     check_tensor("out_a", out_a, dtype=(torch.bfloat16, torch.float16, torch.float32, torch.float64))
     if out_a.dim() < 1:
         fail("out_a", "a tensor [..., d_v]", "a 0-d tensor")

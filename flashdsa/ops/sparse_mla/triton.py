@@ -8,11 +8,13 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass, fields, replace
+from typing import NamedTuple
 
 import torch
 from triton.runtime.errors import OutOfResources
 
 from flashdsa.cache.layouts import MLA_DIM, PAGE_SIZE, mla_cache_format
+from flashdsa.ops._launch import KernelLauncher, aligned
 from flashdsa.ops._triton_utils import cdiv, next_pow2, num_sms, upcast_bf16
 from flashdsa.ops.sparse_mla.kernels import (CACHE_FORMATS, sparse_mla_combine_kernel, sparse_mla_fwd_kernel,
                                              sparse_mla_fwd_small_h_kernel, sparse_mla_fwd_wide_kernel)
@@ -63,8 +65,23 @@ class SparseMLAConfig:
             raise ValueError("config: expected " + "; ".join(bad))
 
 
+_CONFIGS: dict = {}
+
+
 def launch_config(h_q: int, fmt: str, rows: int, topk: int, device: torch.device,
                   config: SparseMLAConfig | None = None, split: bool = True) -> SparseMLAConfig:
+    """:func:`default_launch_config`, remembered per arguments (it runs on every call's host path)."""
+    key = (h_q, fmt, rows, topk, device, config, split)
+    cfg = _CONFIGS.get(key)
+    if cfg is None:
+        if len(_CONFIGS) >= 1024:
+            _CONFIGS.pop(next(iter(_CONFIGS)))
+        cfg = _CONFIGS[key] = default_launch_config(h_q, fmt, rows, topk, device, config, split)
+    return cfg
+
+
+def default_launch_config(h_q: int, fmt: str, rows: int, topk: int, device: torch.device,
+                          config: SparseMLAConfig | None = None, split: bool = True) -> SparseMLAConfig:
     """The configuration a launch uses: ``config``'s fields where set, else the defaults for the shape,
     measured on an H200 (the reasoning and the numbers are in README.md). ``split=False``: no top-k split by
     default (prefill: a row's bits must not depend on the rows that share the call).
@@ -171,60 +188,103 @@ def sparse_mla_fwd(q: torch.Tensor, kv: torch.Tensor, stride_kv_page: int, strid
 _STEP_DOWN: dict = {}
 
 
+class _Tiles(NamedTuple):
+    BDV: int
+    n_hb: int
+    dv_parts: int
+    splits: int
+    per_split: int
+
+
+_TILES: dict = {}
+_KERNELS = {"small_h": sparse_mla_fwd_small_h_kernel, "wide": sparse_mla_fwd_wide_kernel,
+            "heads_m": sparse_mla_fwd_kernel}
+_MAIN = {name: KernelLauncher(k, ("q", "kv", "idx", "out", "lse")) for name, k in _KERNELS.items()}
+_COMBINE = KernelLauncher(sparse_mla_combine_kernel, ("part_out", "part_lse", "out", "lse"))
+
+
+def _tiles(cfg: SparseMLAConfig, h_q: int, topk: int, d_v: int) -> _Tiles:
+    key = (cfg, h_q, topk, d_v)
+    t = _TILES.get(key)
+    if t is None:
+        BH, BN = cfg.block_h, cfg.block_n
+        BDV = 512 if cfg.kernel in ("small_h", "wide") else cfg.block_dv
+        # every split but the last gets a whole number of BLOCK_N steps
+        splits = max(1, min(cfg.num_splits, cdiv(topk, BN)))
+        per_split = max(BN, cdiv(cdiv(topk, splits), BN) * BN)
+        t = _TILES[key] = _Tiles(BDV, cdiv(h_q, BH), cdiv(d_v, BDV), max(1, cdiv(topk, per_split)), per_split)
+    return t
+
+
 def _launch(cfg: SparseMLAConfig, q, kv, stride_kv_page, stride_kv_row, n_slots, fmt, indices, sm_scale, d_v,
             kv_scale, out, lse):
     """Launch the kernel of ``cfg`` (complete: :func:`launch_config`'s) and the combine kernel when the top-k
     list is split, into out / lse; returns the compiled main kernel (the benchmark reports its registers,
-    spills and shared memory)."""
+    spills and shared memory). Both launch from plans (``ops/_launch.py``) after the first call of a shape."""
     R, h_q, _ = q.shape
     topk = indices.shape[1]
-    BH, BN = cfg.block_h, cfg.block_n
-    BDV = 512 if cfg.kernel in ("small_h", "wide") else cfg.block_dv
-    n_hb = cdiv(h_q, BH)
-    dv_parts = cdiv(d_v, BDV)
-    # every split but the last gets a whole number of BLOCK_N steps
-    splits = max(1, min(cfg.num_splits, cdiv(topk, BN)))
-    per_split = max(BN, cdiv(cdiv(topk, splits), BN) * BN)
-    splits = max(1, cdiv(topk, per_split))
+    dev = q.device
+    BDV, n_hb, dv_parts, splits, per_split = _tiles(cfg, h_q, topk, d_v)
     if splits == 1:
-        o, l = out, lse
+        part = None
+        o_ptr, l_ptr = out.data_ptr(), lse.data_ptr()
         so_row, so_split, so_h = out.stride(0), 0, out.stride(1)
         sl_row, sl_split = lse.stride(0), 0
     else:
-        o = torch.empty(R, splits, h_q, d_v, dtype=torch.float32, device=q.device)
-        l = torch.empty(R, splits, h_q, dtype=torch.float32, device=q.device)
-        so_row, so_split, so_h = o.stride(0), o.stride(1), o.stride(2)
-        sl_row, sl_split = l.stride(0), l.stride(1)
-    args = dict(
-        q=q, kv=kv, idx=indices, out=o, lse=l,
-        stride_q_row=q.stride(0), stride_q_h=q.stride(1),
-        stride_kv_page=stride_kv_page, stride_kv_row=stride_kv_row,
-        stride_i_row=indices.stride(0),
-        stride_o_row=so_row, stride_o_split=so_split, stride_o_h=so_h,
-        stride_l_row=sl_row, stride_l_split=sl_split,
-        n_slots=n_slots, h_q=h_q, topk=topk, tokens_per_split=per_split, num_splits=splits,
-        num_head_blocks=n_hb, qk_scale=sm_scale * LOG2E, kv_scale=1.0 if kv_scale is None else float(kv_scale),
-        D_V=d_v, FMT=CACHE_FORMATS[fmt], BLOCK_H=BH, BLOCK_N=BN, SLOTS_AHEAD=cfg.slots_ahead, UPCAST=upcast_bf16(),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
-    if cfg.kernel == "small_h":
-        compiled = sparse_mla_fwd_small_h_kernel[(R * splits * n_hb,)](**args)
-    elif cfg.kernel == "wide":
-        compiled = sparse_mla_fwd_wide_kernel[(R * splits * n_hb,)](**args)
-    else:
-        compiled = sparse_mla_fwd_kernel[(R * splits * dv_parts * n_hb,)](BLOCK_DV=BDV, **args)
+        # fp32 partials [R, splits, h_q, d_v] and their lse [R, splits, h_q], one allocation
+        n_o = cdiv(R * splits * h_q * d_v, 4) * 4  # the lse part 16-byte aligned, as its own tensor would be
+        part = torch.empty(n_o + R * splits * h_q, dtype=torch.float32, device=dev)
+        o_ptr, l_ptr = part.data_ptr(), part.data_ptr() + 4 * n_o
+        so_row, so_split, so_h = splits * h_q * d_v, h_q * d_v, d_v
+        sl_row, sl_split = splits * h_q, h_q
+    ptrs = (q.data_ptr(), kv.data_ptr(), indices.data_ptr(), o_ptr, l_ptr)
+    key = (cfg, dev, R, h_q, topk, q.stride(0), q.stride(1), stride_kv_page, stride_kv_row, indices.stride(0),
+           out.stride(0), out.stride(1), lse.stride(0), n_slots, fmt, sm_scale, d_v, kv_scale) \
+        if aligned(*ptrs) else None
+
+    def build():
+        if part is None:
+            o, l = out, lse
+        else:
+            o = part[:R * splits * h_q * d_v].view(R, splits, h_q, d_v)
+            l = part[n_o:].view(R, splits, h_q)
+        args = dict(
+            q=q, kv=kv, idx=indices, out=o, lse=l,
+            stride_q_row=q.stride(0), stride_q_h=q.stride(1),
+            stride_kv_page=stride_kv_page, stride_kv_row=stride_kv_row,
+            stride_i_row=indices.stride(0),
+            stride_o_row=so_row, stride_o_split=so_split, stride_o_h=so_h,
+            stride_l_row=sl_row, stride_l_split=sl_split,
+            n_slots=n_slots, h_q=h_q, topk=topk, tokens_per_split=per_split, num_splits=splits,
+            num_head_blocks=n_hb, qk_scale=sm_scale * LOG2E, kv_scale=1.0 if kv_scale is None else float(kv_scale),
+            D_V=d_v, FMT=CACHE_FORMATS[fmt], BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, SLOTS_AHEAD=cfg.slots_ahead,
+            UPCAST=upcast_bf16(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        if cfg.kernel not in ("small_h", "wide"):
+            return (R * splits * dv_parts * n_hb,), dict(args, BLOCK_DV=BDV)
+        return (R * splits * n_hb,), args
+
+    compiled = _MAIN[cfg.kernel](key, ptrs, build)
     if splits > 1:
         CH = min(64, max(16, next_pow2(h_q)))
         n_chb = cdiv(h_q, CH)
-        sparse_mla_combine_kernel[(R * n_chb,)](
-            part_out=o, part_lse=l, out=out, lse=lse,
-            stride_po_row=o.stride(0), stride_po_split=o.stride(1), stride_po_h=o.stride(2),
-            stride_pl_row=l.stride(0), stride_pl_split=l.stride(1),
-            stride_o_row=out.stride(0), stride_o_h=out.stride(1), stride_l_row=lse.stride(0),
-            h_q=h_q, num_splits=splits, num_head_blocks=n_chb,
-            D_V=d_v, BLOCK_H=CH, BLOCK_S=next_pow2(splits), BLOCK_D=128, UPCAST=upcast_bf16(),
-            num_warps=4,
-        )
+        cptrs = (o_ptr, l_ptr, out.data_ptr(), lse.data_ptr())
+        ckey = key and (key, "combine")
+
+        def build_combine():
+            o = part[:R * splits * h_q * d_v].view(R, splits, h_q, d_v)
+            l = part[n_o:].view(R, splits, h_q)
+            return (R * n_chb,), dict(
+                part_out=o, part_lse=l, out=out, lse=lse,
+                stride_po_row=o.stride(0), stride_po_split=o.stride(1), stride_po_h=o.stride(2),
+                stride_pl_row=l.stride(0), stride_pl_split=l.stride(1),
+                stride_o_row=out.stride(0), stride_o_h=out.stride(1), stride_l_row=lse.stride(0),
+                h_q=h_q, num_splits=splits, num_head_blocks=n_chb,
+                D_V=d_v, BLOCK_H=CH, BLOCK_S=next_pow2(splits), BLOCK_D=128, UPCAST=upcast_bf16(),
+                num_warps=4,
+            )
+
+        _COMBINE(ckey if aligned(*cptrs) else None, cptrs, build_combine)
     return compiled
 
 

@@ -2,25 +2,35 @@
 
 from __future__ import annotations
 
+import functools
+import importlib
+
 import torch
 
+from flashdsa._library import op
 from flashdsa.cache.layouts import PAGE_SIZE
-from flashdsa.ops._common import (check_int, check_range, check_tensor, dense, fail, pick_backend,
-                                  value_checks_enabled)
+from flashdsa.ops._common import (DEVICE, HOST, check_int, check_range, check_tensor, dense, device_checks, fail,
+                                  pick_backend, raise_deferred, value_check_mode)
 from flashdsa.ops.topk import reference
 
 INT32_MAX = 2 ** 31 - 1
+# imported on first use: importing triton is slow and CPU-only users never need it
+_module = functools.cache(importlib.import_module)
 
 
 def _triton_topk(*args, **kwargs):
-    # imported on first use: importing triton is slow and CPU-only users never need it
-    from flashdsa.ops.topk import launch
-    return launch.topk_transform(*args, **kwargs)
+    return _module("flashdsa.ops.topk.launch").topk_transform(*args, **kwargs)
 
 
 _IMPLS = {"torch": reference.topk_transform, "triton": _triton_topk}
 
 
+def _topk_fake(logits, lengths, topk=2048, *, page_table=None, row_starts=None, out_offsets=None,
+               page_size=PAGE_SIZE, backend=None):
+    return logits.new_empty((logits.shape[0], topk), dtype=torch.int32)
+
+
+@op("topk_transform", _topk_fake)
 def topk_transform(logits: torch.Tensor, lengths: torch.Tensor, topk: int = 2048, *,
                    page_table: torch.Tensor | None = None, row_starts: torch.Tensor | None = None,
                    out_offsets: torch.Tensor | None = None, page_size: int = PAGE_SIZE,
@@ -50,11 +60,15 @@ def topk_transform(logits: torch.Tensor, lengths: torch.Tensor, topk: int = 2048
         page_size:   tokens per page of ``page_table`` (64; 64 * c with kpool).
 
     The metadata tensors may be strided views (``context_lens[:, 0]``); they are made contiguous first.
+    Value checks (the ranges above, the page table's reach and page ids): on the device for the Triton
+    kernel on CUDA, a deferred ValueError (``flashdsa._checks``); a row with a bad value then selects
+    nothing (all -1).
 
     Returns:
         ``[R, topk] int32``: the selected candidates in ascending position order, then -1 padding
         (a row with fewer than topk candidates returns all of them).
     """
+    raise_deferred()
     check_tensor("logits", logits, dtype=torch.float32, ndim=2, contiguous_last=True)
     R, L = logits.shape
     dev = logits.device
@@ -73,6 +87,17 @@ def topk_transform(logits: torch.Tensor, lengths: torch.Tensor, topk: int = 2048
         if g_rows == 0 and R or g_rows and R % g_rows:
             fail("page_table", f"a row count that divides R = {R}", g_rows)
     lengths, page_table, row_starts, out_offsets = dense(lengths, page_table, row_starts, out_offsets)
+    impl = pick_backend(backend, _IMPLS, dev, "topk_transform")
+    mode = value_check_mode(lengths, impl is _triton_topk)
+    if mode is HOST:
+        _check_values(L, lengths, page_table, row_starts, out_offsets, page_size)
+    elif mode is DEVICE and R:
+        lengths = device_checks().check_topk(logits, lengths, page_table, row_starts, out_offsets, page_size)
+    return impl(logits, lengths, topk, page_table, row_starts, out_offsets, page_size)
+
+
+def _check_values(L, lengths, page_table, row_starts, out_offsets, page_size) -> None:
+    """The value checks on the host (a sync per check on CUDA)."""
     check_range("lengths", lengths, 0, L)
     if row_starts is not None:
         check_range("row_starts", row_starts, 0, L)
@@ -81,11 +106,9 @@ def topk_transform(logits: torch.Tensor, lengths: torch.Tensor, topk: int = 2048
         check_range("out_offsets", out_offsets, 0, None)
         # the largest output p + out_offsets[r] must fit the int32 result
         check_range("out_offsets", out_offsets.long() + lengths - 1, None, INT32_MAX, what="out_offsets + lengths - 1")
-    if page_table is not None and R and value_checks_enabled(lengths):
-        per_table = lengths.view(g_rows, -1).amax(dim=1)
+    if page_table is not None and lengths.numel():
+        per_table = lengths.view(page_table.shape[0], -1).amax(dim=1)
         pages_needed = (per_table + page_size - 1) // page_size
         check_range("page_table", pages_needed, None, page_table.shape[1], what="pages needed by lengths")
-        used = torch.arange(page_table.shape[1], device=dev)[None, :] < pages_needed[:, None]
+        used = torch.arange(page_table.shape[1], device=lengths.device)[None, :] < pages_needed[:, None]
         check_range("page_table", page_table[used], 0, (INT32_MAX + 1) // page_size - 1, what="page ids (int32 slots)")
-    impl = pick_backend(backend, _IMPLS, dev, "topk_transform")
-    return impl(logits, lengths, topk, page_table, row_starts, out_offsets, page_size)

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import NamedTuple
 
 import torch
 
+from flashdsa.ops._launch import KernelLauncher, aligned
 from flashdsa.ops._triton_utils import cdiv, interpreting, next_pow2, num_sms, prev_pow2
 from flashdsa.ops.topk.fused import topk_fused_kernel
 from flashdsa.ops.topk.split import arrive_counters, topk_split_kernel
@@ -159,12 +161,86 @@ def _seg_cap(cand: int, nw: int, un: int, length: int) -> int:
     return min(cand, cdiv(cdiv(length, nw), tile) * tile)
 
 
+class _Launch(NamedTuple):
+    """One shape's launch (see :func:`_launch_shape`): the kernel's constexprs and ints, the grid, and the
+    scratch as byte ranges of one buffer ``(offset, bytes, dtype)`` in the kernel's argument order."""
+    cfg: TopkConfig
+    grid: tuple
+    consts: dict
+    scratch: tuple
+    nbytes: int
+
+
+_SHAPES: dict = {}
+_FUSED = KernelLauncher(topk_fused_kernel, ("logits", "lengths", "row_starts", "out_offsets", "table", "out", "scr",
+                                            "sscr", "wscr"))
+_SPLIT = KernelLauncher(topk_split_kernel, ("logits", "lengths", "row_starts", "out_offsets", "table", "out", "scr",
+                                            "sscr", "counts", "arrive", "uscr", "wscr", "sampscr"))
+_ALIGN = 256  # scratch pieces start at multiples of this (16 would do: Triton's pointer specialisation)
+
+
+def _launch_shape(key, logits, K, page_table, row_starts, out_offsets, page_size, config) -> _Launch:
+    """Config, constexprs, grid and scratch layout of a launch: functions of the shapes, the config, the
+    device and the logits' alignment only, so they are worked out once per ``key``."""
+    hit = _SHAPES.get(key)
+    if hit is not None:
+        return hit
+    R, L = logits.shape
+    dev = logits.device
+    cfg = default_config(R, L, K, num_sms(dev)) if config is None else config
+    nw, cand = cfg.num_warps, cfg.cand
+    interp = interpreting()
+    consts = dict(HAS_STARTS=row_starts is not None, MODE=2 if page_table is not None else 1 if out_offsets is not None
+                  else 0, PAGE_SIZE=page_size, CAND=cand, NW=nw, UN=cfg.unroll, UB=128 * nw, LG_S=cfg.lg_sample,
+                  BITS=cfg.bits, BITS_W=cfg.bits_w, BITS_S=cfg.bits_s, STREAM=cfg.stream,
+                  SAMPLE_STREAM=cfg.sample_stream, MJ=cfg.move_step, BLOCK=cfg.block, STAGES=cfg.stages, ASM=not interp,
+                  FORCE=FORCE[cfg.force], STOP=STOP_AFTER[cfg.stop_after], VEC=cfg.vec and _whole_chunks(logits, row_starts),
+                  stride_l=logits.stride(0), stride_t=page_table.stride(0) if page_table is not None else 0,
+                  rows_per_table=R // page_table.shape[0] if page_table is not None else 1, R=R, K=K, num_warps=nw)
+    if cfg.maxnreg and not interp:
+        consts["maxnreg"] = cfg.maxnreg
+    if cfg.kind == "split":
+        # scratch per row, not per program
+        chunks = cfg.chunks
+        cap = _seg_cap(cand, nw, cfg.unroll, cdiv(L, chunks) + nw * cfg.unroll * 128)
+        consts.update(CAP=cap, WCAP=cfg.wcap, CHUNKS=chunks, RESET=cfg.cached_counters)
+        pieces = [("scr", R * chunks * 2 * cand, torch.int32), ("sscr", R * chunks * nw * cap, torch.int64),
+                  ("counts", R * 2 * chunks, torch.int32), ("uscr", R * 2 * cand, torch.int32),
+                  ("wscr", R * cfg.wcap, torch.int32)]
+        if cfg.sample_stream:
+            pieces.append(("sampscr", R * chunks << cfg.lg_sample, torch.int32))
+        grid = (R, chunks)
+    else:
+        cap = _seg_cap(cand, nw, cfg.unroll, L)
+        # W doubles as the sample's buffer when the sample streams; it keeps that size whenever levels stream
+        # (the WCAP the streamed defaults were measured with)
+        wlen = max(cfg.wcap, 1 << cfg.lg_sample) if cfg.stream or cfg.sample_stream else cfg.wcap
+        g = min(cfg.grid, max(1, SCRATCH_BUDGET // (8 * cand + 8 * nw * cap + 4 * wlen)))
+        consts.update(CAP=cap, WCAP=wlen)
+        pieces = [("scr", g * 2 * cand, torch.int32), ("sscr", g * nw * cap, torch.int64),
+                  ("wscr", g * wlen, torch.int32)]
+        grid = (g,)
+    scratch, off = [], 0
+    for name, numel, dtype in pieces:
+        nbytes = numel * dtype.itemsize
+        scratch.append((name, off, nbytes, dtype))
+        off += cdiv(max(nbytes, 1), _ALIGN) * _ALIGN
+    hit = _Launch(cfg, grid, consts, tuple(scratch), off)
+    if len(_SHAPES) >= 1024:
+        _SHAPES.pop(next(iter(_SHAPES)))
+    _SHAPES[key] = hit
+    return hit
+
+
 def topk_transform(logits, lengths, topk, page_table, row_starts, out_offsets, page_size, *,
                    out: torch.Tensor | None = None, config: TopkConfig | None = None) -> torch.Tensor:
     """Launcher; arguments as in :func:`flashdsa.ops.topk.topk_transform` (already validated).
 
     ``out``: ``[R, topk] int32`` to write into (tests poison it); ``config``: the launch (None:
     :func:`default_config` for this shape and device).
+
+    Host path: a shape's launch is worked out once (:func:`_launch_shape`), the scratch is one
+    allocation, and the kernel is launched from a plan (``ops/_launch.py``) when the pointers are aligned.
     """
     R, L = logits.shape
     dev = logits.device
@@ -173,45 +249,35 @@ def topk_transform(logits, lengths, topk, page_table, row_starts, out_offsets, p
         out = torch.empty((R, K), dtype=torch.int32, device=dev)
     if R == 0:
         return out
-    cfg = default_config(R, L, K, num_sms(dev)) if config is None else config
-    nw, cand = cfg.num_warps, cfg.cand
-    mode = 2 if page_table is not None else 1 if out_offsets is not None else 0
+    lptr = logits.data_ptr()
+    key = (dev, R, L, logits.stride(0), K, config, page_size, row_starts is not None, out_offsets is not None,
+           None if page_table is None else (page_table.shape, page_table.stride(0)), out.stride(0), not lptr & 15)
+    cfg, grid, consts, scratch, nbytes = _launch_shape(key, logits, K, page_table, row_starts, out_offsets, page_size,
+                                                       config)
+    buf = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    base = buf.data_ptr()
+    split = cfg.kind == "split"
+    arrive = arrive_counters(dev, R, cfg.cached_counters) if split else None
+    len_ptr = lengths.data_ptr()
     table = page_table if page_table is not None else lengths
-    rows_per_table = R // page_table.shape[0] if page_table is not None else 1
+    offsets = out_offsets if out_offsets is not None else lengths
     starts = row_starts if row_starts is not None else lengths
-    interp = interpreting()
-    regs = {"maxnreg": cfg.maxnreg} if cfg.maxnreg and not interp else {}
-    translate = (out_offsets if out_offsets is not None else lengths, table,
-                 table.stride(0) if page_table is not None else 0, rows_per_table)
-    common = dict(HAS_STARTS=row_starts is not None, MODE=mode, PAGE_SIZE=page_size, CAND=cand, NW=nw,
-                  UN=cfg.unroll, UB=128 * nw, LG_S=cfg.lg_sample, BITS=cfg.bits, BITS_W=cfg.bits_w,
-                  BITS_S=cfg.bits_s, STREAM=cfg.stream, SAMPLE_STREAM=cfg.sample_stream, MJ=cfg.move_step,
-                  BLOCK=cfg.block, STAGES=cfg.stages, ASM=not interp, FORCE=FORCE[cfg.force],
-                  STOP=STOP_AFTER[cfg.stop_after], VEC=cfg.vec and _whole_chunks(logits, row_starts))
-    if cfg.kind == "split":
-        # scratch per row, not per program
-        chunks = cfg.chunks
-        cap = _seg_cap(cand, nw, cfg.unroll, cdiv(L, chunks) + nw * cfg.unroll * 128)
-        scr = torch.empty(R * chunks * 2 * cand, dtype=torch.int32, device=dev)
-        sscr = torch.empty(R * chunks * nw * cap, dtype=torch.int64, device=dev)
-        counts = torch.empty(R * 2 * chunks, dtype=torch.int32, device=dev)
-        arrive = arrive_counters(dev, R, cfg.cached_counters)
-        uscr = torch.empty(R * 2 * cand, dtype=torch.int32, device=dev)
-        wscr = torch.empty(R * cfg.wcap, dtype=torch.int32, device=dev)
-        samp = torch.empty(R * chunks << cfg.lg_sample, dtype=torch.int32, device=dev) if cfg.sample_stream else lengths
-        topk_split_kernel[(R, chunks)](
-            logits, logits.stride(0), lengths, starts, *translate, out, scr, sscr, counts, arrive, uscr, wscr, samp,
-            R, K, CAP=cap, WCAP=cfg.wcap, CHUNKS=chunks, RESET=cfg.cached_counters, **common, num_warps=nw, **regs)
-        return out
-    cap = _seg_cap(cand, nw, cfg.unroll, L)
-    # W doubles as the sample's buffer when the sample streams; it keeps that size whenever levels stream
-    # (the WCAP the streamed defaults were measured with)
-    wlen = max(cfg.wcap, 1 << cfg.lg_sample) if cfg.stream or cfg.sample_stream else cfg.wcap
-    grid = min(cfg.grid, max(1, SCRATCH_BUDGET // (8 * cand + 8 * nw * cap + 4 * wlen)))
-    scr = torch.empty(grid * 2 * cand, dtype=torch.int32, device=dev)
-    sscr = torch.empty(grid * nw * cap, dtype=torch.int64, device=dev)
-    wscr = torch.empty(grid * wlen, dtype=torch.int32, device=dev)
-    topk_fused_kernel[(grid,)](
-        logits, logits.stride(0), lengths, starts, *translate, out, scr, sscr, wscr, R, K,
-        CAP=cap, WCAP=wlen, **common, num_warps=nw, **regs)
+    ptrs = [lptr, len_ptr, starts.data_ptr(), offsets.data_ptr(), table.data_ptr(), out.data_ptr()]
+    ptrs += [base + off for _, off, _, _ in scratch]
+    if split:
+        ptrs.insert(9, arrive.data_ptr())  # after scr, sscr, counts
+        if not cfg.sample_stream:
+            ptrs.append(len_ptr)  # sampscr: unused, any int32 pointer
+    key = key if aligned(*ptrs) else None
+
+    def build():
+        kw = dict(consts, logits=logits, lengths=lengths, row_starts=starts, out_offsets=offsets, table=table, out=out)
+        for name, off, n, dtype in scratch:
+            kw[name] = buf[off:off + n].view(dtype)
+        if split:
+            kw["arrive"] = arrive
+            kw.setdefault("sampscr", lengths)
+        return grid, kw
+
+    (_SPLIT if split else _FUSED)(key, tuple(ptrs), build)
     return out

@@ -142,12 +142,19 @@ def topk_split_kernel(
 _ARRIVE: dict = {}
 
 
+try:  # the raw stream handle, as Triton's driver reads it (torch.cuda.current_stream builds a Stream object)
+    from torch._C import _cuda_getCurrentRawStream as _raw_stream
+except ImportError:  # a CPU-only torch build (then never called)
+    def _raw_stream(index: int) -> int:
+        return torch.cuda.current_stream(index).cuda_stream
+
+
 def arrive_counters(dev: torch.device, R: int, cached: bool) -> torch.Tensor:
     """Split mode's per-row arrival counters ``[>= R] int32``, zero at launch: cached per device and stream
     (``cached``), else fresh zeros."""
     if not cached:
         return torch.zeros(R, dtype=torch.int32, device=dev)
-    key = (dev, torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else 0)
+    key = (dev, _raw_stream(dev.index) if dev.type == "cuda" else 0)
     buf = _ARRIVE.get(key)
     if buf is None or buf.numel() < R:
         buf = _ARRIVE[key] = torch.zeros(max(R, 1024), dtype=torch.int32, device=dev)

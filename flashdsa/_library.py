@@ -1,0 +1,72 @@
+"""flashdsa's public ops as torch custom ops (``torch.ops.flashdsa.*``), for torch.compile and CUDA graphs.
+
+:func:`op` registers a public function with ``torch.library.custom_op`` (schema from its annotations,
+``mutates_args`` for the cache writers, a fake implementation giving the output shapes) and returns a
+wrapper with the same signature: eagerly it calls the function directly (the registered op's dispatch
+would add 10-25 µs of host time to every call), and while ``torch.compile`` traces it calls the
+registered op, which the traced graph holds as one opaque node (its real implementation, checks
+included, runs when the graph runs). The registered ops are also what ``torch.library.opcheck`` tests.
+
+Custom ops take no keyword-only tensors, so the registered schema lists every parameter positionally,
+in the Python signature's order (``torch.ops.flashdsa.topk_transform(logits, lengths, 8, page_table=t)``
+works; so does the public function's own signature).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Callable
+
+import torch
+
+NAMESPACE = "flashdsa"
+_compiling = torch.compiler.is_compiling
+
+
+def _generated(name: str, sig: inspect.Signature, body: str, env: dict) -> Callable:
+    """``def name(<sig>): <body>`` with the defaults of ``sig`` (a closure-free function: as cheap to call
+    as a hand-written one)."""
+    params, defaults = [], {}
+    star = False
+    for p in sig.parameters.values():
+        if p.kind is p.KEYWORD_ONLY and not star:
+            params.append("*")
+            star = True
+        if p.default is p.empty:
+            params.append(p.name)
+        else:
+            defaults[f"_default_{p.name}"] = p.default
+            params.append(f"{p.name}=_default_{p.name}")
+    ns = dict(env, **defaults)
+    exec(f"def {name}({', '.join(params)}):\n    {body}\n", ns)  # noqa: S102 - our own signatures only
+    return ns[name]
+
+
+def op(name: str, fake: Callable, mutates_args: tuple[str, ...] = ()) -> Callable[[Callable], Callable]:
+    """Register the decorated public function as ``torch.ops.flashdsa.<name>`` with the fake
+    implementation ``fake`` (same parameters; returns empty outputs of the right shape, dtype and
+    device, contiguous as the real ones are); the decorated name calls the op only under torch.compile."""
+    def register(fn: Callable) -> Callable:
+        sig = inspect.signature(fn)
+        names = list(sig.parameters)
+        positional = sig.replace(parameters=[p.replace(kind=p.POSITIONAL_OR_KEYWORD) for p in sig.parameters.values()])
+        call_kw = ", ".join(n if sig.parameters[n].kind is not inspect.Parameter.KEYWORD_ONLY else f"{n}={n}"
+                            for n in names)
+        # the registered implementation and fake: every parameter positional, calling the real ones
+        impl = _generated(fn.__name__, positional, f"return _fn({call_kw})", {"_fn": fn})
+        impl.__signature__ = positional
+        impl.__annotations__ = dict(fn.__annotations__)
+        impl.__globals__.update(fn.__globals__)  # for the annotations' names (strings under __future__)
+        fake_impl = _generated(f"{fn.__name__}_fake", positional, f"return _fn({call_kw})", {"_fn": fake})
+        custom = torch.library.custom_op(f"{NAMESPACE}::{name}", impl, mutates_args=mutates_args)
+        custom.register_fake(fake_impl)
+        overload = getattr(getattr(torch.ops, NAMESPACE), name).default
+        public = _generated(fn.__name__, sig, f"return _op({', '.join(names)}) if _compiling() else _fn({call_kw})",
+                            {"_op": overload, "_fn": fn, "_compiling": _compiling})
+        for attr in ("__module__", "__qualname__", "__doc__", "__annotations__"):
+            setattr(public, attr, getattr(fn, attr))
+        public.__wrapped__ = fn
+        public.op = overload
+        return public
+
+    return register

@@ -1,0 +1,438 @@
+"""The host path of the ops: value-check modes, the device checks and their deferred errors, and the
+launch plans (``ops/_launch.py``).
+
+On the CPU the device checks run in Triton's interpreter (``_checks.DEVICE_CHECKS_ON_CPU``): every bad
+value of the host checks' cases is still reported as a ValueError naming the argument, now deferred to
+the next op call or ``ops.check_errors()``, the call itself reads nothing through the bad value (its
+rows come out empty), and good inputs give the host mode's bits. Plans are checked against Triton's own
+binding of the same launch (``_launch.VERIFY``) with a recording stand-in for the compiled kernel; on the
+GPU the same with the real ones, and the deferred errors with real device checks."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from flashdsa import _checks, ops
+from flashdsa.cache import layouts
+from flashdsa.ops import _launch
+from flashdsa.quant import FP8
+
+NAN, INF = float("nan"), float("inf")
+SM = 576 ** -0.5
+
+
+def _i32(*vals, device="cpu") -> torch.Tensor:
+    return torch.tensor(vals, dtype=torch.int32, device=device)
+
+
+def _fp8(*shape, g) -> torch.Tensor:
+    return torch.randint(-6, 7, shape, generator=g).float().to(FP8)
+
+
+def _paged(device="cpu"):
+    g = torch.Generator().manual_seed(4)
+    a = dict(q_fp8=_fp8(2, 2, 4, 128, g=g),
+             index_cache=layouts.pack_index_pages(_fp8(192, 128, g=g), 2.0 ** torch.randint(-3, 3, (192,), generator=g)
+                                                  .float()),
+             weights=torch.randint(-3, 4, (4, 4), generator=g).float(), context_lens=_i32(5, 6, 70, 71).view(2, 2),
+             block_table=_i32(2, 0, 1, 0).view(2, 2), max_context_len=80)
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in a.items()}
+
+
+def _topk(device="cpu"):
+    g = torch.Generator().manual_seed(1)
+    a = dict(logits=torch.randint(-20, 20, (3, 100), generator=g).float(), lengths=_i32(0, 8, 65), topk=8,
+             page_table=_i32(5, 2, 7, 1, 3, 0).view(3, 2), row_starts=_i32(7, 0, 30))
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in a.items()}
+
+
+def _topk_offsets(device="cpu"):
+    g = torch.Generator().manual_seed(2)
+    a = dict(logits=torch.randn(3, 70, generator=g), lengths=_i32(70, 1, 9), topk=8, out_offsets=_i32(0, 70, 71))
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in a.items()}
+
+
+def _ragged(device="cpu"):
+    g = torch.Generator().manual_seed(3)
+    a = dict(q_fp8=_fp8(3, 4, 128, g=g), k_fp8=_fp8(70, 128, g=g),
+             k_scale=2.0 ** torch.randint(-2, 3, (70,), generator=g).float(),
+             weights=torch.randint(-3, 4, (3, 4), generator=g).float(), ks=_i32(0, 5, 9), ke=_i32(10, 70, 9))
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in a.items()}
+
+
+def _quant(device="cpu"):
+    g = torch.Generator().manual_seed(5)
+    a = dict(x=torch.randn(3, 2, 128, generator=g).to(torch.bfloat16), cos=torch.rand(3, 32, generator=g),
+             sin=torch.rand(3, 32, generator=g), interleave=False)
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in a.items()}
+
+
+def _put(name, index, value):
+    def change(a):
+        t = a[name].clone()
+        if t.dtype == FP8:
+            t.view(torch.uint8)[index] = torch.tensor(value).to(FP8).view(torch.uint8)
+        else:
+            t[index] = value
+        a[name] = t
+        return a
+    return change
+
+
+def _set(**new):
+    def change(a):
+        a.update({k: v(a) if callable(v) else v for k, v in new.items()})
+        return a
+    return change
+
+
+# (op, inputs, change, the argument the error names, rows the call must leave empty)
+BAD = {
+    "paged-lens-past-width": ("indexer_logits_paged", _paged, _put("context_lens", (1, 1), 81), "context_lens", [2, 3]),
+    "paged-lens-negative": ("indexer_logits_paged", _paged, _put("context_lens", (0, 0), -1), "context_lens", [0, 1]),
+    "paged-page-past-P": ("indexer_logits_paged", _paged, _put("block_table", (1, 1), 3), "block_table", [2, 3]),
+    "paged-page-negative": ("indexer_logits_paged", _paged, _put("block_table", (1, 1), -1), "block_table", [2, 3]),
+    "paged-nan-q": ("indexer_logits_paged", _paged, _put("q_fp8", (1, 0, 2, 7), NAN), "q_fp8", []),
+    "topk-lengths-past-L": ("topk_transform", _topk, _put("lengths", 1, 101), "lengths", [1]),
+    "topk-lengths-negative": ("topk_transform", _topk, _put("lengths", 2, -3), "lengths", [2]),
+    "topk-starts-negative": ("topk_transform", _topk, _put("row_starts", 1, -1), "row_starts", [1]),
+    "topk-starts-plus-lengths": ("topk_transform", _topk, _put("row_starts", 2, 40), "row_starts + lengths", [2]),
+    "topk-table-too-narrow": ("topk_transform", _topk, _set(page_table=lambda a: a["page_table"][:, :1]),
+                              "page_table", [2]),
+    "topk-page-overflow": ("topk_transform", _topk, _put("page_table", (2, 0), 2 ** 30), "page_table", [2]),
+    "topk-offsets-negative": ("topk_transform", _topk_offsets, _put("out_offsets", 1, -2), "out_offsets", [1]),
+    "topk-offsets-overflow": ("topk_transform", _topk_offsets, _put("out_offsets", 0, 2 ** 31 - 10), "out_offsets",
+                              [0]),
+    "ragged-ks-past-ke": ("indexer_logits_ragged", _ragged, _put("ks", 0, 11), "ke - ks", [0]),
+    "ragged-ke-past-N": ("indexer_logits_ragged", _ragged, _put("ke", 1, 71), "ke", [1]),
+    "ragged-ks-negative": ("indexer_logits_ragged", _ragged, _put("ks", 1, -1), "ks", [1]),
+    "ragged-nan-q": ("indexer_logits_ragged", _ragged, _put("q_fp8", (1, 2, 5), NAN), "q_fp8", []),
+    "ragged-nan-k": ("indexer_logits_ragged", _ragged, _put("k_fp8", (6, 3), NAN), "k_fp8", []),
+    "quant-nan-x": ("indexer_quant", _quant, _put("x", (1, 0, 70), NAN), "x", []),
+    "quant-inf-x": ("indexer_quant", _quant, _put("x", (2, 1, 3), INF), "x", []),
+    "quant-huge-x": ("indexer_quant", _quant, _put("x", (0, 1, 5), 3e38), "x", []),
+    "quant-huge-cos": ("indexer_quant", _quant, _put("cos", (1, 0), 2.5), "cos", []),
+    "quant-inf-sin": ("indexer_quant", _quant, _put("sin", (2, 31), -INF), "sin", []),
+}
+GOOD = {"paged": ("indexer_logits_paged", _paged), "paged-junk-unreachable": (
+    "indexer_logits_paged", lambda d="cpu": _put("block_table", (0, 1), -5)(_paged(d))),
+    "topk": ("topk_transform", _topk), "topk-offsets": ("topk_transform", _topk_offsets),
+    "ragged": ("indexer_logits_ragged", _ragged), "quant": ("indexer_quant", _quant)}
+
+
+@pytest.fixture
+def device_checks(monkeypatch):
+    """The default mode's device checks for CPU tensors (their kernels run in the interpreter)."""
+    monkeypatch.setattr(_checks, "DEVICE_CHECKS_ON_CPU", True)
+    monkeypatch.setattr(_checks, "_MODE", "device")
+    try:
+        _checks.check_errors()
+    except ValueError:
+        pass
+    yield
+    try:
+        _checks.check_errors()
+    except ValueError:
+        pass
+
+
+def _empty_rows(op: str, out, rows) -> bool:
+    if not rows:
+        return True
+    if op == "indexer_logits_paged" or op == "indexer_logits_ragged":
+        return bool(torch.isneginf(out[rows]).all())
+    return bool((out[rows] == -1).all())
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_device_checks_defer_the_host_error(case, device_checks):
+    """A bad value: the call returns (its bad rows empty: nothing read through the value), the error word
+    holds the host check's ValueError, which check_errors() raises once; the next call raises it too."""
+    op, make, change, name, rows = BAD[case]
+    fn = getattr(ops, op)
+    out = fn(**change(make()), backend="triton")
+    assert _empty_rows(op, out, rows)
+    with pytest.raises(ValueError, match=f"^{re.escape(name)}: expected .* earlier {op} call"):
+        ops.check_errors()
+    ops.check_errors()  # raised once
+    fn(**change(make()), backend="triton")
+    with pytest.raises(ValueError, match=f"^{re.escape(name)}: expected"):  # the next op call raises it
+        ops.topk_transform(torch.zeros(1, 4), _i32(4), 2)
+
+
+@pytest.mark.parametrize("case", list(GOOD))
+def test_device_checks_pass_good_inputs_unchanged(case, device_checks, monkeypatch):
+    """Good inputs: no error, and the same bits as with the host checks."""
+    op, make = GOOD[case]
+    fn = getattr(ops, op)
+    got = fn(**make(), backend="triton")
+    ops.check_errors()
+    monkeypatch.setattr(_checks, "_MODE", "sync")
+    want = fn(**make(), backend="triton")
+    for g, w in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
+        assert torch.equal(g.view(torch.uint8) if g.dtype == FP8 else g, w.view(torch.uint8) if w.dtype == FP8 else w)
+
+
+@pytest.mark.parametrize("case", ["paged-lens-past-width", "topk-lengths-past-L", "ragged-ke-past-N", "quant-nan-x"])
+def test_sync_mode_raises_before_any_kernel(case, monkeypatch):
+    """"sync": the host checks, an immediate ValueError, as today's default on CPU tensors."""
+    monkeypatch.setattr(_checks, "DEVICE_CHECKS_ON_CPU", True)
+    op, make, change, name, _ = BAD[case]
+    ops.set_value_checks("sync")
+    try:
+        with pytest.raises(ValueError, match=f"^{re.escape(name)}: expected"):
+            getattr(ops, op)(**change(make()), backend="triton")
+    finally:
+        ops.set_value_checks(True)
+
+
+def test_modes_and_their_switch(monkeypatch):
+    monkeypatch.setattr(_checks, "_MODE", _checks.value_check_setting())  # restored after the test
+    for value, mode in ((False, "off"), ("sync", "sync"), ("debug", "sync"), ("0", "off"), (True, "device"),
+                        ("device", "device")):
+        ops.set_value_checks(value)
+        assert _checks.value_check_setting() == mode
+    with pytest.raises(ValueError, match="^enabled: expected"):
+        ops.set_value_checks("sometimes")
+    with pytest.raises(ValueError, match="^FLASHDSA_CHECK_VALUES: expected"):
+        _checks._parse_mode("2", "FLASHDSA_CHECK_VALUES")
+    t = torch.zeros(1)
+    assert _checks.value_check_mode(t, True) == "host"  # CPU tensors: host checks
+    with _checks.trusted_inputs():
+        assert _checks.value_check_mode(t, True) is None
+    monkeypatch.setattr(_checks, "DEVICE_CHECKS_ON_CPU", True)
+    assert _checks.value_check_mode(t, True) == "device" and _checks.value_check_mode(t, False) == "host"
+    ops.set_value_checks(False)
+    assert _checks.value_check_mode(t, True) is None
+
+
+def test_trusted_inputs_launch_no_check(device_checks, monkeypatch):
+    from flashdsa.ops import _device_checks as dc
+    calls = []
+    for fn in ("check_paged", "check_topk", "check_ragged", "scan_finite"):
+        monkeypatch.setattr(dc, fn, lambda *a, _fn=fn, **k: calls.append(_fn))
+    with _checks.trusted_inputs():
+        ops.topk_transform(**_put("lengths", 1, 101)(_topk()), backend="triton")
+    assert not calls
+
+
+# ---- launch plans ---------------------------------------------------------------------------------------
+
+class _Compiled:
+    """Stands in for a CompiledKernel: records the planned launches (nothing runs)."""
+    packed_metadata = None
+    function = None
+
+    def __init__(self, log):
+        self.log = log
+
+    def launch_metadata(self, *args):
+        return None
+
+    def run(self, g0, g1, g2, stream, function, packed, meta, enter, leave, *args):
+        self.log.append(("plan", (g0, g1, g2), len(args)))
+
+
+class _Recording:
+    """Stands in for a @triton.jit kernel: runs the real (interpreted) kernel, returns a _Compiled."""
+
+    def __init__(self, real, log):
+        self.real, self.log, self.arg_names = real, log, real.arg_names
+        self.__name__ = real.__name__ if hasattr(real, "__name__") else str(real)
+
+    def __getitem__(self, grid):
+        def run(**kwargs):
+            self.real[grid](**kwargs)
+            self.log.append(("triton", grid))
+            return _Compiled(self.log)
+        return run
+
+
+def _launchers():
+    from flashdsa.ops import _device_checks
+    from flashdsa.ops.indexer import paged, ragged
+    from flashdsa.ops.indexer_quant import triton as quant
+    from flashdsa.ops.sparse_mla import triton as mla
+    from flashdsa.ops.topk import launch
+    found = []
+    for mod in (_device_checks, paged, ragged, quant, mla, launch):
+        for v in vars(mod).values():
+            found += [v] if isinstance(v, _launch.KernelLauncher) else \
+                [x for x in v.values() if isinstance(x, _launch.KernelLauncher)] if isinstance(v, dict) else []
+    return found
+
+
+@pytest.fixture
+def recording(monkeypatch):
+    """Every launcher plans in the interpreter, with a recording compiled kernel, and verifies each plan
+    against Triton's binding of the same call."""
+    log = []
+    monkeypatch.setattr(_launch, "PLANS_IN_INTERPRETER", True)
+    monkeypatch.setattr(_launch, "VERIFY", True)
+    for launcher in _launchers():
+        monkeypatch.setattr(launcher, "kernel", _Recording(launcher.kernel, log))
+        monkeypatch.setattr(launcher, "plans", {})
+    yield log
+    assert not [lch.kernel for lch in _launchers() if lch.refused]
+
+
+def _mla_decode(fmt):
+    def make(device="cpu"):
+        g = torch.Generator().manual_seed(6)
+        kv = torch.randn(128, 576, generator=g)
+        cache = layouts.encode_mla(kv, fmt, 0.013 if fmt == "fp8_raw" else None).view(2, 64, -1)
+        # top-520: two splits of the top-k list (flash-decoding), so the combine kernel runs too
+        a = dict(q=torch.randn(2, 1, 16, 576, generator=g).to(torch.bfloat16), kv_cache=cache,
+                 indices=torch.randint(-1, 128, (2, 1, 520), generator=g).to(torch.int32), sm_scale=SM,
+                 **({"kv_scale": 0.013} if fmt == "fp8_raw" else {}))
+        return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in a.items()}
+    return make
+
+
+PLANNED = {
+    "paged": (ops.indexer_logits_paged, _paged),
+    "topk-pages": (ops.topk_transform, _topk),
+    "topk-offsets": (ops.topk_transform, _topk_offsets),
+    "ragged": (ops.indexer_logits_ragged, _ragged),
+    "quant": (ops.indexer_quant, _quant),
+    "decode-fp8-split": (ops.sparse_mla_decode, _mla_decode("fp8")),
+    "decode-bf16": (ops.sparse_mla_decode, _mla_decode("bf16")),
+}
+
+
+@pytest.mark.parametrize("checks", ["device", "off"])
+@pytest.mark.parametrize("case", list(PLANNED))
+def test_second_call_launches_the_verified_plan(case, checks, recording, device_checks, monkeypatch):
+    """The first call of a shape takes Triton's launch and makes a plan; the second (new tensors, same
+    shapes) launches the plan, whose grid and arguments equal Triton's binding of that call (VERIFY).
+    With the device checks on, their kernels are planned and verified the same way."""
+    fn, make = PLANNED[case]
+    monkeypatch.setattr(_checks, "_MODE", checks)
+    fn(**make(), backend="triton")
+    first = list(recording)
+    assert first and all(e[0] == "triton" for e in first)
+    recording.clear()
+    fn(**make(), backend="triton")
+    assert [e[0] for e in recording] == ["plan"] * len(first)
+
+
+def test_launcher_variants_plan_and_verify(recording, monkeypatch):
+    """The launch variants tests and benchmarks reach through a config: the TMA paged kernel (interpreted),
+    top-k split mode (one launch a row group, cached counters) and fused, misaligned pointers (no plan)."""
+    from flashdsa.ops.indexer import paged
+    from flashdsa.ops.topk import launch
+    a = _paged()
+    for cfg in (paged.PagedConfig(tma=True), paged.PagedConfig()):
+        for _ in range(2):
+            paged.indexer_logits_paged(*[a[k] for k in ("q_fp8", "index_cache", "weights", "context_lens",
+                                                       "block_table", "max_context_len")], config=cfg)
+    t = _topk()
+    for kind in ("split", "fused"):
+        cfg = launch.default_config(3, 100, 8, 4, kind=kind)
+        for _ in range(2):
+            launch.topk_transform(t["logits"], t["lengths"], 8, t["page_table"], t["row_starts"], None, 64, config=cfg)
+    assert [e[0] for e in recording] == ["triton", "plan"] * 4
+    recording.clear()
+    logits = torch.zeros(3 * 100 + 1)[1:].view(3, 100)  # 4-byte aligned, not 16: Triton's own launch
+    for _ in range(2):
+        launch.topk_transform(logits, t["lengths"], 8, None, None, None, 64)
+    assert [e[0] for e in recording] == ["triton", "triton"]
+
+
+def test_a_launcher_that_refuses_plans_falls_back(recording, monkeypatch):
+    """Should a Triton's launcher take the plan's arguments otherwise (a TypeError before launching), the
+    launch goes Triton's own way, with a warning, and planning stops for that kernel."""
+    from flashdsa.ops.topk import launch
+    t = _topk()
+
+    def refuse(self, *args):
+        raise TypeError("launch() takes other arguments")
+
+    monkeypatch.setattr(_Compiled, "run", refuse)
+    call = lambda: launch.topk_transform(t["logits"], t["lengths"], 8, None, None, None, 64)  # noqa: E731
+    call()
+    with pytest.warns(RuntimeWarning, match="planned launches of topk_fused_kernel failed"):
+        call()
+    call()
+    assert [e[0] for e in recording] == ["triton"] * 3 and launch._FUSED.refused
+    monkeypatch.setattr(launch._FUSED, "refused", False)  # for the fixture's check
+
+
+# ---- GPU ----------------------------------------------------------------------------------------------
+
+GPU_BAD = ["paged-lens-past-width", "paged-page-past-P", "paged-nan-q", "topk-lengths-past-L", "topk-table-too-narrow",
+           "topk-offsets-overflow", "ragged-ke-past-N", "ragged-nan-k", "quant-huge-cos"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_BAD)
+def test_gpu_deferred_error_then_the_device_still_works(case):
+    """On CUDA, by default: the call returns without a host sync, its bad rows empty; after a sync the error
+    is the host check's ValueError; the device is fine afterwards (no illegal access, no device assert)."""
+    op, make, change, name, rows = BAD[case]
+    fn = getattr(ops, op)
+    ops.check_errors()
+    out = fn(**change(make("cuda")))
+    torch.cuda.synchronize()
+    assert _empty_rows(op, out, rows)
+    with pytest.raises(ValueError, match=f"^{re.escape(name)}: expected .* earlier {op} call"):
+        ops.check_errors()
+    good = fn(**make("cuda"))
+    ops.check_errors()
+    ops.set_value_checks("sync")
+    try:
+        want = fn(**make("cuda"))
+        with pytest.raises(ValueError, match=f"^{re.escape(name)}: expected"):  # sync mode: immediate
+            fn(**change(make("cuda")))
+    finally:
+        ops.set_value_checks(True)
+    for g, w in zip(good if isinstance(good, tuple) else (good,), want if isinstance(want, tuple) else (want,)):
+        assert torch.equal(g.view(torch.uint8) if g.dtype == FP8 else g, w.view(torch.uint8) if w.dtype == FP8 else w)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(PLANNED))
+def test_gpu_plans_equal_tritons_launch(case, monkeypatch):
+    """Real compiled kernels: every planned launch verified against Triton's binding, and its output equal
+    to the first (Triton-launched) call's, bit for bit, with the device checks on and off."""
+    fn, make = PLANNED[case]
+    monkeypatch.setattr(_launch, "VERIFY", True)
+    for mode in (True, False):
+        ops.set_value_checks(mode)
+        try:
+            outs = [fn(**make("cuda")) for _ in range(3)]
+        finally:
+            ops.set_value_checks(True)
+        ops.check_errors()
+        for o in outs[1:]:
+            for g, w in zip(o if isinstance(o, tuple) else (o,), outs[0] if isinstance(outs[0], tuple) else (outs[0],)):
+                assert torch.equal(g, w)
+    assert not [lch.kernel for lch in _launchers() if lch.refused]
+
+
+@pytest.mark.gpu
+def test_gpu_graph_capture_with_default_checks():
+    """Default checks on: the ops capture into a CUDA graph (the device checks are skipped there) and the
+    replays, with the metadata refreshed in place, equal eager calls."""
+    from flashdsa.testing.timing import capture_graph
+    a = _paged("cuda")
+    t = _topk("cuda")
+    got = []
+
+    def step():
+        got[:] = [ops.indexer_logits_paged(**a), ops.topk_transform(**t)]
+
+    step()
+    want = list(got)
+    graph = capture_graph(step)  # a warm-up call on a side stream, then the capture: ``got`` holds its outputs
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    a["context_lens"].copy_(_i32(3, 4, 64, 65).view(2, 2))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(got[0], ops.indexer_logits_paged(**a))
+    ops.check_errors()
