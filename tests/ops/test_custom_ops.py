@@ -74,6 +74,13 @@ def cases(device) -> dict:
                                                   torch.randn(2, 3, generator=g).to(d),
                                                   torch.randn(2, 3, 16, generator=g).to(d),
                                                   torch.full((2, 3), float("-inf")).to(d)), {}),
+        # kpool, c = 4: one request's first 6 tokens (groups 0 and the unfinished 1), nothing in the ring yet
+        "kpool_compress": (ops.kpool_compress, (_bf16(6, 128, g=g, device=d), _bf16(6, 128, g=g, device=d),
+                                                _bf16(1, 4, 2, 128, g=g, device=d), torch.randn(4, 128, generator=g).to(d),
+                                                _i32(0, 1, 2, 3, 4, 5, device=d), _i32(0, 0, 0, 0, 0, 0, device=d),
+                                                _i32(0, 0, 0, 0, 0, 0, device=d), _i32(3, 5, device=d)), {}),
+        "kpool_expand": (ops.kpool_expand, (_i32(0, 2, -1, -1, device=d).view(2, 2), _i32(13, 3, device=d), 4),
+                         dict(page_table=_i32(1, 0, 2, 3, device=d).view(2, 2), page_size=256)),
         "store_index_keys": (layouts.store_index_keys, (index_cache.clone(), _i32(5, 64, 127, 1, device=d),
                                                         _fp8(4, 128, g=g, device=d), torch.rand(4, generator=g).to(d)),
                              {}),
@@ -91,7 +98,7 @@ CASES = cases("cpu")
 INTERPRETED = ("topk_transform-pages", "indexer_logits_paged", "indexer_quant", "sparse_mla_decode-fp8")
 WRITERS = ("store_index_keys", "store_mla-fp8", "store_mla-fp8_raw")
 # ops whose implementation handles float8 tensors (opcheck's schema test cannot compare those)
-FP8_INSIDE = ("indexer_logits_paged", "indexer_logits_ragged", "indexer_topk_ragged", "indexer_quant",
+FP8_INSIDE = ("indexer_logits_paged", "indexer_logits_ragged", "indexer_topk_ragged", "indexer_quant", "kpool_compress",
               "sparse_mla_decode-fp8", "store_index_keys", "store_mla-fp8", "store_mla-fp8_raw")
 
 

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import torch
 
+from flashdsa._library import op
 from flashdsa.cache.layouts import PAGE_SIZE
-from flashdsa.ops._common import (check_int, check_range, check_tensor, dense, fail, pick_backend,
+from flashdsa.ops._common import (check_int, check_range, check_tensor, dense, fail, pick_backend, raise_deferred,
                                   value_checks_enabled)
 from flashdsa.ops.indexer_quant import HEAD_DIM, ROPE_HALF, indexer_quant
 from flashdsa.ops.kpool import reference
@@ -32,6 +33,12 @@ _POOL = {"torch": reference.pool_keys, "triton": _triton_pool}
 _EXPAND = {"torch": reference.expand, "triton": _triton_expand}
 
 
+def _compress_fake(k, gate, ring, ape, positions, rows, first, anchors, *, backend=None):
+    G = anchors.shape[0]
+    return k.new_empty((G, k.shape[1]), dtype=torch.float8_e4m3fn), k.new_empty((G,), dtype=torch.float32)
+
+
+@op("kpool_compress", _compress_fake)
 def kpool_compress(k: torch.Tensor, gate: torch.Tensor, ring: torch.Tensor, ape: torch.Tensor,
                    positions: torch.Tensor, rows: torch.Tensor, first: torch.Tensor, anchors: torch.Tensor, *,
                    backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,6 +74,7 @@ def kpool_compress(k: torch.Tensor, gate: torch.Tensor, ring: torch.Tensor, ape:
         Triton pooling differs from the torch one by ``exp``'s last bit; each backend is deterministic.
         No host reads when value checks are off (CUDA-graph capturable).
     """
+    raise_deferred()
     check_tensor("k", k, dtype=(torch.bfloat16, torch.float32), ndim=2)
     T, D = k.shape
     dev = k.device
@@ -104,6 +112,12 @@ def kpool_compress(k: torch.Tensor, gate: torch.Tensor, ring: torch.Tensor, ape:
     return indexer_quant(pooled, cos, sin, False, backend=backend)
 
 
+def _expand_fake(groups, lengths, c, *, page_table=None, out_offsets=None, page_size=PAGE_SIZE, backend=None):
+    R, G = groups.shape
+    return groups.new_empty((R, G * c + c - 1))
+
+
+@op("kpool_expand", _expand_fake)
 def kpool_expand(groups: torch.Tensor, lengths: torch.Tensor, c: int, *, page_table: torch.Tensor | None = None,
                  out_offsets: torch.Tensor | None = None, page_size: int = PAGE_SIZE,
                  backend: str | None = None) -> torch.Tensor:
@@ -133,6 +147,7 @@ def kpool_expand(groups: torch.Tensor, lengths: torch.Tensor, c: int, *, page_ta
     Returns:
         ``[R, G c + c - 1] int32`` (``index_topk + c - 1`` columns for ``G = index_topk / c``).
     """
+    raise_deferred()
     check_tensor("groups", groups, dtype=torch.int32, ndim=2)
     R, G = groups.shape
     dev = groups.device
