@@ -98,7 +98,8 @@ CASES = cases("cpu")
 INTERPRETED = ("topk_transform-pages", "indexer_logits_paged", "indexer_quant", "sparse_mla_decode-fp8")
 WRITERS = ("store_index_keys", "store_mla-fp8", "store_mla-fp8_raw")
 # ops whose implementation handles float8 tensors (opcheck's schema test cannot compare those)
-FP8_INSIDE = ("indexer_logits_paged", "indexer_logits_ragged", "indexer_topk_ragged", "indexer_quant", "kpool_compress",
+FP8_INSIDE = ("indexer_logits_paged", "indexer_logits_ragged", "indexer_topk_ragged", "indexer_quant",
+              "kpool_compress",
               "sparse_mla_decode-fp8", "store_index_keys", "store_mla-fp8", "store_mla-fp8_raw")
 
 
