@@ -76,7 +76,8 @@ def cases(device) -> dict:
                                                   torch.full((2, 3), float("-inf")).to(d)), {}),
         # kpool, c = 4: one request's first 6 tokens (groups 0 and the unfinished 1), nothing in the ring yet
         "kpool_compress": (ops.kpool_compress, (_bf16(6, 128, g=g, device=d), _bf16(6, 128, g=g, device=d),
-                                                _bf16(1, 4, 2, 128, g=g, device=d), torch.randn(4, 128, generator=g).to(d),
+                                                _bf16(1, 4, 2, 128, g=g, device=d),
+                                                torch.randn(4, 128, generator=g).to(d),
                                                 _i32(0, 1, 2, 3, 4, 5, device=d), _i32(0, 0, 0, 0, 0, 0, device=d),
                                                 _i32(0, 0, 0, 0, 0, 0, device=d), _i32(3, 5, device=d)), {}),
         "kpool_expand": (ops.kpool_expand, (_i32(0, 2, -1, -1, device=d).view(2, 2), _i32(13, 3, device=d), 4),
