@@ -23,7 +23,7 @@ import gc
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers", minversion="5.23")  # flashdsa.hf._MIN_TRANSFORMERS
 
 from transformers import (DeepseekV32Config, DeepseekV32ForCausalLM, DynamicCache,  # noqa: E402
                           GlmMoeDsaConfig, GlmMoeDsaForCausalLM, LlamaConfig, LlamaForCausalLM)

@@ -27,6 +27,7 @@ SCAN_BLOCK = 2048     # elements a scan program reads
 ROWS = 128            # metadata rows a program checks (top-k, ragged)
 PAGE_BLOCK = 128      # page-table entries a step
 INT32_MAX = 2 ** 31 - 1
+_I32_MAX = tl.constexpr(INT32_MAX)  # kernels may read only constexpr globals (the interpreter does not enforce it)
 F32_MAX = 3.4028234663852886e38
 KIND = {torch.float8_e4m3fn: 0, torch.uint8: 0, torch.float32: 1, torch.bfloat16: 2}  # how _scan reads
 
@@ -161,9 +162,9 @@ def topk_check_kernel(lengths, len_out, starts, offsets, table, stride_t, flag, 
         bad |= _flag_lo_hi(flag, end, m & (bad == 0), 0, L, w_st_len, w_st_len)
     if HAS_OFFSETS:
         b_off = tl.load(offsets + o, mask=m, other=0)
-        bad |= _flag_lo_hi(flag, b_off, m & (bad == 0), 0, INT32_MAX, w_off_lo, w_off_lo)
+        bad |= _flag_lo_hi(flag, b_off, m & (bad == 0), 0, _I32_MAX, w_off_lo, w_off_lo)
         last = b_off.to(tl.int64) + b_len - 1
-        bad |= _flag_lo_hi(flag, last, m & (bad == 0), -INT32_MAX - 1, INT32_MAX, w_off_hi, w_off_hi)
+        bad |= _flag_lo_hi(flag, last, m & (bad == 0), -_I32_MAX - 1, _I32_MAX, w_off_hi, w_off_hi)
     if HAS_TABLE:
         need = tl.max(tl.where(bad, 0, b_len), axis=0)
         n_pages = tl.cdiv(need, PAGE_SIZE)
@@ -192,7 +193,7 @@ def ragged_check_kernel(ks, ke, ks_out, ke_out, flag, T, N, R_BLOCKS, Q_BLOCKS,
         b_ke = tl.load(ke + o, mask=m, other=0)
         bad = _flag_lo_hi(flag, b_ks, m, 0, N, w_ks_lo, w_ks_hi)
         bad |= _flag_lo_hi(flag, b_ke, m & (bad == 0), 0, N, w_ke_lo, w_ke_hi)
-        bad |= _flag_lo_hi(flag, b_ke - b_ks, m & (bad == 0), 0, INT32_MAX, w_order, w_order)
+        bad |= _flag_lo_hi(flag, b_ke - b_ks, m & (bad == 0), 0, _I32_MAX, w_order, w_order)
         tl.store(ks_out + o, tl.where(bad, 0, b_ks), mask=m)
         tl.store(ke_out + o, tl.where(bad, 0, b_ke), mask=m)
     elif pid < R_BLOCKS + Q_BLOCKS:
