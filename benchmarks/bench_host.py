@@ -36,6 +36,9 @@ import torch
 if "--smoke" in sys.argv and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
 from _common import load_deep_gemm, load_sgl_ops, print_table, write_json  # noqa: E402
 
 from flashdsa import ops  # noqa: E402
@@ -179,19 +182,19 @@ def peer_calls(d: dict, dg: bool, sgl: bool) -> dict:
     return out
 
 
+# module level: Triton resolves a kernel's names (tl) in its module's globals, not in a closure
+@triton.jit
+def k2(x, n):
+    pass
+
+
+@triton.jit
+def k12(a, b, c, d, e, f, n1, n2, n3, n4, B: tl.constexpr, C: tl.constexpr):
+    pass
+
+
 def calibration_calls(dev: str) -> dict:
     """torch.add and an empty Triton kernel with 2 / 12 arguments (examples/launch_overhead.py)."""
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def k2(x, n):
-        pass
-
-    @triton.jit
-    def k12(a, b, c, d, e, f, n1, n2, n3, n4, B: tl.constexpr, C: tl.constexpr):
-        pass
-
     x = torch.empty(1024, device=dev)
     ts = [torch.empty(1024, device=dev) for _ in range(6)]
     return {"torch.add": lambda: torch.add(x, 1), "triton empty kernel, 2 args": lambda: k2[(1,)](x, 1024),
