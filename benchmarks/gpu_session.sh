@@ -2,12 +2,14 @@
 # One run on a GPU box: peer wheels from .anchors/ (if any), then the named stages; logs and JSON
 # under $OUT (default ./out).
 #   bash benchmarks/gpu_session.sh tests indexer topk sparse_mla demo hf
-# Stages: tests (compiled Triton kernels vs the references), <op> (benchmarks/bench_<op>.py),
+# Stages: tests (every GPU test, `-m gpu`: compiled kernels vs the references, about 6 min), <op> (benchmarks/bench_<op>.py),
 # demo (flashdsa demo on v32, few layers), hf (benchmarks/bench_hf.py). BENCH_ARGS go to every bench.
+# Wheels in .anchors/ are installed over the image's packages: put a transformers >= 5.23 wheel there for
+# the hf stage and test_hf (the H200 image had 5.17 on 2026-12-01).
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 if ls .anchors/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --target .peers .anchors/*.whl
+  python3 -m pip install -q --upgrade --no-index --no-deps --target .peers .anchors/*.whl
 fi
 export PYTHONPATH=$PWD/.peers:$PWD PYTHONUNBUFFERED=1 FLASHDSA_CHECK_VALUES=${FLASHDSA_CHECK_VALUES:-1}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --format=csv,noheader
@@ -15,7 +17,7 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 for stage in "$@"; do
   echo "=== stage $stage $(date +%T)"
   case $stage in
-    tests) timeout 420 python3 -m pytest -q -p no:cacheprovider tests/ops/test_indexer_triton.py tests/ops/test_topk_triton.py tests/ops/test_sparse_mla_triton.py tests/engine 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
+    tests) timeout 560 python3 -m pytest -q -p no:cacheprovider -m gpu tests -rf 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
     demo)  timeout 300 python3 -m flashdsa.cli demo --preset v32 --device cuda --layers ${DEMO_LAYERS:-4} --json 2>&1 | tee "$OUT/demo.json" | tail -3 ;;
     hf)    timeout 300 python3 benchmarks/bench_hf.py ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_hf.log" | tail -30 ;;
     *)     timeout ${STAGE_TIMEOUT:-300} python3 benchmarks/bench_$stage.py ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_$stage.log" | tail -40 ;;
