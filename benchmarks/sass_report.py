@@ -159,8 +159,10 @@ class _CompileForSm90:
             kernels.append((fn.fn.__name__, k))
             return k
 
-        self.saved = [(JITFunction, "run", JITFunction.run)]
+        from flashdsa.ops._launch import KernelLauncher
+        self.saved = [(JITFunction, "run", JITFunction.run), (KernelLauncher, "_make_plan", KernelLauncher._make_plan)]
         JITFunction.run = run
+        KernelLauncher._make_plan = lambda *a: None  # compiled, never launched: no launch plan to keep
         for name, mod in list(sys.modules.items()):
             if name.startswith("flashdsa.ops.") and hasattr(mod, "num_sms"):
                 self.saved.append((mod, "num_sms", mod.num_sms))

@@ -27,8 +27,9 @@ import torch
 from torch import nn
 
 from flashdsa.config import DSAConfig
-from flashdsa.ops.indexer_quant import HEAD_DIM, ROPE_HALF, indexer_quant
+from flashdsa.ops.indexer_quant import HEAD_DIM, ROPE_HALF, indexer_quant, rope_model_dtype
 from flashdsa.ops.indexer_quant.reference import indexer_quant as indexer_quant_reference
+from flashdsa.ops.indexer_quant.reference import rope_model_dtype as rope_model_dtype_reference
 from flashdsa.quant import FP8, indexer_rope
 
 PRECISIONS = ("fp8", "exact")
@@ -132,11 +133,18 @@ class Indexer(nn.Module):
         w = gate * q_scale * self.head_dim ** -0.5
         if self.kpool > 1:
             # the key as indexer_quant rounds it before rotating: pooled first, rotated and quantised after
-            k = indexer_rope(k, cos, sin, self.interleave).to(x.dtype)
+            k = self._rope(k, cos, sin)
             pool_gate = nn.functional.linear(x.to(self.index_kpool_compress_gate.dtype), self.index_kpool_compress_gate)
             return IndexerOutput(q_fp8, w, k, None, pool_gate.to(x.dtype))
         k_fp8, k_scale = self._quant(k, cos, sin)
         return IndexerOutput(q_fp8, w, k_fp8, k_scale)
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """RoPE rounded to the model dtype (kpool's key before pooling): the first step of :meth:`_quant`, one
+        launch on CUDA for the V3.2 / GLM-5 shapes, the torch composition otherwise (same bits)."""
+        if x.shape[-1] == HEAD_DIM and cos.shape[-1] == ROPE_HALF and x.dtype in (torch.bfloat16, torch.float32):
+            return rope_model_dtype(x, cos, sin, self.interleave)
+        return rope_model_dtype_reference(x, cos, sin, self.interleave)
 
     def _quant(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE, rounding to the model dtype, Hadamard, act_quant: ``[T, ..., D] -> e4m3 [T, ..., D], f32 [T, ...]``.

@@ -291,3 +291,65 @@ def test_gpu_large_bitwise(T, H, dtype, interleave):
     assert_same_bits(run_triton(x, cos, sin, interleave, soft_casts=True), ref)
     for block_r, num_warps in ((16, 4), (32, 4), (4, 1)):
         assert_same_bits(run_triton(x, cos, sin, interleave, block_r=block_r, num_warps=num_warps), ref)
+
+
+# ---- the RoPE step alone (kpool's key before pooling) ------------------------------------------------
+
+def run_triton_rope(x, cos, sin, interleave, **kw):
+    """The rope-only launch writing into a NaN-poisoned output of x's dtype."""
+    y = torch.full(x.shape, float("nan"), dtype=x.dtype, device=x.device)
+    out = K.indexer_rope(x, cos, sin, interleave, out=y, config=K.IndexerQuantConfig(**kw))
+    assert out is y
+    return y
+
+
+def assert_same_values(got, want):
+    assert got.shape == want.shape and got.dtype == want.dtype
+    bits = torch.int16 if got.dtype == torch.bfloat16 else torch.int32
+    bad = got.view(bits).cpu() != want.view(bits).cpu()
+    assert not bad.any(), f"{int(bad.sum())} of {bad.numel()} differ, first at {bad.nonzero()[0].tolist()}"
+
+
+ROPE_CASES = [pytest.param(T, H, d, il, id=f"T{T}-{'k' if H is None else f'H{H}'}-{d}-{'gptj' if il else 'neox'}")
+              for T in (0, 1, 65) for H in (None, 3) for d in DTYPES for il in (False, True)]
+
+
+@pytest.mark.parametrize("T, H, dtype, interleave", ROPE_CASES)
+def test_rope_only_matches_reference_bitwise(T, H, dtype, interleave):
+    g = torch.Generator().manual_seed(77 + T + (H or 0))
+    shape = (T, 128) if H is None else (T, H, 128)
+    x = make_x(shape, DTYPES[dtype], g)
+    cos, sin = make_rope(T, g)
+    want = reference.rope_model_dtype(x, cos, sin, interleave)
+    assert_same_values(run_triton_rope(x, cos, sin, interleave), want)
+    # and it is indexer_quant's first step: the reference's quantisation of it is indexer_quant's
+    if T:
+        q, scale = act_quant(hadamard(want), block=128)
+        assert_same_bits((q, scale[..., 0]), reference.indexer_quant(x, cos, sin, interleave))
+
+
+def test_rope_only_strided_and_dispatch():
+    g = torch.Generator().manual_seed(5)
+    T, H = 9, 5
+    x = make_x((H, T, 256), torch.bfloat16, g).transpose(0, 1)[..., ::2]
+    cos, sin = make_rope(T, g)
+    want = reference.rope_model_dtype(x.contiguous(), cos, sin, True)
+    got = run_triton_rope(x, cos, sin, True, block_r=8)
+    assert_same_values(got, want)
+    assert got.is_contiguous()
+    from flashdsa.ops.indexer_quant import rope_model_dtype
+    assert_same_values(rope_model_dtype(x, cos, sin, True, backend="torch"), want)
+    assert_same_values(rope_model_dtype(x, cos, sin, True, backend="triton"), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T, H", [(4096, 1), (3, 64), (1000, 7)], ids=("T4096-k", "T3-H64", "T1000-H7"))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("interleave", (False, True), ids=("neox", "gptj"))
+def test_gpu_rope_only_bitwise(T, H, dtype, interleave):
+    g = torch.Generator().manual_seed(T + H + 1)
+    x = make_x((T, H, 128) if H > 1 else (T, 128), DTYPES[dtype], g)
+    cos, sin = make_rope(T, g)
+    want = reference.rope_model_dtype(x, cos, sin, interleave)
+    assert_same_values(run_triton_rope(x, cos, sin, interleave), want)
+    assert_same_values(run_triton_rope(x, cos, sin, interleave, soft_casts=True), want)

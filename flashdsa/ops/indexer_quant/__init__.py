@@ -28,7 +28,23 @@ def _triton_indexer_quant(*args, **kwargs):
     return _module("flashdsa.ops.indexer_quant.triton").indexer_quant(*args, **kwargs)
 
 
+def _triton_rope(*args, **kwargs):
+    return _module("flashdsa.ops.indexer_quant.triton").indexer_rope(*args, **kwargs)
+
+
 _IMPLS = {"torch": reference.indexer_quant, "triton": _triton_indexer_quant}
+_ROPE_IMPLS = {"torch": reference.rope_model_dtype, "triton": _triton_rope}
+
+
+def rope_model_dtype(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool, *,
+                     backend: str | None = None) -> torch.Tensor:
+    """:func:`indexer_quant`'s first step alone, the same bits: ``x.dtype(indexer_rope(x, cos, sin, interleave))``
+    (``[T, ..., 128]`` bfloat16 / float32, ``cos, sin [T, 32] float32``; a new contiguous tensor of x's
+    dtype). kpool's keys are pooled between the RoPE and the Hadamard (docs/DSA.md §7).
+
+    Internal to the indexer layer, which passes its own tensors: no value checks and not a registered op.
+    """
+    return pick_backend(backend, _ROPE_IMPLS, x.device, "rope_model_dtype")(x, cos, sin, interleave)
 
 
 def _quant_fake(x, cos, sin, interleave, *, backend=None):

@@ -11,7 +11,12 @@ from flashdsa.quant import act_quant, hadamard, indexer_rope
 def indexer_quant(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   interleave: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [T, ..., 128]`` (model dtype), ``cos, sin [T, 32] f32`` -> ``[T, ..., 128] e4m3``, ``[T, ...] f32``."""
-    y = indexer_rope(x, cos, sin, interleave).to(x.dtype)
+    y = rope_model_dtype(x, cos, sin, interleave)
     # hadamard returns the model dtype: its fp32 result is rounded once more before act_quant
     x_fp8, scale = act_quant(hadamard(y), block=x.shape[-1])
     return x_fp8, scale[..., 0]
+
+
+def rope_model_dtype(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
+    """The first step alone: ``x [T, ..., 128]`` rotated (fp32) and rounded to x's dtype."""
+    return indexer_rope(x, cos, sin, interleave).to(x.dtype)

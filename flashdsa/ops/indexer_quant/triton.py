@@ -97,6 +97,15 @@ def _load_f32(p, mask, BF16: tl.constexpr):
 
 
 @triton.jit
+def _model_bits(b_v, BF16: tl.constexpr):
+    """A model-dtype-exact fp32 value as what the output holds: fp32 itself, or bf16's int16 bits."""
+    if BF16:
+        return (b_v.to(tl.int32, bitcast=True) >> 16).to(tl.int16)
+    else:
+        return b_v
+
+
+@triton.jit
 def _hadamard32(b_y, BLOCK_R: tl.constexpr, Q: tl.constexpr):
     """Butterfly stages 1, 2, .., Q / 2 along the last dim of ``[BLOCK_R, Q]`` (unnormalised)."""
     b_y = _butterfly(b_y, BLOCK_R, Q, 1)
@@ -112,7 +121,7 @@ def indexer_quant_fwd_kernel(x, cos, sin, x_fp8, scale, R, H,
                              stride_xt, stride_xh, stride_xd, stride_ct, stride_cd, stride_st, stride_sd,
                              INTERLEAVE: tl.constexpr, BF16: tl.constexpr, SOFT_CASTS: tl.constexpr,
                              BLOCK_R: tl.constexpr, D: tl.constexpr, AMAX_FLOOR: tl.constexpr,
-                             H_SCALE: tl.constexpr):
+                             H_SCALE: tl.constexpr, ROPE_ONLY: tl.constexpr = False):
     # A row's 128 dims as four streams of Q = 32 (k = 0..3), so RoPE pairs and the first / last
     # Hadamard stages meet element-wise, without moving data between threads:
     #   NeoX:  stream k holds dims 32k + j: RoPE pairs (0, 1); stages h = 1..16 inside each stream,
@@ -154,56 +163,65 @@ def indexer_quant_fwd_kernel(x, cos, sin, x_fp8, scale, R, H,
         b_ra = _round_bf16(b_ra, SOFT_CASTS)
         b_rb = _round_bf16(b_rb, SOFT_CASTS)
 
-    # Sylvester Hadamard with the reference's stages in its order (that fixes every addition tree)
-    if INTERLEAVE:
-        b_0 = b_ra + b_rb
-        b_1 = b_ra - b_rb
-        b_2 = b_n0 + b_n1
-        b_3 = b_n0 - b_n1
-        b_0 = _hadamard32(b_0, BLOCK_R, Q)
-        b_1 = _hadamard32(b_1, BLOCK_R, Q)
-        b_2 = _hadamard32(b_2, BLOCK_R, Q)
-        b_3 = _hadamard32(b_3, BLOCK_R, Q)
+    if ROPE_ONLY:
+        # kpool's key: rotated and rounded to the model dtype, stored as it is ([rope | nope], x's dtype;
+        # bf16 as its int16 bits: the values are bf16-exact, so the high half is the bf16)
+        p_y = x_fp8 + o_r.to(tl.int64)[:, None] * D
+        tl.store(p_y + o_0[None, :], _model_bits(b_ra, BF16), mask=m_r)
+        tl.store(p_y + o_1[None, :], _model_bits(b_rb, BF16), mask=m_r)
+        tl.store(p_y + o_2[None, :], _model_bits(b_n0, BF16), mask=m_r)
+        tl.store(p_y + o_3[None, :], _model_bits(b_n1, BF16), mask=m_r)
     else:
-        b_ra = _hadamard32(b_ra, BLOCK_R, Q)
-        b_rb = _hadamard32(b_rb, BLOCK_R, Q)
-        b_n0 = _hadamard32(b_n0, BLOCK_R, Q)
-        b_n1 = _hadamard32(b_n1, BLOCK_R, Q)
-        b_0 = b_ra + b_rb
-        b_1 = b_ra - b_rb
-        b_2 = b_n0 + b_n1
-        b_3 = b_n0 - b_n1
-    # stage h = 64, the normalisation, and hadamard()'s rounding to the model dtype
-    b_z0 = (b_0 + b_2) * H_SCALE
-    b_z1 = (b_1 + b_3) * H_SCALE
-    b_z2 = (b_0 - b_2) * H_SCALE
-    b_z3 = (b_1 - b_3) * H_SCALE
-    if BF16:
-        b_z0 = _round_bf16(b_z0, SOFT_CASTS)
-        b_z1 = _round_bf16(b_z1, SOFT_CASTS)
-        b_z2 = _round_bf16(b_z2, SOFT_CASTS)
-        b_z3 = _round_bf16(b_z3, SOFT_CASTS)
+        # Sylvester Hadamard with the reference's stages in its order (that fixes every addition tree)
+        if INTERLEAVE:
+            b_0 = b_ra + b_rb
+            b_1 = b_ra - b_rb
+            b_2 = b_n0 + b_n1
+            b_3 = b_n0 - b_n1
+            b_0 = _hadamard32(b_0, BLOCK_R, Q)
+            b_1 = _hadamard32(b_1, BLOCK_R, Q)
+            b_2 = _hadamard32(b_2, BLOCK_R, Q)
+            b_3 = _hadamard32(b_3, BLOCK_R, Q)
+        else:
+            b_ra = _hadamard32(b_ra, BLOCK_R, Q)
+            b_rb = _hadamard32(b_rb, BLOCK_R, Q)
+            b_n0 = _hadamard32(b_n0, BLOCK_R, Q)
+            b_n1 = _hadamard32(b_n1, BLOCK_R, Q)
+            b_0 = b_ra + b_rb
+            b_1 = b_ra - b_rb
+            b_2 = b_n0 + b_n1
+            b_3 = b_n0 - b_n1
+        # stage h = 64, the normalisation, and hadamard()'s rounding to the model dtype
+        b_z0 = (b_0 + b_2) * H_SCALE
+        b_z1 = (b_1 + b_3) * H_SCALE
+        b_z2 = (b_0 - b_2) * H_SCALE
+        b_z3 = (b_1 - b_3) * H_SCALE
+        if BF16:
+            b_z0 = _round_bf16(b_z0, SOFT_CASTS)
+            b_z1 = _round_bf16(b_z1, SOFT_CASTS)
+            b_z2 = _round_bf16(b_z2, SOFT_CASTS)
+            b_z3 = _round_bf16(b_z3, SOFT_CASTS)
 
-    # [BLOCK_R] per-row scale: the reference rounds s = fl(amax / 448) up to a power of two 2^k, the
-    # smallest with fl(amax / 448) <= 2^k, i.e. (no fp32 lies between 448 * 2^k and the rounding
-    # boundary above it, see README.md) with amax <= 448 * 2^k = 1.75 * 2^(k + 8). From amax's bits
-    # 1.m * 2^E: k = E - 8 if 1.m <= 1.75 (mantissa bits <= 0x600000), else E - 7. No division.
-    # (max is exact in any order: reduce the four streams element-wise first, then across threads once)
-    b_amax = tl.maximum(tl.maximum(tl.abs(b_z0), tl.abs(b_z1)), tl.maximum(tl.abs(b_z2), tl.abs(b_z3)))
-    b_amax = tl.maximum(tl.max(b_amax, axis=1), AMAX_FLOOR)
-    b_bits = b_amax.to(tl.int32, bitcast=True)
-    b_exp = (b_bits >> 23) - 8 + ((b_bits & 0x7FFFFF) > 0x600000).to(tl.int32)
-    b_scale = (b_exp << 23).to(tl.float32, bitcast=True)
-    # 1 / 2^(E - 127) = 2^(127 - E) exactly, so z * inv == z / scale bit for bit; |z| <= amax <=
-    # 448 * 2^k, so the reference's clamp to ±448 never bites and there is none here
-    b_inv = ((254 - b_exp) << 23).to(tl.float32, bitcast=True)[:, None]
+        # [BLOCK_R] per-row scale: the reference rounds s = fl(amax / 448) up to a power of two 2^k, the
+        # smallest with fl(amax / 448) <= 2^k, i.e. (no fp32 lies between 448 * 2^k and the rounding
+        # boundary above it, see README.md) with amax <= 448 * 2^k = 1.75 * 2^(k + 8). From amax's bits
+        # 1.m * 2^E: k = E - 8 if 1.m <= 1.75 (mantissa bits <= 0x600000), else E - 7. No division.
+        # (max is exact in any order: reduce the four streams element-wise first, then across threads once)
+        b_amax = tl.maximum(tl.maximum(tl.abs(b_z0), tl.abs(b_z1)), tl.maximum(tl.abs(b_z2), tl.abs(b_z3)))
+        b_amax = tl.maximum(tl.max(b_amax, axis=1), AMAX_FLOOR)
+        b_bits = b_amax.to(tl.int32, bitcast=True)
+        b_exp = (b_bits >> 23) - 8 + ((b_bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+        b_scale = (b_exp << 23).to(tl.float32, bitcast=True)
+        # 1 / 2^(E - 127) = 2^(127 - E) exactly, so z * inv == z / scale bit for bit; |z| <= amax <=
+        # 448 * 2^k, so the reference's clamp to ±448 never bites and there is none here
+        b_inv = ((254 - b_exp) << 23).to(tl.float32, bitcast=True)[:, None]
 
-    p_q = x_fp8 + o_r.to(tl.int64)[:, None] * D
-    tl.store(p_q + o_0[None, :], _e4m3_bits(b_z0 * b_inv, SOFT_CASTS), mask=m_r)
-    tl.store(p_q + o_1[None, :], _e4m3_bits(b_z1 * b_inv, SOFT_CASTS), mask=m_r)
-    tl.store(p_q + o_2[None, :], _e4m3_bits(b_z2 * b_inv, SOFT_CASTS), mask=m_r)
-    tl.store(p_q + o_3[None, :], _e4m3_bits(b_z3 * b_inv, SOFT_CASTS), mask=m_r)
-    tl.store(scale + o_r, b_scale, mask=o_r < R)
+        p_q = x_fp8 + o_r.to(tl.int64)[:, None] * D
+        tl.store(p_q + o_0[None, :], _e4m3_bits(b_z0 * b_inv, SOFT_CASTS), mask=m_r)
+        tl.store(p_q + o_1[None, :], _e4m3_bits(b_z1 * b_inv, SOFT_CASTS), mask=m_r)
+        tl.store(p_q + o_2[None, :], _e4m3_bits(b_z2 * b_inv, SOFT_CASTS), mask=m_r)
+        tl.store(p_q + o_3[None, :], _e4m3_bits(b_z3 * b_inv, SOFT_CASTS), mask=m_r)
+        tl.store(scale + o_r, b_scale, mask=o_r < R)
 
 
 def _pow2(v) -> bool:
@@ -243,28 +261,48 @@ def indexer_quant(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interle
     Returns:
         ``x_fp8 [T, ..., 128] float8_e4m3fn`` and ``scale [T, ...] float32`` (UE8M0 powers of two).
     """
-    T = x.shape[0]
-    H = math.prod(x.shape[1:-1])
     if out is None:
         out = (torch.empty(x.shape, dtype=FP8, device=x.device),
                torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device))
     x_fp8, scale = out
+    _launch(_LAUNCH, x, cos, sin, interleave, x_fp8, torch.uint8, scale, False, config)
+    return x_fp8, scale
+
+
+def indexer_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool, *,
+                 out: torch.Tensor | None = None, config: IndexerQuantConfig | None = None) -> torch.Tensor:
+    """The same kernel's first step alone: ``x.dtype(indexer_rope(x, cos, sin, interleave))``, bit for bit
+    (kpool pools the keys between the RoPE and the Hadamard). Arguments as :func:`indexer_quant`; ``out``:
+    an optional contiguous ``[T, ..., 128]`` tensor of x's dtype. Returns it (new: contiguous)."""
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    bits = torch.int16 if x.dtype == torch.bfloat16 else None
+    _launch(_ROPE, x, cos, sin, interleave, out, bits, out, True, config)  # no scale: its pointer is unused
+    return out
+
+
+def _launch(launcher, x, cos, sin, interleave, a, a_bits, b, rope_only, config) -> None:
+    """One launch writing ``a`` (e4m3, or the rotated rows; the kernel sees it as ``a_bits`` when not None)
+    and ``b`` (the scales; unused rope-only)."""
+    T = x.shape[0]
+    H = math.prod(x.shape[1:-1])
     R = T * H
     if R == 0:
-        return x_fp8, scale
+        return
     x3 = x if x.dim() == 3 else x.reshape(T, H, D)  # a view unless the middle dims cannot merge
     bf16 = x.dtype == torch.bfloat16
     cfg = config or _DEFAULT
-    ptrs = (x3.data_ptr(), cos.data_ptr(), sin.data_ptr(), x_fp8.data_ptr(), scale.data_ptr())
+    ptrs = (x3.data_ptr(), cos.data_ptr(), sin.data_ptr(), a.data_ptr(), b.data_ptr())
     key = (x.device, T, H, x3.stride(), bf16, cos.stride(), sin.stride(), interleave, config) \
         if aligned(*ptrs) else None
 
     def build():
         block_r = cfg.block_r or (BLOCK_R_INTERPRET if interpreting() else BLOCK_R)
         soft_casts = interpreting() if cfg.soft_casts is None else cfg.soft_casts
-        return (cdiv(R, block_r),), dict(
+        kw = dict(
             # bf16 travels as its int16 bits: the kernel widens them to fp32 exactly with a shift
-            x=x3.view(torch.int16) if bf16 else x3, cos=cos, sin=sin, x_fp8=x_fp8.view(torch.uint8), scale=scale,
+            x=x3.view(torch.int16) if bf16 else x3, cos=cos, sin=sin, x_fp8=a if a_bits is None else a.view(a_bits),
+            scale=b,
             R=R, H=H, stride_xt=x3.stride(0), stride_xh=x3.stride(1), stride_xd=x3.stride(2),
             stride_ct=cos.stride(0), stride_cd=cos.stride(1), stride_st=sin.stride(0), stride_sd=sin.stride(1),
             INTERLEAVE=interleave, BF16=bf16, SOFT_CASTS=soft_casts, BLOCK_R=block_r, D=D,
@@ -272,10 +310,13 @@ def indexer_quant(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interle
             # no mul + add -> FMA contraction: RoPE's a * c - b * s must round both products, as torch does
             num_warps=cfg.num_warps, enable_fp_fusion=False,
         )
+        if rope_only:  # the default launch passes no ROPE_ONLY: its compiled kernel stays as it was
+            kw["ROPE_ONLY"] = True
+        return (cdiv(R, block_r),), kw
 
-    _LAUNCH(key, ptrs, build)
-    return x_fp8, scale
+    launcher(key, ptrs, build)
 
 
 _DEFAULT = IndexerQuantConfig()
 _LAUNCH = KernelLauncher(indexer_quant_fwd_kernel, ("x", "cos", "sin", "x_fp8", "scale"))
+_ROPE = KernelLauncher(indexer_quant_fwd_kernel, ("x", "cos", "sin", "x_fp8", "scale"))
