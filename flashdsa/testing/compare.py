@@ -53,6 +53,14 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, *, atol: float, rtol: flo
         assert cd <= max_cos_diff, f"{name}: cosine diff {cd:.3e} > {max_cos_diff:.1e}"
 
 
+def assert_close_to_scale(a: torch.Tensor, b: torch.Tensor, tol: float) -> float:
+    """``max|a - b| <= tol * max(max|b|, 1)`` (the engine tests' end-to-end bound); returns ``max|a - b|``."""
+    err = (a - b).abs().max().item()
+    scale = b.abs().max().item()
+    assert err <= tol * max(scale, 1.0), f"max abs diff {err} (scale {scale})"
+    return err
+
+
 # ---- top-k -----------------------------------------------------------------------------------------
 
 def topk_order_keys(x: torch.Tensor) -> torch.Tensor:

@@ -45,6 +45,11 @@ def poison_torch_empty(monkeypatch) -> None:
 
 # ---- random tensors ----------------------------------------------------------------------------------
 
+def token_ids(n: int, vocab: int, seed: int = 0) -> torch.Tensor:
+    """``[n] int64`` random token ids below ``vocab`` (a prompt), from their own seeded generator."""
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed))
+
+
 def randn(shape, g: torch.Generator, device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``shape`` standard-normal values drawn in float32 from ``g`` on ``device``, then cast to ``dtype``
     (float8_e4m3fn, bfloat16, ...)."""

@@ -11,6 +11,8 @@ import torch
 from flashdsa import DSAConfig
 from flashdsa.config import PRESETS
 from flashdsa.engine import DecodeGraph, DSAModel, Runner
+from flashdsa.testing.compare import assert_close_to_scale
+from flashdsa.testing.inputs import token_ids
 
 C = 4
 CFG = DSAConfig.preset("tiny").replace(index_kpool=C)  # top-64 = 16 groups of 4, pages of 256, layer 2 skips
@@ -24,13 +26,11 @@ def model():
 
 
 def prompt(n, seed=0):
-    return torch.randint(0, CFG.vocab_size, (n,), generator=torch.Generator().manual_seed(seed))
+    return token_ids(n, CFG.vocab_size, seed)
 
 
 def close(a, b, tol=3e-2):
-    err = (a - b).abs().max().item()
-    scale = b.abs().max().item()
-    assert err <= tol * max(scale, 1.0), f"max abs diff {err} (scale {scale})"
+    return assert_close_to_scale(a, b, tol)
 
 
 def state(run: Runner) -> dict:

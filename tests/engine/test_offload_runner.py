@@ -15,6 +15,7 @@ import torch
 from flashdsa import DSAConfig, ops
 from flashdsa.cache.offload import OffloadConfig, OffloadKVPool
 from flashdsa.engine import DecodeGraph, DSAModel, Runner
+from flashdsa.testing.inputs import token_ids
 
 # The tiny preset cut to 3 layers: topk 64, layer 2 skips top-k (reuses layer 1's selection). Every MLA
 # format is compared byte for byte at the pool level (tests/cache/test_offload.py); here the fp8 cache.
@@ -28,7 +29,7 @@ def model():
 
 
 def prompt(n, seed=0):
-    return torch.randint(0, CFG.vocab_size, (n,), generator=torch.Generator().manual_seed(seed))
+    return token_ids(n, CFG.vocab_size, seed)
 
 
 def pair(model, fmt="fp8", rows=2 * TOPK, max_requests=4, pages=48, device="cpu"):

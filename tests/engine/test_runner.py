@@ -8,6 +8,8 @@ import torch
 from flashdsa import DSAConfig
 from flashdsa.cache.allocator import OutOfPagesError
 from flashdsa.engine import DecodeGraph, DSAModel, Runner
+from flashdsa.testing.compare import assert_close_to_scale
+from flashdsa.testing.inputs import token_ids
 
 CFG = DSAConfig.preset("tiny")  # topk 64, layer 2 skips top-k
 TOPK = CFG.index_topk
@@ -19,14 +21,11 @@ def model():
 
 
 def prompt(n, seed=0):
-    return torch.randint(0, CFG.vocab_size, (n,), generator=torch.Generator().manual_seed(seed))
+    return token_ids(n, CFG.vocab_size, seed)
 
 
 def close(a, b, tol=3e-2):
-    err = (a - b).abs().max().item()
-    scale = b.abs().max().item()
-    assert err <= tol * max(scale, 1.0), f"max abs diff {err} (scale {scale})"
-    return err
+    return assert_close_to_scale(a, b, tol)
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "bf16"])
