@@ -30,8 +30,6 @@ def _demo(args: argparse.Namespace) -> int:
     from flashdsa.demo import run_demo
 
     if args.cp is not None or args.dcp is not None:
-        if args.kpool is not None:
-            raise ValueError("kpool: context parallelism (--cp / --dcp) with kpool is not built; run one of them")
         return _parallel_demo(args)
     report = run_demo(preset=args.preset, device=args.device, next_n=args.next_n, seed=args.seed,
                       backend=args.backend, layers=args.layers, kv_format=args.kv_format,
@@ -55,7 +53,7 @@ def _parallel_demo(args: argparse.Namespace) -> int:
     mode, world = ("cp", args.cp) if args.cp is not None else ("dcp", args.dcp)
     report = run_parallel_demo(mode, world, split=args.cp_split, preset=args.preset, device=args.device,
                                next_n=args.next_n, seed=args.seed, backend=args.backend, layers=args.layers,
-                               kv_format=args.kv_format, log=None if args.json else print)
+                               kv_format=args.kv_format, log=None if args.json else print, kpool=args.kpool)
     if args.json and dist.get_rank() == 0:
         print(json.dumps(report))
     dist.destroy_process_group()

@@ -588,7 +588,8 @@ def _drive(run: Runner, steps: list[tuple[str, dict]]) -> tuple[list[torch.Tenso
 
 def run_parallel_demo(mode: str, world: int, split: str = "zigzag", preset: str = "tiny", device: str = "cpu",
                       next_n: int = 2, seed: int = 0, backend: str | None = None, layers: int | None = None,
-                      kv_format: str = "fp8", log: Callable[[str], None] | None = print) -> dict:
+                      kv_format: str = "fp8", log: Callable[[str], None] | None = print,
+                      kpool: int | None = None) -> dict:
     """The demo's scenario on ``world`` ranks (one process each, under torchrun), checked against one process.
 
     ``mode`` "cp" (prefill CP, ``split`` "interleave" | "zigzag") or "dcp" (decode CP: the KV sharded). Every
@@ -598,7 +599,7 @@ def run_parallel_demo(mode: str, world: int, split: str = "zigzag", preset: str 
     run gives the logits' distance to one process (DCP's bf16 partials can flip a later layer's near tie,
     so that number is reported, not judged), the bytes each rank all-gathered per layer (to agree with
     ``flashdsa plan``) and that every rank ended with the same logits. Only rank 0 logs; every rank returns
-    the same report.
+    the same report. ``kpool`` as in :func:`run_demo` (prefill CP only: it gathers the keys before pooling).
     """
     from flashdsa import plan as cost
     from flashdsa.parallel import ContextParallel, DecodeContextParallel, SPLITS, check, init
@@ -608,7 +609,10 @@ def run_parallel_demo(mode: str, world: int, split: str = "zigzag", preset: str 
     if mode == "cp" and split not in SPLITS:
         raise ValueError(f"cp_split: expected one of {SPLITS}, got {split!r}")
     dev = parse_device(device)
-    cfg = demo_config(preset, layers)
+    cfg = demo_config(preset, layers, kpool)
+    if mode == "dcp" and cfg.index_kpool > 1:
+        raise ValueError(f"kpool: decode context parallelism (--dcp) with kpool is not built (a pooled group's "
+                         f"tokens would sit on several ranks); --cp supports it, got kpool {cfg.index_kpool}")
     _check_args(dev, next_n, seed, backend, kv_format)
     if "WORLD_SIZE" not in os.environ:
         raise ValueError(f"{mode}: expected one process per rank: torchrun --nproc-per-node {world} -m flashdsa.cli "
@@ -624,7 +628,8 @@ def run_parallel_demo(mode: str, world: int, split: str = "zigzag", preset: str 
     prompts = {r: torch.randint(0, cfg.vocab_size, (n,), generator=gen) for r, n in lens.items()}
     what = f"prefill CP, split {split}" if mode == "cp" else "DCP, KV sharded by position"
     log(f"[demo] {preset}: {cfg.num_hidden_layers} layers on {world} rank{'s' if world > 1 else ''} ({what}), "
-        f"{dev}, KV {kv_format}, prompts {list(lens.values())}")
+        f"{dev}, KV {kv_format}, prompts {list(lens.values())}"
+        + (f", kpool {cfg.index_kpool}" if cfg.index_kpool > 1 else ""))
     model = DSAModel.random(cfg, seed=seed, device=dev)
 
     def runner(parallel=None) -> Runner:
@@ -687,7 +692,7 @@ def run_parallel_demo(mode: str, world: int, split: str = "zigzag", preset: str 
         "ok": ok, "mode": mode, "world_size": world, "split": split if mode == "cp" else "kv-by-position",
         "device": str(dev), "preset": preset, "layers": cfg.num_hidden_layers, "kv_format": kv_format,
         "next_n": next_n, "backend": backend or ("triton" if dev.type == "cuda" else "torch"),
-        "prompt_lens": list(lens.values()), "steps": len(steps),
+        "kpool": cfg.index_kpool, "prompt_lens": list(lens.values()), "steps": len(steps),
         "selections_bitwise_equal": layerwise["selections_equal"], "layers_compared": layerwise["layers"],
         "selection_mismatches": layerwise["mismatches"],
         "max_abs_vs_single_process": layerwise["max_abs"],

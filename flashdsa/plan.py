@@ -80,7 +80,8 @@ DEFINITIONS = {
     "cp_gather_bytes_per_rank_per_layer": "what flashdsa's prefill CP receives per rank in one layer with an "
                                           "indexer, T = S = context over p = gpus ranks: one all-gather padded to "
                                           "ceil(S/p) tokens per rank, mla (p-1)*ceil(S/p)*2*576 (bf16 cache rows), "
-                                          "indexer (p-1)*ceil(S/p)*(D_I+4) (fp8 key + fp32 scale)",
+                                          "indexer (p-1)*ceil(S/p)*(D_I+4) (fp8 key + fp32 scale; kpool: 4*D_I, "
+                                          "the bf16 key and pooling gate before pooling)",
     "dcp_bytes_per_rank_per_layer": "what flashdsa's DCP receives per rank in one decode step and layer with an "
                                     "indexer, batch query rows over p = gpus ranks: topk_candidates "
                                     "(p-1)*batch*topk*8 (fp32 score + int32 position), partial_attention "
@@ -224,11 +225,13 @@ def cp_gather_bytes_per_rank_per_layer(cfg: DSAConfig, context: int, gpus: int) 
     Its one all-gather per layer pads every rank to ceil(S/p) tokens (both splits keep every rank within
     one token of S/p), each a bf16 cache row (2 (d_c + d_r) B) and an fp8 index key with its fp32 scale
     (D_I + 4 B). Equal to :func:`comm_bytes_per_rank_per_layer`'s ``cp_mla`` when p divides S; the key
-    costs (D_I + 4) / (2 D_I) = 52 % of its ``cp_indexer``. (An exact-precision indexer sends 2 D_I.)
+    costs (D_I + 4) / (2 D_I) = 52 % of its ``cp_indexer``. (An exact-precision indexer sends 2 D_I.) With
+    kpool the key is gathered before pooling: the bf16 key and its bf16 pooling gate, 4 D_I B a token.
     """
     S, p = _check_positive("context", context), _check_positive("gpus", gpus)
     rows = (p - 1) * math.ceil(S / p)
-    out = {"mla": rows * 2 * cfg.kv_cache_dim, "indexer": rows * (cfg.index_head_dim + 4)}
+    key = 4 * cfg.index_head_dim if cfg.index_kpool > 1 else cfg.index_head_dim + 4
+    out = {"mla": rows * 2 * cfg.kv_cache_dim, "indexer": rows * key}
     out["total"] = out["mla"] + out["indexer"]
     return out
 

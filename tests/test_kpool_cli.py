@@ -36,7 +36,7 @@ def test_demo_kpool_chunks_split_groups():
     (["demo", "--kpool", "0"], "--kpool: expected an integer >= 1"),
     (["plan", "--kpool", "3"], "--kpool: index_topk"),
     (["plan", "--kpool", "0"], "--kpool: expected a positive integer"),
-    (["demo", "--cp", "2", "--kpool", "4"], "--kpool: context parallelism"),
+    (["demo", "--dcp", "2", "--kpool", "4"], "--kpool: decode context parallelism"),
 ])
 def test_bad_kpool_is_one_line_naming_the_flag(capsys, argv, flag):
     assert main(argv) == 2

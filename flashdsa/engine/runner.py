@@ -80,9 +80,10 @@ class Runner:
         self.cfg = config
         if offload is not None and parallel is not None:
             raise ValueError("offload: host offload together with context parallelism is not built; use one of them")
-        if self.cfg.index_kpool > 1 and parallel is not None:
-            raise ValueError(f"parallel: context parallelism with index_kpool = {self.cfg.index_kpool} is not built "
-                             "(the pooled keys and the tail ring are per rank); run kpool on one rank")
+        if self.cfg.index_kpool > 1 and parallel is not None and parallel.shards_kv:
+            raise ValueError(f"parallel: decode context parallelism (DCP) with index_kpool = {self.cfg.index_kpool} is "
+                             "not built (a pooled group's tokens would sit on several ranks); prefill CP "
+                             "(ContextParallel) supports kpool")
         kpool = dict(max_requests=kpool_max_requests, max_next_n=kpool_max_next_n)
         if offload is None:
             self.pool = KVPool(self.cfg, num_pages, kv_format, torch.device(device), kv_scale, **kpool)
@@ -96,8 +97,8 @@ class Runner:
         self.parallel = parallel
         self.alloc = self.pool.allocator if parallel is None else parallel.allocator(self.pool.allocator)
         # who reserves, undoes, frees and truncates: the pool (its allocator, and kpool's tail rings / offload's
-        # device rows with it), or DCP's sharded allocator
-        self._requests = self.pool if parallel is None else self.alloc
+        # device rows with it; prefill CP too: every rank holds the whole KV), or DCP's sharded allocator
+        self._requests = self.alloc if parallel is not None and parallel.shards_kv else self.pool
         self.backend = backend
         self.dense_threshold = self.cfg.index_topk if dense_threshold is None else dense_threshold
         self.max_dense_tokens = max_dense_tokens
@@ -163,9 +164,12 @@ class Runner:
         reservation = self._requests.reserve(new_tokens)
         try:
             ids = list(new_tokens)
+            c = self.cfg.index_kpool
+            kpool = (c, self.pool.tail_rows(ids), self.pool.tail_len) if c > 1 else None
             if self.parallel is not None:  # the mode builds this rank's metadata (flashdsa.parallel)
                 meta = self.parallel.build(self.alloc, ids, list(new_tokens.values()), mode, max_pages=max_pages,
-                                           backend=self.backend, max_logits_bytes=self.max_logits_bytes)
+                                           backend=self.backend, max_logits_bytes=self.max_logits_bytes,
+                                           **({} if kpool is None else {"kpool": kpool}))
             elif mode == EXTEND:
                 meta = build_extend(self.alloc, ids, list(new_tokens.values()), dense_threshold=self.dense_threshold,
                                     dense_allowed=not force_sparse and self.pool.kv_format != "fp8_raw",
@@ -174,8 +178,8 @@ class Runner:
             else:
                 meta = build_decode(self.alloc, ids, next(iter(new_tokens.values()), 1), mode, max_pages,
                                     backend=self.backend)
-            if self.cfg.index_kpool > 1:
-                add_kpool(meta, self.alloc, self.cfg.index_kpool, self.pool.tail_rows(ids), self.pool.tail_len)
+            if kpool is not None and self.parallel is None:
+                add_kpool(meta, self.alloc, *kpool)
         except BaseException:
             self._requests.undo(reservation)
             raise

@@ -200,8 +200,10 @@ class DSAAttention(nn.Module):
         ring's older tokens)."""
         lid, c = self.layer_id, self.kpool
         ring = pool.tail_ring(lid, idx.k.dtype)
+        # every new token's position: under prefill CP the batch's own are this rank's query rows
+        positions = batch.positions if batch.parallel is None else batch.parallel.new_positions
         k_fp8, k_scale = ops.kpool_compress(idx.k, idx.gate, ring, self.indexer.index_kpool_compress_ape,
-                                            batch.positions, batch.kpool_rows, batch.kpool_first,
+                                            positions, batch.kpool_rows, batch.kpool_first,
                                             batch.kpool_anchors, backend=batch.backend)
         # pooled key g of a request sits at page block_table[g // 64], row g % 64: its token p = g c + i at
         # page block_table[p // 64 c], row p % 64 c, so the index slot is the token's slot // c
@@ -209,10 +211,10 @@ class DSAAttention(nn.Module):
         index_slots = (batch.slot_mapping if every else batch.slot_mapping[batch.kpool_anchors]) // c
         pool.write(lid, batch.slot_mapping, kv_rows, k_fp8, k_scale, index_slots=index_slots)
         if every:
-            pool.write_tail(lid, batch.kpool_rows, batch.positions, idx.k, idx.gate)
+            pool.write_tail(lid, batch.kpool_rows, positions, idx.k, idx.gate)
         else:
             tail = batch.kpool_tail_tokens
-            pool.write_tail(lid, batch.kpool_rows[tail], batch.positions[tail], idx.k[tail], idx.gate[tail])
+            pool.write_tail(lid, batch.kpool_rows[tail], positions[tail], idx.k[tail], idx.gate[tail])
 
     def select_kpool(self, idx: IndexerOutput, batch: BatchMetadata, pool: KVPool) -> torch.Tensor:
         """kpool's top-k of every query row: the top ``topk / c`` complete groups by the logits of their pooled

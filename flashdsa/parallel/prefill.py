@@ -15,9 +15,10 @@ What travels, per new token and layer (``(p-1) ceil(T/p)`` tokens received per r
 docs/DSA.md §8 gathers the bf16 key before quantisation (256 B). act_quant's block is the whole 128-dim key,
 so a token's fp8 key and scale depend on that token alone: quantising on the owner and gathering
 (fp8, scale) is bitwise the same as gathering bf16 and quantising on every rank, with 132 / 256 = 52 % of
-the bytes and no repeated quantisation. (kpool, docs/DSA.md §7, needs the un-pooled bf16 keys and the
-gate inputs of neighbouring tokens that interleave puts on other ranks: that gather belongs before
-pooling, see :meth:`PrefillPlan.exchange`.)
+the bytes and no repeated quantisation. kpool (docs/DSA.md §7) pools c neighbouring tokens, which a split
+puts on different ranks, so it gathers before pooling: the rotated bf16 key and the bf16 pooling gate
+(2 x 256 B a token), then every rank pools, rotates and quantises the whole sequence as one process does,
+and keeps the same tail rings.
 
 The dense fallback is off under CP (docs/DSA.md §6): its kernel takes each request's queries as one contiguous
 stretch at the end of its KV, which a split is not. For contexts <= top-k the sparse path selects every
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flashdsa.cache.metadata import EXTEND, BatchMetadata, build_decode, build_extend
+from flashdsa.cache.metadata import EXTEND, BatchMetadata, add_kpool, build_decode, build_extend
 from flashdsa.parallel.base import Parallel, ParallelPlan
 from flashdsa.parallel.comm import Comm, layout, pack_rows, unpack_rows
 from flashdsa.parallel.split import SPLITS, token_owners
@@ -47,7 +48,8 @@ class PrefillPlan(ParallelPlan):
 
     ``rows [t] int64``: the batch rows this rank computes, ascending. ``pad``: the most tokens any rank
     owns (the all-gather's rows per rank). ``src [T] int64``: where token j sits in the gathered
-    ``[world * pad]`` rows.
+    ``[world * pad]`` rows. ``new_positions [T] int64``: every new token's position (set by :meth:`localize`;
+    the metadata's ``positions`` are this rank's rows).
     """
 
     def __init__(self, comm: Comm, owners: torch.Tensor):
@@ -59,6 +61,7 @@ class PrefillPlan(ParallelPlan):
         within = (one_hot.cumsum(0) - 1).gather(1, owners[:, None]).squeeze(1)  # rank of j among its owner's
         self.src = (owners * self.pad + within).to(comm.device)
         self.rows = (owners == rank).nonzero().squeeze(1).to(comm.device)
+        self.new_positions: torch.Tensor | None = None
 
     def local(self, rows: torch.Tensor) -> torch.Tensor:
         return rows.index_select(0, self.rows.to(rows.device))
@@ -77,15 +80,22 @@ class PrefillPlan(ParallelPlan):
         return (self.comm.world - 1) * self.pad * math.prod(t.shape[1:]) * t.element_size()
 
     def exchange(self, kv_rows: torch.Tensor, idx):
-        # One collective for both: the MLA rows, then the index key and its scale. A kpool gather adds
-        # the un-pooled keys and gate inputs here (pooled on every rank after it, like the quantisation).
-        keys = [] if idx is None else [idx.k] + ([] if idx.k_scale is None else [idx.k_scale])
+        # One collective for all: the MLA rows, then the index key and its scale (kpool: the un-pooled key
+        # and its gate, pooled on every rank after it, like the quantisation).
+        if idx is None:
+            keys = []
+        elif idx.pooled:
+            keys = [idx.k, idx.gate]
+        else:
+            keys = [idx.k] + ([] if idx.k_scale is None else [idx.k_scale])
         full = self.gather([kv_rows, *keys], f"the cache rows{' and index keys' if keys else ''}")
         self._received("mla", self.received(kv_rows))
         if keys:
             self._received("indexer", sum(self.received(k) for k in keys))
         if idx is None:
             return full[0], None
+        if idx.pooled:
+            return full[0], idx._replace(k=full[1], gate=full[2])
         return full[0], idx._replace(k=full[1], k_scale=full[2] if len(full) > 2 else None)
 
     def unshard(self, x: torch.Tensor) -> torch.Tensor:
@@ -93,14 +103,19 @@ class PrefillPlan(ParallelPlan):
         return self.gather([x], "the final hidden states")[0]
 
     def localize(self, meta: BatchMetadata, q_lens: list[int]) -> BatchMetadata:
-        """The full extend metadata -> this rank's: its query rows (positions, key ranges, cu_seqlens_q);
-        ``slot_mapping`` stays the whole batch's (every rank writes every new token's KV)."""
+        """The full extend metadata -> this rank's: its query rows (positions, key ranges, cu_seqlens_q;
+        kpool: their pooled key ranges); ``slot_mapping`` and kpool's store fields stay the whole batch's
+        (every rank writes every new token's KV), and :attr:`new_positions` keeps every new token's position
+        (kpool's pooling and tail ring)."""
         rows = self.rows.to(meta.positions.device)
         request = torch.repeat_interleave(torch.arange(len(q_lens)), torch.tensor(q_lens, dtype=torch.int64))
         per_request = torch.bincount(request[self.rows.cpu()], minlength=len(q_lens))
         cu_q = torch.cat([torch.zeros(1, dtype=torch.int64), per_request.cumsum(0)]).to(torch.int32)
+        self.new_positions = meta.positions
+        pooled = {} if meta.kpool_ks is None else {"kpool_ks": meta.kpool_ks[rows], "kpool_ke": meta.kpool_ke[rows]}
         return dataclasses.replace(meta, positions=meta.positions[rows], ks=meta.ks[rows], ke=meta.ke[rows],
-                                   cu_seqlens_q=cu_q.to(meta.positions.device), use_dense=False, parallel=self)
+                                   cu_seqlens_q=cu_q.to(meta.positions.device), use_dense=False, parallel=self,
+                                   **pooled)
 
 
 @dataclass(frozen=True)
@@ -118,12 +133,17 @@ class ContextParallel(Parallel):
             raise ValueError(f"split: expected one of {SPLITS}, got {self.split!r}")
 
     def build(self, alloc, req_ids: list, counts: list[int], mode: str, *, max_pages: int | None = None,
-              backend: str | None = None, max_logits_bytes: int = 1 << 30) -> BatchMetadata:
+              backend: str | None = None, max_logits_bytes: int = 1 << 30,
+              kpool: tuple[int, list[int], int] | None = None) -> BatchMetadata:
         """The batch's metadata on this rank (``Runner.prepare``): extend split by :class:`PrefillPlan`,
-        the other modes as one process builds them."""
+        the other modes as one process builds them. ``kpool``: ``(c, tail ring rows, tail_len)`` to fill the
+        kpool fields (:func:`add_kpool`) of the whole batch before the split."""
         if mode != EXTEND:
-            return build_decode(alloc, req_ids, counts[0] if counts else 1, mode, max_pages, backend=backend)
+            meta = build_decode(alloc, req_ids, counts[0] if counts else 1, mode, max_pages, backend=backend)
+            return meta if kpool is None else add_kpool(meta, alloc, *kpool)
         meta = build_extend(alloc, req_ids, counts, dense_threshold=0, dense_allowed=False, backend=backend,
                             max_logits_bytes=max_logits_bytes)
+        if kpool is not None:
+            add_kpool(meta, alloc, *kpool)
         plan = PrefillPlan(self.comm, token_owners(counts, self.world, self.split))
         return plan.localize(meta, counts)

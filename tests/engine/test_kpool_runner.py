@@ -301,6 +301,11 @@ def test_kpool_with_host_offload_is_bitwise_the_on_device_run(model):
     assert torch.equal(off.decode({"a": 9}), dev.decode({"a": 9}))
 
 
-def test_kpool_with_context_parallelism_is_refused(model):
-    with pytest.raises(ValueError, match="^parallel: context parallelism with index_kpool = 4 is not built"):
-        Runner(model, 8, "fp8", parallel=object())  # refused before the plan is used
+def test_kpool_with_decode_context_parallelism_is_refused(model):
+    """DCP would put a pooled group's tokens on several ranks; prefill CP runs kpool (tests/parallel)."""
+    class Sharded:
+        shards_kv = True
+
+    with pytest.raises(ValueError, match=r"^parallel: decode context parallelism \(DCP\) with index_kpool = 4 is "
+                                         "not built"):
+        Runner(model, 8, "fp8", parallel=Sharded())  # refused before the plan is used

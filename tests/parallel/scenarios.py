@@ -31,7 +31,13 @@ STEPS = [
 ]
 
 
+KPOOL = 4  # the "kpool" case: fp8 indexer keys pooled 4 to 1 (top-64 = 16 groups), pages of 256 tokens
+
+
 def model(precision: str = "fp8") -> DSAModel:
+    """The tiny model with indexer ``precision`` "fp8" or "exact", or "kpool": fp8 keys pooled KPOOL to 1."""
+    if precision == "kpool":
+        return DSAModel.random(CFG.replace(index_kpool=KPOOL), seed=0)
     m = DSAModel.random(CFG, seed=0)
     for layer in m.layers:
         if layer.self_attn.indexer is not None:

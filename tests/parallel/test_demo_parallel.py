@@ -15,6 +15,7 @@ import pytest
 from flashdsa import plan as cost
 from flashdsa.cli import main
 from flashdsa.config import DSAConfig
+from flashdsa.demo import _scenario
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -30,19 +31,24 @@ def torchrun(nproc: int, *args: str) -> dict:
     return json.loads(lines[0])
 
 
-@pytest.mark.parametrize("nproc, args", [(2, ["--cp", "2", "--cp-split", "zigzag"]), (3, ["--dcp", "3"])],
-                         ids=["cp2-zigzag", "dcp3"])
+@pytest.mark.parametrize("nproc, args", [(2, ["--cp", "2", "--cp-split", "zigzag"]), (3, ["--dcp", "3"]),
+                                         (2, ["--cp", "2", "--cp-split", "interleave", "--kpool", "4"])],
+                         ids=["cp2-zigzag", "dcp3", "cp2-interleave-kpool4"])
 def test_demo_under_torchrun_says_ok_and_agrees_with_the_plan(nproc, args):
     report = torchrun(nproc, *args)
     assert report["ok"] is True, report
     assert report["world_size"] == nproc and report["selections_bitwise_equal"] is True
-    assert report["split"] == ("zigzag" if "--cp" in args else "kv-by-position")
+    assert report["split"] == (args[args.index("--cp-split") + 1] if "--cp" in args else "kv-by-position")
     assert report["max_abs_over_tolerance"] <= 1.0 and report["ranks_agree"] is True
     cfg = DSAConfig.preset("tiny")
+    if "--kpool" in args:
+        cfg = cfg.replace(index_kpool=4)
+        assert report["kpool"] == 4
     if "--cp" in args:
         assert report["max_abs_vs_single_process"] == 0.0
         assert report["logits_max_abs_vs_single_process_free_running"] == 0.0
-        t = 32 + 64 + 32  # the first prefill batch: short, at_topk, the long prompt's first cut
+        lens, cuts, _ = _scenario(cfg, 2)
+        t = lens["short"] + lens["at_topk"] + cuts[1]  # the first prefill batch (128; kpool cuts inside a group: 130)
         want = cost.cp_gather_bytes_per_rank_per_layer(cfg, t, nproc)
     else:
         want = cost.dcp_bytes_per_rank_per_layer(cfg, 3, nproc)
@@ -53,7 +59,9 @@ def test_demo_under_torchrun_says_ok_and_agrees_with_the_plan(nproc, args):
     (["demo", "--cp", "2"], "flashdsa demo: --cp: expected one process per rank: torchrun --nproc-per-node 2"),
     (["demo", "--dcp", "2", "--cp", "2"], "flashdsa demo: --dcp: expected --cp or --dcp, not both"),
     (["demo", "--cp", "2", "--cp-split", "ring"], "flashdsa demo: argument --cp-split: invalid choice"),
-], ids=["no-torchrun", "both", "bad-split"])
+    (["demo", "--dcp", "2", "--kpool", "4"], "flashdsa demo: --kpool: decode context parallelism (--dcp) with kpool "
+                                             "is not built"),
+], ids=["no-torchrun", "both", "bad-split", "dcp-kpool"])
 def test_bad_parallel_launches_are_one_line_errors(capsys, monkeypatch, argv, start):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     assert main(argv) == 2

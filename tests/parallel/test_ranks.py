@@ -19,15 +19,16 @@ from flashdsa import plan as cost
 from flashdsa.parallel import check
 from ranks import run_ranks
 
-CASES = {2: [("cp", "interleave", "fp8"), ("cp", "zigzag", "exact"), ("dcp", 1, "fp8")],
-         3: [("cp", "zigzag", "fp8"), ("cp", "interleave", "fp8"), ("dcp", 2, "exact")]}
+CASES = {2: [("cp", "interleave", "fp8"), ("cp", "zigzag", "exact"), ("dcp", 1, "fp8"), ("cp", "zigzag", "kpool")],
+         3: [("cp", "zigzag", "fp8"), ("cp", "interleave", "fp8"), ("dcp", 2, "exact"), ("cp", "interleave", "kpool")]}
+PRECISIONS = ("fp8", "exact", "kpool")  # "kpool": fp8 keys pooled 4 to 1 (scenarios.model)
 ALL = [(world, case) for world, cases in CASES.items() for case in cases]
 IDS = [f"p{w}-{m}-{a}-{p}" for w, (m, a, p) in ALL]
 
 
 @pytest.fixture(scope="module")
 def refs():
-    return {precision: S.reference(precision) for precision in ("fp8", "exact")}
+    return {precision: S.reference(precision) for precision in PRECISIONS}
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +77,9 @@ def test_bytes_per_rank_per_layer_are_the_plan_s(runs, world, case):
             t = sum(len(c) for c in S.STEPS[0][1].values())
             want = cost.cp_gather_bytes_per_rank_per_layer(cfg, t, world)
             rows = (world - 1) * math.ceil(t / world)
-            key = rows * 2 * cfg.index_head_dim if precision == "exact" else want["indexer"]  # bf16 vs fp8 + scale
+            # bf16 key (exact), bf16 key and pooling gate (kpool: pooled after the gather), else fp8 + scale
+            key = {"exact": rows * 2 * cfg.index_head_dim, "kpool": rows * 4 * cfg.index_head_dim}.get(
+                precision, want["indexer"])
             first = traffic[0]
             assert first["mla"] == [want["mla"]] * cfg.num_hidden_layers
             assert first["indexer"] == [key] * len(cfg.topk_layers)
