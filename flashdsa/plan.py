@@ -16,11 +16,12 @@ the L_I indexer layers). All layers: ``mla * L + 132 / c * L_I``.
 FLOPs per query token and layer (2 per multiply-add; the attention part only, no projections):
 
     indexer     2 H_I D_I S / c            (fp8; one history token costs 2 H_I D_I = 16384 for V3.2)
-    sparse MLA  2 h_q (576 + 512) min(S, k) (bf16; one attended token costs 278528 for V3.2)
+    sparse MLA  2 h_q (576 + 512) min(S, k')   (bf16; one attended token costs 278528 for V3.2)
     dense MLA   2 h_q (576 + 512) S
 
-Crossover: the smallest S at which the indexer's FLOPs reach sparse MLA's; for S > k that is
-``S = 2 h_q 1088 k c / (2 H_I D_I)`` (34816 for V3.2 and GLM-5).
+k' = k + c - 1 is the widest selection (kpool: topk / c groups of c tokens plus the unfinished tail group,
+up to c - 1 tokens; k' = k without kpool). Crossover: the smallest S at which the indexer's FLOPs reach
+sparse MLA's; for S > k' that is ``S = 2 h_q 1088 k' c / (2 H_I D_I)`` (34816 for V3.2 and GLM-5).
 
 Prefill communication per rank per layer (T = S, docs/DSA.md §8), in bytes:
 
@@ -170,7 +171,7 @@ def flops_per_token(cfg: DSAConfig, context: int) -> dict[str, Any]:
     S = _check_positive("context", context)
     c, L, L_I = cfg.index_kpool, cfg.num_hidden_layers, len(cfg.topk_layers)
     indexer = Fraction(_indexer_unit(cfg) * S, c)
-    sparse = _mla_unit(cfg) * min(S, cfg.index_topk)
+    sparse = _mla_unit(cfg) * min(S, selected(cfg))
     dense = _mla_unit(cfg) * S
     return {
         "context": S,
@@ -195,7 +196,12 @@ def crossover_context(cfg: DSAConfig, all_layers: bool = False) -> int:
         mla_unit *= cfg.num_hidden_layers
     if idx_unit >= mla_unit:  # then the indexer costs at least as much from the first token on
         return 1
-    return math.ceil(mla_unit * cfg.index_topk / idx_unit)
+    return math.ceil(mla_unit * selected(cfg) / idx_unit)
+
+
+def selected(cfg: DSAConfig) -> int:
+    """k' = the most tokens one query row attends: ``index_topk``, plus kpool's tail group (up to c - 1)."""
+    return cfg.index_topk + cfg.index_kpool - 1
 
 
 def comm_bytes_per_rank_per_layer(cfg: DSAConfig, context: int, gpus: int) -> dict[str, Any]:
@@ -409,7 +415,7 @@ def format_plan(report: dict[str, Any]) -> str:
         f"FLOPs per query token, one indexer layer, context {S}:",
         f"  {'indexer':<14}{_si(fl['indexer']):>10}   {_si(unit['indexer'], digits=4)} per history token",
         f"  {'sparse MLA':<14}{_si(fl['sparse_mla']):>10}   {_si(unit['mla'], digits=4)} per attended token"
-        f" x min(S, {m['index_topk']})",
+        f" x min(S, {m['index_topk'] + m['index_kpool'] - 1})",
         f"  {'dense MLA':<14}{_si(fl['dense_mla']):>10}",
         f"  indexer = sparse MLA at context {report['crossover_context']} "
         f"(all layers: {report['crossover_context_all_layers']})",

@@ -52,7 +52,8 @@ def test_plan_kpool_shrinks_the_indexer(capsys):
     assert rep["model"]["index_kpool"] == 4 and rep["model"]["page_size"] == 256
     assert rep["kv_bytes_per_token"]["indexer"] * 4 == base["kv_bytes_per_token"]["indexer"] == 78 * 132
     assert rep["flops_per_token"]["indexer"] * 4 == base["flops_per_token"]["indexer"]
-    assert rep["crossover_context"] == 4 * base["crossover_context"]
+    k = base["model"]["index_topk"]  # the tail group widens the selection to k + 3 tokens
+    assert rep["crossover_context"] == -(-4 * base["crossover_context"] * (k + 3) // k)
     assert main(["plan", "--preset", "glm5", "--kpool", "4"]) == 0
     assert "kpool 4" in capsys.readouterr().out
 
