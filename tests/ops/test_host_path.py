@@ -18,6 +18,7 @@ import torch
 from flashdsa import _checks, ops
 from flashdsa.cache import layouts
 from flashdsa.ops import _launch
+from flashdsa.ops.indexer_quant import rope_model_dtype
 from flashdsa.quant import FP8
 
 NAN, INF = float("nan"), float("inf")
@@ -298,6 +299,7 @@ PLANNED = {
     "topk-offsets": (ops.topk_transform, _topk_offsets),
     "ragged": (ops.indexer_logits_ragged, _ragged),
     "quant": (ops.indexer_quant, _quant),
+    "rope": (rope_model_dtype, _quant),  # indexer_quant's kernel, rope only (kpool's key): no value checks
     "decode-fp8-split": (ops.sparse_mla_decode, _mla_decode("fp8")),
     "decode-bf16": (ops.sparse_mla_decode, _mla_decode("bf16")),
 }

@@ -121,7 +121,7 @@ def indexer_quant_fwd_kernel(x, cos, sin, x_fp8, scale, R, H,
                              stride_xt, stride_xh, stride_xd, stride_ct, stride_cd, stride_st, stride_sd,
                              INTERLEAVE: tl.constexpr, BF16: tl.constexpr, SOFT_CASTS: tl.constexpr,
                              BLOCK_R: tl.constexpr, D: tl.constexpr, AMAX_FLOOR: tl.constexpr,
-                             H_SCALE: tl.constexpr, ROPE_ONLY: tl.constexpr = False):
+                             H_SCALE: tl.constexpr, ROPE_ONLY: tl.constexpr):
     # A row's 128 dims as four streams of Q = 32 (k = 0..3), so RoPE pairs and the first / last
     # Hadamard stages meet element-wise, without moving data between threads:
     #   NeoX:  stream k holds dims 32k + j: RoPE pairs (0, 1); stages h = 1..16 inside each stream,
@@ -309,9 +309,9 @@ def _launch(launcher, x, cos, sin, interleave, a, a_bits, b, rope_only, config) 
             AMAX_FLOOR=AMAX_FLOOR, H_SCALE=D ** -0.5,
             # no mul + add -> FMA contraction: RoPE's a * c - b * s must round both products, as torch does
             num_warps=cfg.num_warps, enable_fp_fusion=False,
+            # every argument by name, the constexpr too: a launch plan (ops/_launch.py) needs them all
+            ROPE_ONLY=rope_only,
         )
-        if rope_only:  # the default launch passes no ROPE_ONLY: its compiled kernel stays as it was
-            kw["ROPE_ONLY"] = True
         return (cdiv(R, block_r),), kw
 
     launcher(key, ptrs, build)
