@@ -69,6 +69,36 @@ def check_int(name: str, x, lo: int) -> int:
     return x
 
 
+INT32_MAX = 2 ** 31 - 1
+
+
+def check_translation(R: int, device: torch.device, page_table, out_offsets) -> None:
+    """The output translation of ``topk_transform`` / ``kpool_expand`` (shapes, dtypes, devices): at most
+    one of ``page_table [R / g, maxp] int32`` (g rows share a table row) and ``out_offsets [R] int32``."""
+    if page_table is not None and out_offsets is not None:
+        fail("out_offsets", "None when page_table is given (one translation per call)", "both")
+    if out_offsets is not None:
+        check_tensor("out_offsets", out_offsets, dtype=torch.int32, shape=(R,), device=device)
+    if page_table is not None:
+        check_tensor("page_table", page_table, dtype=torch.int32, ndim=2, device=device)
+        rows = page_table.shape[0]
+        if rows == 0 and R or rows and R % rows:
+            fail("page_table", f"a row count that divides R = {R}", rows)
+
+
+def check_translation_values(lengths: torch.Tensor, page_table, out_offsets, page_size: int) -> None:
+    """The translation's values on the host (a sync per check on CUDA), for rows of ``lengths [R]``
+    positions: ``out_offsets + lengths - 1`` fits the int32 output; the table holds the pages the longest
+    row of each table row needs, each a page id whose slots fit int32."""
+    if out_offsets is not None:
+        check_range("out_offsets", out_offsets.long() + lengths - 1, None, INT32_MAX, what="out_offsets + lengths - 1")
+    if page_table is not None and lengths.numel():
+        need = (lengths.view(page_table.shape[0], -1).amax(dim=1).long() + page_size - 1) // page_size
+        check_range("page_table", need, None, page_table.shape[1], what="pages needed by lengths")
+        used = torch.arange(page_table.shape[1], device=lengths.device)[None, :] < need[:, None]
+        check_range("page_table", page_table[used], 0, (INT32_MAX + 1) // page_size - 1, what="page ids (int32 slots)")
+
+
 def check_scalar(name: str, x, *, positive: bool = True) -> float:
     if type(x) is not float and (isinstance(x, bool) or not isinstance(x, (int, float))):
         fail(name, "a Python float", type(x).__name__)

@@ -20,13 +20,13 @@ import triton
 import triton.language as tl
 
 from flashdsa._checks import E4M3_NAN, error_code, error_flag, error_word, finite_text
+from flashdsa.ops._common import INT32_MAX
 from flashdsa.ops._launch import KernelLauncher, aligned
 from flashdsa.ops._triton_utils import cdiv, next_pow2
 
 SCAN_BLOCK = 2048     # elements a scan program reads
 ROWS = 128            # metadata rows a program checks (top-k, ragged)
 PAGE_BLOCK = 128      # page-table entries a step
-INT32_MAX = 2 ** 31 - 1
 _I32_MAX = tl.constexpr(INT32_MAX)  # kernels may read only constexpr globals (the interpreter does not enforce it)
 F32_MAX = 3.4028234663852886e38
 KIND = {torch.float8_e4m3fn: 0, torch.uint8: 0, torch.float32: 1, torch.bfloat16: 2}  # how _scan reads

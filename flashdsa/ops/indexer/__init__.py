@@ -12,13 +12,11 @@ import torch
 from flashdsa._checks import trusted_inputs
 from flashdsa._library import op
 from flashdsa.cache.layouts import INDEX_PAGE_BYTES, PAGE_SIZE, check_index_cache
-from flashdsa.ops._common import (DEVICE, HOST, check_finite, check_int, check_range, check_tensor, dense,
+from flashdsa.ops._common import (DEVICE, HOST, INT32_MAX, check_finite, check_int, check_range, check_tensor, dense,
                                   device_checks, fail, pick_backend, raise_deferred, value_check_mode)
 from flashdsa.ops.indexer import reference
 from flashdsa.ops.topk import topk_transform
 from flashdsa.quant import FP8
-
-INT32_MAX = 2 ** 31 - 1
 
 # imported on first use: importing triton is slow and CPU-only users never need it
 _module = functools.cache(importlib.import_module)

@@ -9,12 +9,11 @@ import torch
 
 from flashdsa._library import op
 from flashdsa.cache.layouts import PAGE_SIZE
-from flashdsa.ops._common import (check_int, check_range, check_tensor, dense, fail, pick_backend, raise_deferred,
-                                  value_checks_enabled)
+from flashdsa.ops._common import (check_int, check_range, check_tensor, check_translation, check_translation_values,
+                                  dense, fail, pick_backend, raise_deferred, value_checks_enabled)
 from flashdsa.ops.indexer_quant import HEAD_DIM, ROPE_HALF, indexer_quant
 from flashdsa.ops.kpool import reference
 
-INT32_MAX = 2 ** 31 - 1
 _INDEX = (torch.int32, torch.int64)
 
 
@@ -154,15 +153,7 @@ def kpool_expand(groups: torch.Tensor, lengths: torch.Tensor, c: int, *, page_ta
     check_tensor("lengths", lengths, dtype=torch.int32, shape=(R,), device=dev)
     check_int("c", c, 1)
     check_int("page_size", page_size, 1)
-    if page_table is not None and out_offsets is not None:
-        fail("out_offsets", "None when page_table is given (one translation per call)", "both")
-    if out_offsets is not None:
-        check_tensor("out_offsets", out_offsets, dtype=torch.int32, shape=(R,), device=dev)
-    if page_table is not None:
-        check_tensor("page_table", page_table, dtype=torch.int32, ndim=2, device=dev)
-        rows = page_table.shape[0]
-        if rows == 0 and R or rows and R % rows:
-            fail("page_table", f"a row count that divides R = {R}", rows)
+    check_translation(R, dev, page_table, out_offsets)
     groups, lengths, page_table, out_offsets = dense(groups, lengths, page_table, out_offsets)
     if R and value_checks_enabled(lengths):
         check_range("lengths", lengths, 0, None)
@@ -175,14 +166,6 @@ def kpool_expand(groups: torch.Tensor, lengths: torch.Tensor, c: int, *, page_ta
             r, col = (~ok).nonzero()[0].tolist()
             fail("groups", f"ids in [0, lengths // c) in the first min(G, lengths // c) columns of a row and -1 "
                  "after them", f"{int(g[r, col])} at row {r}, column {col} (lengths {int(lengths[r])})")
-        if out_offsets is not None:
-            check_range("out_offsets", out_offsets.long() + lengths - 1, None, INT32_MAX,
-                        what="out_offsets + lengths - 1")
-        if page_table is not None:
-            need = (lengths.view(page_table.shape[0], -1).amax(dim=1).long() + page_size - 1) // page_size
-            check_range("page_table", need, None, page_table.shape[1], what="pages needed by lengths")
-            used = torch.arange(page_table.shape[1], device=dev)[None, :] < need[:, None]
-            check_range("page_table", page_table[used], 0, (INT32_MAX + 1) // page_size - 1,
-                        what="page ids (int32 slots)")
+        check_translation_values(lengths, page_table, out_offsets, page_size)
     impl = pick_backend(backend, _EXPAND, dev, "kpool_expand")
     return impl(groups, lengths, c, page_table, out_offsets, page_size)

@@ -9,11 +9,10 @@ import torch
 
 from flashdsa._library import op
 from flashdsa.cache.layouts import PAGE_SIZE
-from flashdsa.ops._common import (DEVICE, HOST, check_int, check_range, check_tensor, dense, device_checks, fail,
-                                  pick_backend, raise_deferred, value_check_mode)
+from flashdsa.ops._common import (DEVICE, HOST, check_int, check_range, check_tensor, check_translation,
+                                  check_translation_values, dense, device_checks, pick_backend, raise_deferred,
+                                  value_check_mode)
 from flashdsa.ops.topk import reference
-
-INT32_MAX = 2 ** 31 - 1
 # imported on first use: importing triton is slow and CPU-only users never need it
 _module = functools.cache(importlib.import_module)
 
@@ -75,17 +74,9 @@ def topk_transform(logits: torch.Tensor, lengths: torch.Tensor, topk: int = 2048
     check_tensor("lengths", lengths, dtype=torch.int32, shape=(R,), device=dev)
     check_int("topk", topk, 1)
     check_int("page_size", page_size, 1)
-    if page_table is not None and out_offsets is not None:
-        fail("out_offsets", "None when page_table is given (one translation per call)", "both")
     if row_starts is not None:
         check_tensor("row_starts", row_starts, dtype=torch.int32, shape=(R,), device=dev)
-    if out_offsets is not None:
-        check_tensor("out_offsets", out_offsets, dtype=torch.int32, shape=(R,), device=dev)
-    if page_table is not None:
-        check_tensor("page_table", page_table, dtype=torch.int32, ndim=2, device=dev)
-        g_rows = page_table.shape[0]
-        if g_rows == 0 and R or g_rows and R % g_rows:
-            fail("page_table", f"a row count that divides R = {R}", g_rows)
+    check_translation(R, dev, page_table, out_offsets)
     lengths, page_table, row_starts, out_offsets = dense(lengths, page_table, row_starts, out_offsets)
     impl = pick_backend(backend, _IMPLS, dev, "topk_transform")
     mode = value_check_mode(lengths, impl is _triton_topk)
@@ -104,11 +95,4 @@ def _check_values(L, lengths, page_table, row_starts, out_offsets, page_size) ->
         check_range("row_starts + lengths", row_starts + lengths, None, L)
     if out_offsets is not None:
         check_range("out_offsets", out_offsets, 0, None)
-        # the largest output p + out_offsets[r] must fit the int32 result
-        check_range("out_offsets", out_offsets.long() + lengths - 1, None, INT32_MAX, what="out_offsets + lengths - 1")
-    if page_table is not None and lengths.numel():
-        per_table = lengths.view(page_table.shape[0], -1).amax(dim=1)
-        pages_needed = (per_table + page_size - 1) // page_size
-        check_range("page_table", pages_needed, None, page_table.shape[1], what="pages needed by lengths")
-        used = torch.arange(page_table.shape[1], device=lengths.device)[None, :] < pages_needed[:, None]
-        check_range("page_table", page_table[used], 0, (INT32_MAX + 1) // page_size - 1, what="page ids (int32 slots)")
+    check_translation_values(lengths, page_table, out_offsets, page_size)
