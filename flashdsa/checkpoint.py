@@ -55,7 +55,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from flashdsa.config import DSAConfig
+from flashdsa.config import DSAConfig, read_config_json
 from flashdsa.layers import DSAAttention
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -148,13 +148,7 @@ def read_hf_config(checkpoint: str | os.PathLike) -> tuple[dict, DSAConfig]:
     path = os.path.join(root, "config.json")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"checkpoint: {path} is missing (every Hugging Face model folder has one)")
-    try:
-        with open(path) as f:
-            hf = json.load(f)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"checkpoint: {path} is not valid JSON ({e})") from None
-    if not isinstance(hf, dict):
-        raise ValueError(f"checkpoint: {path}: expected a JSON object, got {type(hf).__name__}")
+    hf = read_config_json(path, "checkpoint")  # json.load: a dict
     try:
         cfg = DSAConfig.from_hf(hf)
     except ValueError as e:

@@ -49,12 +49,13 @@ def is_dsa(hf_config: Mapping[str, Any]) -> bool:
     return any(a in DSA_ARCHITECTURES for a in archs) and hf_config.get("index_topk") is not None
 
 
-def _read_json(source: str | os.PathLike) -> Mapping[str, Any]:
-    """The object in a ``config.json`` (or a folder holding one); ValueError naming the file otherwise."""
+def read_config_json(source: str | os.PathLike, name: str = "config") -> Mapping[str, Any]:
+    """The object in a ``config.json`` (or a folder holding one); a ValueError naming ``name`` (the argument
+    the caller took) and the file otherwise."""
     try:
         path = os.fspath(source)
     except TypeError:
-        raise ValueError(f"config: expected a dict, a path to config.json or a model folder, got "
+        raise ValueError(f"{name}: expected a dict, a path to config.json or a model folder, got "
                          f"{type(source).__name__}") from None
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
@@ -62,9 +63,9 @@ def _read_json(source: str | os.PathLike) -> Mapping[str, Any]:
         with open(path, encoding="utf-8") as f:
             config = json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"config: {os.fsdecode(path)} is not valid JSON ({e})") from None
+        raise ValueError(f"{name}: {os.fsdecode(path)} is not valid JSON ({e})") from None
     if not isinstance(config, Mapping):
-        raise ValueError(f"config: {os.fsdecode(path)} holds a JSON {type(config).__name__}, expected an object "
+        raise ValueError(f"{name}: {os.fsdecode(path)} holds a JSON {type(config).__name__}, expected an object "
                          "of config keys")
     return config
 
@@ -240,7 +241,7 @@ class DSAConfig:
         Raises ValueError naming the key when the model is not DSA or a value is unknown/inconsistent.
         """
         if not isinstance(config, Mapping):
-            config = _read_json(config)
+            config = read_config_json(config)
         for key in ("architectures", "indexer_types"):
             if config.get(key) is not None and not isinstance(config[key], (list, tuple)):
                 raise ValueError(f"{key}: expected a list, got {config[key]!r}")
