@@ -140,9 +140,9 @@ class Indexer(nn.Module):
         return IndexerOutput(q_fp8, w, k_fp8, k_scale)
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """RoPE rounded to the model dtype (kpool's key before pooling): the first step of :meth:`_quant`, one
-        launch on CUDA for the V3.2 / GLM-5 shapes, the torch composition otherwise (same bits)."""
-        if x.shape[-1] == HEAD_DIM and cos.shape[-1] == ROPE_HALF and x.dtype in (torch.bfloat16, torch.float32):
+        """RoPE rounded to the model dtype (kpool's key before pooling): the first step of :meth:`_quant`, in
+        the same kernel where that one runs, the torch composition otherwise (same bits)."""
+        if _fused_shapes(x, cos):
             return rope_model_dtype(x, cos, sin, self.interleave)
         return rope_model_dtype_reference(x, cos, sin, self.interleave)
 
@@ -151,9 +151,14 @@ class Indexer(nn.Module):
 
         One fused op for the shapes of V3.2 / GLM-5 (D 128, rope 64, bf16 / fp32); the same composition
         in plain torch otherwise."""
-        if x.shape[-1] == HEAD_DIM and cos.shape[-1] == ROPE_HALF and x.dtype in (torch.bfloat16, torch.float32):
+        if _fused_shapes(x, cos):
             return indexer_quant(x, cos, sin, self.interleave)
         return indexer_quant_reference(x, cos, sin, self.interleave)  # any head dim / rope width
+
+
+def _fused_shapes(x: torch.Tensor, cos: torch.Tensor) -> bool:
+    """The shapes ``indexer_quant``'s kernel takes (V3.2 / GLM-5: head dim 128, RoPE on 64, bf16 / fp32)."""
+    return x.shape[-1] == HEAD_DIM and cos.shape[-1] == ROPE_HALF and x.dtype in (torch.bfloat16, torch.float32)
 
 
 def _f32(p: torch.Tensor | None) -> torch.Tensor | None:
