@@ -169,7 +169,7 @@ class Runner:
             if self.parallel is not None:  # the mode builds this rank's metadata (flashdsa.parallel)
                 meta = self.parallel.build(self.alloc, ids, list(new_tokens.values()), mode, max_pages=max_pages,
                                            backend=self.backend, max_logits_bytes=self.max_logits_bytes,
-                                           **({} if kpool is None else {"kpool": kpool}))
+                                           kpool=kpool)
             elif mode == EXTEND:
                 meta = build_extend(self.alloc, ids, list(new_tokens.values()), dense_threshold=self.dense_threshold,
                                     dense_allowed=not force_sparse and self.pool.kv_format != "fp8_raw",

@@ -240,8 +240,9 @@ class DecodeContextParallel(Parallel):
 
     def build(self, alloc: ShardedAllocator, req_ids: list, counts: list[int], mode: str, *,
               max_pages: int | None = None, backend: str | None = None,
-              max_logits_bytes: int = 1 << 30) -> BatchMetadata:
-        """The batch's metadata on this rank, its tokens already reserved in ``alloc`` (``Runner.prepare``)."""
+              max_logits_bytes: int = 1 << 30, kpool: None = None) -> BatchMetadata:
+        """The batch's metadata on this rank, its tokens already reserved in ``alloc`` (``Runner.prepare``).
+        ``kpool`` is None: the runner refuses kpool with DCP."""
         if mode not in MODES:
             raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
         next_n = counts[0] if counts else 1
