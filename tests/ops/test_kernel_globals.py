@@ -65,7 +65,7 @@ def test_kernels_read_only_constexpr_globals():
                      f"{bad}")
 
 
-def test_the_check_catches_a_plain_global():
+def test_the_check_catches_a_plain_global(tmp_path):
     """The check itself: a kernel reading a plain int fails it, one reading a constexpr passes."""
     ns = {"tl": triton.language, "triton": triton, "LIMIT": 7, "OK": triton.language.constexpr(7)}
     src = textwrap.dedent("""
@@ -74,10 +74,7 @@ def test_the_check_catches_a_plain_global():
             z = LIMIT + OK
             tl.store(x, z + Y)
     """)
-    import linecache
-    import tempfile
-    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
-        f.write(src)
-    linecache.checkcache(f.name)
-    exec(compile(src, f.name, "exec"), ns)
+    path = tmp_path / "kernel.py"  # triton.jit and inspect read a kernel's source from its file
+    path.write_text(src)
+    exec(compile(src, str(path), "exec"), ns)
     assert [b.split(" =")[0] for b in _bad_globals(ns["k"])] == ["LIMIT"]
