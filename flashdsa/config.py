@@ -217,6 +217,12 @@ class DSAConfig:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
     @property
+    def selected_tokens(self) -> int:
+        """The most tokens one query row attends: ``index_topk``, plus kpool's unfinished tail group (up to
+        c - 1 tokens, docs/DSA.md §7)."""
+        return self.index_topk + self.index_kpool - 1
+
+    @property
     def page_size(self) -> int:
         """Tokens per KV page: 64, or 64 * c with kpool so an indexer page still holds 64 pooled keys."""
         return PAGE_SIZE * self.index_kpool

@@ -318,7 +318,7 @@ def _offload_config(cfg: DSAConfig, offload, device_buffer, next_n: int, request
             raise ValueError(f"device_buffer: expected None without offload (it sizes the device buffers of "
                              f"--offload), got {device_buffer!r}")
         return None
-    k = cfg.index_topk + cfg.index_kpool - 1  # the tokens one row selects (kpool: the tail group too)
+    k = cfg.selected_tokens  # the tokens one row selects (kpool: the tail group too)
     page = layouts.PAGE_SIZE
     rows = -(-max(2, next_n) * k // page) * page if device_buffer is None else device_buffer
     if isinstance(rows, bool) or not isinstance(rows, int) or rows < next_n * k or rows % layouts.PAGE_SIZE:

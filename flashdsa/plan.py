@@ -171,7 +171,7 @@ def flops_per_token(cfg: DSAConfig, context: int) -> dict[str, Any]:
     S = _check_positive("context", context)
     c, L, L_I = cfg.index_kpool, cfg.num_hidden_layers, len(cfg.topk_layers)
     indexer = Fraction(_indexer_unit(cfg) * S, c)
-    sparse = _mla_unit(cfg) * min(S, selected(cfg))
+    sparse = _mla_unit(cfg) * min(S, cfg.selected_tokens)
     dense = _mla_unit(cfg) * S
     return {
         "context": S,
@@ -196,12 +196,7 @@ def crossover_context(cfg: DSAConfig, all_layers: bool = False) -> int:
         mla_unit *= cfg.num_hidden_layers
     if idx_unit >= mla_unit:  # then the indexer costs at least as much from the first token on
         return 1
-    return math.ceil(mla_unit * selected(cfg) / idx_unit)
-
-
-def selected(cfg: DSAConfig) -> int:
-    """k' = the most tokens one query row attends: ``index_topk``, plus kpool's tail group (up to c - 1)."""
-    return cfg.index_topk + cfg.index_kpool - 1
+    return math.ceil(mla_unit * cfg.selected_tokens / idx_unit)
 
 
 def comm_bytes_per_rank_per_layer(cfg: DSAConfig, context: int, gpus: int) -> dict[str, Any]:

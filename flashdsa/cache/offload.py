@@ -256,13 +256,13 @@ class OffloadKVPool(KVPool):
         if not isinstance(offload, OffloadConfig):
             _fail("offload", "an OffloadConfig or None", type(offload).__name__)
         if isinstance(config, DSAConfig):
-            offload.rows(config.index_topk + config.index_kpool - 1)  # checked before the host caches are made
+            offload.rows(config.selected_tokens)  # checked before the host caches are made
         # Pinned host memory makes the copies DMA transfers; without CUDA there is nothing to pin.
         self._pinned = torch.device(device).type == "cuda"
         super().__init__(config, num_pages, kv_format, device, kv_scale, **kpool)
         self.offload = offload
         # a row selects index_topk tokens, plus the tail group's c - 1 with kpool
-        self.buffer_rows = n = offload.rows(config.index_topk + config.index_kpool - 1)
+        self.buffer_rows = n = offload.rows(config.selected_tokens)
         self.max_requests = r = offload.max_requests
         width, dtype = self.mla_caches[0].shape[-1], self.mla_caches[0].dtype
         self.buffers: list[torch.Tensor] = [torch.zeros(r * n, width, dtype=dtype, device=self.device)
