@@ -94,9 +94,9 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 
 
-def fp32_vs_hf(model, ids, new: int, max_tokens: int) -> tuple[float, int, str]:
+def fp32_vs_hf(model, ids, new: int, max_tokens: int) -> tuple[float, int, str, torch.Tensor]:
     """fp32 copy of ``model``: (max|flashdsa exact - HF| / max|HF| of the prompt's logits, greedy tokens equal
-    of ``new``, the patched cache's kv_format)."""
+    of ``new``, the patched cache's kv_format, HF fp32's logits)."""
     with torch.no_grad():
         m32 = copy.deepcopy(model).float()
         ref = m32(ids).logits.float()
@@ -108,19 +108,20 @@ def fp32_vs_hf(model, ids, new: int, max_tokens: int) -> tuple[float, int, str]:
     del m32
     gc.collect()
     p = ids.shape[1]
-    return float((ours - ref).abs().max() / ref.abs().max()), int((our_tokens[0, p:] == tokens[0, p:]).sum()), fmt
+    err = float((ours - ref).abs().max() / ref.abs().max())
+    return err, int((our_tokens[0, p:] == tokens[0, p:]).sum()), fmt, ref
 
 
 def check(model, vocab: int, prompt: int, device: str, max_tokens: int, new: int = 8) -> None:
     """The numerics against HF before any timing (module docstring); raises if they are off."""
     ids = torch.randint(1, vocab, (1, prompt), device=device, generator=torch.Generator(device).manual_seed(1))
     dense = model.config.index_topk - new
-    err32, same32, fmt32 = fp32_vs_hf(model, ids[:, :dense], new, max_tokens)
+    err32, same32, fmt32, _ = fp32_vs_hf(model, ids[:, :dense], new, max_tokens)
     print(f"[check] prompt {dense} (<= index_topk: nothing to select), fp32 model ({fmt32} cache): exact vs HF "
           f"max|diff| / max|HF| {err32:.2e} (bound 1e-4), greedy tokens equal {same32}/{new}")
     # what holds by construction is asserted; the rest are statistics (asserted on the tests' models)
     assert fmt32 == "fp32" and err32 < 1e-4 and same32 == new, "the fp32 exact path is not HF's fp32"
-    err32s, same32s, _ = fp32_vs_hf(model, ids, new, max_tokens)
+    err32s, same32s, _, ref32 = fp32_vs_hf(model, ids, new, max_tokens)
     print(f"[check] prompt {prompt} (sparse), fp32 model: exact vs HF max|diff| / max|HF| {err32s:.2e} (near-ties "
           f"at the top-k boundary may flip: not bounded), greedy tokens equal {same32s}/{new}")
     with torch.no_grad():
@@ -130,10 +131,6 @@ def check(model, vocab: int, prompt: int, device: str, max_tokens: int, new: int
         fh.apply(model, indexer="fp8", max_tokens=max_tokens)
         fp8 = model(ids).logits.float()
         fh.unapply(model)
-        m32 = copy.deepcopy(model).float()
-        ref32 = m32(ids).logits.float()
-        del m32
-    gc.collect()
     ratio = rel(exact16, ref32) / rel(ref16, ref32)
     print(f"[check] bf16 model vs HF fp32: flashdsa exact rel {rel(exact16, ref32):.2e}, HF bf16 rel "
           f"{rel(ref16, ref32):.2e}: {ratio:.2f}x HF's own bf16 spread ({'within' if ratio <= 1.5 else 'OUTSIDE'} "
