@@ -12,13 +12,14 @@ import torch
 from flashdsa import DSAConfig
 from flashdsa.engine import DSAModel, Runner
 from flashdsa.parallel import check
+from flashdsa.testing.inputs import token_ids
 
 CFG = DSAConfig.preset("tiny")  # topk 64; layer 2 skips top-k
 PAGES = 24
 
 
 def prompt(n: int, seed: int) -> torch.Tensor:
-    return torch.randint(0, CFG.vocab_size, (n,), generator=torch.Generator().manual_seed(seed))
+    return token_ids(n, CFG.vocab_size, seed)
 
 
 _P = {"a": prompt(90, 1), "b": prompt(37, 2), "c": prompt(5, 3), "d": prompt(1, 4), "e": prompt(1, 5)}
