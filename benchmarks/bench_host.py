@@ -9,7 +9,8 @@ every launch only queues and the wall time of ``--calls`` back-to-back calls is 
 ``gpu_busy`` says the spin outlasted the batch (else the time may include waiting). Ours with the
 default value checks (on the device: one small check kernel, no host sync) and with checks off; the
 peers as ``flashdsa.testing.peers`` calls them (their schedule metadata made once, outside the timing).
-Calibration rows: torch.add and an empty Triton kernel with 2 / 12 arguments.
+Calibration rows: torch.add and an empty Triton kernel with 2 / 12 arguments. The device cost of the
+value checks folded into the paged-logits and top-k kernels: graph-replayed µs with and without them.
 
 Decode step (paged logits -> top-k with slot translation -> sparse MLA decode, B 64, one layer): µs per
 step of 50 back-to-back plain calls timed with CUDA events (the GPU waits for the host when the host is
@@ -167,6 +168,27 @@ def our_calls(d: dict) -> dict:
             "indexer_quant (q)": (quant, None), "step": (step, None)}
 
 
+def check_cost_calls(d: dict) -> dict:
+    """name -> (launch with the folded value checks compiled in, the same launch without): the device cost of
+    checking inside the op's kernel, timed by graph replay (capture itself skips the public op's checks, so
+    the launchers are called directly)."""
+    from flashdsa.ops.indexer import paged
+    from flashdsa.ops.topk import launch
+    args = (d["q_fp8"], d["index_cache"], d["weights"], d["context_lens"], d["block_table"], d["max_len"])
+    B = d["B"]
+    # MTP verify (next_n 2): the two draft rows of each request see lengths - 1 and lengths
+    args2 = (d["q_fp8"].expand(B, 2, *d["q_fp8"].shape[2:]).contiguous(), d["index_cache"],
+             d["weights"].repeat_interleave(2, 0), torch.cat([d["context_lens"] - 1, d["context_lens"]], 1),
+             d["block_table"], d["max_len"])
+    targs = (d["logits"], d["lengths"], d["topk"], d["block_table"], None, None, 64)
+    return {"indexer_logits_paged": (lambda: paged.indexer_logits_paged(*args, check=True),
+                                     lambda: paged.indexer_logits_paged(*args)),
+            "indexer_logits_paged next_n 2": (lambda: paged.indexer_logits_paged(*args2, check=True),
+                                              lambda: paged.indexer_logits_paged(*args2)),
+            "topk_transform (page table)": (lambda: launch.topk_transform(*targs, check=True),
+                                            lambda: launch.topk_transform(*targs))}
+
+
 def peer_calls(d: dict, dg: bool, sgl: bool) -> dict:
     out = {}
     if dg:
@@ -233,6 +255,11 @@ def run_ctx(ctx: int, a, dev: str, timer: HostTimer, dg: bool, sgl: bool, rows: 
             verdicts.append((f"{name} ctx {ctx}: {row['ours/peer']:.2f}x {peer}'s host cost <= 2x",
                              row["ours/peer"] <= 2.0))
     if dev == "cuda":
+        from flashdsa.testing.timing import time_us
+        for name, (on, off) in check_cost_calls(d).items():
+            t_on, t_off = time_us(on), time_us(off)
+            rows.append(dict(ctx=ctx, call=f"{name}: GPU us, checks in the kernel / none", side="ours",
+                             gpu_us_checks=t_on, gpu_us_no_checks=t_off, **{"checks/none": t_on / t_off}))
         step = ours["step"][0]
         plain, replay = loop_us(step), loop_us(graph_of(step))
         rows.append(dict(ctx=ctx, call="step: plain calls vs graph replay", side="ours", step_plain_us=plain,
@@ -303,7 +330,7 @@ def main() -> int:
             torch.cuda.empty_cache()
     write_json(rows, "bench_host")
     cols = ("ctx", "call", "side", "host_us", "host_us_checks_off", "peer", "peer_host_us", "ours/peer", "gpu_busy",
-            "step_plain_us", "step_graph_us", "plain/graph")
+            "step_plain_us", "step_graph_us", "plain/graph", "gpu_us_checks", "gpu_us_no_checks", "checks/none")
     print_table([{c: r[c] for c in cols if c in r} for r in rows],
                 f"host us per plain call (GPU kept busy), B {a.B}, H_I {a.H}, h_q {a.h_q}, top-{a.topk}"
                 + (" [smoke: times mean nothing]" if a.smoke else ""))

@@ -3,10 +3,12 @@
 Shape, dtype and device checks are free and always run. Value checks (lengths, page ids, slots, NaN)
 look at the data, so where they run matters:
 
-* ``"device"`` (the default): an op running its Triton kernel on CUDA checks the values ON THE DEVICE,
-  in one small check kernel launched before its own, and never stops the host. The check kernel hands
-  the op sanitised copies of the metadata (a row with a bad value gets length 0), so a bad value never
-  makes the op's kernel read out of bounds, and records the first error in a host-mapped error word.
+* ``"device"`` (the default): an op running its Triton kernel on CUDA checks the values ON THE DEVICE
+  and never stops the host: the decode ops (``topk_transform``, ``indexer_logits_paged``) inside their
+  own kernel (no extra launch), the prefill-side ones (``indexer_logits_ragged``, ``indexer_quant``) in
+  one small check kernel launched before their own. A row with a bad value gets length 0, so a bad
+  value never makes the op's kernel read out of bounds, and the first error is recorded in a
+  host-mapped error word.
   The error is DEFERRED: the first flashdsa op called after the check kernel ran, or
   :func:`check_errors` (which synchronises), raises a ``ValueError`` naming the argument, as the host
   check would have; the output of the call that had the bad input is invalid. Everything else (CPU

@@ -39,12 +39,10 @@ def check_tensor(name: str, t, *, dtype: torch.dtype | Iterable[torch.dtype] | N
         fail(name, f"a {ndim}-D tensor", f"shape {list(t.shape)}")
     if shape is not None:
         got = t.shape
-        bad = len(got) != len(shape)
-        if not bad:
-            for s, d in zip(shape, got):
-                if s is not None and s != d:
-                    bad = True
-                    break
+        if None in shape:
+            bad = len(got) != len(shape) or any(s is not None and s != d for s, d in zip(shape, got))
+        else:
+            bad = got != shape  # torch.Size is a tuple: one C comparison
         if bad:
             want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
             fail(name, f"shape {want}", list(got))

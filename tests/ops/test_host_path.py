@@ -4,7 +4,8 @@ launch plans (``ops/_launch.py``).
 On the CPU the device checks run in Triton's interpreter (``_checks.DEVICE_CHECKS_ON_CPU``): every bad
 value of the host checks' cases is still reported as a ValueError naming the argument, now deferred to
 the next op call or ``ops.check_errors()``, the call itself reads nothing through the bad value (its
-rows come out empty), and good inputs give the host mode's bits. Plans are checked against Triton's own
+rows come out empty; a bad page id of the paged logits: the positions on that page), and good inputs
+give the host mode's bits. Plans are checked against Triton's own
 binding of the same launch (``_launch.VERIFY``) with a recording stand-in for the compiled kernel; on the
 GPU the same with the real ones, and the deferred errors with real device checks."""
 
@@ -94,8 +95,11 @@ def _set(**new):
 BAD = {
     "paged-lens-past-width": ("indexer_logits_paged", _paged, _put("context_lens", (1, 1), 81), "context_lens", [2, 3]),
     "paged-lens-negative": ("indexer_logits_paged", _paged, _put("context_lens", (0, 0), -1), "context_lens", [0, 1]),
-    "paged-page-past-P": ("indexer_logits_paged", _paged, _put("block_table", (1, 1), 3), "block_table", [2, 3]),
-    "paged-page-negative": ("indexer_logits_paged", _paged, _put("block_table", (1, 1), -1), "block_table", [2, 3]),
+    # a bad page id is never read: the positions on it (request 1's page 1: columns 64..) score -inf
+    "paged-page-past-P": ("indexer_logits_paged", _paged, _put("block_table", (1, 1), 3), "block_table",
+                          ([2, 3], slice(64, None))),
+    "paged-page-negative": ("indexer_logits_paged", _paged, _put("block_table", (1, 1), -1), "block_table",
+                            ([2, 3], slice(64, None))),
     "paged-nan-q": ("indexer_logits_paged", _paged, _put("q_fp8", (1, 0, 2, 7), NAN), "q_fp8", []),
     "topk-lengths-past-L": ("topk_transform", _topk, _put("lengths", 1, 101), "lengths", [1]),
     "topk-lengths-negative": ("topk_transform", _topk, _put("lengths", 2, -3), "lengths", [2]),
@@ -141,8 +145,12 @@ def device_checks(monkeypatch):
 
 
 def _empty_rows(op: str, out, rows) -> bool:
+    """Whether ``out``'s rows ``rows`` (or ``(rows, columns)``) read nothing: -inf logits, -1 slots."""
     if not rows:
         return True
+    if isinstance(rows, tuple):
+        rows, cols = rows
+        return bool(torch.isneginf(out[rows][:, cols]).all())
     if op == "indexer_logits_paged" or op == "indexer_logits_ragged":
         return bool(torch.isneginf(out[rows]).all())
     return bool((out[rows] == -1).all())
@@ -210,13 +218,25 @@ def test_modes_and_their_switch(monkeypatch):
     assert _checks.value_check_mode(t, True) is None
 
 
-def test_trusted_inputs_launch_no_check(device_checks, monkeypatch):
+@pytest.mark.parametrize("case", ["topk-lengths-past-L", "paged-page-past-P", "quant-nan-x", "ragged-ke-past-N"])
+def test_trusted_inputs_launch_no_check(case, device_checks, monkeypatch):
+    """Under trusted_inputs no check runs: no check kernel, and the op kernels' own checks compiled out
+    (a bad value then raises nothing, deferred or not)."""
     from flashdsa.ops import _device_checks as dc
     calls = []
-    for fn in ("check_paged", "check_topk", "check_ragged", "scan_finite"):
-        monkeypatch.setattr(dc, fn, lambda *a, _fn=fn, **k: calls.append(_fn))
+    monkeypatch.setattr(dc, "check_ragged", lambda *a, **k: calls.append("check_ragged"))
+    real = _launch.KernelLauncher.__call__
+
+    def launch(self, key, ptrs, build):
+        if build()[1].get("CHECK"):
+            calls.append("CHECK")
+        return real(self, key, ptrs, build)
+
+    monkeypatch.setattr(_launch.KernelLauncher, "__call__", launch)
+    op, make, change, _, _ = BAD[case]
     with _checks.trusted_inputs():
-        ops.topk_transform(**_put("lengths", 1, 101)(_topk()), backend="triton")
+        getattr(ops, op)(**change(make()), backend="triton")
+    _checks.check_errors()
     assert not calls
 
 

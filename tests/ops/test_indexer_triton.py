@@ -534,29 +534,34 @@ from flashdsa.ops.indexer import paged as KP
 from flashdsa.ops.indexer import ragged as KR
 from flashdsa.ops._triton_utils import next_pow2
 
-def paged(n, H, cap, fp8):
+# the device value checks' arguments (CHECK compiles them in)
+CHECK_SIG = dict(flag="*i64", hi="i32", last_page="i32", code0="i32")
+
+def paged(n, H, cap, fp8, check=False):
     cfg = KP.PagedConfig()
     G, GS, HP, bn, _, chain, warps = KP.paged_config(64, n, H, 32768, torch.device("cpu"), cfg)
     q = "*fp8e4nv" if fp8 else "*u8"
     sig = dict(q=q, keys=q, scales="*fp32", w="*fp32", context_lens="*i32", block_table="*i32", out="*fp32",
                max_len="i32", stride_qb="i32", stride_qn="i32", stride_qh="i32", stride_w="i32", stride_bt="i32",
-               stride_o="i32")
+               stride_o="i32", **CHECK_SIG)
     const = dict(NEXT_N=n, H=H, HP=HP, D=128, G=G, GS=GS, BLOCK_N=bn, CHUNK=16 * bn, PAGE=64,
-                 PAGE_BYTES=8448, KEY_BYTES=8192, FP8_DOT=fp8, CHAIN=chain, NUM_STAGES=cfg.num_stages)
+                 PAGE_BYTES=8448, KEY_BYTES=8192, FP8_DOT=fp8, CHAIN=chain, NUM_STAGES=cfg.num_stages, CHECK=check,
+                 NP=max(2, next_pow2(n)))
     sig.update(dict.fromkeys(const, "constexpr"))
     # what the JIT specialises at launch: 16-byte aligned pointers and strides that are multiples of 16
     attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 5, 6, 8, 9, 10, 11)}
     triton.compile(ASTSource(KP.indexer_logits_paged_kernel, sig, const, attrs), target=GPUTarget("cuda", cap, 32),
                    options=dict(num_warps=warps, num_stages=cfg.num_stages))
 
-def paged_tma(n, H):
+def paged_tma(n, H, check=False):
     cfg = KP.PagedConfig()
     G, GS, HP, bn, _, chain, warps = KP.paged_config(64, n, H, 32768, torch.device("cpu"), cfg, tma=True)
     sig = dict(q="*fp8e4nv", key_desc="tensordesc<fp8e4nv[64, 128]>", scales="*fp32", w="*fp32",
                context_lens="*i32", block_table="*i32", out="*fp32", max_len="i32", stride_qb="i32",
-               stride_qn="i32", stride_qh="i32", stride_w="i32", stride_bt="i32", stride_o="i32")
+               stride_qn="i32", stride_qh="i32", stride_w="i32", stride_bt="i32", stride_o="i32", **CHECK_SIG)
     const = dict(NEXT_N=n, H=H, HP=HP, D=128, G=G, GS=GS, PAGES=bn // 64, CHUNK=16 * bn, PAGE=64, PAGE_ROWS=66,
-                 PAGE_WORDS=2112, KEY_WORDS=2048, CHAIN=chain, NUM_STAGES=cfg.num_stages, ASM_STORE=cfg.asm_store)
+                 PAGE_WORDS=2112, KEY_WORDS=2048, CHAIN=chain, NUM_STAGES=cfg.num_stages, ASM_STORE=cfg.asm_store,
+                 CHECK=check, NP=max(2, next_pow2(n)))
     sig.update(dict.fromkeys(const, "constexpr"))
     attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 2, 3, 4, 5, 6, 8, 9, 10, 11)}
     triton.compile(ASTSource(KP.indexer_logits_paged_tma_kernel, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
@@ -578,7 +583,8 @@ def ragged(H, cap, fp8):
 for n in (1, 2, 3, 4):
     paged(n, 64, 90, True)
     paged_tma(n, 64)
-paged(2, 32, 80, False)
+paged_tma(2, 64, check=True)
+paged(2, 32, 80, False, check=True)
 ragged(64, 90, True)
 ragged(32, 80, False)
 print("compiled")

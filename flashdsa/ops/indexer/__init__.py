@@ -112,8 +112,9 @@ def indexer_logits_paged(q_fp8: torch.Tensor, index_cache: torch.Tensor, weights
     may have any strides, the small tensors are made contiguous. NaN codes: a ValueError in q_fp8 (value
     checks on); keys must not hold them at reachable positions (not checked: that would read the whole
     cache; ``store_index_keys`` rejects them), else the backends may disagree. Value checks (lengths,
-    reachable page ids, q NaN codes): on the device for the Triton kernel on CUDA, a deferred ValueError
-    (``flashdsa._checks``); a request with a bad length or page id then reads no key.
+    reachable page ids, q NaN codes): for the Triton kernel on CUDA by the kernel itself (no extra
+    launch, no host sync), a deferred ValueError (``flashdsa._checks``); a request with a bad length or
+    page id then reads no key.
 
     Returns:
         ``[B * n, max_context_len] float32``, ``-inf`` at and past each row's length.
@@ -145,8 +146,9 @@ def indexer_logits_paged(q_fp8: torch.Tensor, index_cache: torch.Tensor, weights
             lens = context_lens.amax(dim=1) if n else torch.zeros(B, dtype=torch.int32, device=dev)
             used = torch.arange(maxp, device=dev)[None, :] * PAGE_SIZE < lens[:, None]
             check_range("block_table", block_table[used], 0, index_cache.shape[0] - 1, what="page ids")
-    elif mode is DEVICE and B * n * max_context_len:
-        context_lens = device_checks().check_paged(q_fp8, index_cache, context_lens, block_table, max_context_len)
+    elif mode is DEVICE:
+        # checked by the kernel itself, request by request, before it reads through the request's values
+        return impl(q_fp8, index_cache, weights, context_lens, block_table, max_context_len, check=True)
     return impl(q_fp8, index_cache, weights, context_lens, block_table, max_context_len)
 
 

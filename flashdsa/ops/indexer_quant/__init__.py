@@ -8,7 +8,7 @@ import importlib
 import torch
 
 from flashdsa._library import op
-from flashdsa.ops._common import (DEVICE, HOST, check_finite, check_tensor, dense, device_checks, fail, pick_backend,
+from flashdsa.ops._common import (DEVICE, HOST, check_finite, check_tensor, dense, fail, pick_backend,
                                   raise_deferred, value_check_mode)
 from flashdsa.ops.indexer_quant import reference
 
@@ -96,6 +96,5 @@ def indexer_quant(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interle
         check_finite("cos", cos, COS_BOUND)
         check_finite("sin", sin, COS_BOUND)
     elif mode is DEVICE:
-        device_checks().scan_finite("indexer_quant", [("x", x, X_BOUND), ("cos", cos, COS_BOUND),
-                                                      ("sin", sin, COS_BOUND)])
+        return impl(x, cos, sin, interleave, check=True)  # checked by the kernel itself, in the rows it reads
     return impl(x, cos, sin, interleave)

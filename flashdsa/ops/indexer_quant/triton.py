@@ -22,7 +22,8 @@ Why the bits equal ``reference.indexer_quant`` (README.md has the details):
   integer code (``SOFT_CASTS``, the interpreter's default: its own bf16 / fp8 casts do not round to
   nearest even; on the GPU a test hook of :class:`IndexerQuantConfig`). bf16 inputs are read as int16
   bits and widened with a shift.
-Finite inputs are assumed (NaN / inf follow no contract).
+Finite inputs are assumed (NaN / inf follow no contract); with ``CHECK`` (the default mode's device checks)
+the kernel flags NaN / inf and values past the op's bounds in the rows it reads (``flashdsa._checks``).
 """
 
 from __future__ import annotations
@@ -34,8 +35,11 @@ import torch
 import triton
 import triton.language as tl
 
+from flashdsa._checks import error_flag, finite_text
+from flashdsa.ops._device_checks import first_code, flag_word
 from flashdsa.ops._launch import KernelLauncher, aligned
 from flashdsa.ops._triton_utils import cdiv, interpreting
+from flashdsa.ops.indexer_quant import COS_BOUND, X_BOUND
 from flashdsa.quant import AMAX_FLOOR, FP8, FP8_MAX
 
 D = 128           # head dim = one act_quant block; RoPE on its first D / 2 dims (32 pairs)
@@ -43,6 +47,9 @@ BLOCK_R = 16      # rows per program on the GPU
 BLOCK_R_INTERPRET = 256  # the interpreter's cost is per program: fewer, bigger ones
 NUM_WARPS = 2
 assert FP8_MAX == 448.0  # = 1.75 * 2^8: the kernel's scale rule reads amax's bits against this
+# indexer_quant's value checks, in its kernel (CHECK): the host check's errors, in its order
+QUANT_CODE0 = first_code("indexer_quant", *((name, finite_text(bound), "NaN / inf or a larger value")
+                                            for name, bound in (("x", X_BOUND), ("cos", COS_BOUND), ("sin", COS_BOUND))))
 
 
 @triton.jit
@@ -117,11 +124,19 @@ def _hadamard32(b_y, BLOCK_R: tl.constexpr, Q: tl.constexpr):
 
 
 @triton.jit
+def _out_of_bound(b, bound):
+    """1 if ``b`` (a 2-D block, 0 where masked) holds a NaN or a value with ``|v| > bound`` (inf too)."""
+    return tl.max(tl.max(((b != b) | (tl.abs(b) > bound)).to(tl.int32), axis=1), axis=0) > 0
+
+
+@triton.jit
 def indexer_quant_fwd_kernel(x, cos, sin, x_fp8, scale, R, H,
                              stride_xt, stride_xh, stride_xd, stride_ct, stride_cd, stride_st, stride_sd,
+                             flag, code0,
                              INTERLEAVE: tl.constexpr, BF16: tl.constexpr, SOFT_CASTS: tl.constexpr,
                              BLOCK_R: tl.constexpr, D: tl.constexpr, AMAX_FLOOR: tl.constexpr,
-                             H_SCALE: tl.constexpr, ROPE_ONLY: tl.constexpr):
+                             H_SCALE: tl.constexpr, ROPE_ONLY: tl.constexpr, CHECK: tl.constexpr,
+                             X_MAX: tl.constexpr, C_MAX: tl.constexpr):
     # A row's 128 dims as four streams of Q = 32 (k = 0..3), so RoPE pairs and the first / last
     # Hadamard stages meet element-wise, without moving data between threads:
     #   NeoX:  stream k holds dims 32k + j: RoPE pairs (0, 1); stages h = 1..16 inside each stream,
@@ -155,6 +170,12 @@ def indexer_quant_fwd_kernel(x, cos, sin, x_fp8, scale, R, H,
     b_n1 = _load_f32(p_x + o_3[None, :] * stride_xd, m_r, BF16)
     b_c = tl.load(cos + o_t[:, None] * stride_ct + o_j[None, :] * stride_cd, mask=m_r, other=0.0)
     b_s = tl.load(sin + o_t[:, None] * stride_st + o_j[None, :] * stride_sd, mask=m_r, other=0.0)
+    if CHECK:
+        # the value checks, error codes code0 + 0 / 1 / 2 (x, cos, sin); masked rows loaded as 0
+        bad_x = _out_of_bound(b_a, X_MAX) | _out_of_bound(b_b, X_MAX) | _out_of_bound(b_n0, X_MAX)
+        flag_word(flag, bad_x | _out_of_bound(b_n1, X_MAX), 0, code0)
+        flag_word(flag, _out_of_bound(b_c, C_MAX), 0, code0 + 1)
+        flag_word(flag, _out_of_bound(b_s, C_MAX), 0, code0 + 2)
     # the reference's a * c - b * s and b * c + a * s: two rounded products, then one add / sub
     # (no FMA: the launch turns contraction off); then rounded to the model dtype as the layer does
     b_ra = b_a * b_c - b_b * b_s
@@ -248,7 +269,7 @@ class IndexerQuantConfig:
 
 def indexer_quant(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool, *,
                   out: tuple[torch.Tensor, torch.Tensor] | None = None,
-                  config: IndexerQuantConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  config: IndexerQuantConfig | None = None, check: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch :func:`indexer_quant_fwd_kernel` (inputs checked by ``flashdsa.ops.indexer_quant``).
 
     Args:
@@ -257,6 +278,8 @@ def indexer_quant(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interle
         interleave: GPT-J pairs (True) or NeoX pairs (False).
         out:        optional contiguous ``(x_fp8 [T, ..., 128] e4m3, scale [T, ...] f32)`` to write into.
         config:     overrides the launch (tests, benchmarks).
+        check:      the kernel also flags NaN / inf and out-of-bound values of x, cos and sin (the default
+                    mode's device checks: deferred ValueError, ``flashdsa._checks``).
 
     Returns:
         ``x_fp8 [T, ..., 128] float8_e4m3fn`` and ``scale [T, ...] float32`` (UE8M0 powers of two).
@@ -265,7 +288,7 @@ def indexer_quant(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interle
         out = (torch.empty(x.shape, dtype=FP8, device=x.device),
                torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device))
     x_fp8, scale = out
-    _launch(_LAUNCH, x, cos, sin, interleave, x_fp8, torch.uint8, scale, False, config)
+    _launch(_LAUNCH, x, cos, sin, interleave, x_fp8, torch.uint8, scale, False, config, check)
     return x_fp8, scale
 
 
@@ -277,13 +300,13 @@ def indexer_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interlea
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     bits = torch.int16 if x.dtype == torch.bfloat16 else None
-    _launch(_ROPE, x, cos, sin, interleave, out, bits, out, True, config)  # no scale: its pointer is unused
+    _launch(_ROPE, x, cos, sin, interleave, out, bits, out, True, config, False)  # no scale: its pointer is unused
     return out
 
 
-def _launch(launcher, x, cos, sin, interleave, a, a_bits, b, rope_only, config) -> None:
+def _launch(launcher, x, cos, sin, interleave, a, a_bits, b, rope_only, config, check) -> None:
     """One launch writing ``a`` (e4m3, or the rotated rows; the kernel sees it as ``a_bits`` when not None)
-    and ``b`` (the scales; unused rope-only)."""
+    and ``b`` (the scales; unused rope-only); ``check``: with the value checks."""
     T = x.shape[0]
     H = math.prod(x.shape[1:-1])
     R = T * H
@@ -292,8 +315,9 @@ def _launch(launcher, x, cos, sin, interleave, a, a_bits, b, rope_only, config) 
     x3 = x if x.dim() == 3 else x.reshape(T, H, D)  # a view unless the middle dims cannot merge
     bf16 = x.dtype == torch.bfloat16
     cfg = config or _DEFAULT
-    ptrs = (x3.data_ptr(), cos.data_ptr(), sin.data_ptr(), a.data_ptr(), b.data_ptr())
-    key = (x.device, T, H, x3.stride(), bf16, cos.stride(), sin.stride(), interleave, config) \
+    flag = error_flag(x.device) if check else cos  # unused (compiled out) without checks: any pointer
+    ptrs = (x3.data_ptr(), cos.data_ptr(), sin.data_ptr(), a.data_ptr(), b.data_ptr(), flag.data_ptr())
+    key = (x.device, T, H, x3.stride(), bf16, cos.stride(), sin.stride(), interleave, config, check) \
         if aligned(*ptrs) else None
 
     def build():
@@ -310,7 +334,7 @@ def _launch(launcher, x, cos, sin, interleave, a, a_bits, b, rope_only, config) 
             # no mul + add -> FMA contraction: RoPE's a * c - b * s must round both products, as torch does
             num_warps=cfg.num_warps, enable_fp_fusion=False,
             # every argument by name, the constexpr too: a launch plan (ops/_launch.py) needs them all
-            ROPE_ONLY=rope_only,
+            ROPE_ONLY=rope_only, flag=flag, code0=QUANT_CODE0, CHECK=check, X_MAX=X_BOUND, C_MAX=COS_BOUND,
         )
         return (cdiv(R, block_r),), kw
 
@@ -318,5 +342,5 @@ def _launch(launcher, x, cos, sin, interleave, a, a_bits, b, rope_only, config) 
 
 
 _DEFAULT = IndexerQuantConfig()
-_LAUNCH = KernelLauncher(indexer_quant_fwd_kernel, ("x", "cos", "sin", "x_fp8", "scale"))
-_ROPE = KernelLauncher(indexer_quant_fwd_kernel, ("x", "cos", "sin", "x_fp8", "scale"))
+_LAUNCH = KernelLauncher(indexer_quant_fwd_kernel, ("x", "cos", "sin", "x_fp8", "scale", "flag"))
+_ROPE = KernelLauncher(indexer_quant_fwd_kernel, ("x", "cos", "sin", "x_fp8", "scale", "flag"))

@@ -155,8 +155,8 @@ def sparse_mla_fwd(q: torch.Tensor, kv: torch.Tensor, stride_kv_page: int, strid
     R, h_q, _ = q.shape
     topk = indices.shape[1]
     dev = q.device
-    out = torch.empty(R, h_q, d_v, dtype=q.dtype, device=dev)
-    lse = torch.empty(R, h_q, dtype=torch.float32, device=dev)
+    out = torch.empty((R, h_q, d_v), dtype=q.dtype, device=dev)
+    lse = torch.empty((R, h_q), dtype=torch.float32, device=dev)
     if R == 0 or h_q == 0:
         return out, lse
     cfg = launch_config(h_q, fmt, R, topk, dev, config, split)
@@ -225,11 +225,12 @@ def _launch(cfg: SparseMLAConfig, q, kv, stride_kv_page, stride_kv_row, n_slots,
     topk = indices.shape[1]
     dev = q.device
     BDV, n_hb, dv_parts, splits, per_split = _tiles(cfg, h_q, topk, d_v)
+    os_, ls_ = out.stride(), lse.stride()
     if splits == 1:
         part = None
         o_ptr, l_ptr = out.data_ptr(), lse.data_ptr()
-        so_row, so_split, so_h = out.stride(0), 0, out.stride(1)
-        sl_row, sl_split = lse.stride(0), 0
+        so_row, so_split, so_h = os_[0], 0, os_[1]
+        sl_row, sl_split = ls_[0], 0
     else:
         # fp32 partials [R, splits, h_q, d_v] and their lse [R, splits, h_q], one allocation
         n_o = cdiv(R * splits * h_q * d_v, 4) * 4  # the lse part 16-byte aligned, as its own tensor would be
@@ -238,9 +239,9 @@ def _launch(cfg: SparseMLAConfig, q, kv, stride_kv_page, stride_kv_row, n_slots,
         so_row, so_split, so_h = splits * h_q * d_v, h_q * d_v, d_v
         sl_row, sl_split = splits * h_q, h_q
     ptrs = (q.data_ptr(), kv.data_ptr(), indices.data_ptr(), o_ptr, l_ptr)
-    key = (cfg, dev, R, h_q, topk, q.stride(0), q.stride(1), stride_kv_page, stride_kv_row, indices.stride(0),
-           out.stride(0), out.stride(1), lse.stride(0), n_slots, fmt, sm_scale, d_v, kv_scale) \
-        if aligned(*ptrs) else None
+    qs = q.stride()
+    key = (cfg, dev, R, h_q, topk, qs, stride_kv_page, stride_kv_row, indices.stride()[0], os_, ls_[0], n_slots, fmt,
+           sm_scale, d_v, kv_scale) if aligned(*ptrs) else None
 
     def build():
         if part is None:
@@ -297,14 +298,19 @@ def sparse_mla_decode(q, kv_cache, indices, sm_scale, d_v, kv_scale, config: Spa
     :func:`sparse_mla_fwd`."""
     B, s_q, h_q, d = q.shape
     fmt = mla_cache_format(kv_cache)
-    kv_cache = _unit_last(kv_cache)
-    if fmt == "fp8" and (kv_cache.data_ptr() % 4 or kv_cache.stride(0) % 4 or kv_cache.stride(1) % 4):
+    ks = kv_cache.stride()
+    if ks[-1] != 1:
+        kv_cache = kv_cache.contiguous()
+        ks = kv_cache.stride()
+    if fmt == "fp8" and (kv_cache.data_ptr() % 4 or ks[0] % 4 or ks[1] % 4):
         # the kernel reads each row's fp32 scales and bf16 rope in place
         raise ValueError(f"kv_cache: expected 4-byte aligned rows for the 656-B layout, got data_ptr % 4 = "
-                         f"{kv_cache.data_ptr() % 4}, strides {kv_cache.stride()}")
+                         f"{kv_cache.data_ptr() % 4}, strides {ks}")
+    topk = indices.shape[-1]
     out, lse = sparse_mla_fwd(
-        _unit_last(q.reshape(B * s_q, h_q, d)), kv_cache, kv_cache.stride(0), kv_cache.stride(1),
-        kv_cache.shape[0] * PAGE_SIZE, fmt, _unit_last(indices.reshape(B * s_q, indices.shape[-1])),
+        _unit_last(q.view(B * s_q, h_q, d) if s_q == 1 or q.is_contiguous() else q.reshape(B * s_q, h_q, d)),
+        kv_cache, ks[0], ks[1], kv_cache.shape[0] * PAGE_SIZE, fmt,
+        _unit_last(indices.view(B * s_q, topk) if indices.is_contiguous() else indices.reshape(B * s_q, topk)),
         sm_scale, d_v, kv_scale, config)
     return out.view(B, s_q, h_q, d_v), lse.view(B, s_q, h_q)
 

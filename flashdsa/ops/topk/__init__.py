@@ -10,7 +10,7 @@ import torch
 from flashdsa._library import op
 from flashdsa.cache.layouts import PAGE_SIZE
 from flashdsa.ops._common import (DEVICE, HOST, check_int, check_range, check_tensor, check_translation,
-                                  check_translation_values, dense, device_checks, pick_backend, raise_deferred,
+                                  check_translation_values, dense, pick_backend, raise_deferred,
                                   value_check_mode)
 from flashdsa.ops.topk import reference
 # imported on first use: importing triton is slow and CPU-only users never need it
@@ -59,9 +59,9 @@ def topk_transform(logits: torch.Tensor, lengths: torch.Tensor, topk: int = 2048
         page_size:   tokens per page of ``page_table`` (64; 64 * c with kpool).
 
     The metadata tensors may be strided views (``context_lens[:, 0]``); they are made contiguous first.
-    Value checks (the ranges above, the page table's reach and page ids): on the device for the Triton
-    kernel on CUDA, a deferred ValueError (``flashdsa._checks``); a row with a bad value then selects
-    nothing (all -1).
+    Value checks (the ranges above, the page table's reach and page ids): for the Triton kernel on CUDA
+    by the kernel itself, before it reads through a row's values (no extra launch, no host sync), a
+    deferred ValueError (``flashdsa._checks``); a row with a bad value then selects nothing (all -1).
 
     Returns:
         ``[R, topk] int32``: the selected candidates in ascending position order, then -1 padding
@@ -82,8 +82,9 @@ def topk_transform(logits: torch.Tensor, lengths: torch.Tensor, topk: int = 2048
     mode = value_check_mode(lengths, impl is _triton_topk)
     if mode is HOST:
         _check_values(L, lengths, page_table, row_starts, out_offsets, page_size)
-    elif mode is DEVICE and R:
-        lengths = device_checks().check_topk(logits, lengths, page_table, row_starts, out_offsets, page_size)
+    elif mode is DEVICE:
+        # checked by the kernel itself, row by row, before it reads anything through the row's values
+        return impl(logits, lengths, topk, page_table, row_starts, out_offsets, page_size, check=True)
     return impl(logits, lengths, topk, page_table, row_starts, out_offsets, page_size)
 
 

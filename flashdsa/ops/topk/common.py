@@ -6,14 +6,16 @@
 - Scattered predicated stores (:func:`store`, :func:`store2`: one PTX store, no layout conversion).
 - Padding of U / W to a multiple of 4 (:func:`round4`, :func:`pad4`: every load of them is 128-bit), the
   exclusive sum over a program's warps (:func:`excl_sum`), the position -> slot translation
-  (:func:`translate`), a row's pointers (:func:`row_setup`) and the copy of a row with at most k keys
-  (:func:`copy_short`).
+  (:func:`translate`), a row's pointers (:func:`row_setup`), the value checks of a row's metadata
+  (:func:`row_check`) and the copy of a row with at most k keys (:func:`copy_short`).
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from flashdsa.ops._device_checks import check_pages, flag_word
 
 # Keys are int32 whose signed order is the score order: key(-inf) == key(NaN) is the smallest.
 INT_MIN = tl.constexpr(-2147483648)
@@ -147,3 +149,49 @@ def row_setup(r, logits, stride_l, lengths, row_starts, out_offsets, table, stri
     return n, row, out_row, table_row, off_r
 
 
+
+
+@triton.jit
+def row_check(n, r, row_starts, out_offsets, table_row, L, maxp, last_page, flag, code0,
+              HAS_STARTS: tl.constexpr, MODE: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_P: tl.constexpr):
+    """The device value checks of row r (default mode, ``CHECK``): ``n`` if its metadata is good, else 0
+    (the row then reads no score and selects nothing) with the error stored in ``flag``.
+
+    Checked as the host does, in its order (the first bad value of a row is the one reported): lengths in
+    [0, L]; row_starts in [0, L] and row_starts + lengths <= L; out_offsets >= 0 and
+    out_offsets + lengths - 1 <= 2^31 - 1; the pages the row needs <= maxp, their ids in [0, last_page].
+    Error words: ``code0 + i`` in the order of ``_device_checks.TOPK_CHECKS``. Every program of a row
+    (split mode: each chunk) makes the same decision, from the same values."""
+    bad = n < 0
+    flag_word(flag, bad, n, code0)
+    bad2 = (n > L) & (bad == 0)
+    flag_word(flag, bad2, n, code0 + 1)
+    bad = bad | bad2
+    if HAS_STARTS:
+        st = tl.load(row_starts + r)
+        b = (st < 0) & (bad == 0)
+        flag_word(flag, b, st, code0 + 2)
+        bad = bad | b
+        b = (st > L) & (bad == 0)
+        flag_word(flag, b, st, code0 + 3)
+        bad = bad | b
+        b = (st.to(tl.int64) + n > L) & (bad == 0)
+        flag_word(flag, b, st.to(tl.int64) + n, code0 + 4)
+        bad = bad | b
+    if MODE == 1:
+        off = tl.load(out_offsets + r)
+        b = (off < 0) & (bad == 0)
+        flag_word(flag, b, off, code0 + 5)
+        bad = bad | b
+        last = off.to(tl.int64) + n - 1
+        b = (last > 2147483647) & (bad == 0)
+        flag_word(flag, b, last, code0 + 6)
+        bad = bad | b
+    if MODE == 2:
+        need = tl.where(bad, 0, tl.cdiv(n, PAGE_SIZE))
+        b = need > maxp
+        flag_word(flag, b, need, code0 + 7)
+        bad = bad | b
+        need = tl.where(b, 0, need)
+        bad = bad | (check_pages(flag, table_row, need, last_page, code0 + 8, code0 + 9, BLOCK_P) > 0)
+    return tl.where(bad, 0, n)

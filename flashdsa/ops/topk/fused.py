@@ -10,7 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashdsa.ops.topk.common import bits_bounds, copy_short, row_setup
+from flashdsa.ops.topk.common import bits_bounds, copy_short, row_check, row_setup
 from flashdsa.ops.topk.compact import compact_seg, move
 from flashdsa.ops.topk.fallback import row_fallback
 from flashdsa.ops.topk.radix import sample_threshold, select_emit
@@ -19,8 +19,8 @@ from flashdsa.ops.topk.radix import sample_threshold, select_emit
 @triton.jit
 def topk_fused_kernel(
     logits, stride_l, lengths, row_starts, out_offsets, table, stride_t, rows_per_table,
-    out, scr, sscr, wscr, R, K,
-    HAS_STARTS: tl.constexpr, MODE: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    out, scr, sscr, wscr, R, K, flag, L, maxp, last_page, code0,
+    CHECK: tl.constexpr, HAS_STARTS: tl.constexpr, MODE: tl.constexpr, PAGE_SIZE: tl.constexpr,
     CAND: tl.constexpr, NW: tl.constexpr, CAP: tl.constexpr,
     UN: tl.constexpr, WCAP: tl.constexpr, UB: tl.constexpr, LG_S: tl.constexpr, BITS: tl.constexpr,
     BITS_W: tl.constexpr, BITS_S: tl.constexpr, STREAM: tl.constexpr, MJ: tl.constexpr, BLOCK: tl.constexpr,
@@ -53,6 +53,9 @@ def topk_fused_kernel(
         tl.debug_barrier()
         n, row, out_row, table_row, off_r = row_setup(r, logits, stride_l, lengths, row_starts, out_offsets, table,
                                                       stride_t, rows_per_table, out, K, HAS_STARTS, MODE)
+        if CHECK:
+            n = row_check(n, r, row_starts, out_offsets, table_row, L, maxp, last_page, flag, code0, HAS_STARTS, MODE,
+                          PAGE_SIZE, 128 * NW)
         if n <= K:
             copy_short(out_row, n, K, table_row, off_r, MODE, PAGE_SIZE, BLOCK)
         else:

@@ -18,6 +18,9 @@ from typing import NamedTuple
 
 import torch
 
+from flashdsa._checks import error_flag
+from flashdsa.ops._common import INT32_MAX
+from flashdsa.ops._device_checks import TOPK_CODE0
 from flashdsa.ops._launch import KernelLauncher, aligned
 from flashdsa.ops._triton_utils import cdiv, interpreting, next_pow2, num_sms, prev_pow2
 from flashdsa.ops.topk.fused import topk_fused_kernel
@@ -173,13 +176,13 @@ class _Launch(NamedTuple):
 
 _SHAPES: dict = {}
 _FUSED = KernelLauncher(topk_fused_kernel, ("logits", "lengths", "row_starts", "out_offsets", "table", "out", "scr",
-                                            "sscr", "wscr"))
+                                            "sscr", "wscr", "flag"))
 _SPLIT = KernelLauncher(topk_split_kernel, ("logits", "lengths", "row_starts", "out_offsets", "table", "out", "scr",
-                                            "sscr", "counts", "arrive", "uscr", "wscr", "sampscr"))
+                                            "sscr", "counts", "arrive", "uscr", "wscr", "sampscr", "flag"))
 _ALIGN = 256  # scratch pieces start at multiples of this (16 would do: Triton's pointer specialisation)
 
 
-def _launch_shape(key, logits, K, page_table, row_starts, out_offsets, page_size, config) -> _Launch:
+def _launch_shape(key, logits, K, page_table, row_starts, out_offsets, page_size, config, check) -> _Launch:
     """Config, constexprs, grid and scratch layout of a launch: functions of the shapes, the config, the
     device and the logits' alignment only, so they are worked out once per ``key``."""
     hit = _SHAPES.get(key)
@@ -196,7 +199,9 @@ def _launch_shape(key, logits, K, page_table, row_starts, out_offsets, page_size
                   SAMPLE_STREAM=cfg.sample_stream, MJ=cfg.move_step, BLOCK=cfg.block, STAGES=cfg.stages, ASM=not interp,
                   FORCE=FORCE[cfg.force], STOP=STOP_AFTER[cfg.stop_after], VEC=cfg.vec and _whole_chunks(logits, row_starts),
                   stride_l=logits.stride(0), stride_t=page_table.stride(0) if page_table is not None else 0,
-                  rows_per_table=R // page_table.shape[0] if page_table is not None else 1, R=R, K=K, num_warps=nw)
+                  rows_per_table=R // page_table.shape[0] if page_table is not None else 1, R=R, K=K, num_warps=nw,
+                  CHECK=check, L=L, maxp=page_table.shape[1] if page_table is not None else 0,
+                  last_page=(INT32_MAX + 1) // page_size - 1, code0=TOPK_CODE0)
     if cfg.maxnreg and not interp:
         consts["maxnreg"] = cfg.maxnreg
     if cfg.kind == "split":
@@ -233,14 +238,18 @@ def _launch_shape(key, logits, K, page_table, row_starts, out_offsets, page_size
 
 
 def topk_transform(logits, lengths, topk, page_table, row_starts, out_offsets, page_size, *,
-                   out: torch.Tensor | None = None, config: TopkConfig | None = None) -> torch.Tensor:
-    """Launcher; arguments as in :func:`flashdsa.ops.topk.topk_transform` (already validated).
+                   out: torch.Tensor | None = None, config: TopkConfig | None = None, check: bool = False) -> torch.Tensor:
+    """Launcher; arguments as in :func:`flashdsa.ops.topk.topk_transform` (shapes validated).
 
     ``out``: ``[R, topk] int32`` to write into (tests poison it); ``config``: the launch (None:
-    :func:`default_config` for this shape and device).
+    :func:`default_config` for this shape and device); ``check``: the kernel checks every row's metadata
+    values first (the default mode's device checks: a bad row selects nothing and the error goes to the
+    error word, ``flashdsa._checks``).
 
     Host path: a shape's launch is worked out once (:func:`_launch_shape`), the scratch is one
     allocation, and the kernel is launched from a plan (``ops/_launch.py``) when the pointers are aligned.
+    (The scratch is not cached across calls: a cached buffer first allocated while torch.compile's CUDA
+    graphs warm up would live in their memory pool, which they refuse.)
     """
     R, L = logits.shape
     dev = logits.device
@@ -250,10 +259,10 @@ def topk_transform(logits, lengths, topk, page_table, row_starts, out_offsets, p
     if R == 0:
         return out
     lptr = logits.data_ptr()
-    key = (dev, R, L, logits.stride(0), K, config, page_size, row_starts is not None, out_offsets is not None,
-           None if page_table is None else (page_table.shape, page_table.stride(0)), out.stride(0), not lptr & 15)
+    key = (dev, R, L, logits.stride()[0], K, config, page_size, row_starts is not None, out_offsets is not None,
+           None if page_table is None else (page_table.shape, page_table.stride()[0]), not lptr & 15, check)
     cfg, grid, consts, scratch, nbytes = _launch_shape(key, logits, K, page_table, row_starts, out_offsets, page_size,
-                                                       config)
+                                                       config, check)
     buf = torch.empty(nbytes, dtype=torch.uint8, device=dev)
     base = buf.data_ptr()
     split = cfg.kind == "split"
@@ -262,16 +271,19 @@ def topk_transform(logits, lengths, topk, page_table, row_starts, out_offsets, p
     table = page_table if page_table is not None else lengths
     offsets = out_offsets if out_offsets is not None else lengths
     starts = row_starts if row_starts is not None else lengths
+    flag = error_flag(dev) if check else lengths  # unused (compiled out) without checks: any pointer
     ptrs = [lptr, len_ptr, starts.data_ptr(), offsets.data_ptr(), table.data_ptr(), out.data_ptr()]
     ptrs += [base + off for _, off, _, _ in scratch]
     if split:
         ptrs.insert(9, arrive.data_ptr())  # after scr, sscr, counts
         if not cfg.sample_stream:
             ptrs.append(len_ptr)  # sampscr: unused, any int32 pointer
+    ptrs.append(flag.data_ptr())
     key = key if aligned(*ptrs) else None
 
     def build():
-        kw = dict(consts, logits=logits, lengths=lengths, row_starts=starts, out_offsets=offsets, table=table, out=out)
+        kw = dict(consts, logits=logits, lengths=lengths, row_starts=starts, out_offsets=offsets, table=table, out=out,
+                  flag=flag)
         for name, off, n, dtype in scratch:
             kw[name] = buf[off:off + n].view(dtype)
         if split:

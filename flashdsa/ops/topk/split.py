@@ -10,7 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
-from flashdsa.ops.topk.common import INT_MIN, bits_bounds, copy_short, excl_sum, pad4, round4, row_setup, store
+from flashdsa.ops.topk.common import (INT_MIN, bits_bounds, copy_short, excl_sum, pad4, round4, row_check, row_setup,
+                                      store)
 from flashdsa.ops.topk.compact import compact_seg, move
 from flashdsa.ops.topk.fallback import row_fallback
 from flashdsa.ops.topk.radix import sample_threshold, select_emit
@@ -48,8 +49,8 @@ def _gather_chunks(scr_r, counts_r, uk, CAND: tl.constexpr, CHUNKS: tl.constexpr
 @triton.jit
 def topk_split_kernel(
     logits, stride_l, lengths, row_starts, out_offsets, table, stride_t, rows_per_table,
-    out, scr, sscr, counts, arrive, uscr, wscr, sampscr, R, K,
-    HAS_STARTS: tl.constexpr, MODE: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    out, scr, sscr, counts, arrive, uscr, wscr, sampscr, R, K, flag, L, maxp, last_page, code0,
+    CHECK: tl.constexpr, HAS_STARTS: tl.constexpr, MODE: tl.constexpr, PAGE_SIZE: tl.constexpr,
     CAND: tl.constexpr, NW: tl.constexpr, CAP: tl.constexpr, UN: tl.constexpr, WCAP: tl.constexpr,
     UB: tl.constexpr, LG_S: tl.constexpr, BITS: tl.constexpr, BITS_W: tl.constexpr, BITS_S: tl.constexpr,
     CHUNKS: tl.constexpr, SAMPLE_STREAM: tl.constexpr, STREAM: tl.constexpr, BLOCK: tl.constexpr,
@@ -76,6 +77,9 @@ def topk_split_kernel(
     j = tl.program_id(1)
     n, row, out_row, table_row, off_r = row_setup(r, logits, stride_l, lengths, row_starts, out_offsets, table,
                                                   stride_t, rows_per_table, out, K, HAS_STARTS, MODE)
+    if CHECK:
+        n = row_check(n, r, row_starts, out_offsets, table_row, L, maxp, last_page, flag, code0, HAS_STARTS, MODE,
+                      PAGE_SIZE, 128 * NW)
     if n <= K:
         if j == 0:
             copy_short(out_row, n, K, table_row, off_r, MODE, PAGE_SIZE, BLOCK)
