@@ -57,7 +57,7 @@ def dense(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
     contiguous, so that every backend may index them densely: a strided view such as
     ``context_lens[:, 0]`` then means the same on both. Free when already contiguous; never used for
     the caches or the [T, N] logits, which are rejected or read through their strides instead."""
-    return tuple(t if t is None or t.is_contiguous() else t.contiguous() for t in tensors)
+    return tuple([t if t is None or t.is_contiguous() else t.contiguous() for t in tensors])  # a list: no generator
 
 
 def check_int(name: str, x, lo: int) -> int:
@@ -109,7 +109,11 @@ def check_scalar(name: str, x, *, positive: bool = True) -> float:
 def pick_backend(backend: str | None, impls: dict[str, Callable], device: torch.device, op: str) -> Callable:
     """The implementation to run: ``backend`` if given, else Triton on CUDA when it exists, else torch."""
     if backend is None:
-        backend = "triton" if device.type == "cuda" and "triton" in impls else "torch"
+        if device.type == "cuda":
+            impl = impls.get("triton")
+            if impl is not None:
+                return impl
+        backend = "torch"
     elif backend not in BACKENDS:
         fail("backend", f"one of {BACKENDS} or None", repr(backend))
     if backend not in impls:

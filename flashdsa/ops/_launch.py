@@ -143,7 +143,7 @@ class KernelLauncher:
                 return _Plan(compiled, grid, args, slots, 0, lambda: 0, lambda dev: 0)
             from triton.runtime import driver
             drv = driver.active
-            return _Plan(compiled, grid, args, slots, drv.get_current_device(), torch.cuda.current_device,
+            return _Plan(compiled, grid, args, slots, drv.get_current_device(), _current_device,
                          drv.get_current_stream)
         except AttributeError:  # a Triton without these internals: its own launch path
             self.refused = True
@@ -173,6 +173,9 @@ def _plain(v):
 
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# the current CUDA device: torch.cuda.current_device() without its Python wrapper (lazy-init check), which
+# a plan only reaches after a launch has initialised CUDA
+_current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
 
 
 _CAPS: dict = {}

@@ -260,26 +260,33 @@ def topk_transform(logits, lengths, topk, page_table, row_starts, out_offsets, p
         return out
     lptr = logits.data_ptr()
     key = (dev, R, L, logits.stride()[0], K, config, page_size, row_starts is not None, out_offsets is not None,
-           None if page_table is None else (page_table.shape, page_table.stride()[0]), not lptr & 15, check)
+           None if page_table is None else (*page_table.shape, page_table.stride()[0]), not lptr & 15, check)
     cfg, grid, consts, scratch, nbytes = _launch_shape(key, logits, K, page_table, row_starts, out_offsets, page_size,
                                                        config, check)
     buf = torch.empty(nbytes, dtype=torch.uint8, device=dev)
     base = buf.data_ptr()
     split = cfg.kind == "split"
-    arrive = arrive_counters(dev, R, cfg.cached_counters) if split else None
     len_ptr = lengths.data_ptr()
     table = page_table if page_table is not None else lengths
     offsets = out_offsets if out_offsets is not None else lengths
     starts = row_starts if row_starts is not None else lengths
     flag = error_flag(dev) if check else lengths  # unused (compiled out) without checks: any pointer
-    ptrs = [lptr, len_ptr, starts.data_ptr(), offsets.data_ptr(), table.data_ptr(), out.data_ptr()]
-    ptrs += [base + off for _, off, _, _ in scratch]
+    # the pointers in the kernel's order (scratch pieces: offsets into buf)
+    ptrs = [lptr, len_ptr, table.data_ptr() if page_table is not None else len_ptr, out.data_ptr()]
+    ptrs[2:2] = [starts.data_ptr() if row_starts is not None else len_ptr,
+                 offsets.data_ptr() if out_offsets is not None else len_ptr]
+    for _, off, _, _ in scratch:
+        ptrs.append(base + off)
     if split:
+        arrive = arrive_counters(dev, R, cfg.cached_counters)
         ptrs.insert(9, arrive.data_ptr())  # after scr, sscr, counts
         if not cfg.sample_stream:
             ptrs.append(len_ptr)  # sampscr: unused, any int32 pointer
+    else:
+        arrive = None
     ptrs.append(flag.data_ptr())
-    key = key if aligned(*ptrs) else None
+    if not aligned(*ptrs):
+        key = None
 
     def build():
         kw = dict(consts, logits=logits, lengths=lengths, row_starts=starts, out_offsets=offsets, table=table, out=out,
