@@ -545,8 +545,7 @@ def paged(n, H, cap, fp8, check=False):
                max_len="i32", stride_qb="i32", stride_qn="i32", stride_qh="i32", stride_w="i32", stride_bt="i32",
                stride_o="i32", **CHECK_SIG)
     const = dict(NEXT_N=n, H=H, HP=HP, D=128, G=G, GS=GS, BLOCK_N=bn, CHUNK=16 * bn, PAGE=64,
-                 PAGE_BYTES=8448, KEY_BYTES=8192, FP8_DOT=fp8, CHAIN=chain, NUM_STAGES=cfg.num_stages, CHECK=check,
-                 NP=max(2, next_pow2(n)))
+                 PAGE_BYTES=8448, KEY_BYTES=8192, FP8_DOT=fp8, CHAIN=chain, NUM_STAGES=cfg.num_stages, CHECK=check)
     sig.update(dict.fromkeys(const, "constexpr"))
     # what the JIT specialises at launch: 16-byte aligned pointers and strides that are multiples of 16
     attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 5, 6, 8, 9, 10, 11)}
@@ -561,7 +560,7 @@ def paged_tma(n, H, check=False):
                stride_qn="i32", stride_qh="i32", stride_w="i32", stride_bt="i32", stride_o="i32", **CHECK_SIG)
     const = dict(NEXT_N=n, H=H, HP=HP, D=128, G=G, GS=GS, PAGES=bn // 64, CHUNK=16 * bn, PAGE=64, PAGE_ROWS=66,
                  PAGE_WORDS=2112, KEY_WORDS=2048, CHAIN=chain, NUM_STAGES=cfg.num_stages, ASM_STORE=cfg.asm_store,
-                 CHECK=check, NP=max(2, next_pow2(n)))
+                 CHECK=check)
     sig.update(dict.fromkeys(const, "constexpr"))
     attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 2, 3, 4, 5, 6, 8, 9, 10, 11)}
     triton.compile(ASTSource(KP.indexer_logits_paged_tma_kernel, sig, const, attrs), target=GPUTarget("cuda", 90, 32),

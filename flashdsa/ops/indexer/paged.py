@@ -128,72 +128,87 @@ def _draft_groups(q, w, context_lens, out, i_b64, j0, o_d, stride_qn, stride_qh,
 
 
 @triton.jit
-def _request_check(q, context_lens, i_b64, i_c, stride_qn, stride_qh, hi, flag, code0,
-                   NEXT_N: tl.constexpr, NP: tl.constexpr, H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr):
-    """The device value checks of request b's lengths (default mode, ``CHECK``), made by each of its programs
-    from the same values: 1 if they are all in [0, hi], else 0 (the request then reads no key) with the
-    error stored in ``flag``. The chunk-0 program also flags an e4m3 NaN code in the request's queries
-    (``q`` offset to it). The page ids are checked where they are read (:func:`_page_ok`). Error words
-    ``code0 + i`` in the order of ``_device_checks.PAGED_CHECKS``."""
-    o = tl.arange(0, NP)
-    m = o < NEXT_N
-    b_len = tl.load(context_lens + i_b64 * NEXT_N + o, mask=m, other=0)
+def _lens_bad(flag, grp, hi, code0):
+    """The device check of a sub-group's lengths (``grp``, a :func:`_draft_rows` tuple): each in [0, hi], a
+    bad one flagged (error words code0 + 0 / + 1). Returns 1 if one was bad, else 0 (int32)."""
+    b_len, m_j = grp[2], grp[4]
     w_lo = (tl.zeros([], tl.int64) + code0) << 32
-    bad = tl.max(flag_lo_hi(flag, b_len, m, 0, hi, w_lo, w_lo + (1 << 32)).to(tl.int32), axis=0)
+    return tl.max(flag_lo_hi(flag, b_len, m_j, 0, hi, w_lo, w_lo + (1 << 32)).to(tl.int32), axis=0)
+
+
+@triton.jit
+def _program_ok(q, g0, g1, g2, g3, i_c, stride_qn, stride_qh, hi, flag, code0,
+                NEXT_N: tl.constexpr, H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, GS: tl.constexpr,
+                SUB: tl.constexpr):
+    """The device value checks of a program's draft rows (default mode, ``CHECK``), from the lengths it
+    loaded anyway (a second load of them before the queries' raised the kernel's register count by a
+    third): 1 if all are in [0, hi], else 0 (the program's rows then read no key) with the error stored
+    in ``flag``. The chunk-0 programs also flag an e4m3 NaN code in the request's queries (``q`` offset to
+    it). Page ids: :func:`_chunk_pages_ok`. Error words ``code0 + i`` in the order of
+    ``_device_checks.PAGED_CHECKS``."""
+    bad = _lens_bad(flag, g0, hi, code0)
+    if SUB > 1 and GS < NEXT_N:
+        bad = tl.maximum(bad, _lens_bad(flag, g1, hi, code0))
+    if SUB > 2 and 2 * GS < NEXT_N:
+        bad = tl.maximum(bad, _lens_bad(flag, g2, hi, code0))
+    if SUB > 3 and 3 * GS < NEXT_N:
+        bad = tl.maximum(bad, _lens_bad(flag, g3, hi, code0))
     if i_c == 0:
-        o_h = tl.arange(0, HP)
+        # 16 heads at a time: a [HP, D] byte tile would take a register a byte, and a kernel's register
+        # allocation is its maximum anywhere
+        o_h = tl.arange(0, 16)
         o_d = tl.arange(0, D)
-        nan = tl.zeros([HP, D], tl.int1)
-        for j in tl.static_range(NEXT_N):
-            b = tl.load(q + j * stride_qn + o_h[:, None] * stride_qh + o_d[None, :], mask=(o_h < H)[:, None],
-                        other=0.0)
+        nan = tl.zeros([16, D], tl.int1)
+        for r in range(0, NEXT_N * HP, 16):
+            j = r // HP
+            h = r % HP + o_h
+            b = tl.load(q + j * stride_qn + h[:, None] * stride_qh + o_d[None, :], mask=(h < H)[:, None], other=0.0)
             nan = nan | ((b.to(tl.uint8, bitcast=True) & 0x7F) == 0x7F)
         flag_word(flag, tl.max(nan.to(tl.int32), axis=None) > 0, 0, code0 + 4)
     return bad == 0
 
 
 @triton.jit
-def _page_ok(flag, i_p, m, last_page, code0):
-    """The page ids ``i_p`` ([N], read where ``m``) in [0, last_page]; a bad one is flagged (error words
-    code0 + 2 / + 3) and its positions must read no key. Returns the ok mask."""
+def _chunk_pages_ok(flag, p_bt, c0, end, reach, last_page, code0, PAGE: tl.constexpr, CP: tl.constexpr):
+    """The page ids a program reads (columns [c0, min(end, reach)), at most CP pages; entries past the
+    reach are never read) in [0, last_page]; a bad one is flagged (error words code0 + 2 / + 3). Returns 1
+    if all are good: one vector load before the loop, so the loop itself is the unchecked kernel's."""
+    o_p = tl.arange(0, CP)
+    m_p = o_p < tl.cdiv(tl.maximum(tl.minimum(end, reach) - c0, 0), PAGE)
+    ids = tl.load(p_bt + c0 // PAGE + o_p, mask=m_p, other=0)
     w_lo = (tl.zeros([], tl.int64) + code0 + 2) << 32
-    return flag_lo_hi(flag, i_p, m, 0, last_page, w_lo, w_lo + (1 << 32)) == 0
-
-
-@triton.jit
-def _page_ok_scalar(flag, i_p, m, last_page, code0):
-    """:func:`_page_ok` of one page id (the TMA kernel's scalar page)."""
-    bad_lo = m & (i_p < 0)
-    bad_hi = m & (i_p > last_page)
-    flag_word(flag, bad_hi, i_p, code0 + 3)
-    flag_word(flag, bad_lo, i_p, code0 + 2)
-    return (bad_lo | bad_hi) == 0
+    bad = flag_lo_hi(flag, ids, m_p, 0, last_page, w_lo, w_lo + (1 << 32))
+    return tl.max(bad.to(tl.int32), axis=0) == 0
 
 
 @triton.jit
 def _program_span(q, w, context_lens, out, max_len, stride_qb, stride_qn, stride_qh, stride_w, stride_o,
-                  flag, hi, code0,
+                  p_bt, flag, hi, last_page, code0,
                   NEXT_N: tl.constexpr, H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
                   GS: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, FP8_DOT: tl.constexpr,
-                  CHECK: tl.constexpr, NP: tl.constexpr):
+                  CHECK: tl.constexpr, PAGE: tl.constexpr):
     """What program (g, b, c) of either paged kernel works on: the 4 sub-group tuples and reach of
     :func:`_draft_groups` for draft rows g * G .., request b (int64), the head-dim offsets ``o_d [D]``, and
     its output columns [c0, c1), of which [c0, end) are scored: whole BLOCK_N steps up to the group's
-    reach (the tail past it is -inf only). With ``CHECK`` a request with a bad value has reach 0."""
+    reach (the tail past it is -inf only). With ``CHECK`` a program with a bad length has reach 0, one
+    with a bad page id among the pages it reads has end c0."""
     i_g, i_b, i_c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b64 = i_b.to(tl.int64)
     j0 = i_g * G
     q += i_b64 * stride_qb
     o_d = tl.arange(0, D)
-    if CHECK:
-        ok = _request_check(q, context_lens, i_b64, i_c, stride_qn, stride_qh, hi, flag, code0, NEXT_N, NP, H, HP, D)
     g0, g1, g2, g3, reach = _draft_groups(q, w, context_lens, out, i_b64, j0, o_d, stride_qn, stride_qh, stride_w,
                                           stride_o, NEXT_N, H, HP, GS, G // GS, FP8_DOT)
     if CHECK:
+        ok = _program_ok(q, g0, g1, g2, g3, i_c, stride_qn, stride_qh, hi, flag, code0, NEXT_N, H, HP, D, GS, G // GS)
         reach = tl.where(ok, reach, 0)
     c0 = i_c * CHUNK
     c1 = tl.minimum(c0 + CHUNK, max_len)
     end = c0 + tl.cdiv(tl.maximum(tl.minimum(c1, reach) - c0, 0), BLOCK_N) * BLOCK_N
+    if CHECK:
+        # a bad page id is never read: the program's whole chunk then scores -inf
+        CP: tl.constexpr = triton.next_power_of_2(CHUNK // PAGE)
+        end = tl.where(_chunk_pages_ok(flag, p_bt, c0, end, reach, last_page, code0, PAGE, CP), end, c0)
     return g0, g1, g2, g3, reach, i_b64, o_d, c0, c1, end
 
 
@@ -211,13 +226,12 @@ def _fill_groups(g0, g1, g2, g3, start, stop, BLOCK_N: tl.constexpr, NEXT_N: tl.
 
 
 @triton.jit
-def _score_rows(b_k, b_ks, grp, o_t, o_l, c1, GS: tl.constexpr, HP: tl.constexpr, CHAIN: tl.constexpr):
+def _score_rows(b_k, b_ks, grp, o_t, c1, GS: tl.constexpr, HP: tl.constexpr, CHAIN: tl.constexpr):
     """Score one step's keys ``b_k [BLOCK_N, D]`` (scales ``b_ks [BLOCK_N]``, positions ``o_t``) for the GS draft
-    rows of ``grp`` (a :func:`_draft_rows` tuple) and store them: ``k_scale * sum_h w * relu(k . q)`` where
-    ``o_l`` (the positions, or past every length where a key must not count) is below the row's length,
-    -inf elsewhere."""
+    rows of ``grp`` (a :func:`_draft_rows` tuple) and store them: ``k_scale * sum_h w * relu(k . q)`` below
+    each row's length, -inf from it on."""
     b_qt, b_w, b_len, p_rows, m_j = grp
-    b_l = _row_logits(b_k, b_ks, b_qt, b_w, b_len, o_l, GS, HP, CHAIN)
+    b_l = _row_logits(b_k, b_ks, b_qt, b_w, b_len, o_t, GS, HP, CHAIN)
     # not _store_logits(.., False): it builds the mask after the pointers, which reschedules the measured
     # n = 1 kernel's SASS
     tl.store(p_rows[None, :] + o_t[:, None], b_l, mask=m_j[None, :] & (o_t[:, None] < c1))
@@ -273,7 +287,7 @@ def indexer_logits_paged_kernel(
     NEXT_N: tl.constexpr, H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr,
     G: tl.constexpr, GS: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
     PAGE: tl.constexpr, PAGE_BYTES: tl.constexpr, KEY_BYTES: tl.constexpr, FP8_DOT: tl.constexpr,
-    CHAIN: tl.constexpr, NUM_STAGES: tl.constexpr, CHECK: tl.constexpr, NP: tl.constexpr,
+    CHAIN: tl.constexpr, NUM_STAGES: tl.constexpr, CHECK: tl.constexpr,
 ):
     """Program (g, b, c): draft rows g * G .. g * G + G - 1 of request b, output columns [c * CHUNK, (c + 1) * CHUNK).
 
@@ -286,7 +300,8 @@ def indexer_logits_paged_kernel(
     SUB: tl.constexpr = G // GS
     g0, g1, g2, g3, reach, i_b64, o_d, c0, c1, end = _program_span(
         q, w, context_lens, out, max_len, stride_qb, stride_qn, stride_qh, stride_w, stride_o,
-        flag, hi, code0, NEXT_N, H, HP, D, G, GS, BLOCK_N, CHUNK, FP8_DOT, CHECK, NP)
+        block_table + tl.program_id(1).to(tl.int64) * stride_bt, flag, hi, last_page, code0,
+        NEXT_N, H, HP, D, G, GS, BLOCK_N, CHUNK, FP8_DOT, CHECK, PAGE)
     o_n = tl.arange(0, BLOCK_N)
     # num_stages on the loop itself makes Triton pipeline the scale and page-id loads too (by default
     # it pipelines only loads that feed a dot), so the page ids, keys and scales of the next
@@ -295,13 +310,6 @@ def indexer_logits_paged_kernel(
         o_t = tl.multiple_of(t0, BLOCK_N) + o_n
         # [BLOCK_N] page of each position; positions past reach read page 0 instead of junk table entries
         i_p = tl.load(block_table + i_b64 * stride_bt + o_t // PAGE, mask=o_t < reach, other=0).to(tl.int64)
-        if CHECK:
-            # a bad page id is never read: its positions read page 0 and score -inf (o_t moved past every length)
-            m_ok = _page_ok(flag, i_p, o_t < reach, last_page, code0)
-            i_p = tl.where(m_ok, i_p, 0)
-            o_l = tl.where(m_ok, o_t, 2147483647)
-        else:
-            o_l = o_t
         o_in = o_t % PAGE
         # [BLOCK_N, D] keys, 128 contiguous bytes a token
         b_k = tl.load(keys + i_p[:, None] * PAGE_BYTES + o_in[:, None] * D + o_d[None, :])
@@ -309,56 +317,48 @@ def indexer_logits_paged_kernel(
         b_ks = tl.load(scales + i_p * (PAGE_BYTES // 4) + KEY_BYTES // 4 + o_in)
         if not FP8_DOT:
             b_k = e4m3_bits_to_f16(b_k)
-        _score_rows(b_k, b_ks, g0, o_t, o_l, c1, GS, HP, CHAIN)
+        _score_rows(b_k, b_ks, g0, o_t, c1, GS, HP, CHAIN)
         if SUB > 1 and GS < NEXT_N:
-            _score_rows(b_k, b_ks, g1, o_t, o_l, c1, GS, HP, CHAIN)
+            _score_rows(b_k, b_ks, g1, o_t, c1, GS, HP, CHAIN)
         if SUB > 2 and 2 * GS < NEXT_N:
-            _score_rows(b_k, b_ks, g2, o_t, o_l, c1, GS, HP, CHAIN)
+            _score_rows(b_k, b_ks, g2, o_t, c1, GS, HP, CHAIN)
         if SUB > 3 and 3 * GS < NEXT_N:
-            _score_rows(b_k, b_ks, g3, o_t, o_l, c1, GS, HP, CHAIN)
+            _score_rows(b_k, b_ks, g3, o_t, c1, GS, HP, CHAIN)
     _fill_groups(g0, g1, g2, g3, end, c1, BLOCK_N, NEXT_N, GS, SUB)
 
 
 @triton.jit
-def _score_page(key_desc, scales, p_bt, t0, reach, o_n, g0, g1, g2, g3, c1, flag, last_page, code0,
+def _score_page(key_desc, scales, p_bt, t0, reach, o_n, g0, g1, g2, g3, c1,
                 NEXT_N: tl.constexpr, GS: tl.constexpr, SUB: tl.constexpr, HP: tl.constexpr, PAGE: tl.constexpr,
                 PAGE_ROWS: tl.constexpr, PAGE_WORDS: tl.constexpr, KEY_WORDS: tl.constexpr, CHAIN: tl.constexpr,
-                ASM_STORE: tl.constexpr, CHECK: tl.constexpr):
+                ASM_STORE: tl.constexpr):
     """Score and store the page holding positions ``t0 .. t0 + PAGE - 1`` (``t0`` a multiple of PAGE) for
     all the program's draft rows. A page past ``reach`` reads page 0 instead of a junk table entry (never
     stored as a logit: every row masks it to -inf)."""
     # scalar page id: one TMA copy per page, no per-element address arithmetic
     i_p = tl.load(p_bt + t0 // PAGE, mask=t0 < reach, other=0)
-    # lim: positions count below each row's length minus lim (t0), none on a bad page (CHECK)
-    if CHECK:
-        ok = _page_ok_scalar(flag, i_p, t0 < reach, last_page, code0)
-        i_p = tl.where(ok, i_p, 0)
-        lim = tl.where(ok, t0, 2147483647)
-    else:
-        lim = t0
     # [PAGE, D] keys: rows i_p * PAGE_ROWS .. + PAGE - 1 of the cache viewed as [P * PAGE_ROWS, D] e4m3
     b_k = key_desc.load([i_p * PAGE_ROWS, 0])
     # [PAGE] per-key scales after the page's keys (cp.async; by TMA too it measured 15 % slower)
     b_ks = tl.load(scales + i_p.to(tl.int64) * PAGE_WORDS + KEY_WORDS + o_n)
     # positions relative to t0: the per-element masks compare the page offset o_n against per-row scalars
     # (32-bit, one compare) instead of the absolute position against the row length
-    _score_page_rows(b_k, b_ks, g0, t0, lim, o_n, c1, GS, HP, CHAIN, ASM_STORE)
+    _score_page_rows(b_k, b_ks, g0, t0, o_n, c1, GS, HP, CHAIN, ASM_STORE)
     if SUB > 1 and GS < NEXT_N:
-        _score_page_rows(b_k, b_ks, g1, t0, lim, o_n, c1, GS, HP, CHAIN, ASM_STORE)
+        _score_page_rows(b_k, b_ks, g1, t0, o_n, c1, GS, HP, CHAIN, ASM_STORE)
     if SUB > 2 and 2 * GS < NEXT_N:
-        _score_page_rows(b_k, b_ks, g2, t0, lim, o_n, c1, GS, HP, CHAIN, ASM_STORE)
+        _score_page_rows(b_k, b_ks, g2, t0, o_n, c1, GS, HP, CHAIN, ASM_STORE)
     if SUB > 3 and 3 * GS < NEXT_N:
-        _score_page_rows(b_k, b_ks, g3, t0, lim, o_n, c1, GS, HP, CHAIN, ASM_STORE)
+        _score_page_rows(b_k, b_ks, g3, t0, o_n, c1, GS, HP, CHAIN, ASM_STORE)
 
 
 @triton.jit
-def _score_page_rows(b_k, b_ks, grp, t0, lim, o_n, c1, GS: tl.constexpr, HP: tl.constexpr, CHAIN: tl.constexpr,
+def _score_page_rows(b_k, b_ks, grp, t0, o_n, c1, GS: tl.constexpr, HP: tl.constexpr, CHAIN: tl.constexpr,
                      ASM_STORE: tl.constexpr):
     """One page's keys ``b_k [PAGE, D]`` (scales ``b_ks``) scored for the GS draft rows of ``grp`` and stored
-    at the page's columns ``t0 + o_n``; a key counts below the row's length minus ``lim`` (t0, or past every
-    length: none)."""
+    at the page's columns ``t0 + o_n``."""
     b_qt, b_w, b_len, p_rows, m_j = grp
-    b_l = _row_logits(b_k, b_ks, b_qt, b_w, b_len - lim, o_n, GS, HP, CHAIN)
+    b_l = _row_logits(b_k, b_ks, b_qt, b_w, b_len - t0, o_n, GS, HP, CHAIN)
     _store_logits(p_rows + t0, m_j, o_n, c1 - t0, b_l, ASM_STORE)
 
 
@@ -378,7 +378,7 @@ def indexer_logits_paged_tma_kernel(
     NEXT_N: tl.constexpr, H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr,
     G: tl.constexpr, GS: tl.constexpr, PAGES: tl.constexpr, CHUNK: tl.constexpr,
     PAGE: tl.constexpr, PAGE_ROWS: tl.constexpr, PAGE_WORDS: tl.constexpr, KEY_WORDS: tl.constexpr,
-    CHAIN: tl.constexpr, NUM_STAGES: tl.constexpr, ASM_STORE: tl.constexpr, CHECK: tl.constexpr, NP: tl.constexpr,
+    CHAIN: tl.constexpr, NUM_STAGES: tl.constexpr, ASM_STORE: tl.constexpr, CHECK: tl.constexpr,
 ):
     """The paged kernel with the keys copied by TMA (sm_90+; the interpreter runs it too): program
     (g, b, c) as in :func:`indexer_logits_paged_kernel`, ``PAGES`` (1 or 2) whole pages a loop step.
@@ -393,16 +393,17 @@ def indexer_logits_paged_tma_kernel(
     BLOCK_N: tl.constexpr = PAGES * PAGE
     g0, g1, g2, g3, reach, i_b64, o_d, c0, c1, end = _program_span(
         q, w, context_lens, out, max_len, stride_qb, stride_qn, stride_qh, stride_w, stride_o,
-        flag, hi, code0, NEXT_N, H, HP, D, G, GS, BLOCK_N, CHUNK, True, CHECK, NP)
+        block_table + tl.program_id(1).to(tl.int64) * stride_bt, flag, hi, last_page, code0,
+        NEXT_N, H, HP, D, G, GS, BLOCK_N, CHUNK, True, CHECK, PAGE)
     p_bt = block_table + i_b64 * stride_bt
     o_n = tl.arange(0, PAGE)
     for t0 in tl.range(c0, end, BLOCK_N, num_stages=NUM_STAGES):
         t0 = tl.multiple_of(t0, BLOCK_N)
-        _score_page(key_desc, scales, p_bt, t0, reach, o_n, g0, g1, g2, g3, c1, flag, last_page, code0,
-                    NEXT_N, GS, SUB, HP, PAGE, PAGE_ROWS, PAGE_WORDS, KEY_WORDS, CHAIN, ASM_STORE, CHECK)
+        _score_page(key_desc, scales, p_bt, t0, reach, o_n, g0, g1, g2, g3, c1,
+                    NEXT_N, GS, SUB, HP, PAGE, PAGE_ROWS, PAGE_WORDS, KEY_WORDS, CHAIN, ASM_STORE)
         if PAGES > 1:
-            _score_page(key_desc, scales, p_bt, t0 + PAGE, reach, o_n, g0, g1, g2, g3, c1, flag, last_page, code0,
-                        NEXT_N, GS, SUB, HP, PAGE, PAGE_ROWS, PAGE_WORDS, KEY_WORDS, CHAIN, ASM_STORE, CHECK)
+            _score_page(key_desc, scales, p_bt, t0 + PAGE, reach, o_n, g0, g1, g2, g3, c1,
+                        NEXT_N, GS, SUB, HP, PAGE, PAGE_ROWS, PAGE_WORDS, KEY_WORDS, CHAIN, ASM_STORE)
     _fill_groups(g0, g1, g2, g3, end, c1, BLOCK_N, NEXT_N, GS, SUB)
 
 
@@ -633,7 +634,7 @@ def indexer_logits_paged(q_fp8: torch.Tensor, index_cache: torch.Tensor, weights
 
     def checks():
         return dict(flag=flag, hi=min(max_context_len, block_table.shape[1] * PAGE_SIZE), last_page=P - 1,
-                    code0=PAGED_CODE0, CHECK=check, NP=max(2, next_pow2(n)))
+                    code0=PAGED_CODE0, CHECK=check)
 
     if tma:
         def build():
