@@ -311,7 +311,8 @@ def _setup_decode(p: dict, dev, status) -> list[tuple[str, Bench]]:
     bt = torch.randperm(B * per_req, generator=g, device=dev).view(B, per_req)
     idx = decode_slots(bt, ctx, s_q, topk, g)
     q = randn((B, s_q, h, 576), g, dev, torch.bfloat16)
-    ours = lambda: ops.sparse_mla_decode(q, cache, idx, SM_SCALE, backend="triton")  # noqa: E731
+    # the default backend: on sm_90 the Gluon kernel, elsewhere the Triton ones (ops.sparse_mla_decode's rule)
+    ours = lambda: ops.sparse_mla_decode(q, cache, idx, SM_SCALE)  # noqa: E731
 
     def check():
         sub = rows_subset(B, 4, dev)
@@ -383,7 +384,7 @@ def _setup_layer(p: dict, dev, status) -> list[tuple[str, Bench]]:
     write(torch.cat([alloc.slots(r) for r in reqs]))
     for r in reqs:
         alloc.extend(r, 1)  # this step's token, written before attending as the layer does
-    meta = build_decode(alloc, reqs, 1, DECODE, backend="triton")
+    meta = build_decode(alloc, reqs, 1, DECODE)  # default backends (sparse MLA: Gluon on sm_90)
     write(meta.slot_mapping)
     idx = IndexerOutput(randn((B, H_I, 128), g, dev, FP8), randn((B, H_I), g, dev) * H_I ** -0.5, None, None)
     q = randn((B, h, 576), g, dev, torch.bfloat16)

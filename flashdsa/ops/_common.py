@@ -18,7 +18,7 @@ import torch
 from flashdsa._checks import (DEVICE, HOST, check_errors, check_finite, check_range, fail,  # noqa: F401 (re-exported)
                               raise_deferred, set_value_checks, value_check_mode, value_checks_enabled)
 
-BACKENDS = ("torch", "triton")
+BACKENDS = ("torch", "triton", "gluon")  # gluon: the ops that have a Gluon kernel (sparse_mla_decode)
 _Tensor = torch.Tensor
 
 

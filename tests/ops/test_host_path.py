@@ -4,7 +4,7 @@ launch plans (``ops/_launch.py``).
 On the CPU the device checks run in Triton's interpreter (``_checks.DEVICE_CHECKS_ON_CPU``): every bad
 value of the host checks' cases is still reported as a ValueError naming the argument, now deferred to
 the next op call or ``ops.check_errors()``, the call itself reads nothing through the bad value (its
-rows come out empty; a bad page id of the paged logits: the positions on that page), and good inputs
+rows come out empty; a bad page id of the paged logits: at least the positions on that page), and good inputs
 give the host mode's bits. Plans are checked against Triton's own
 binding of the same launch (``_launch.VERIFY``) with a recording stand-in for the compiled kernel; on the
 GPU the same with the real ones, and the deferred errors with real device checks."""

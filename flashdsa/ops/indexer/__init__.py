@@ -113,8 +113,9 @@ def indexer_logits_paged(q_fp8: torch.Tensor, index_cache: torch.Tensor, weights
     checks on); keys must not hold them at reachable positions (not checked: that would read the whole
     cache; ``store_index_keys`` rejects them), else the backends may disagree. Value checks (lengths,
     reachable page ids, q NaN codes): for the Triton kernel on CUDA by the kernel itself (no extra
-    launch, no host sync), a deferred ValueError (``flashdsa._checks``); a request with a bad length or
-    page id then reads no key.
+    launch, no host sync), a deferred ValueError (``flashdsa._checks``); nothing is read through a bad
+    value: rows with a bad length (and the rows sharing their kernel program) score -inf, and so do the
+    output columns a kernel program would have read through a bad page id.
 
     Returns:
         ``[B * n, max_context_len] float32``, ``-inf`` at and past each row's length.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import warnings
 
 import torch
 
@@ -24,7 +25,37 @@ def _triton_prefill(*args, **kwargs):
     return _module("flashdsa.ops.sparse_mla.triton").sparse_mla_prefill(*args, **kwargs)
 
 
-_DECODE = {"torch": reference.sparse_mla_decode, "triton": _triton_decode}
+_GLUON_STATE = {"ran": False, "failed": None}  # a Gluon kernel ran in this process / why its first launch failed
+
+
+def _gluon_decode(*args, **kwargs):
+    try:
+        out = _module("flashdsa.ops.sparse_mla.gluon").sparse_mla_decode(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 - see below
+        if _GLUON_STATE["ran"]:
+            raise
+        # Gluon is experimental in Triton: a version whose API moved fails to compile the kernel (measured
+        # with 3.6; it compiles with 3.9). The Triton kernels then run, for this call and every later one.
+        _GLUON_STATE["failed"] = f"{type(e).__name__}: {e}"
+        warnings.warn(f"sparse_mla_decode: the Gluon kernel failed on this Triton ({_GLUON_STATE['failed']}); "
+                      "using the Triton kernels", RuntimeWarning)
+        return _triton_decode(*args, **kwargs)
+    _GLUON_STATE["ran"] = True
+    return out
+
+
+def _gluon_unsupported(q, kv_cache, fmt: str, d_v: int) -> str | None:
+    """Why the Gluon decode kernel cannot run this call (None: it can); also where this Triton has no Gluon."""
+    if _GLUON_STATE["failed"]:
+        return f"a Triton whose Gluon compiles it (its first launch failed: {_GLUON_STATE['failed']})"
+    try:
+        gluon = _module("flashdsa.ops.sparse_mla.gluon")
+    except (ImportError, AttributeError) as e:  # a Triton without triton.experimental.gluon (or another API)
+        return f"Triton's Gluon (import failed: {e})"
+    return gluon.unsupported(q, kv_cache, fmt, d_v)
+
+
+_DECODE = {"torch": reference.sparse_mla_decode, "triton": _triton_decode, "gluon": _gluon_decode}
 _PREFILL = {"torch": reference.sparse_mla_prefill, "triton": _triton_prefill}
 
 
@@ -84,6 +115,12 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Te
         sm_scale: softmax scale.
         d_v:      value dims (the first d_v of the 576).
         kv_scale: per-tensor scale of the raw fp8 cache; None for the other formats.
+        backend:  None (the rule below), "gluon", "triton" or "torch" (the fp32 reference).
+
+    Backends: on an sm_90 GPU with the fp8 656-B cache, h_q a multiple of 64 and d_v 512, the
+    warp-specialised Gluon kernel (``gluon.py``; 0.65x the Triton kernel's time at B 64 h 128 on the H200);
+    everywhere else on CUDA (other GPUs, caches, head counts, the interpreter) the Triton kernels. Both are
+    within FlashMLA's tolerance of the reference. ``backend="gluon"`` where it does not apply is a ValueError.
 
     Returns:
         ``out [B, s_q, h_q, d_v] bfloat16`` (float32 with an fp32 cache) and ``lse [B, s_q, h_q] float32``
@@ -110,6 +147,13 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Te
     _check_d_v(d_v)
     (indices,) = dense(indices)
     impl = pick_backend(backend, _DECODE, dev, "sparse_mla_decode")
+    # the one rule: Gluon wherever it applies (sm_90, fp8 656-B cache, h_q a multiple of 64), else Triton
+    if impl is _triton_decode and backend is None or impl is _gluon_decode:
+        why = _gluon_unsupported(q, kv_cache, fmt, d_v)
+        if why is None:
+            impl = _gluon_decode
+        elif impl is _gluon_decode:
+            fail("backend", f"'gluon' for a call it supports: it needs {why}", "'gluon'")
     return impl(q, kv_cache, indices, float(sm_scale), d_v, kv_scale)
 
 

@@ -1,0 +1,428 @@
+"""Probe of the Gluon sparse MLA decode kernel (flashdsa/ops/sparse_mla/gluon.py, issue #16) on one H200.
+
+    PYTHONPATH=. python benchmarks/gluon_sparse_mla_probe.py [--variants ws-pipe-pf2,ws] [--child-timeout 90]
+    PYTHONPATH=/path/to/triton-3.6:. python benchmarks/gluon_sparse_mla_probe.py --compile-only   # no GPU
+
+GPU run, in this order:
+  1. Baselines in this process: our Triton default (``flashdsa.ops.sparse_mla.triton``) and FlashMLA
+     (skipped when sgl-kernel's ops do not load) timed on the three decode shapes below, and the Triton
+     default on the correctness cases (a yardstick for the Gluon kernel's errors).
+  2. Each Gluon variant (gluon.VARIANTS) in its own child process (a deadlocked kernel only loses its own
+     child, killed after ``--child-timeout`` s): compile stats (n_regs / n_spills / shared / setmaxnreg),
+     correctness on fresh random inputs against ``reference.py`` (outputs NaN-poisoned first, so unwritten
+     elements fail; ``ok`` is the Triton tests' tolerance, see :func:`check`), then the three timings
+     (CUDA-graph replay, median; the big cases also checked on a few rows) and, for the first shape,
+     "hot64" (every step on the same 64 rows: the kernel without DRAM latency). Variants named ``diag-*``
+     compute wrong results on purpose and are only timed.
+  3. Per-variant timings, then the table last (case | best correct Gluon variant | us | Triton us |
+     FlashMLA us | ratios), and JSON in $OUT/gluon_sparse_mla_probe.json.
+
+--compile-only compiles every variant for sm_90 with the Triton on the path (Gluon of 3.6 wanted) and
+prints shared memory, setmaxnreg budgets, ptxas spills, HGMMA / WARPGROUP.DEPBAR counts and ptxas's
+wgmma-serialisation notes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+SM_SCALE = 576 ** -0.5
+TIMING_CASES = [(64, 1, 128), (64, 2, 128), (128, 2, 64)]   # (B, s_q, h_q), topk 2048, 32K context
+DEFAULT_VARIANTS = ["ws-pipe-pf2", "ws-pipe-pf2-dq4", "ws-ovl-pipe-pf2-dq4", "ws", "diag-nodeq", "diag-ovl-nodeq"]
+
+
+# ---- correctness inputs ---------------------------------------------------------------------------------
+
+def small_case(B, s_q, h_q, topk, kind, seed, dev):
+    """(q, cache, indices) on a small pool (48 pages = 3072 slots) with the edge cases of ``kind``:
+
+    "full": every index a distinct valid slot; "ragged": row r keeps a random number of valid slots
+    (0 for row 0: all -1), the rest -1; "mixed": -1, -7 and >= N sprinkled over the list, duplicates
+    allowed; "empty": every index -1; "nan0": slot 0 of the cache is NaN bytes and never selected (a
+    skipped index must not read it)."""
+    from flashdsa.testing.inputs import mla_cache, randn
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    P = 48
+    cache = mla_cache(P, gen, dev)
+    N = P * 64
+    q = randn((B, s_q, h_q, 576), gen, dev, torch.bfloat16)
+    R = B * s_q
+    lo = 1 if kind == "nan0" else 0
+    idx = torch.stack([torch.randperm(N - lo, generator=gen, device=dev)[:topk] + lo for _ in range(R)])
+    if kind == "ragged":
+        keep = torch.randint(0, topk + 1, (R,), generator=gen, device=dev)
+        keep[0] = 0
+        keep[-1] = topk
+        pos = torch.arange(topk, device=dev)
+        idx = torch.where(pos[None, :] < keep[:, None], idx, -1)
+    elif kind == "mixed":
+        idx = torch.randint(0, N, (R, topk), generator=gen, device=dev)   # duplicates count twice
+        r = torch.rand(R, topk, generator=gen, device=dev)
+        idx = torch.where(r < 0.1, -1, idx)
+        idx = torch.where((r >= 0.1) & (r < 0.15), -7, idx)
+        idx = torch.where((r >= 0.15) & (r < 0.2), N + 5, idx)
+    elif kind == "empty":
+        idx = torch.full_like(idx, -1)
+    elif kind == "nan0":
+        cache[0, 0, :] = 0xFF   # e4m3 NaN latent, NaN scales, NaN rope
+        idx = torch.where(torch.rand(R, topk, generator=gen, device=dev) < 0.3, -1, idx)
+    return q, cache, idx.view(B, s_q, topk).to(torch.int32).contiguous()
+
+
+CORRECTNESS_CASES = [
+    # (B, s_q, h_q, topk, kind)
+    (2, 1, 64, 128, "ragged"),
+    (2, 2, 128, 192, "ragged"),
+    (3, 1, 64, 100, "mixed"),       # topk not a multiple of 64: the last step is partial
+    (2, 2, 128, 128, "mixed"),
+    (2, 1, 64, 64, "empty"),        # every row empty: out 0, lse -inf
+    (2, 2, 64, 192, "nan0"),
+    (4, 2, 128, 2048, "full"),
+    (3, 1, 64, 2048, "ragged"),
+    (2, 2, 128, 2048, "ragged"),
+    (2, 1, 16, 128, "ragged"),      # beyond the brief: h_q < 64 (masked heads)
+]
+
+
+def check(out, lse, q, cache, idx, tol) -> dict:
+    """Errors against the fp32 reference on the dequantised cache. ``ok``: the criterion of
+    tests/ops/test_sparse_mla_triton.py (flashdsa.testing.compare.assert_close: NaN / inf positions equal,
+    |out - ref| <= 1e-3 + 2.01/128 |ref|, cosine diff <= 5e-6; lse 1e-6 + 8.01/65536 |ref|; empty rows
+    exactly 0). ``ref_ok`` (reported, not required): bench_sparse_mla.ref_check's stricter per-element
+    "1e-3 abs OR 2/128 rel" rule, which bf16 P alone can break on short lists (see the Triton column)."""
+    from bench_sparse_mla import ref_check
+    from flashdsa.ops.sparse_mla import reference
+    from flashdsa.testing.compare import assert_close
+    ref_out, ref_lse = reference.sparse_mla_decode(q, cache, idx, SM_SCALE, 512, None)
+    info = ref_check(out, lse, lambda qq, ii: (ref_out, ref_lse), q, idx, tol)
+    fail = None
+    try:
+        assert_close(lse, ref_lse, name="lse", atol=1e-6, rtol=8.01 / 65536)
+        assert_close(out, ref_out, name="out", atol=1e-3, rtol=2.01 / 128, max_cos_diff=5e-6)
+    except AssertionError as e:
+        fail = str(e)[:300]
+    n_nan = int(torch.isnan(out.float()).sum()) + int(torch.isnan(lse).sum())
+    empty = torch.isneginf(ref_lse)
+    empty_ok = bool((out[empty].float() == 0).all()) and bool(torch.isneginf(lse[empty]).all())
+    info.update(nan=n_nan, empty_rows=int(empty.any(-1).sum()), empty_ok=empty_ok)
+    if fail:
+        info["fail"] = fail
+    info["ok"] = fail is None and n_nan == 0 and empty_ok
+    return info
+
+
+# ---- the child: one Gluon variant --------------------------------------------------------------------
+
+def run_child(variant: str, result_path: str) -> None:
+    from _common import timed
+    from bench_sparse_mla import DECODE_TOL, decode_inputs
+    from flashdsa.ops.sparse_mla import gluon as G
+    from flashdsa.testing.inputs import rows_subset
+    dev = torch.device("cuda")
+    res = {"variant": variant, "constexprs": G.VARIANTS[variant], "cases": [], "timing": []}
+
+    def save():
+        with open(result_path, "w") as f:
+            json.dump(res, f, indent=1)
+
+    def say(msg):
+        print(f"[{variant}] {msg}", flush=True)
+
+    t0 = time.time()
+    try:
+        q, cache, idx = small_case(2, 1, 64, 128, "full", 0, dev)
+        k = G.compiled_kernel(q, cache, idx, SM_SCALE, variant)
+        torch.cuda.synchronize()
+        res["compile"] = dict(n_regs=k.n_regs, n_spills=k.n_spills, shared=k.metadata.shared,
+                              wgmma="wgmma" in k.asm["ptx"],
+                              setmaxnreg=re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", k.asm["ptx"]))
+        say(f"compiled in {time.time() - t0:.1f} s: {res['compile']}")
+    except Exception as e:  # noqa: BLE001
+        res["compile_error"] = repr(e)[-2000:]
+        say(f"compile FAILED: {e!r}"[:3000])
+        save()
+        return
+    save()
+
+    diag = variant.startswith("diag")
+    for seed, (B, s_q, h_q, topk, kind) in enumerate([] if diag else CORRECTNESS_CASES):
+        name = f"B{B} s_q{s_q} h{h_q} topk{topk} {kind}"
+        try:
+            q, cache, idx = small_case(B, s_q, h_q, topk, kind, 100 + seed, dev)
+            out = torch.full((B, s_q, h_q, 512), float("nan"), dtype=torch.bfloat16, device=dev)
+            lse = torch.full((B, s_q, h_q), float("nan"), dtype=torch.float32, device=dev)
+            G.sparse_mla_decode_gluon(q, cache, idx, SM_SCALE, 512, variant, out=out, lse=lse)
+            torch.cuda.synchronize()
+            info = check(out, lse, q, cache, idx, DECODE_TOL)
+        except Exception as e:  # noqa: BLE001
+            info = dict(ok=False, error=repr(e)[:300])
+        res["cases"].append(dict(case=name, **info))
+        say(f"{name}: " + ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in info.items()))
+        save()
+
+    for B, s_q, h_q in TIMING_CASES:
+        name = f"B{B} s_q{s_q} h{h_q} topk2048"
+        try:
+            q, cache, idx = decode_inputs(B, s_q, h_q, dev)
+            out, lse = G.sparse_mla_decode_gluon(q, cache, idx, SM_SCALE, 512, variant)
+            sub = rows_subset(B, 4, dev)
+            torch.cuda.synchronize()
+            info = dict(diag=True) if diag else check(out[sub], lse[sub], q[sub], cache, idx[sub], DECODE_TOL)
+            us = timed(lambda: G.sparse_mla_decode_gluon(q, cache, idx, SM_SCALE, 512, variant), "cuda", True)
+            row = dict(case=name, us=round(us, 1), **info)
+            if (B, s_q, h_q) == TIMING_CASES[0]:
+                # every step gathers the same 64 rows (L1 / L2 hits): the kernel without DRAM latency
+                hot = (torch.arange(idx.shape[-1], device=dev, dtype=torch.int32) % 64).expand_as(idx).contiguous()
+                row["hot64_us"] = round(timed(lambda: G.sparse_mla_decode_gluon(q, cache, hot, SM_SCALE, 512, variant),
+                                              "cuda", True), 1)
+        except Exception as e:  # noqa: BLE001
+            row = dict(case=name, error=repr(e)[:300])
+        res["timing"].append(row)
+        say(f"time {name}: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()
+                                       if k != "case"))
+        save()
+        cache = q = idx = None
+        torch.cuda.empty_cache()
+    say(f"done in {time.time() - t0:.1f} s")
+
+
+# ---- the parent --------------------------------------------------------------------------------------
+
+def baselines(rows: dict) -> None:
+    """Our Triton default and FlashMLA on the timing cases (this process)."""
+    from _common import load_sgl_ops, timed
+    from bench_sparse_mla import decode_inputs
+    from flashdsa.ops.sparse_mla import triton as tri
+    from flashdsa.testing.peers import flashmla_decode
+    dev = torch.device("cuda")
+    peer_ok = load_sgl_ops()
+    for B, s_q, h_q in TIMING_CASES:
+        name = f"B{B} s_q{s_q} h{h_q} topk2048"
+        row = rows.setdefault(name, {"case": name})
+        q, cache, idx = decode_inputs(B, s_q, h_q, dev)
+        try:
+            row["triton_us"] = round(timed(lambda: tri.sparse_mla_decode(q, cache, idx, SM_SCALE, 512, None), "cuda",
+                                           True), 1)
+        except Exception as e:  # noqa: BLE001
+            row["triton_error"] = repr(e)[:200]
+        if peer_ok:
+            try:
+                seqlens = torch.full((B,), 32768, dtype=torch.int32, device=dev)
+                row["flashmla_us"] = round(timed(flashmla_decode(q, cache, idx, SM_SCALE, seqlens), "cuda", True), 1)
+            except Exception as e:  # noqa: BLE001
+                row["flashmla_error"] = repr(e)[:200]
+        print(f"[baseline] {name}: " + ", ".join(f"{k}={v}" for k, v in row.items() if k != "case"), flush=True)
+        cache = q = idx = None
+        torch.cuda.empty_cache()
+
+
+def triton_on_cases() -> list[dict]:
+    """Our Triton default on the correctness cases, judged the same way (a yardstick for the errors)."""
+    from bench_sparse_mla import DECODE_TOL
+    from flashdsa.ops.sparse_mla import triton as tri
+    dev = torch.device("cuda")
+    res = []
+    for seed, (B, s_q, h_q, topk, kind) in enumerate(CORRECTNESS_CASES):
+        name = f"B{B} s_q{s_q} h{h_q} topk{topk} {kind}"
+        try:
+            q, cache, idx = small_case(B, s_q, h_q, topk, kind, 100 + seed, dev)
+            out, lse = tri.sparse_mla_decode(q, cache, idx, SM_SCALE, 512, None)
+            torch.cuda.synchronize()
+            info = check(out, lse, q, cache, idx, DECODE_TOL)
+        except Exception as e:  # noqa: BLE001
+            info = dict(ok=False, error=repr(e)[:300])
+        res.append(dict(case=name, **info))
+        print(f"[triton] {name}: " + ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
+                                             for k, v in info.items()), flush=True)
+    return res
+
+
+def run_parent(variants: list[str], child_timeout: float, budget: float) -> int:
+    t0 = time.time()
+    print(f"{torch.cuda.get_device_name()} torch {torch.__version__}", end=" ")
+    import triton
+    print(f"triton {triton.__version__}", flush=True)
+    rows: dict = {}
+    try:
+        baselines(rows)
+    except Exception as e:  # noqa: BLE001 - the Gluon variants still run
+        print(f"[baseline] FAILED: {e!r}"[:500], flush=True)
+    try:
+        triton_cases = triton_on_cases()
+    except Exception as e:  # noqa: BLE001
+        triton_cases = []
+        print(f"[triton] correctness cases FAILED: {e!r}"[:500], flush=True)
+    results = []
+    for v in variants:
+        left = budget - (time.time() - t0)
+        if left < 40:
+            print(f"[{v}] skipped: {left:.0f} s of the run's budget left", flush=True)
+            results.append({"variant": v, "skipped": True})
+            continue
+        with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+            path = f.name
+        cmd = [sys.executable, __file__, "--child", v, "--result", path]
+        try:
+            subprocess.run(cmd, timeout=min(child_timeout, left - 10), check=False)
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            print(f"[{v}] TIMED OUT (hang?) after {min(child_timeout, left - 10):.0f} s", flush=True)
+        try:
+            with open(path) as f:
+                r = json.load(f)
+        except Exception:  # noqa: BLE001
+            r = {"variant": v}
+        r["timed_out"] = timed_out
+        results.append(r)
+        if timed_out and not r.get("cases"):
+            child_timeout = min(child_timeout, 90)   # a hang before any case: later variants get less time
+    # ---- the table
+    print()
+    for r in results:
+        v = r["variant"]
+        cases = r.get("cases", [])
+        n_ok = sum(1 for c in cases if c.get("ok"))
+        n_strict = sum(1 for c in cases if c.get("ref_ok"))
+        worst = max((c.get("ref_max_abs", 0.0) for c in cases), default=float("nan"))
+        worst_cd = max((c.get("ref_cos_diff", 0.0) for c in cases), default=float("nan"))
+        print(f"== {v}: compile {r.get('compile', r.get('compile_error', '-'))}; correctness {n_ok}/{len(cases)} ok "
+              f"(strict per-element rule {n_strict}/{len(cases)}){' (TIMED OUT)' if r.get('timed_out') else ''}; "
+              f"worst max_abs {worst:.3g}, worst cos_diff {worst_cd:.3g}")
+        for c in cases:
+            if not c.get("ok"):
+                print(f"   FAIL {c}")
+        for t in r.get("timing", []):
+            row = rows.setdefault(t["case"], {"case": t["case"]})
+            row[f"{v}_us"] = t.get("us")
+            row[f"{v}_ok"] = t.get("ok")
+            if "hot64_us" in t:
+                row[f"{v}_hot64_us"] = t["hot64_us"]
+    if triton_cases:
+        n_ok = sum(1 for c in triton_cases if c.get("ok"))
+        n_strict = sum(1 for c in triton_cases if c.get("ref_ok"))
+        worst = max((c.get("ref_max_abs", 0.0) for c in triton_cases), default=float("nan"))
+        print(f"== triton (yardstick): correctness {n_ok}/{len(triton_cases)} ok (strict {n_strict}/"
+              f"{len(triton_cases)}); worst max_abs {worst:.3g}")
+        for c in triton_cases:
+            print(f"   {c['case']}: max_abs {c.get('ref_max_abs', float('nan')):.3g} ok {c.get('ok')} "
+                  f"strict {c.get('ref_ok')}")
+    print("\n== per variant, us (CUDA-graph replay median); hot64: B64 s_q1 h128 with every step on the same 64 rows")
+    for v in variants:
+        cells = [f"{name}: {row.get(f'{v}_us', '-')}{'' if row.get(f'{v}_ok') else ' (not ok)'}"
+                 for name, row in rows.items()]
+        hot = next((row[f"{v}_hot64_us"] for row in rows.values() if f"{v}_hot64_us" in row), "-")
+        print(f"  {v:22s} " + " | ".join(cells) + f" | hot64 {hot}")
+    print("\n== sparse MLA decode fp8, topk 2048, H200: best correct Gluon variant vs our Triton default and FlashMLA")
+    head = ["case", "gluon variant", "gluon us", "triton us", "FlashMLA us", "gluon/FlashMLA", "gluon/triton"]
+    table = [head]
+    for name, row in rows.items():
+        ok = [(row[f"{v}_us"], v) for v in variants if row.get(f"{v}_us") and row.get(f"{v}_ok")]
+        best, bv = min(ok) if ok else (None, "-")
+        fm, tr = row.get("flashmla_us"), row.get("triton_us")
+        row.update(best_gluon_variant=bv, best_gluon_us=best,
+                   best_over_flashmla=round(best / fm, 3) if best and fm else None,
+                   best_over_triton=round(best / tr, 3) if best and tr else None)
+        table.append([name, bv] + [str(x) for x in (best, tr, fm, row["best_over_flashmla"], row["best_over_triton"])])
+    widths = [max(len(r[i]) for r in table) for i in range(len(head))]
+    for r in table:
+        print(" | ".join(c.ljust(w) for c, w in zip(r, widths)))
+    print(f"total {time.time() - t0:.0f} s")
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, "gluon_sparse_mla_probe.json"), "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                       "triton": triton.__version__, "variants": results, "rows": list(rows.values()),
+                       "triton_cases": triton_cases}, f, indent=1)
+    return 0
+
+
+# ---- no GPU: compile for sm_90 ---------------------------------------------------------------------------
+
+def compile_only(variants: list[str]) -> int:
+    """Compile each variant for sm_90 (no GPU) and report what ptxas made of it."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from flashdsa.ops.sparse_mla import gluon as G
+    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    print(f"triton {triton.__version__} ({triton.__file__})")
+    tys = {torch.float32: "*fp32", torch.int32: "*i32", torch.uint8: "*u8", torch.bfloat16: "*bf16"}
+    q = torch.empty(2, 1, 128, 576, dtype=torch.bfloat16)
+    cache = torch.empty(64, 64, 656, dtype=torch.uint8)
+    idx = torch.empty(2, 1, 2048, dtype=torch.int32)
+    out, lse = torch.empty(2, 1, 128, 512, dtype=torch.bfloat16), torch.empty(2, 1, 128)
+    fn = G.sparse_mla_decode_ws_kernel
+    for v in variants:
+        _, kw = G.kernel_args(q, cache, idx, SM_SCALE, out, lse, v)
+        opts = {k: kw.pop(k) for k in ("num_warps", "maxnreg")}
+        sig, attrs, consts = {}, {}, {}
+        for i, name in enumerate(fn.arg_names):
+            val = kw[name]
+            if name in G.VARIANTS[v]:
+                sig[name], consts[name] = "constexpr", val
+            elif isinstance(val, torch.Tensor):   # the launcher specialises 16-byte aligned pointers
+                sig[name], attrs[(i,)] = tys[val.dtype], [["tt.divisibility", 16]]
+            elif isinstance(val, float):
+                sig[name] = "fp32"
+            else:
+                sig[name] = "i32"
+                if val % 16 == 0:
+                    attrs[(i,)] = [["tt.divisibility", 16]]
+        try:
+            k = triton.compile(GluonASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32), options=opts)
+        except Exception as e:  # noqa: BLE001
+            print(f"{v}: FAILED {e!r}"[:2000])
+            continue
+        with tempfile.TemporaryDirectory() as d:
+            (Path(d) / "k.ptx").write_text(k.asm["ptx"])
+            (Path(d) / "k.cubin").write_bytes(k.asm["cubin"])
+            ptxas = subprocess.run([str(bin_dir / "ptxas"), "-arch=sm_90a", "-v", str(Path(d) / "k.ptx"), "-o",
+                                    str(Path(d) / "k2.cubin")], capture_output=True, text=True).stderr
+            sass = subprocess.run([str(bin_dir / "nvdisasm"), "-c", str(Path(d) / "k.cubin")], capture_output=True,
+                                  text=True).stdout
+        notes = [ln.split(": ", 1)[-1] for ln in ptxas.splitlines() if "C75" in ln]
+        spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", ptxas)
+        regs = re.findall(r"setmaxnreg[.]\w+[.]sync[.]aligned[.]u32\s+(\d+)", k.asm["ptx"])
+        print(f"{v}: shared {k.metadata.shared} B, setmaxnreg {regs}, "
+              f"spill st/ld {spill.groups() if spill else '?'} B, HGMMA {sass.count('HGMMA')}, "
+              f"DEPBAR {len(re.findall(r'WARPGROUP.DEPBAR', sass))}, notes {notes or 'none'}")
+    return 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS))
+    ap.add_argument("--child-timeout", type=float, default=150.0)
+    ap.add_argument("--budget", type=float, default=540.0, help="seconds for the whole run")
+    ap.add_argument("--compile-only", action="store_true")
+    ap.add_argument("--child")
+    ap.add_argument("--result")
+    args = ap.parse_args()
+    variants = [v for v in args.variants.split(",") if v]
+    if args.compile_only:
+        return compile_only(variants)
+    if args.child:
+        run_child(args.child, args.result)
+        return 0
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU (or --compile-only)")
+        return 1
+    return run_parent(variants, args.child_timeout, args.budget)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
