@@ -108,6 +108,43 @@ def _prefetch_rows(p_row, valid, o_l):
 
 
 @gluon.jit
+def _gather(p_row, valid, o_c, o_r, SR: gl.constexpr):
+    """One step's loads of the rows at ``p_row`` (``valid`` masks; [64] in the latent layout): [64, 128] u8 x 4
+    latent groups, [64] f32 x 4 scales (byte 512 + 4 g), [64, 64] bf16 rope (byte 528, rows in layout SR)."""
+    p_lat = p_row[:, None] + o_c[None, :]
+    m_lat = valid[:, None]
+    b_u0 = gl.load(p_lat, mask=m_lat, other=0)
+    b_u1 = gl.load(p_lat + 128, mask=m_lat, other=0)
+    b_u2 = gl.load(p_lat + 256, mask=m_lat, other=0)
+    b_u3 = gl.load(p_lat + 384, mask=m_lat, other=0)
+    p_sc = (p_row + 512).to(gl.pointer_type(gl.float32))
+    b_s0 = gl.load(p_sc, mask=valid, other=0.0)
+    b_s1 = gl.load(p_sc + 1, mask=valid, other=0.0)
+    b_s2 = gl.load(p_sc + 2, mask=valid, other=0.0)
+    b_s3 = gl.load(p_sc + 3, mask=valid, other=0.0)
+    p_rope = (gl.convert_layout(p_row, SR) + 528).to(gl.pointer_type(gl.bfloat16))
+    b_rope = gl.load(p_rope[:, None] + o_r[None, :], mask=gl.convert_layout(valid, SR)[:, None], other=0.0)
+    return b_u0, b_u1, b_u2, b_u3, b_s0, b_s1, b_s2, b_s3, b_rope
+
+
+@gluon.jit
+def _stage(tiles, valid, k_lat, k_rope, k_bias, k_ready, b, DEQ: gl.constexpr):
+    """Dequantise a step's :func:`_gather` tiles (e4m3 -> fp32, times the group's scale, rounded once to bf16
+    as reference.py; DEQ: :func:`_dequant`) into buffer ``b`` with the [64] additive score mask (0 valid,
+    -inf skipped), then publish it to the consumers."""
+    b_u0, b_u1, b_u2, b_u3, b_s0, b_s1, b_s2, b_s3, b_rope = tiles
+    k_lat.index(b * 4 + 0).store(_dequant(b_u0, b_s0, DEQ))
+    k_lat.index(b * 4 + 1).store(_dequant(b_u1, b_s1, DEQ))
+    k_lat.index(b * 4 + 2).store(_dequant(b_u2, b_s2, DEQ))
+    k_lat.index(b * 4 + 3).store(_dequant(b_u3, b_s3, DEQ))
+    k_rope.index(b).store(b_rope)
+    k_bias.index(b).store(gl.where(valid, 0.0, float("-inf")))
+    # generic-proxy stores -> async-proxy (wgmma) reads
+    fence_async_shared()
+    mbarrier.arrive(k_ready.index(b), count=1)
+
+
+@gluon.jit
 def _producer(kv, idx, stride_kv_page, stride_kv_row, stride_i_row, n_slots, topk, n_steps, n_hb,
               k_lat, k_rope, k_bias, k_ready, k_free, NBUF: gl.constexpr, PREFETCH: gl.constexpr, DEQ: gl.constexpr):
     """Gather, dequantise and stage the K/V tile of every step, slots loaded in-step (variant "ws", the
@@ -133,34 +170,9 @@ def _producer(kv, idx, stride_kv_page, stride_kv_row, stride_i_row, n_slots, top
         p_row = kv + (b_slot // 64).to(gl.int64) * stride_kv_page + (b_slot % 64).to(gl.int64) * stride_kv_row
         # every load of the step is issued before the wait for a free buffer: the gather latency overlaps
         # the consumers' work on the previous steps
-        # [64, 128] u8 x 4 latent groups, [64] f32 x 4 scales (byte 512 + 4 g), [64, 64] bf16 rope (byte 528)
-        p_lat = p_row[:, None] + o_c[None, :]
-        m_lat = valid[:, None]
-        b_u0 = gl.load(p_lat, mask=m_lat, other=0)
-        b_u1 = gl.load(p_lat + 128, mask=m_lat, other=0)
-        b_u2 = gl.load(p_lat + 256, mask=m_lat, other=0)
-        b_u3 = gl.load(p_lat + 384, mask=m_lat, other=0)
-        p_sc = (p_row + 512).to(gl.pointer_type(gl.float32))
-        b_s0 = gl.load(p_sc, mask=valid, other=0.0)
-        b_s1 = gl.load(p_sc + 1, mask=valid, other=0.0)
-        b_s2 = gl.load(p_sc + 2, mask=valid, other=0.0)
-        b_s3 = gl.load(p_sc + 3, mask=valid, other=0.0)
-        p_rope = (gl.convert_layout(p_row, gl.SliceLayout(1, LR)) + 528).to(gl.pointer_type(gl.bfloat16))
-        b_rope = gl.load(p_rope[:, None] + o_r[None, :], mask=gl.convert_layout(valid, gl.SliceLayout(1, LR))[:, None],
-                         other=0.0)
-
+        tiles = _gather(p_row, valid, o_c, o_r, gl.SliceLayout(1, LR))
         mbarrier.wait(k_free.index(b), ((i // NBUF) & 1) ^ 1)
-        # e4m3 -> fp32, times the group's fp32 scale, rounded once to bf16 (as reference.py)
-        k_lat.index(b * 4 + 0).store(_dequant(b_u0, b_s0, 0))
-        k_lat.index(b * 4 + 1).store(_dequant(b_u1, b_s1, 0))
-        k_lat.index(b * 4 + 2).store(_dequant(b_u2, b_s2, 0))
-        k_lat.index(b * 4 + 3).store(_dequant(b_u3, b_s3, 0))
-        k_rope.index(b).store(b_rope)
-        # [64] additive score mask: 0 for a valid token, -inf for a skipped one
-        k_bias.index(b).store(gl.where(valid, 0.0, float("-inf")))
-        # generic-proxy stores -> async-proxy (wgmma) reads
-        fence_async_shared()
-        mbarrier.arrive(k_ready.index(b), count=1)
+        _stage(tiles, valid, k_lat, k_rope, k_bias, k_ready, b, 0)
 
 
 @gluon.jit
@@ -246,31 +258,9 @@ def _producer_pipe(kv, idx, stride_kv_page, stride_kv_row, stride_i_row, n_slots
         if PREFETCH > 0:
             p_pf, v_pf = _slots(p_idx, (i + PREFETCH) * BLOCK_N, topk, n_slots, kv, stride_kv_page, stride_kv_row,
                                 gl.SliceLayout(1, LP))
-        # [64, 128] u8 x 4 latent groups, [64] f32 x 4 scales (byte 512 + 4 g), [64, 64] bf16 rope (byte 528)
-        p_lat = p_row[:, None] + o_c[None, :]
-        m_lat = valid[:, None]
-        b_u0 = gl.load(p_lat, mask=m_lat, other=0)
-        b_u1 = gl.load(p_lat + 128, mask=m_lat, other=0)
-        b_u2 = gl.load(p_lat + 256, mask=m_lat, other=0)
-        b_u3 = gl.load(p_lat + 384, mask=m_lat, other=0)
-        p_sc = (p_row + 512).to(gl.pointer_type(gl.float32))
-        b_s0 = gl.load(p_sc, mask=valid, other=0.0)
-        b_s1 = gl.load(p_sc + 1, mask=valid, other=0.0)
-        b_s2 = gl.load(p_sc + 2, mask=valid, other=0.0)
-        b_s3 = gl.load(p_sc + 3, mask=valid, other=0.0)
-        p_rope = (gl.convert_layout(p_row, SR) + 528).to(gl.pointer_type(gl.bfloat16))
-        b_rope = gl.load(p_rope[:, None] + o_r[None, :], mask=gl.convert_layout(valid, SR)[:, None], other=0.0)
-
+        tiles = _gather(p_row, valid, o_c, o_r, SR)
         mbarrier.wait(k_free.index(b), ((i // NBUF) & 1) ^ 1)
-        k_lat.index(b * 4 + 0).store(_dequant(b_u0, b_s0, DEQ))
-        k_lat.index(b * 4 + 1).store(_dequant(b_u1, b_s1, DEQ))
-        k_lat.index(b * 4 + 2).store(_dequant(b_u2, b_s2, DEQ))
-        k_lat.index(b * 4 + 3).store(_dequant(b_u3, b_s3, DEQ))
-        k_rope.index(b).store(b_rope)
-        # [64] additive score mask: 0 for a valid token, -inf for a skipped one
-        k_bias.index(b).store(gl.where(valid, 0.0, float("-inf")))
-        fence_async_shared()
-        mbarrier.arrive(k_ready.index(b), count=1)
+        _stage(tiles, valid, k_lat, k_rope, k_bias, k_ready, b, DEQ)
         if PREFETCH > 0:
             _prefetch_rows(p_pf, v_pf, o_l)
         p_row = p_row_n
