@@ -37,6 +37,10 @@ def topk_fused_kernel(
     warp lists; UN tiles a warp loads at once; MJ list entries a warp moves a step. STREAM: the radix
     levels read U / W from memory, UB at a time, instead of holding them in registers (few-warp
     programs); SAMPLE_STREAM: the same for the sample's levels.
+    CHECK (the default mode's device value checks): each row's metadata is checked first by
+    :func:`~flashdsa.ops.topk.common.row_check` (L the logits' width, maxp the page table's width, last_page
+    the largest page id whose slots fit int32, errors into ``flag`` from code ``code0``); a bad row selects
+    nothing. Off, those arguments are unused and the check compiles to nothing.
     Test hooks, 0 in every default launch (where they compile to nothing): FORCE replaces the threshold
     guess by 1 the largest sampled key (too high: fewer than K candidates), 2 none (every key a
     candidate), 3 the smallest sampled key (too low); STOP ends a row early, after 1 the sample (t_lo in

@@ -70,7 +70,8 @@ def topk_split_kernel(
     so the output does not depend on the arrival order) into uscr[r] (``[R, 2, CAND] i32``) and selects
     there (W: wscr ``[R, WCAP] i32``), or runs the row fallback. SAMPLE_STREAM: the sample is selected
     through sampscr ``[R * CHUNKS, S] i32``; STREAM: the finisher's levels stream U / W from memory.
-    Test hooks (0 in every default launch) as in :func:`~flashdsa.ops.topk.fused.topk_fused_kernel`,
+    CHECK as in :func:`~flashdsa.ops.topk.fused.topk_fused_kernel` (every chunk program of a row checks it
+    and reaches the same decision). Test hooks (0 in every default launch) as there,
     except that STOP 1 / 2 / 3 write chunk j's value to slot j and skip the finisher.
     """
     r = tl.program_id(0)
