@@ -4,9 +4,9 @@ Shape, dtype and device checks are free and always run. Value checks (lengths, p
 look at the data, so where they run matters:
 
 * ``"device"`` (the default): an op running its Triton kernel on CUDA checks the values ON THE DEVICE
-  and never stops the host: the decode ops (``topk_transform``, ``indexer_logits_paged``) inside their
-  own kernel (no extra launch), the prefill-side ones (``indexer_logits_ragged``, ``indexer_quant``) in
-  one small check kernel launched before their own. A row with a bad value gets length 0, so a bad
+  and never stops the host: ``topk_transform``, ``indexer_logits_paged`` and ``indexer_quant`` inside
+  their own kernel (no extra launch), ``indexer_logits_ragged`` (prefill) in one small check kernel
+  launched before its own. A row with a bad value gets length 0, so a bad
   value never makes the op's kernel read out of bounds, and the first error is recorded in a
   host-mapped error word.
   The error is DEFERRED: the first flashdsa op called after the check kernel ran, or

@@ -203,7 +203,7 @@ TOPK_CHECKS = (
     ("page_table", "pages needed by lengths <= page_table.shape[1]"),
     ("page_table", "page ids >= 0"), ("page_table", "page ids < 2^31 / page_size (int32 slots)"))
 TOPK_CODE0 = first_code("topk_transform", *TOPK_CHECKS)
-# indexer_logits_paged's, in its kernels (indexer/paged.py ``_request_check``)
+# indexer_logits_paged's, in its kernels (indexer/paged.py ``_program_ok``, ``_chunk_pages_ok``)
 PAGED_CHECKS = (
     ("context_lens", "values >= 0"), ("context_lens", "values <= min(max_context_len, 64 * block_table.shape[1])"),
     ("block_table", "page ids >= 0"), ("block_table", "page ids < index_cache.shape[0]"),

@@ -283,7 +283,7 @@ def indexer_logits_paged_kernel(
     max_len,
     stride_qb, stride_qn, stride_qh,
     stride_w, stride_bt, stride_o,
-    flag, hi, last_page, code0,  # the device value checks (CHECK), see _request_check
+    flag, hi, last_page, code0,  # the device value checks (CHECK), see _program_ok
     NEXT_N: tl.constexpr, H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr,
     G: tl.constexpr, GS: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
     PAGE: tl.constexpr, PAGE_BYTES: tl.constexpr, KEY_BYTES: tl.constexpr, FP8_DOT: tl.constexpr,
@@ -374,7 +374,7 @@ def indexer_logits_paged_tma_kernel(
     max_len,
     stride_qb, stride_qn, stride_qh,
     stride_w, stride_bt, stride_o,
-    flag, hi, last_page, code0,  # the device value checks (CHECK), see _request_check
+    flag, hi, last_page, code0,  # the device value checks (CHECK), see _program_ok
     NEXT_N: tl.constexpr, H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr,
     G: tl.constexpr, GS: tl.constexpr, PAGES: tl.constexpr, CHUNK: tl.constexpr,
     PAGE: tl.constexpr, PAGE_ROWS: tl.constexpr, PAGE_WORDS: tl.constexpr, KEY_WORDS: tl.constexpr,
@@ -593,7 +593,7 @@ def indexer_logits_paged(q_fp8: torch.Tensor, index_cache: torch.Tensor, weights
     ``context_lens [B, n] i32``, ``block_table [B, maxp] i32`` -> ``[B * n, max_context_len] f32``.
     ``config`` overrides the launch (tests, benchmarks); ``out`` is an optional preallocated
     ``[B * n, max_context_len] f32`` buffer (every element is written); ``check``: the kernel checks the
-    values first (the default mode's device checks, :func:`_request_check`). Dispatch: the TMA kernel on
+    values first (the default mode's device checks, :func:`_program_ok`). Dispatch: the TMA kernel on
     sm_90 (see :func:`_use_tma`), the pointer kernel elsewhere.
 
     Host path: the launch of a shape (kernel, tiles, grid) is worked out once and the kernel launched from

@@ -119,8 +119,9 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Te
 
     Backends: on an sm_90 GPU with the fp8 656-B cache, h_q a multiple of 64 and d_v 512, the
     warp-specialised Gluon kernel (``gluon.py``; 0.65x the Triton kernel's time at B 64 h 128 on the H200);
-    everywhere else on CUDA (other GPUs, caches, head counts, the interpreter) the Triton kernels. Both are
-    within FlashMLA's tolerance of the reference. ``backend="gluon"`` where it does not apply is a ValueError.
+    everywhere else on CUDA (other GPUs, caches, head counts, the interpreter) the Triton kernels. Both round
+    P and the output to bf16, as FlashMLA does: ``|out - ref| <= 2^-8 (max |v| + |ref|)`` of the fp32
+    reference. ``backend="gluon"`` where it does not apply is a ValueError.
 
     Returns:
         ``out [B, s_q, h_q, d_v] bfloat16`` (float32 with an fp32 cache) and ``lse [B, s_q, h_q] float32``
