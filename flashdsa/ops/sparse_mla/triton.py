@@ -306,12 +306,9 @@ def sparse_mla_decode(q, kv_cache, indices, sm_scale, d_v, kv_scale, config: Spa
         # the kernel reads each row's fp32 scales and bf16 rope in place
         raise ValueError(f"kv_cache: expected 4-byte aligned rows for the 656-B layout, got data_ptr % 4 = "
                          f"{kv_cache.data_ptr() % 4}, strides {ks}")
-    topk = indices.shape[-1]
     out, lse = sparse_mla_fwd(
-        _unit_last(q.view(B * s_q, h_q, d) if s_q == 1 or q.is_contiguous() else q.reshape(B * s_q, h_q, d)),
-        kv_cache, ks[0], ks[1], kv_cache.shape[0] * PAGE_SIZE, fmt,
-        _unit_last(indices.view(B * s_q, topk) if indices.is_contiguous() else indices.reshape(B * s_q, topk)),
-        sm_scale, d_v, kv_scale, config)
+        _unit_last(q.reshape(B * s_q, h_q, d)), kv_cache, ks[0], ks[1], kv_cache.shape[0] * PAGE_SIZE, fmt,
+        _unit_last(indices.reshape(B * s_q, indices.shape[-1])), sm_scale, d_v, kv_scale, config)
     return out.view(B, s_q, h_q, d_v), lse.view(B, s_q, h_q)
 
 

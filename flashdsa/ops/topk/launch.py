@@ -272,11 +272,8 @@ def topk_transform(logits, lengths, topk, page_table, row_starts, out_offsets, p
     starts = row_starts if row_starts is not None else lengths
     flag = error_flag(dev) if check else lengths  # unused (compiled out) without checks: any pointer
     # the pointers in the kernel's order (scratch pieces: offsets into buf)
-    ptrs = [lptr, len_ptr, table.data_ptr() if page_table is not None else len_ptr, out.data_ptr()]
-    ptrs[2:2] = [starts.data_ptr() if row_starts is not None else len_ptr,
-                 offsets.data_ptr() if out_offsets is not None else len_ptr]
-    for _, off, _, _ in scratch:
-        ptrs.append(base + off)
+    ptrs = [lptr, len_ptr, starts.data_ptr(), offsets.data_ptr(), table.data_ptr(), out.data_ptr()]
+    ptrs += [base + off for _, off, _, _ in scratch]
     if split:
         arrive = arrive_counters(dev, R, cfg.cached_counters)
         ptrs.insert(9, arrive.data_ptr())  # after scr, sscr, counts
