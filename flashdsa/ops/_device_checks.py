@@ -33,8 +33,6 @@ from flashdsa.ops._triton_utils import cdiv
 SCAN_BLOCK = 2048     # elements a scan program reads
 ROWS = 128            # metadata rows a program checks (ragged)
 _I32_MAX = tl.constexpr(INT32_MAX)  # kernels may read only constexpr globals (the interpreter does not enforce it)
-F32_MAX = 3.4028234663852886e38
-KIND = {torch.float8_e4m3fn: 0, torch.uint8: 0, torch.float32: 1, torch.bfloat16: 2}  # how _scan reads
 
 
 # ---- kernels --------------------------------------------------------------------------------------------
@@ -81,10 +79,9 @@ def check_pages(flag, p_row, n_pages, last_page, code_lo, code_hi, BLOCK_P: tl.c
 
 
 @triton.jit
-def _scan(x, flag, word, i_blk, n, s1, s2, s3, t0, t1, t2, t3, bound, KIND: tl.constexpr, BLOCK: tl.constexpr):
-    """Block ``i_blk`` of a <= 4-D tensor (sizes [*, s1, s2, s3], element strides t0..t3) read in
-    row-major order: flag a NaN e4m3 code (KIND 0: bytes), or a NaN / |value| > bound (1: fp32, 2: bf16
-    as int16 bits)."""
+def _scan(x, flag, word, i_blk, n, s1, s2, s3, t0, t1, t2, t3, BLOCK: tl.constexpr):
+    """Block ``i_blk`` of a <= 4-D e4m3 tensor read as bytes (sizes [*, s1, s2, s3], element strides t0..t3)
+    in row-major order: flag a NaN code."""
     o = i_blk.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = o < n
     i3 = o % s3
@@ -94,15 +91,8 @@ def _scan(x, flag, word, i_blk, n, s1, s2, s3, t0, t1, t2, t3, bound, KIND: tl.c
     i1 = r % s1
     i0 = r // s1
     p = x + i0 * t0 + i1 * t1 + i2 * t2 + i3 * t3
-    if KIND == 0:
-        b = tl.load(p, mask=m, other=0).to(tl.int32)
-        bad = m & ((b & 0x7F) == 0x7F)
-    else:
-        if KIND == 2:
-            v = (tl.load(p, mask=m, other=0).to(tl.int32) << 16).to(tl.float32, bitcast=True)
-        else:
-            v = tl.load(p, mask=m, other=0.0)
-        bad = m & ((v != v) | (tl.abs(v) > bound))
+    b = tl.load(p, mask=m, other=0).to(tl.int32)
+    bad = m & ((b & 0x7F) == 0x7F)
     tl.store(flag, word, mask=tl.max(bad.to(tl.int32), axis=0) > 0)
 
 
@@ -126,9 +116,9 @@ def ragged_check_kernel(ks, ke, ks_out, ke_out, flag, T, N, R_BLOCKS, Q_BLOCKS,
         tl.store(ks_out + o, tl.where(bad, 0, b_ks), mask=m)
         tl.store(ke_out + o, tl.where(bad, 0, b_ke), mask=m)
     elif pid < R_BLOCKS + Q_BLOCKS:
-        _scan(q, flag, w_q, pid - R_BLOCKS, nq, q1, q2, q3, qt0, qt1, qt2, qt3, 0.0, 0, BLOCK)
+        _scan(q, flag, w_q, pid - R_BLOCKS, nq, q1, q2, q3, qt0, qt1, qt2, qt3, BLOCK)
     else:
-        _scan(k, flag, w_k, pid - R_BLOCKS - Q_BLOCKS, nk, k1, k2, k3, kt0, kt1, kt2, kt3, 0.0, 0, BLOCK)
+        _scan(k, flag, w_k, pid - R_BLOCKS - Q_BLOCKS, nk, k1, k2, k3, kt0, kt1, kt2, kt3, BLOCK)
 
 
 # ---- host side ------------------------------------------------------------------------------------------
@@ -142,32 +132,21 @@ def _dims4(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, .
     return t, shape[1:], stride
 
 
-def _scan_view(t: torch.Tensor) -> torch.Tensor:
-    """What the scan reads: e4m3 as its bytes, bf16 as int16 bits, fp32 as is."""
-    if t.dtype == torch.float8_e4m3fn:
-        return t.view(torch.uint8)
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16)
-    return t
-
-
 class _Scan:
-    """One tensor's part of a scan launch: its argument list, key and block count."""
-    __slots__ = ("t", "n", "sizes", "strides", "bound", "word", "kind", "blocks")
+    """One e4m3 tensor's part of a NaN-code scan: its argument list (the tensor as bytes, numel, sizes,
+    strides), key and block count."""
+    __slots__ = ("t", "n", "sizes", "strides", "blocks")
 
-    def __init__(self, t: torch.Tensor, bound: float | None, word: int):
+    def __init__(self, t: torch.Tensor):
         t, sizes, strides = _dims4(t)
         self.t, self.n, self.sizes, self.strides = t, t.numel(), sizes, strides
-        self.bound = F32_MAX if bound is None else float(bound)
-        self.word, self.kind = word, KIND[t.dtype]
         self.blocks = cdiv(self.n, SCAN_BLOCK)
 
     def key(self):
-        return (self.n, self.sizes, self.strides, self.bound, self.word, self.kind)
+        return (self.n, self.sizes, self.strides)
 
-    def args(self, view: bool) -> list:
-        x = _scan_view(self.t) if view else self.t.data_ptr()
-        return [x, self.n, *self.sizes, *self.strides, self.bound, self.word]
+    def args(self) -> list:
+        return [self.t.view(torch.uint8), self.n, *self.sizes, *self.strides]
 
 
 _RAGGED = None
@@ -220,7 +199,7 @@ def check_ragged(q_fp8: torch.Tensor, k_fp8: torch.Tensor, ks: torch.Tensor,
     ks_out, ke_out = buf[0, :T], buf[1, :T]
     flag = error_flag(ks.device)
     w = _RAGGED_WORDS
-    q, k = _Scan(q_fp8, None, w[5]), _Scan(k_fp8, None, w[6])
+    q, k = _Scan(q_fp8), _Scan(k_fp8)
     r_blocks = cdiv(T, ROWS)
     base = buf.data_ptr()
     ptrs = (ks.data_ptr(), ke.data_ptr(), base, base + 4 * Tp, flag.data_ptr(), q.t.data_ptr(), k.t.data_ptr())
@@ -230,8 +209,8 @@ def check_ragged(q_fp8: torch.Tensor, k_fp8: torch.Tensor, ks: torch.Tensor,
         return (r_blocks + q.blocks + k.blocks,), dict(
             ks=ks, ke=ke, ks_out=ks_out, ke_out=ke_out, flag=flag, T=T, N=N, R_BLOCKS=r_blocks, Q_BLOCKS=q.blocks,
             w_ks_lo=w[0], w_ks_hi=w[1], w_ke_lo=w[2], w_ke_hi=w[3], w_order=w[4],
-            **dict(zip(("q", "nq", "q1", "q2", "q3", "qt0", "qt1", "qt2", "qt3"), q.args(True)[:9])), w_q=w[5],
-            **dict(zip(("k", "nk", "k1", "k2", "k3", "kt0", "kt1", "kt2", "kt3"), k.args(True)[:9])), w_k=w[6],
+            **dict(zip(("q", "nq", "q1", "q2", "q3", "qt0", "qt1", "qt2", "qt3"), q.args())), w_q=w[5],
+            **dict(zip(("k", "nk", "k1", "k2", "k3", "kt0", "kt1", "kt2", "kt3"), k.args())), w_k=w[6],
             ROWS=ROWS, BLOCK=SCAN_BLOCK)
 
     if T or q.n or k.n:
