@@ -9,7 +9,7 @@ assert (which would poison the CUDA context), CUDA-graph safe. Two forms:
 
 * folded into the op's own kernel (``topk_transform``, ``indexer_logits_paged``, ``indexer_quant``: their
   decode-path calls cost no extra launch): the device functions here (:func:`flag_word`,
-  :func:`flag_lo_hi`, :func:`check_pages`) and each op's error list (codes consecutive from its
+  :func:`flag_range`, :func:`check_pages`) and each op's error list (codes consecutive from its
   ``*_CODE0``, :func:`first_code`) are used by the op's kernel under its ``CHECK`` constexpr;
 * one small check kernel launched before the op's own on the same stream (``indexer_logits_ragged``, a
   prefill op whose NaN scan covers the whole key tensor), which hands the op sanitised copies of the
@@ -63,17 +63,23 @@ def flag_word(flag, bad, value, code):
 
 
 @triton.jit
-def check_pages(flag, p_row, n_pages, last_page, code_lo, code_hi, BLOCK_P: tl.constexpr):
+def flag_range(flag, v, m, lo, hi, code):
+    """:func:`flag_lo_hi` with the error words of ``code`` (below ``lo``) and ``code + 1`` (above ``hi``): a
+    check's two errors registered next to each other (:func:`first_code`)."""
+    w_lo = (tl.zeros([], tl.int64) + code) << 32
+    return flag_lo_hi(flag, v, m, lo, hi, w_lo, w_lo + (1 << 32))
+
+
+@triton.jit
+def check_pages(flag, p_row, n_pages, last_page, code, BLOCK_P: tl.constexpr):
     """Flag a page id outside [0, last_page] among the first ``n_pages`` of the table row ``p_row`` (error
-    codes ``code_lo`` / ``code_hi``); returns 1 if there was one, else 0 (int32 scalar)."""
-    w_lo = (tl.zeros([], tl.int64) + code_lo) << 32
-    w_hi = (tl.zeros([], tl.int64) + code_hi) << 32
+    codes ``code`` / ``code + 1``); returns 1 if there was one, else 0 (int32 scalar)."""
     bad = tl.zeros([], tl.int32)
     for p0 in range(0, n_pages, BLOCK_P):
         o_p = p0 + tl.arange(0, BLOCK_P)
         m_p = o_p < n_pages
         ids = tl.load(p_row + o_p, mask=m_p, other=0)
-        bad_p = flag_lo_hi(flag, ids, m_p, 0, last_page, w_lo, w_hi)
+        bad_p = flag_range(flag, ids, m_p, 0, last_page, code)
         bad = tl.maximum(bad, tl.max(bad_p.to(tl.int32), axis=0))
     return bad
 

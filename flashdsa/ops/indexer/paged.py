@@ -24,7 +24,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from flashdsa._checks import error_flag
 from flashdsa.cache.layouts import INDEX_KEY_BYTES, INDEX_PAGE_BYTES, PAGE_SIZE
-from flashdsa.ops._device_checks import PAGED_CODE0, flag_lo_hi, flag_word
+from flashdsa.ops._device_checks import PAGED_CODE0, flag_range, flag_word
 from flashdsa.ops._launch import KernelLauncher, aligned, capability
 from flashdsa.ops._triton_utils import cdiv, interpreting, next_pow2, num_sms, prev_pow2
 from flashdsa.ops.indexer.common import (MAX_DOT_N, e4m3_bits_to_f16, fill_neg_inf, fp8_dot_supported, gated_relu_sum,
@@ -131,9 +131,7 @@ def _draft_groups(q, w, context_lens, out, i_b64, j0, o_d, stride_qn, stride_qh,
 def _lens_bad(flag, grp, hi, code0):
     """The device check of a sub-group's lengths (``grp``, a :func:`_draft_rows` tuple): each in [0, hi], a
     bad one flagged (error words code0 + 0 / + 1). Returns 1 if one was bad, else 0 (int32)."""
-    b_len, m_j = grp[2], grp[4]
-    w_lo = (tl.zeros([], tl.int64) + code0) << 32
-    return tl.max(flag_lo_hi(flag, b_len, m_j, 0, hi, w_lo, w_lo + (1 << 32)).to(tl.int32), axis=0)
+    return tl.max(flag_range(flag, grp[2], grp[4], 0, hi, code0).to(tl.int32), axis=0)
 
 
 @triton.jit
@@ -176,8 +174,7 @@ def _chunk_pages_ok(flag, p_bt, c0, end, reach, last_page, code0, PAGE: tl.const
     o_p = tl.arange(0, CP)
     m_p = o_p < tl.cdiv(tl.maximum(tl.minimum(end, reach) - c0, 0), PAGE)
     ids = tl.load(p_bt + c0 // PAGE + o_p, mask=m_p, other=0)
-    w_lo = (tl.zeros([], tl.int64) + code0 + 2) << 32
-    bad = flag_lo_hi(flag, ids, m_p, 0, last_page, w_lo, w_lo + (1 << 32))
+    bad = flag_range(flag, ids, m_p, 0, last_page, code0 + 2)
     return tl.max(bad.to(tl.int32), axis=0) == 0
 
 

@@ -149,6 +149,13 @@ def row_setup(r, logits, stride_l, lengths, row_starts, out_offsets, table, stri
     return n, row, out_row, table_row, off_r
 
 
+@triton.jit
+def _first_bad(flag, bad, cond, value, code):
+    """``bad | cond``; where the row had no bad value yet, ``cond`` stores its error (``value``, word of
+    ``code``): the host check reports a row's first bad value."""
+    b = cond & (bad == 0)
+    flag_word(flag, b, value, code)
+    return bad | b
 
 
 @triton.jit
@@ -164,34 +171,21 @@ def row_check(n, r, row_starts, out_offsets, table_row, L, maxp, last_page, flag
     (split mode: each chunk) makes the same decision, from the same values."""
     bad = n < 0
     flag_word(flag, bad, n, code0)
-    bad2 = (n > L) & (bad == 0)
-    flag_word(flag, bad2, n, code0 + 1)
-    bad = bad | bad2
+    bad = _first_bad(flag, bad, n > L, n, code0 + 1)
     if HAS_STARTS:
         st = tl.load(row_starts + r)
-        b = (st < 0) & (bad == 0)
-        flag_word(flag, b, st, code0 + 2)
-        bad = bad | b
-        b = (st > L) & (bad == 0)
-        flag_word(flag, b, st, code0 + 3)
-        bad = bad | b
-        b = (st.to(tl.int64) + n > L) & (bad == 0)
-        flag_word(flag, b, st.to(tl.int64) + n, code0 + 4)
-        bad = bad | b
+        bad = _first_bad(flag, bad, st < 0, st, code0 + 2)
+        bad = _first_bad(flag, bad, st > L, st, code0 + 3)
+        end = st.to(tl.int64) + n
+        bad = _first_bad(flag, bad, end > L, end, code0 + 4)
     if MODE == 1:
         off = tl.load(out_offsets + r)
-        b = (off < 0) & (bad == 0)
-        flag_word(flag, b, off, code0 + 5)
-        bad = bad | b
+        bad = _first_bad(flag, bad, off < 0, off, code0 + 5)
         last = off.to(tl.int64) + n - 1
-        b = (last > 2147483647) & (bad == 0)
-        flag_word(flag, b, last, code0 + 6)
-        bad = bad | b
+        bad = _first_bad(flag, bad, last > 2147483647, last, code0 + 6)
     if MODE == 2:
         need = tl.where(bad, 0, tl.cdiv(n, PAGE_SIZE))
-        b = need > maxp
-        flag_word(flag, b, need, code0 + 7)
-        bad = bad | b
-        need = tl.where(b, 0, need)
-        bad = bad | (check_pages(flag, table_row, need, last_page, code0 + 8, code0 + 9, BLOCK_P) > 0)
+        bad = _first_bad(flag, bad, need > maxp, need, code0 + 7)
+        need = tl.where(bad, 0, need)
+        bad = bad | (check_pages(flag, table_row, need, last_page, code0 + 8, BLOCK_P) > 0)
     return tl.where(bad, 0, n)
