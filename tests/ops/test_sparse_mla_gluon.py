@@ -74,6 +74,7 @@ DECODE_CASES = [
     pytest.param(3, 4, 64, 100, 5, id="B3-s4-H64-k100"),
     pytest.param(2, 1, 192, 1, 1, id="B2-s1-H192-k1"),
     pytest.param(4, 1, 128, 2048, 64, id="B4-s1-H128-k2048"),
+    pytest.param(2, 1, 0, 64, 3, id="B2-s1-H0-k64"),  # no heads: nothing to launch
 ]
 
 
