@@ -12,10 +12,19 @@ from shapes, strides, ints and the config (all the values Triton specialises on)
 only when every pointer is 16-byte aligned (``aligned``), the one pointer property Triton specialises
 on. Anything else (the first call of a key, a misaligned pointer, another current device, the
 interpreter) takes Triton's own launch, which is always right.
+
+Under Triton 3.6's launcher (:func:`_raw_launch` recognises its shape) a plan goes one step further and
+calls the generated C launch function itself: ``CudaLauncher.__call__`` only adds its scratch allocations
+(none for our kernels: checked), and for a kernel taking a tensor descriptor the wrapper around the C
+function re-encodes the CUtensorMap on every call (a Python loop over every argument, then
+``cuTensorMapEncodeTiled``); a plan encodes each descriptor once (:func:`_encoded`). Measured on the H200
+host: 6.6 -> 4.6 µs for top-k's launch, 10.2 -> 4.1 µs for the paged logits' TMA launch. Launch hooks
+(profilers) take the full path.
 """
 
 from __future__ import annotations
 
+import inspect
 import os
 import warnings
 from typing import Callable
@@ -43,7 +52,7 @@ def aligned(*ptrs: int) -> bool:
 class _Plan:
     """One shape's launch: the compiled kernel, its grid, the argument list with the per-call pointers at
     ``slots``, and ``launch(ptrs) -> bool``, generated for this plan so that a call does no list work."""
-    __slots__ = ("compiled", "grid", "args", "slots", "device", "launch", "used")
+    __slots__ = ("compiled", "grid", "args", "slots", "device", "launch", "used", "raw")
 
     def __init__(self, compiled, grid, args, slots, device, current_device, get_stream):
         self.compiled, self.used = compiled, False
@@ -59,6 +68,24 @@ class _Plan:
                    _meta=compiled.launch_metadata, _g0=self.grid[0], _g1=self.grid[1], _g2=self.grid[2])
         ptrs = ", ".join(f"p{k}" for k in range(len(slots)))
         call = ", ".join(names)
+        # launch metadata is only read by launch hooks (profilers); an empty HookChain has no calls
+        full = (f"meta = _meta(_grid, stream, {call}) if enter is not None and getattr(enter, 'calls', True) "
+                "else None\n"
+                f"        _run(_g0, _g1, _g2, stream, _fn, _packed, meta, enter, leave, {call})\n")
+        self.raw = _raw_launch(compiled, len(args))
+        if self.raw is None:
+            body = "    " + full.replace("\n        ", "\n    ")
+        else:
+            c_launch, head, descs = self.raw
+            env.update(_c=c_launch, _head=head, _enc=_encoded)
+            # a descriptor argument (per call when it is a pointer slot) expands to its encoded arguments
+            raw_call = ", ".join(f"*_enc({n}, _m{i})" if i in descs else n for i, n in enumerate(names))
+            env.update({f"_m{i}": m for i, m in descs.items()})
+            body = ("    if (enter is None or not getattr(enter, 'calls', True)) and "
+                    "(leave is None or not getattr(leave, 'calls', True)):\n"
+                    f"        _c(_g0, _g1, _g2, stream, _fn, *_head, {raw_call})\n"
+                    "    else:\n"
+                    f"        {full}")
         src = (f"def launch(ptrs, {', '.join(f'{k}={k}' for k in env)}):\n"
                f"    {ptrs}{',' if len(slots) == 1 else ''} = ptrs\n"
                "    dev = _cur()\n"
@@ -66,14 +93,75 @@ class _Plan:
                "        return False\n"
                "    stream = _stream(dev)\n"
                "    enter, leave = _rt.launch_enter_hook, _rt.launch_exit_hook\n"
-               # launch metadata is only read by launch hooks (profilers); an empty HookChain has no calls
-               f"    meta = _meta(_grid, stream, {call}) if enter is not None and getattr(enter, 'calls', True) "
-               "else None\n"
-               f"    _run(_g0, _g1, _g2, stream, _fn, _packed, meta, enter, leave, {call})\n"
+               f"{body}"
                "    return True\n")
         ns = dict(env)
         exec(src, ns)  # noqa: S102 - generated from the kernel's own argument list
         self.launch = ns["launch"]
+
+
+# The C launch function's leading arguments after (gridX, gridY, gridZ, stream, function), in Triton 3.6:
+# cooperative grid, PDL, global scratch, profile scratch, kernel metadata, launch metadata, enter / exit hooks.
+_LAUNCHER_CALL = ["self", "gridX", "gridY", "gridZ", "stream", "function", "args"]
+_WRAPPED = ("launcher", "tensordesc_indices", "tensordesc_meta")
+
+
+def _raw_launch(compiled, nargs: int):
+    """``(c_launch, head, descs)`` for a plan to call the compiled kernel's C launch function directly, or
+    None (then it calls ``compiled.run``, which is always right).
+
+    Only for the launcher shape of Triton 3.6, recognised by its call signature: a ``CudaLauncher`` whose
+    ``__call__(gridX, gridY, gridZ, stream, function, *args)`` passes ``launch(gridX, gridY, gridZ, stream,
+    function, cooperative, pdl, global_scratch, profile_scratch, *args)``, with no scratch to allocate, and
+    whose ``launch`` is the C function or the tensor-descriptor wrapper around it (closure names checked).
+    ``head``: the arguments after ``function``, up to the kernel's (hooks None: the plan calls this only
+    without hooks); ``descs``: {kernel argument index: descriptor metadata} of the wrapper."""
+    run = getattr(compiled, "run", None)
+    if type(run).__name__ != "CudaLauncher" or _INTERPRET:
+        return None
+    try:
+        if list(inspect.signature(type(run).__call__).parameters) != _LAUNCHER_CALL:
+            return None
+        if run.global_scratch_size or run.profile_scratch_size:
+            return None
+        head = (run.launch_cooperative_grid, run.launch_pdl, None, None, compiled.packed_metadata, None, None, None)
+        launch = run.launch
+        code = getattr(launch, "__code__", None)
+        if code is None:
+            return launch, head, {}  # the C function itself: no descriptor arguments
+        if launch.__name__ != "inner" or code.co_freevars != _WRAPPED:
+            return None
+        cells = dict(zip(code.co_freevars, (c.cell_contents for c in launch.__closure__)))
+        indices = sorted(cells["tensordesc_indices"])
+        meta = cells["tensordesc_meta"] or [None] * len(indices)
+        if len(meta) != len(indices) or any(i >= nargs for i in indices):
+            return None
+        return cells["launcher"], head, dict(zip(indices, meta))
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
+_ENCODED: dict = {}
+
+
+def _encoded(desc, meta) -> list:
+    """The C launch's arguments for tensor descriptor ``desc`` (Triton's ``make_tensordesc_arg``: the
+    encoded CUtensorMap, then shape and strides), encoded once per descriptor object. Planned launches
+    pass descriptors that the op caches per (address, shape) and never changes, so the encoding stays
+    right; the cache holds the descriptor, so its ``id`` is not reused while the entry lives."""
+    hit = _ENCODED.get(id(desc))
+    if hit is not None and hit[0] is desc:
+        return hit[1]
+    if len(_ENCODED) >= 256:
+        _ENCODED.pop(next(iter(_ENCODED)))
+    args = _make_tensordesc_arg(desc, meta)
+    _ENCODED[id(desc)] = (desc, args)
+    return args
+
+
+def _make_tensordesc_arg(desc, meta) -> list:
+    from triton.backends.nvidia.driver import make_tensordesc_arg
+    return make_tensordesc_arg(desc, meta)
 
 
 class KernelLauncher:
@@ -155,9 +243,15 @@ class KernelLauncher:
         got = list(plan.args)
         for i, v in zip(plan.slots, ptrs):
             got[i] = v
+        descs = plan.raw[2] if plan.raw is not None else {}
+        # a pre-encoded descriptor: its shape / strides arguments as Triton would encode them now
+        names = self.kernel.arg_names
+        encoded = [(names[i], _encoded(got[i], m)[1:], _make_tensordesc_arg(kwargs[names[i]], m)[1:])
+                   for i, m in descs.items()]
         got = [_plain(v) for v in got]
         full = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
-        bad = [(n, g, w) for n, g, w in zip(self.kernel.arg_names, got, want) if g != w]
+        bad = [(n, g, w) for n, g, w in zip(names, got, want) if g != w]
+        bad += [(n + " (encoded)", g, w) for n, g, w in encoded if list(g) != list(w)]
         if bad or full != plan.grid:
             raise AssertionError(f"{getattr(self.kernel, '__name__', self.kernel)}: the plan launches grid {plan.grid} "
                                  f"(Triton: {full}) and differs in (name, plan, Triton) {bad}")

@@ -383,6 +383,102 @@ def test_a_launcher_that_refuses_plans_falls_back(recording, monkeypatch):
     monkeypatch.setattr(launch._FUSED, "refused", False)  # for the fixture's check
 
 
+class CudaLauncher:
+    """Triton 3.6's launcher, as far as a plan relies on it (the name and ``__call__``'s parameters are
+    what ``_launch._raw_launch`` recognises): ``__call__`` passes the C launch function the cooperative /
+    PDL flags and no scratch, behind the tensor-descriptor wrapper when the kernel takes descriptors."""
+    global_scratch_size = profile_scratch_size = 0
+    launch_cooperative_grid, launch_pdl = False, True
+
+    def __init__(self, c_launch, descs: dict):
+        self.launch = c_launch if not descs else _wrap_descs(c_launch, set(descs), list(descs.values()))
+
+    def __call__(self, gridX, gridY, gridZ, stream, function, *args):
+        self.launch(gridX, gridY, gridZ, stream, function, self.launch_cooperative_grid, self.launch_pdl, None, None,
+                    *args)
+
+
+def _wrap_descs(launcher, tensordesc_indices, tensordesc_meta):
+    """Triton 3.6's ``wrap_handle_tensordesc``: each descriptor argument expanded by the encoder."""
+    def inner(*args):
+        final_args, k = list(args[:13]), 0
+        for i, arg in enumerate(args[13:]):
+            if i in tensordesc_indices:
+                final_args.extend(_launch._make_tensordesc_arg(arg, tensordesc_meta[k]))
+                k += 1
+            else:
+                final_args.append(arg)
+        return launcher(*final_args)
+    return inner
+
+
+class _CLaunch:
+    """The generated C launch function (a callable without Python code): calls the enter / exit hooks
+    (arguments 11 and 12) with the launch metadata (10) when they are not None, records its arguments."""
+    def __init__(self, calls):
+        self.calls = calls
+
+    def __call__(self, *args):
+        if args[11] is not None:
+            args[11](args[10])
+        self.calls.append(args)
+        if args[12] is not None:
+            args[12](args[10])
+
+
+class _Desc:
+    def __init__(self, ptr):
+        self.ptr, self.shape, self.strides = ptr, [ptr % 97, 128], [128, 1]
+
+
+@pytest.mark.parametrize("with_desc", [False, True])
+def test_plan_calls_the_c_launch_as_tritons_launcher_would(with_desc, monkeypatch):
+    """Under Triton 3.6's launcher a plan calls the C launch function itself, with exactly the arguments
+    the launcher would pass it (hooks None), a descriptor encoded once however often it is launched; with
+    a launch hook installed it goes through the launcher (hooks and launch metadata included)."""
+    from triton import knobs
+    encodes, calls = [], []
+    monkeypatch.setattr(_launch, "_INTERPRET", False)
+    monkeypatch.setattr(_launch, "_make_tensordesc_arg",
+                        lambda d, m: encodes.append(d) or [("map", d.ptr, m), *d.shape, *d.strides])
+    descs = {2: {"swizzle": 128}} if with_desc else {}
+    run = CudaLauncher(_CLaunch(calls), descs)
+    compiled = type("Compiled", (), dict(run=run, function=11, packed_metadata=(4, 1, 0),
+                                         launch_metadata=lambda self, grid, stream, *a: ("meta", grid)))()
+    args = [None, 3, _Desc(0x1000) if with_desc else None, None, "c"]
+    plan = _launch._Plan(compiled, (5, 2), args, (0, 3) if with_desc else (0, 2, 3), 0, lambda: 0, lambda dev: 77)
+    assert plan.raw is not None
+    ptrs = (0xA0, 0xB0) if with_desc else (0xA0, 0xC0, 0xB0)
+    assert plan.launch(ptrs) and plan.launch(ptrs)
+    got = calls[:]
+    calls.clear()
+    full = [0xA0, 3, args[2] if with_desc else 0xC0, 0xB0, "c"]
+    run(5, 2, 1, 77, 11, (4, 1, 0), None, None, None, *full)  # what Triton's launch would do, no hooks
+    assert got == calls * 2 and encodes == ([args[2]] * 2 if with_desc else [])  # the plan: once; Triton: again
+    assert len(got[0]) == 13 + len(full) + (4 if with_desc else 0)
+    calls.clear()
+    hook = knobs.HookChain()
+    hook.add(lambda meta: calls.append(("hook", meta)))
+    monkeypatch.setattr(knobs.runtime, "launch_enter_hook", hook)
+    assert plan.launch(ptrs)
+    assert calls[0] == ("hook", ("meta", (5, 2, 1))) and calls[1][11] is hook  # via the launcher, with metadata
+
+
+def test_other_launchers_are_called_as_they_are():
+    """A launcher of another shape (Triton 3.9's, a stand-in) is never called around: the plan calls
+    ``compiled.run``."""
+    class CudaLauncher:  # noqa: N801 - the name _raw_launch looks at
+        global_scratch_size = profile_scratch_size = 0
+
+        def __call__(self, gridX, gridY, gridZ, stream, function, kernel_metadata, launch_metadata, enter, leave,
+                     *args):
+            pass
+    compiled = type("Compiled", (), dict(run=CudaLauncher(), function=0, packed_metadata=None,
+                                         launch_metadata=lambda self, *a: None))()
+    assert _launch._raw_launch(compiled, 3) is None
+    assert _launch._raw_launch(_Compiled([]), 3) is None
+
+
 # ---- GPU ----------------------------------------------------------------------------------------------
 
 GPU_BAD = ["paged-lens-past-width", "paged-page-past-P", "paged-nan-q", "topk-lengths-past-L", "topk-table-too-narrow",
