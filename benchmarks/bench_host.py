@@ -75,25 +75,39 @@ class HostTimer:
 
     def __call__(self, fn, budget_us: float = 400.0) -> tuple[float, bool]:
         """``(µs per call, gpu_busy)``; ``budget_us``: the most one call may take (sizes the spin)."""
-        fn()
-        fn()  # compile, plans, lazy imports: outside the timing
+        return self.interleaved({0: fn}, budget_us=budget_us)[0]
+
+    def interleaved(self, fns: dict, before=None, budget_us: float = 400.0) -> dict:
+        """``{key: (µs per call, gpu_busy)}`` of every call in ``fns``, timed in rounds: each round times
+        one batch of each call in turn, and a call's time is its best round. A load change on the shared
+        host then hits every call alike, so the ratios of one run compare. ``before(key)``: called before
+        each batch of ``key``, outside the timing (e.g. to switch the value checks)."""
+        for key, fn in fns.items():
+            if before is not None:
+                before(key)
+            fn()
+            fn()  # compile, plans, lazy imports: outside the timing
         if self.dev == "cuda":
             torch.cuda.synchronize()
-        times, busy = [], True
+        best = {key: float("inf") for key in fns}
+        busy = {key: True for key in fns}
         for _ in range(self.reps if self.dev == "cuda" else 1):
-            if self.dev == "cuda":
-                torch.cuda._sleep(int(self.cycles_per_us * (budget_us * self.calls + 5000)))
-            t = time.perf_counter()
-            for _ in range(self.calls):
-                fn()
-            dt = time.perf_counter() - t
-            if self.dev == "cuda":
-                done = torch.cuda.Event()
-                done.record()
-                busy = busy and not done.query()  # the spin (and the queue) still running: host time only
-                torch.cuda.synchronize()
-            times.append(dt / self.calls * 1e6)
-        return min(times), busy
+            for key, fn in fns.items():
+                if before is not None:
+                    before(key)
+                if self.dev == "cuda":
+                    torch.cuda._sleep(int(self.cycles_per_us * (budget_us * self.calls + 5000)))
+                t = time.perf_counter()
+                for _ in range(self.calls):
+                    fn()
+                dt = time.perf_counter() - t
+                if self.dev == "cuda":
+                    done = torch.cuda.Event()
+                    done.record()
+                    busy[key] = busy[key] and not done.query()  # the spin still running: host time only
+                    torch.cuda.synchronize()
+                best[key] = min(best[key], dt / self.calls * 1e6)
+        return {key: (best[key], busy[key]) for key in fns}
 
 
 def loop_us(fn, n: int = 50) -> float:
@@ -228,20 +242,20 @@ def calibration_calls(dev: str) -> dict:
 def run_ctx(ctx: int, a, dev: str, timer: HostTimer, dg: bool, sgl: bool, rows: list, verdicts: list) -> None:
     d = decode_inputs(dev, a.B, ctx, a.H, a.h_q, a.topk, a.backend)
     ours, theirs = our_calls(d), peer_calls(d, dg, sgl)
+    calls = {("peer", name): fn for name, fn in theirs.items()}
+    for checks in ("on", "off"):
+        calls.update({(checks, name): fn for name, (fn, _) in ours.items()})
+    timed = timer.interleaved(calls, before=lambda key: ops.set_value_checks(key[0] != "off"))
+    ops.set_value_checks(True)
+    ops.check_errors()
     peer_us = {}
-    for name, fn in theirs.items():
-        us, busy = timer(fn)
-        peer_us[name] = us
-        rows.append(dict(ctx=ctx, call=name, side="peer", host_us=us, gpu_busy=busy))
+    for name in theirs:
+        peer_us[name], busy = timed[("peer", name)]
+        rows.append(dict(ctx=ctx, call=name, side="peer", host_us=peer_us[name], gpu_busy=busy))
     for name, (fn, peer) in ours.items():
         row = dict(ctx=ctx, call=name, side="ours")
-        row["host_us"], row["gpu_busy"] = timer(fn)
-        ops.set_value_checks(False)
-        try:
-            row["host_us_checks_off"], _ = timer(fn)
-        finally:
-            ops.set_value_checks(True)
-        ops.check_errors()
+        row["host_us"], row["gpu_busy"] = timed[("on", name)]
+        row["host_us_checks_off"] = timed[("off", name)][0]
         if peer in peer_us:
             row["peer"], row["peer_host_us"] = peer, peer_us[peer]
             row["ours/peer"] = row["host_us"] / peer_us[peer]
@@ -321,8 +335,7 @@ def main() -> int:
     rows: list[dict] = []
     verdicts: list[tuple[str, bool]] = []
     if dev == "cuda":
-        for cname, fn in calibration_calls(dev).items():
-            us, busy = timer(fn)
+        for cname, (us, busy) in timer.interleaved(calibration_calls(dev)).items():
             rows.append(dict(ctx="-", call=cname, side="calibration", host_us=us, gpu_busy=busy))
     for ctx in a.ctx:
         run_ctx(ctx, a, dev, timer, dg, sgl, rows, verdicts)
