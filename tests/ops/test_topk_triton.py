@@ -276,6 +276,43 @@ def test_split_finisher_selects_from_all_chunks(chunks, cached):
     assert bool(ok.all()), (got.tolist(), kth.tolist(), need.tolist())
 
 
+TIE_KINDS = ["equal", "two", "allnan", "signed_zero", "ties_at_k", "levels16"]
+# U of 1024 holds every warp list (no list overflows) but not a row of 3000: rows whose keys mostly tie
+# with the guess take the tie-capped move (fused, split-2: chunks of 1500) or the tie-capped gather of the
+# chunks (split-3: chunks of 1000 fit U, their sum does not)
+TIE_KNOBS = {"fused": dict(cand=1024, lg_sample=5, block=128, num_warps=4, unroll=1),
+             "split-2": dict(cand=1024, lg_sample=5, block=128, kind="split", chunks=2, **TILES),
+             "split-3": dict(cand=1024, lg_sample=5, block=128, kind="split", chunks=3, **TILES)}
+
+
+@pytest.mark.parametrize("knobs", list(TIE_KNOBS))
+def test_ties_beyond_u_take_the_capped_path(knobs):
+    # Rows of 3000 whose k-th key has hundreds to thousands of copies: more candidates reach the guess
+    # than U holds, but only the first k - #(key > T) copies can be selected, so U gets those (and every
+    # key above) and the row is selected there, not by the row fallback (several passes over the row).
+    # The output equals the reference; and with stop_after="select" every row's slot 0 holds T + need
+    # (see test_split_finisher_selects_from_all_chunks), which the fallback never writes.
+    k, L = 100, 3000
+    R = len(TIE_KINDS)
+    logits, lengths, kw = _case(R, L, k, TIE_KINDS, [L] * R, seed=31)
+    got, ref = _run_both(logits, lengths, k, kw, TIE_KNOBS[knobs])
+    _assert_same(got, ref, knobs)
+    out = torch.full((R, k), torch.iinfo(torch.int32).max, dtype=torch.int32, device=DEVICE)
+    cfg = _config(logits, k, dict(TIE_KNOBS[knobs], stop_after="select"))
+    launch.topk_transform(logits.to(DEVICE), lengths.to(DEVICE), k, None, None, None, 64, out=out, config=cfg)
+    got = out[:, 0].cpu().long()
+    top = topk_order_keys(logits).sort(dim=1, descending=True).values.long()
+    kth = top[:, k - 1]
+    need = k - (top > kth[:, None]).sum(dim=1)
+    # U may hold exactly the selection (k keys: the capped copies), so its select may take the last
+    # bucket whole: then need = 0 and T is anything from the largest key below the k-th one (k-th - 1
+    # when there is none) up to k-th - 1
+    below = torch.where(top < kth[:, None], top, -2 ** 40).max(dim=1).values
+    below = torch.where(below == -2 ** 40, kth - 1, below)
+    ok = (got == kth + need) | ((got >= below) & (got < kth))
+    assert bool(ok.all()), [(kind, g) for kind, g, o in zip(TIE_KINDS, got.tolist(), ok.tolist()) if not o]
+
+
 def test_whole_chunk_row_loads():
     # 128-bit row loads read to the length rounded up to 4 (VEC): only when every row is whole 16-byte
     # chunks, and the scores read past a row's length (+inf here) never count

@@ -9,6 +9,8 @@ after them waits for them).
 
 - :func:`compact_seg` (step 2): scores whose key reaches the threshold -> each warp's own list;
 - :func:`move` (step 3): the warp lists -> U in position order, scores -> keys on the way;
+  :func:`move_capped`, the same for lists holding more than U when most of them tie with the threshold
+  (only the first equal ones can be selected);
 - :func:`copy_range`: the keys of U in a bucket -> W;
 - :func:`emit_u` (step 5): the selected keys' positions, translated, -> the output row.
 """
@@ -114,6 +116,74 @@ def move(useg, cw, c, uk, CAP: tl.constexpr, CAND: tl.constexpr, NW: tl.constexp
         v = vn
     pad4(uk, tl.minimum(c, CAND), CAND)
     return tl.max(tl.max(vmax, axis=1), axis=0)
+
+
+@triton.jit
+def _tie_cap(gt, eq, cap, n_parts: tl.constexpr):
+    """Per part (warp list or chunk, in position order) with ``gt [n_parts]`` keys above the threshold and
+    ``eq`` equal to it, when only the first ``cap`` equal keys of all parts (position order) are wanted:
+    ``(eq_base, base, kept)``, the equal keys before each part, the kept keys before each part, and the
+    kept keys in all."""
+    eq_base = excl_sum(eq, n_parts)
+    keep = gt + tl.minimum(tl.maximum(cap - eq_base, 0), eq)
+    return eq_base, excl_sum(keep, n_parts), tl.sum(keep, axis=0)
+
+
+@triton.jit
+def _scan_keep(key, valid, t, cap, eq_before):
+    """One tile ``[P, J]`` of keys >= t (``valid``), each row a part in position order, ``eq_before [P, 1]``
+    equal keys before the tile in position order: which keys are kept (above t, or among the first ``cap``
+    equal to t), the exclusive count of kept keys before each in its row, and the row totals of kept and
+    equal keys (two scans along the rows: the kept depend on the equal ones' ranks)."""
+    eq = valid & (key == t)
+    ex_eq = tl.cumsum(eq.to(tl.int32), axis=1) - eq.to(tl.int32)
+    keep = valid & ((key != t) | (eq_before + ex_eq < cap))
+    ki = keep.to(tl.int32)
+    return keep, tl.cumsum(ki, axis=1) - ki, tl.sum(ki, axis=1), tl.sum(eq.to(tl.int32), axis=1)
+
+
+@triton.jit
+def move_capped(useg, cw, c, t_lo, K, uk, CAP: tl.constexpr, CAND: tl.constexpr, NW: tl.constexpr,
+                MJ: tl.constexpr, ASM: tl.constexpr):
+    """:func:`move` for lists holding more than U does (``c > CAND``; none overflowed: every ``cw <= CAP``)
+    because many keys equal ``t_lo``: only the first ``K - #(key > t_lo)`` of those in position order can
+    be selected (every key above t_lo is, and the k-th largest is t_lo or above), so U gets every key
+    ``> t_lo`` and those first equal ones, in position order. A first pass counts each list's equal keys;
+    the second moves, a warp-local scan ranking the equal keys.
+    Returns ``(kept, umax)``: the keys kept (U holds them when ``kept <= CAND``; above that nothing past
+    CAND is stored and the caller falls back) and the largest key kept."""
+    w = tl.arange(0, NW)
+    j = tl.arange(0, MJ)[None, :]
+    cnt = cw[:, None]
+    src = useg + (w.to(tl.int64) * CAP)[:, None]
+    top = tl.max(cw, axis=0)
+    # ---- pass 1: equal keys per list
+    acc = tl.zeros([NW, MJ], dtype=tl.int32)
+    for it in tl.range(0, top, MJ, num_stages=1):
+        jj = it + j
+        v = tl.load(src + jj, mask=jj < cnt, other=0)
+        acc += ((jj < cnt) & (bits_key((v >> 32).to(tl.int32)) == t_lo)).to(tl.int32)
+    eq = tl.sum(acc, axis=1)
+    cap = tl.maximum(K - (c - tl.sum(eq, axis=0)), 0)
+    eq_base, base, kept = _tie_cap(cw - eq, eq, cap, NW)
+    # ---- pass 2: move what is kept
+    eq_before = eq_base[:, None]
+    at = base[:, None]
+    vmax = tl.full([NW, MJ], INT_MIN, tl.int32)
+    for it in tl.range(0, top, MJ, num_stages=1):
+        jj = it + j
+        v = tl.load(src + jj, mask=jj < cnt, other=0)
+        key = bits_key((v >> 32).to(tl.int32))
+        keep, ex, n_keep, n_eq = _scan_keep(key, jj < cnt, t_lo, cap, eq_before)
+        slot = at + ex
+        m = keep & (slot < CAND)
+        vmax = tl.maximum(vmax, tl.where(keep, key, INT_MIN))
+        store(uk + slot, key, m, ASM)
+        store(uk + CAND + slot, (v & 0xFFFFFFFF).to(tl.int32), m, ASM)
+        at += n_keep[:, None]
+        eq_before += n_eq[:, None]
+    pad4(uk, tl.minimum(kept, CAND), CAND)
+    return kept, tl.max(tl.max(vmax, axis=1), axis=0)
 
 
 @triton.jit

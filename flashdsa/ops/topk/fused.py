@@ -10,8 +10,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashdsa.ops.topk.common import bits_bounds, copy_short, row_check, row_setup
-from flashdsa.ops.topk.compact import compact_seg, move
+from flashdsa.ops.topk.common import INT_MIN, bits_bounds, copy_short, row_check, row_setup
+from flashdsa.ops.topk.compact import compact_seg, move, move_capped
 from flashdsa.ops.topk.fallback import row_fallback
 from flashdsa.ops.topk.radix import sample_threshold, select_emit
 
@@ -76,16 +76,23 @@ def topk_fused_kernel(
                 tl.debug_barrier()
                 if STOP == 2:
                     tl.store(out_row, c)
-                elif (c >= K) & (c <= CAND):
-                    # ---- 3. the lists -> U, in position order, as keys
-                    umax = move(useg, cw, c, uk, CAP, CAND, NW, MJ, ASM)
-                    tl.debug_barrier()
-                    if STOP == 3:
-                        tl.store(out_row, umax)
-                    else:
-                        # ---- 4./5. select, emit from U
-                        select_emit(uk, c, t_lo, umax, K, w, out_row, table_row, off_r, CAND, WCAP, UB, BITS, BITS_W,
-                                    STREAM, NW, MODE, PAGE_SIZE, ASM, STOP)
                 else:
-                    row_fallback(row, n, K, c, t_lo, uk, w, out_row, table_row, off_r, CAND, WCAP, UB, BITS,
-                                 BITS_W, STREAM, BLOCK, STAGES, MODE, PAGE_SIZE, NW, ASM, STOP == 0)
+                    c_sel = c
+                    umax = tl.full([], INT_MIN, tl.int32)
+                    if (c >= K) & (c <= CAND):
+                        # ---- 3. the lists -> U, in position order, as keys
+                        umax = move(useg, cw, c, uk, CAP, CAND, NW, MJ, ASM)
+                    elif (c > CAND) & (tl.max(cw, axis=0) <= CAP):
+                        # more than U holds, no list overflowed: many keys tie with t_lo, keep the first needed
+                        c_sel, umax = move_capped(useg, cw, c, t_lo, K, uk, CAP, CAND, NW, MJ, ASM)
+                    if (c_sel >= K) & (c_sel <= CAND):
+                        tl.debug_barrier()
+                        if STOP == 3:
+                            tl.store(out_row, umax)
+                        else:
+                            # ---- 4./5. select, emit from U
+                            select_emit(uk, c_sel, t_lo, umax, K, w, out_row, table_row, off_r, CAND, WCAP, UB, BITS,
+                                        BITS_W, STREAM, NW, MODE, PAGE_SIZE, ASM, STOP)
+                    else:
+                        row_fallback(row, n, K, c, t_lo, uk, w, out_row, table_row, off_r, CAND, WCAP, UB, BITS,
+                                     BITS_W, STREAM, BLOCK, STAGES, MODE, PAGE_SIZE, NW, ASM, STOP == 0)

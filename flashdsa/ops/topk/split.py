@@ -12,7 +12,7 @@ import triton.language as tl
 
 from flashdsa.ops.topk.common import (INT_MIN, bits_bounds, copy_short, excl_sum, pad4, round4, row_check, row_setup,
                                       store)
-from flashdsa.ops.topk.compact import compact_seg, move
+from flashdsa.ops.topk.compact import _scan_keep, _tie_cap, compact_seg, move, move_capped
 from flashdsa.ops.topk.fallback import row_fallback
 from flashdsa.ops.topk.radix import sample_threshold, select_emit
 
@@ -44,6 +44,50 @@ def _gather_chunks(scr_r, counts_r, uk, CAND: tl.constexpr, CHUNKS: tl.constexpr
         store(dst + CAND + o, p, m, ASM)
         x = xn
         p = pn
+
+
+@triton.jit
+def _gather_capped(scr_r, counts_r, t_lo, K, uk, CAND: tl.constexpr, CHUNKS: tl.constexpr, UB: tl.constexpr,
+                   ASM: tl.constexpr):
+    """:func:`_gather_chunks` when the chunks hold more than U does in all (each at most CAND) because many
+    keys equal ``t_lo``: every key ``> t_lo`` and only the first ``K - #(key > t_lo)`` equal ones in
+    position order (:func:`~flashdsa.ops.topk.compact.move_capped`, across chunks). A first pass counts
+    each chunk's keys above and equal, the second copies with a scan ranking the equal keys. Returns the
+    keys kept (U holds them when at most CAND; above that nothing past CAND is stored)."""
+    CP: tl.constexpr = triton.next_power_of_2(CHUNKS)
+    BJ: tl.constexpr = UB // CP
+    jj = tl.arange(0, CP)
+    cnt = tl.load(counts_r + jj, mask=jj < CHUNKS, other=0, cache_modifier=".cg")
+    cnt2 = cnt[:, None]
+    src = scr_r + (jj * (2 * CAND))[:, None]
+    offs = tl.arange(0, BJ)[None, :]
+    top = tl.max(cnt, axis=0)
+    # ---- pass 1: keys above and equal, per chunk
+    gt = tl.zeros([CP, BJ], dtype=tl.int32)
+    eq = tl.zeros([CP, BJ], dtype=tl.int32)
+    for start in tl.range(0, top, BJ, num_stages=1):
+        o = start + offs
+        x = tl.load(src + o, mask=o < cnt2, other=INT_MIN, cache_modifier=".cg")
+        gt += ((o < cnt2) & (x > t_lo)).to(tl.int32)
+        eq += ((o < cnt2) & (x == t_lo)).to(tl.int32)
+    n_gt = tl.sum(gt, axis=1)
+    n_eq = tl.sum(eq, axis=1)
+    cap = tl.maximum(K - tl.sum(n_gt, axis=0), 0)
+    eq_base, base, kept = _tie_cap(n_gt, n_eq, cap, CP)
+    # ---- pass 2: copy what is kept
+    eq_before = eq_base[:, None]
+    at = base[:, None]
+    for start in tl.range(0, top, BJ, num_stages=1):
+        o = start + offs
+        x = tl.load(src + o, mask=o < cnt2, other=INT_MIN, cache_modifier=".cg")
+        p = tl.load(src + CAND + o, mask=o < cnt2, other=0, cache_modifier=".cg")
+        keep, ex, k_row, e_row = _scan_keep(x, o < cnt2, t_lo, cap, eq_before)
+        slot = at + ex
+        store(uk + slot, x, keep & (slot < CAND), ASM)
+        store(uk + CAND + slot, p, keep & (slot < CAND), ASM)
+        at += k_row[:, None]
+        eq_before += e_row[:, None]
+    return kept
 
 
 @triton.jit
@@ -102,7 +146,12 @@ def topk_split_kernel(
             if STOP == 2:
                 tl.store(out_row + j, c_j)
             else:
-                umax = move(sscr + prog * (NW * CAP), cw, c_j, scr + prog * (2 * CAND), CAP, CAND, NW, MJ, ASM)
+                if (c_j > CAND) & (tl.max(cw, axis=0) <= CAP):
+                    # more than U holds, no list overflowed: many keys tie with t_lo, keep the first needed
+                    c_j, umax = move_capped(sscr + prog * (NW * CAP), cw, c_j, t_lo, K, scr + prog * (2 * CAND), CAP,
+                                            CAND, NW, MJ, ASM)
+                else:
+                    umax = move(sscr + prog * (NW * CAP), cw, c_j, scr + prog * (2 * CAND), CAP, CAND, NW, MJ, ASM)
                 counts_r = counts + r * (2 * CHUNKS)
                 tl.store(counts_r + j, c_j)
                 tl.store(counts_r + CHUNKS + j, umax)
@@ -121,16 +170,25 @@ def topk_split_kernel(
                         uk = uscr + r.to(tl.int64) * (2 * CAND)
                         w = wscr + r.to(tl.int64) * WCAP
                         c = tl.full([], 0, tl.int32)
+                        cmax = tl.full([], 0, tl.int32)
                         umax = tl.full([], INT_MIN, tl.int32)
                         for jj in tl.static_range(CHUNKS):
-                            c += tl.load(counts_r + jj, cache_modifier=".cg")
+                            c_jj = tl.load(counts_r + jj, cache_modifier=".cg")
+                            c += c_jj
+                            cmax = tl.maximum(cmax, c_jj)
                             umax = tl.maximum(umax, tl.load(counts_r + CHUNKS + jj, cache_modifier=".cg"))
+                        c_sel = c
                         if (c >= K) & (c <= CAND):
                             _gather_chunks(scr + r.to(tl.int64) * (CHUNKS * 2 * CAND), counts_r, uk, CAND, CHUNKS,
                                            UB, ASM)
-                            pad4(uk, c, CAND)
+                        elif (c > CAND) & (cmax <= CAND):
+                            # more than U holds in all, no chunk overflowed: many keys tie with t_lo
+                            c_sel = _gather_capped(scr + r.to(tl.int64) * (CHUNKS * 2 * CAND), counts_r, t_lo, K, uk,
+                                                   CAND, CHUNKS, UB, ASM)
+                        if (c_sel >= K) & (c_sel <= CAND):
+                            pad4(uk, c_sel, CAND)
                             tl.debug_barrier()
-                            select_emit(uk, c, t_lo, umax, K, w, out_row, table_row, off_r, CAND, WCAP, UB, BITS,
+                            select_emit(uk, c_sel, t_lo, umax, K, w, out_row, table_row, off_r, CAND, WCAP, UB, BITS,
                                         BITS_W, STREAM, NW, MODE, PAGE_SIZE, ASM, STOP)
                         else:
                             row_fallback(row, n, K, c, t_lo, uk, w, out_row, table_row, off_r, CAND, WCAP, UB, BITS,
