@@ -362,6 +362,13 @@ class _Lockstep:
 
 # ---- the demo ----------------------------------------------------------------------------------------
 
+def _decode_kernel(torch_ops: bool) -> str:
+    """The sparse-MLA decode kernel behind the figures: "gluon" where the default dispatch ran the Gluon
+    kernel (sm_90), else the backend's."""
+    from flashdsa.ops.sparse_mla import gluon_decode_ran
+    return "torch" if torch_ops else "gluon" if gluon_decode_ran() else "triton"
+
+
 def run_demo(preset: str = "tiny", device: str = "cpu", next_n: int = 2, seed: int = 0, backend: str | None = None,
              layers: int | None = None, kv_format: str = "fp8", log: Callable[[str], None] | None = print,
              force: bool = False, offload: bool = False, device_buffer: int | None = None,
@@ -526,7 +533,8 @@ def run_demo(preset: str = "tiny", device: str = "cpu", next_n: int = 2, seed: i
         not_applicable["skip_layers_reuse"] = "no skip-top-k layers in this model"
     report = {
         "ok": ok, "device": str(dev), "preset": preset, "layers": L, "kv_format": kv_format, "next_n": next_n,
-        "backend": "torch" if torch_ops else "triton", "prompt_lens": list(lens.values()),
+        "backend": "torch" if torch_ops else "triton", "decode_attention_kernel": _decode_kernel(torch_ops),
+        "prompt_lens": list(lens.values()),
         "stages_s": {n: round(t, 4) for n, t in stages.items()}, "tokens_per_s": tokens / total_s,
         "kv_bytes_per_token": kv_bytes, "kpool": cfg.index_kpool, "indexer_bytes_per_token": index_bytes,
         "memory_estimate_gb": {n: round(b / GB, 3) for n, b in est.items()},

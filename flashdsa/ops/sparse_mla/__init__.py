@@ -44,6 +44,12 @@ def _gluon_decode(*args, **kwargs):
     return out
 
 
+def gluon_decode_ran() -> bool:
+    """Whether the Gluon decode kernel has run in this process (the default dispatch picks it on sm_90 where
+    it applies: README.md), for reports that name the kernels behind their figures."""
+    return _GLUON_STATE["ran"]
+
+
 def _gluon_unsupported(q, kv_cache, fmt: str, d_v: int) -> str | None:
     """Why the Gluon decode kernel cannot run this call (None: it can); also where this Triton has no Gluon."""
     if _GLUON_STATE["failed"]:
