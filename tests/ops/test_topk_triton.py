@@ -342,6 +342,8 @@ def test_grid_smaller_than_rows():
 
 # ---- hypothesis ---------------------------------------------------------------------------------------
 
+ALL_KNOBS = {**KNOBS, **{f"ties-{name}": knobs for name, knobs in TIE_KNOBS.items()}}  # + the tie-capped paths
+
 @st.composite
 def _calls(draw):
     k = draw(st.sampled_from([1, 7, 64, 100]))
@@ -357,7 +359,7 @@ def _calls(draw):
     mode = draw(st.sampled_from(["plain", "offsets", "pages"]))
     g = draw(st.sampled_from([d for d in (1, 2, 3, 4) if R % d == 0])) if mode == "pages" else 1
     return dict(R=R, L=L, k=k, lens=lens, kinds=kinds, mode=mode, g=g, starts=draw(st.booleans()),
-                pad=draw(st.sampled_from([0, 3])), knobs=draw(st.sampled_from(list(KNOBS))),
+                pad=draw(st.sampled_from([0, 3])), knobs=draw(st.sampled_from(list(ALL_KNOBS))),
                 seed=draw(st.integers(0, 2 ** 20)))
 
 
@@ -366,7 +368,7 @@ def _calls(draw):
 def test_hypothesis_matches_reference(c):
     logits, lengths, kw = _case(c["R"], c["L"], c["k"], c["kinds"], c["lens"], c["seed"], mode=c["mode"],
                                 g=c["g"], starts=c["starts"], stride_pad=c["pad"])
-    got, ref = _run_both(logits, lengths, c["k"], kw, KNOBS[c["knobs"]])
+    got, ref = _run_both(logits, lengths, c["k"], kw, ALL_KNOBS[c["knobs"]])
     _assert_same(got, ref, str(c))
 
 
