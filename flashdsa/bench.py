@@ -8,6 +8,8 @@ Cases (``--quick`` keeps those marked Q; the sweeps feed the plot):
     topk        top-2048 of [64, 32K] Q, [64, 128K], [4096, 8K], [4096, 32K] Q      peers: fast_topk, torch.topk
     sparse_mla  decode fp8 656, B 64, s_q 1, h_q 128, top-2048, context {4K Q, 16K Q, 32K Q, 64K Q}
                 (top-k fixed, so the time is flat in context)                     peer: FlashMLA decode
+                full run also: fp8 B 64 s_q 2 h_q 128 and B 128 s_q 2 h_q 64, and bf16 pages B 64 h_q 128
+                (FlashMLA reads fp8 pages of the same tokens: it has no bf16-cache sparse decode), 32K Q
                 prefill bf16, T 4096, h_q 128, top-2048 over 8K Q / 32K keys      peer: FlashMLA prefill
     layer       one V3.2 decode step of one layer the way flashdsa.engine runs it (paged indexer -> top-k
                 with slot translation -> sparse decode), B 64 at context 8K and 32K Q, split into indexer /
@@ -43,6 +45,7 @@ from typing import Any, Callable
 
 import torch
 
+from flashdsa.cache.layouts import MLA_BF16_BYTES, MLA_FP8_BYTES
 from flashdsa.testing import peers
 from flashdsa.testing.compare import cos_diff, masked_cos_diff, topk_tie_safe
 from flashdsa.testing.inputs import (CHUNK_PAGES, decode_slots, index_cache, mla_cache, paged_batch, prefill_indices,
@@ -89,6 +92,9 @@ def cases(ops: tuple[str, ...] = OPS, quick: bool = False, tiny: bool = False) -
         if "sparse_mla" in ops:
             out.append(Case("sparse_mla", "decode", "decode fp8 B2 s_q2 h16 top-64 ctx 256",
                             dict(B=2, s_q=2, h=16, topk=64, ctx=256)))
+            if not quick:
+                out.append(Case("sparse_mla", "decode", "decode bf16 B2 s_q1 h16 top-64 ctx 256",
+                                dict(B=2, s_q=1, h=16, topk=64, ctx=256, fmt="bf16")))
             out.append(Case("sparse_mla", "prefill", "prefill bf16 T4 N200 h16 top-64",
                             dict(T=4, N=200, h=16, topk=64)))
         if "layer" in ops:
@@ -111,6 +117,10 @@ def cases(ops: tuple[str, ...] = OPS, quick: bool = False, tiny: bool = False) -
         for ctx in sweep:
             out.append(Case("sparse_mla", "decode", f"decode fp8 B64 h128 top-2048 ctx {_ctx_name(ctx)}",
                             dict(B=64, s_q=1, h=128, topk=2048, ctx=ctx), sweep="sparse_decode"))
+        if not quick:  # the issue's other decode shapes, and our bf16 pages against FlashMLA's fp8 ones
+            for B, s_q, h, fmt in [(64, 2, 128, "fp8"), (128, 2, 64, "fp8"), (64, 1, 128, "bf16")]:
+                out.append(Case("sparse_mla", "decode", f"decode {fmt} B{B} s_q{s_q} h{h} top-2048 ctx 32K",
+                                dict(B=B, s_q=s_q, h=h, topk=2048, ctx=32 * K, fmt=fmt)))
         for N in [8 * K] + ([] if quick else [32 * K]):
             out.append(Case("sparse_mla", "prefill", f"prefill bf16 T4096 N{_ctx_name(N)} h128 top-2048",
                             dict(T=4096, N=N, h=128, topk=2048)))
@@ -303,16 +313,22 @@ def _attention_work(n_valid: int, h: int, row_bytes: int, q: torch.Tensor, idx: 
 
 
 def _setup_decode(p: dict, dev, status) -> list[tuple[str, Bench]]:
+    """Sparse MLA decode over fp8 656-B pages (``fmt`` "fp8") or bf16 pages ("bf16"); FlashMLA always reads
+    fp8 pages of the same tokens (its sparse decode has no bf16 cache: SGLang's bf16-cache decode on the
+    H200 is the case this compares)."""
     from flashdsa import ops
-    B, s_q, h, topk, ctx = p["B"], p["s_q"], p["h"], p["topk"], p["ctx"]
+    B, s_q, h, topk, ctx, fmt = p["B"], p["s_q"], p["h"], p["topk"], p["ctx"], p.get("fmt", "fp8")
     g = torch.Generator(device=dev).manual_seed(ctx)
     per_req = -(-ctx // 64)
-    cache = mla_cache(B * per_req, g, dev)
+    cache = mla_cache(B * per_req, g, dev, fmt)
+    peer_cache = cache if fmt == "fp8" else mla_cache(B * per_req, torch.Generator(device=dev).manual_seed(ctx), dev)
     bt = torch.randperm(B * per_req, generator=g, device=dev).view(B, per_req)
     idx = decode_slots(bt, ctx, s_q, topk, g)
     q = randn((B, s_q, h, 576), g, dev, torch.bfloat16)
-    # the default backend: on sm_90 the Gluon kernel, elsewhere the Triton ones (ops.sparse_mla_decode's rule)
-    ours = lambda: ops.sparse_mla_decode(q, cache, idx, SM_SCALE)  # noqa: E731
+    # the default backend on CUDA: on sm_90 the Gluon kernel, elsewhere the Triton ones (ops.sparse_mla_decode's
+    # rule); the Triton kernels on the CPU (interpreted: the CPU default is the torch reference itself)
+    backend = None if q.is_cuda else "triton"
+    ours = lambda: ops.sparse_mla_decode(q, cache, idx, SM_SCALE, backend=backend)  # noqa: E731
 
     def check():
         sub = rows_subset(B, 4, dev)
@@ -323,8 +339,10 @@ def _setup_decode(p: dict, dev, status) -> list[tuple[str, Bench]]:
     peer = {}
     if status["FlashMLA"]["ok"] and h in (64, 128):
         seqlens = torch.full((B,), ctx, dtype=torch.int32, device=dev)
-        peer["FlashMLA"] = _flashmla_decode(q, cache, idx, SM_SCALE, seqlens, ours)
-    return [("", Bench(ours, check, peer, **_attention_work(idx.numel(), h, 656, q, idx)))]
+        peer["FlashMLA" if fmt == "fp8" else "FlashMLA (fp8 pages)"] = _flashmla_decode(q, peer_cache, idx, SM_SCALE,
+                                                                                         seqlens, ours)
+    row_bytes = MLA_FP8_BYTES if fmt == "fp8" else MLA_BF16_BYTES
+    return [("", Bench(ours, check, peer, **_attention_work(idx.numel(), h, row_bytes, q, idx)))]
 
 
 def _setup_prefill(p: dict, dev, status) -> list[tuple[str, Bench]]:
@@ -385,6 +403,8 @@ def _setup_layer(p: dict, dev, status) -> list[tuple[str, Bench]]:
     for r in reqs:
         alloc.extend(r, 1)  # this step's token, written before attending as the layer does
     meta = build_decode(alloc, reqs, 1, DECODE)  # default backends (sparse MLA: Gluon on sm_90)
+    if torch.device(dev).type != "cuda":  # the CPU default is the torch reference itself: interpret the kernels
+        meta = dataclasses.replace(meta, backend="triton")
     write(meta.slot_mapping)
     idx = IndexerOutput(randn((B, H_I, 128), g, dev, FP8), randn((B, H_I), g, dev) * H_I ** -0.5, None, None)
     q = randn((B, h, 576), g, dev, torch.bfloat16)

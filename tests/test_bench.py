@@ -43,6 +43,8 @@ def test_cases_cover_spec_shapes_and_quick_is_a_subset():
     for want in ("paged B64 n1 ctx~32K", "paged B64 n2 ctx~32K", "ragged 4096x16384", "top-2048 of [64, 32K]",
                  "top-2048 of [64, 128K]", "top-2048 of [4096, 8K]", "top-2048 of [4096, 32K]",
                  "decode fp8 B64 h128 top-2048 ctx 32K", "prefill bf16 T4096 N8K h128 top-2048",
+                 "decode fp8 B64 s_q2 h128 top-2048 ctx 32K", "decode fp8 B128 s_q2 h64 top-2048 ctx 32K",
+                 "decode bf16 B64 s_q1 h128 top-2048 ctx 32K",
                  "v32 decode B64 ctx 8K", "v32 decode B64 ctx 32K"):
         assert want in names, want
     quick = B.cases(quick=True)
@@ -115,6 +117,25 @@ def test_cpu_check_fails_on_a_wrong_kernel(capsys, monkeypatch):
     rc, out, _ = run_cli(["bench", "--cpu-check", "--quick", "--ops", "topk"], capsys)
     assert rc == 1
     assert "FAIL (selections differ)" in out
+
+
+@cpu_only
+def test_cpu_check_of_decode_runs_the_kernels(capsys, monkeypatch):
+    """On the CPU the decode and layer checks run the (interpreted) Triton kernels, not the torch default
+    (which would compare the reference with itself): a decode 'kernel' that halves its output fails both."""
+    from flashdsa.ops import sparse_mla
+    good = sparse_mla._DECODE["torch"]
+
+    def broken(*args, **kwargs):
+        out, lse = good(*args, **kwargs)
+        return out * 0.5, lse
+    monkeypatch.setitem(sparse_mla._DECODE, "triton", broken)
+    rc, out, _ = run_cli(["bench", "--cpu-check", "--ops", "sparse_mla,layer"], capsys)
+    assert rc == 1
+    bad = [line for line in out.splitlines() if "FAIL" in line]
+    assert any("decode fp8" in line for line in bad) and any("decode bf16" in line for line in bad)
+    assert any("attention" in line for line in bad), out
+    assert not any("prefill" in line for line in bad)
 
 
 def test_checks_can_fail():

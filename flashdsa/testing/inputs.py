@@ -76,14 +76,20 @@ def index_cache(P: int, g: torch.Generator, device) -> torch.Tensor:
     return cache
 
 
-def mla_cache(P: int, g: torch.Generator, device) -> torch.Tensor:
+def mla_cache(P: int, g: torch.Generator, device, fmt: str = "fp8") -> torch.Tensor:
     """``[P, 64, 656] uint8`` MLA pages in FlashMLA's fp8 layout: layouts.quantize_mla_656 of random bf16
-    rows ``[64 P, 576]``."""
-    cache = torch.empty(P, PAGE_SIZE, MLA_FP8_BYTES, dtype=torch.uint8, device=device)
+    rows ``[64 P, 576]``; ``fmt="bf16"``: those rows themselves, ``[P, 64, 576] bfloat16`` (the same
+    tokens as the fp8 pages from a generator in the same state)."""
+    if fmt not in ("fp8", "bf16"):
+        raise ValueError(f"fmt: expected 'fp8' or 'bf16', got {fmt!r}")
+    if fmt == "bf16":
+        cache = torch.empty(P, PAGE_SIZE, MLA_DIM, dtype=torch.bfloat16, device=device)
+    else:
+        cache = torch.empty(P, PAGE_SIZE, MLA_FP8_BYTES, dtype=torch.uint8, device=device)
     for p0 in range(0, P, CHUNK_PAGES):
         p1 = min(P, p0 + CHUNK_PAGES)
         rows = randn(((p1 - p0) * PAGE_SIZE, MLA_DIM), g, device, torch.bfloat16)
-        cache[p0:p1] = quantize_mla_656(rows).view(-1, PAGE_SIZE, MLA_FP8_BYTES)
+        cache[p0:p1] = (rows if fmt == "bf16" else quantize_mla_656(rows)).view(p1 - p0, PAGE_SIZE, -1)
     return cache
 
 
