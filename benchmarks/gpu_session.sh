@@ -2,7 +2,8 @@
 # One run on a GPU box: peer wheels from .anchors/ (if any), then the named stages; logs and JSON
 # under $OUT (default ./out).
 #   bash benchmarks/gpu_session.sh tests indexer topk sparse_mla demo hf
-# Stages: tests (every GPU test, `-m gpu`: compiled kernels vs the references, about 6 min), <op> (benchmarks/bench_<op>.py),
+# Stages: tests (every GPU test, `-m gpu`: compiled kernels vs the references, about 8 min; tests-ops / tests-rest:
+# tests/ops (about 6 min) / everything else (about 2 min), for runs of a few minutes), <op> (benchmarks/bench_<op>.py),
 # demo (flashdsa demo on v32, few layers), hf (benchmarks/bench_hf.py). BENCH_ARGS go to every bench.
 # Wheels in .anchors/ are installed over the image's packages: put a transformers >= 5.23 wheel there for
 # the hf stage and test_hf (the H200 image had 5.17 on 2026-12-01).
@@ -17,7 +18,10 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 for stage in "$@"; do
   echo "=== stage $stage $(date +%T)"
   case $stage in
-    tests) timeout 560 python3 -m pytest -q -p no:cacheprovider -m gpu tests -rf 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
+    tests) timeout 590 python3 -m pytest -q -p no:cacheprovider -m gpu tests -rf 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
+    tests-ops) timeout 590 python3 -m pytest -q -p no:cacheprovider -m gpu tests/ops -rf 2>&1 | tee "$OUT/tests-ops.log" | tail -25 ;;
+    tests-rest) timeout 590 python3 -m pytest -q -p no:cacheprovider -m gpu tests --ignore=tests/ops -rf 2>&1 \
+                  | tee "$OUT/tests-rest.log" | tail -25 ;;
     demo)  timeout 300 python3 -m flashdsa.cli demo --preset v32 --device cuda --layers ${DEMO_LAYERS:-4} --json 2>&1 | tee "$OUT/demo.json" | tail -3 ;;
     hf)    timeout 300 python3 benchmarks/bench_hf.py ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_hf.log" | tail -30 ;;
     *)     timeout ${STAGE_TIMEOUT:-300} python3 benchmarks/bench_$stage.py ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_$stage.log" | tail -40 ;;
