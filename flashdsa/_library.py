@@ -14,6 +14,7 @@ works; so does the public function's own signature).
 
 from __future__ import annotations
 
+import contextvars
 import inspect
 from typing import Callable
 
@@ -21,6 +22,16 @@ import torch
 
 NAMESPACE = "flashdsa"
 _compiling = torch.compiler.is_compiling
+# True while a registered op's implementation runs: the call came through torch's dispatcher (a compiled
+# graph, torch.ops.flashdsa.*), where the caller (e.g. torch.compile's CUDA-graph trees, which route every
+# allocation of their warm-up into a private pool and check that pool) must see no buffer outlive the call.
+_REGISTERED = contextvars.ContextVar("flashdsa_registered_op", default=False)
+
+
+def in_registered_op() -> bool:
+    """Whether this call runs as a registered op's implementation (see ``_REGISTERED``): an op then keeps
+    no buffer across calls (top-k's cached split-mode counters: fresh zeros instead)."""
+    return _REGISTERED.get()
 
 
 def _generated(name: str, sig: inspect.Signature, body: str, env: dict) -> Callable:
@@ -53,7 +64,10 @@ def op(name: str, fake: Callable, mutates_args: tuple[str, ...] = ()) -> Callabl
         call_kw = ", ".join(n if sig.parameters[n].kind is not inspect.Parameter.KEYWORD_ONLY else f"{n}={n}"
                             for n in names)
         # the registered implementation and fake: every parameter positional, calling the real ones
-        impl = _generated(fn.__name__, positional, f"return _fn({call_kw})", {"_fn": fn})
+        impl = _generated(fn.__name__, positional,
+                          f"_tok = _flashdsa_registered.set(True)\n    try:\n        return _fn({call_kw})\n"
+                          "    finally:\n        _flashdsa_registered.reset(_tok)",
+                          {"_fn": fn, "_flashdsa_registered": _REGISTERED})
         impl.__signature__ = positional
         impl.__annotations__ = dict(fn.__annotations__)
         impl.__globals__.update(fn.__globals__)  # for the annotations' names (strings under __future__)

@@ -238,6 +238,25 @@ def test_gpu_compile_inductor_equals_eager(name):
 
 
 @pytest.mark.gpu
+def test_gpu_compile_split_topk_cuda_graphs(monkeypatch):
+    """Split-mode top-k (few long rows) under torch.compile(mode="reduce-overhead") with no counters cached
+    yet: CUDA-graph trees run the warm-up with its allocations in their private pool and check that pool
+    afterwards, so the op keeps no per-stream counters there (in_registered_op); replays equal eager."""
+    from flashdsa.ops.topk import split
+    monkeypatch.setattr(split, "_ARRIVE", {})
+    g = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(4, 8192, generator=g, device="cuda")
+    n = torch.tensor([8192, 8000, 3000, 8191], dtype=torch.int32, device="cuda")
+    fn = lambda x, n: ops.topk_transform(x, n, 2048) + 1  # noqa: E731
+    torch._dynamo.reset()
+    step = torch.compile(fn, fullgraph=True, mode="reduce-overhead")
+    for _ in range(3):  # warm-up, capture, replay
+        got = step(x, n).clone()
+    assert split._ARRIVE == {}
+    assert torch.equal(got, fn(x, n))
+
+
+@pytest.mark.gpu
 def test_gpu_compile_decode_step_cuda_graphs():
     """The decode step under torch.compile(mode="reduce-overhead"): captured into CUDA graphs (default value
     checks on: they run in the warm-up, are skipped in the capture), replays equal eager."""

@@ -254,6 +254,25 @@ def test_split_one_launch(mode, g, chunks):
     assert torch.equal(again, got)
 
 
+def test_registered_op_keeps_no_counters(monkeypatch):
+    # Called as the registered op (what a compiled graph runs), split mode takes fresh arrival counters:
+    # torch.compile's CUDA-graph trees route their warm-up's allocations into a private pool and check that
+    # only their outputs stay there, which the per-stream cached counters would not. Eager calls cache
+    # them. Same bits either way.
+    monkeypatch.setattr(split, "_ARRIVE", {})
+    R, L, k = 2, 4096, 64
+    assert launch.default_config(R, L, k, num_sms(torch.device(DEVICE))).kind == "split"
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(R, L, generator=g).to(DEVICE)
+    n = torch.tensor([L, L - 7], dtype=torch.int32, device=DEVICE)
+    via_op = torch.ops.flashdsa.topk_transform(x, n, k, None, None, None, 64, "triton")
+    assert split._ARRIVE == {}
+    eager = ops.topk_transform(x, n, k, backend="triton")
+    assert len(split._ARRIVE) == 1
+    assert torch.equal(via_op, eager)
+    assert torch.equal(eager.cpu(), ref_impl(x.cpu(), n.cpu(), k, None, None, None, 64))
+
+
 @pytest.mark.parametrize("cached", [True, False], ids=["cached-counters", "zeroed-counters"])
 @pytest.mark.parametrize("chunks", [2, 3])
 def test_split_finisher_selects_from_all_chunks(chunks, cached):

@@ -201,7 +201,10 @@ def topk_split_kernel(
 # streams get two buffers, so concurrent calls never share a counter. (Graph replays reuse the counters
 # of their capture stream, like they reuse their scratch: the same rule as a graph memory pool shared by
 # several graphs, which must not be replayed concurrently either. A first call on a stream inside a
-# capture allocates the buffer there: its zeroing is captured and replayed, correct if slower.)
+# capture allocates the buffer there: its zeroing is captured and replayed, correct if slower.) Calls made
+# as the registered op (compiled graphs) take fresh zeros instead: torch.compile's CUDA-graph trees run
+# their warm-up with every allocation routed into their private pool and then check that only their
+# outputs stay allocated there, which a buffer cached here would fail.
 _ARRIVE: dict = {}
 
 
