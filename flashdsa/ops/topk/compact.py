@@ -149,7 +149,7 @@ def move_capped(useg, cw, c, t_lo, K, uk, CAP: tl.constexpr, CAND: tl.constexpr,
     because many keys equal ``t_lo``: only the first ``K - #(key > t_lo)`` of those in position order can
     be selected (every key above t_lo is, and the k-th largest is t_lo or above), so U gets every key
     ``> t_lo`` and those first equal ones, in position order. A first pass counts each list's equal keys;
-    the second moves, a warp-local scan ranking the equal keys.
+    the second moves, a scan along each list ranking the equal keys.
     Returns ``(kept, umax)``: the keys kept (U holds them when ``kept <= CAND``; above that nothing past
     CAND is stored and the caller falls back) and the largest key kept."""
     w = tl.arange(0, NW)
