@@ -51,12 +51,19 @@ def _parallel_demo(args: argparse.Namespace) -> int:
     if args.force:
         raise ValueError("force: the parallel demo makes no memory estimate to force past")
     mode, world = ("cp", args.cp) if args.cp is not None else ("dcp", args.dcp)
-    report = run_parallel_demo(mode, world, split=args.cp_split, preset=args.preset, device=args.device,
-                               next_n=args.next_n, seed=args.seed, backend=args.backend, layers=args.layers,
-                               kv_format=args.kv_format, log=None if args.json else print, kpool=args.kpool)
-    if args.json and dist.get_rank() == 0:
-        print(json.dumps(report))
-    dist.destroy_process_group()
+    try:
+        report = run_parallel_demo(mode, world, split=args.cp_split, preset=args.preset, device=args.device,
+                                   next_n=args.next_n, seed=args.seed, backend=args.backend, layers=args.layers,
+                                   kv_format=args.kv_format, log=None if args.json else print, kpool=args.kpool)
+        if args.json and dist.get_rank() == 0:
+            print(json.dumps(report))
+        # every rank past its last collective before any rank tears its connections down: a rank that
+        # closes early can abort a peer still finishing (seen once in CI: gloo, 3 ranks, SIGABRT at exit)
+        dist.barrier()
+    finally:
+        # also after an error: a gloo group left to interpreter shutdown can abort the process
+        if dist.is_initialized():
+            dist.destroy_process_group()
     return 0 if report["ok"] else 1
 
 
