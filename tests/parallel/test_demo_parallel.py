@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -20,15 +21,52 @@ from flashdsa.demo import _scenario
 REPO = Path(__file__).resolve().parents[2]
 
 
+# A gloo rank's C++ runtime aborting ("terminate called without an active exception": a std::thread of
+# torch's c10d / gloo destroyed while joinable), seen in 2 of 4 fresh-clone CI runs on 2026-12-01, never
+# when the demo or this file runs alone (0 of 45 reruns); Python code cannot raise it. One retry, with the
+# first run's stderr in a warning; anything else, or a second abort, fails.
+_GLOO_ABORT = "terminate called without an active exception"
+
+
 def torchrun(nproc: int, *args: str) -> dict:
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                           str(nproc), "-m", "flashdsa.cli", "demo", "--layers", "3", "--json", *args],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    def run():
+        return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                               str(nproc), "-m", "flashdsa.cli", "demo", "--layers", "3", "--json", *args],
+                              cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    proc = run()
+    if proc.returncode != 0 and _GLOO_ABORT in proc.stderr:
+        warnings.warn(f"torchrun {' '.join(args)}: a rank aborted in torch's C++ runtime; retrying once. stdout: "
+                      f"{proc.stdout[-1000:]!r} stderr: {proc.stderr[:3000]!r} ... {proc.stderr[-1500:]!r}")
+        proc = run()
+    assert proc.returncode == 0, proc.stderr[:2000] + "\n...\n" + proc.stderr[-3000:]
     lines = [line for line in proc.stdout.splitlines() if line.strip()]
     assert len(lines) == 1, proc.stdout  # rank 0 prints, the others do not
     return json.loads(lines[0])
+
+
+def test_torchrun_retries_only_a_runtime_abort_once(monkeypatch):
+    calls = []
+
+    def fake(results):
+        def run(*args, **kwargs):
+            calls.append(1)
+            return results.pop(0)
+        return run
+    ok = subprocess.CompletedProcess([], 0, stdout='{"ok": true}\n', stderr="")
+    abort = subprocess.CompletedProcess([], 1, stdout="", stderr=f"{_GLOO_ABORT}\nexitcode  : -6")
+    other = subprocess.CompletedProcess([], 1, stdout="", stderr="ValueError: dcp: expected ...")
+    monkeypatch.setattr(subprocess, "run", fake([abort, ok]))
+    with pytest.warns(UserWarning, match="aborted in torch's C"):
+        assert torchrun(2) == {"ok": True}
+    for results in ([abort, abort], [other, ok]):
+        calls.clear()
+        monkeypatch.setattr(subprocess, "run", fake(list(results)))
+        with pytest.raises(AssertionError), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torchrun(2)
+        assert len(calls) == (2 if results[0] is abort else 1)
 
 
 @pytest.mark.parametrize("nproc, args", [(2, ["--cp", "2", "--cp-split", "zigzag"]), (3, ["--dcp", "3"]),
