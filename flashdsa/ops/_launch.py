@@ -68,33 +68,34 @@ class _Plan:
                    _meta=compiled.launch_metadata, _g0=self.grid[0], _g1=self.grid[1], _g2=self.grid[2])
         ptrs = ", ".join(f"p{k}" for k in range(len(slots)))
         call = ", ".join(names)
-        # launch metadata is only read by launch hooks (profilers); an empty HookChain has no calls
-        full = (f"meta = _meta(_grid, stream, {call}) if enter is not None and getattr(enter, 'calls', True) "
-                "else None\n"
-                f"        _run(_g0, _g1, _g2, stream, _fn, _packed, meta, enter, leave, {call})\n")
+        # Triton's own launch: launch metadata is only read by launch hooks (profilers); an empty HookChain
+        # has no calls
+        full = [f"meta = _meta(_grid, stream, {call}) if enter is not None and getattr(enter, 'calls', True) "
+                "else None",
+                f"_run(_g0, _g1, _g2, stream, _fn, _packed, meta, enter, leave, {call})"]
         self.raw = _raw_launch(compiled, len(args))
         if self.raw is None:
-            body = "    " + full.replace("\n        ", "\n    ")
+            body = full
         else:
             c_launch, head, descs = self.raw
             env.update(_c=c_launch, _head=head, _enc=_encoded)
+            env.update({f"_m{i}": m for i, m in descs.items()})
             # a descriptor argument (per call when it is a pointer slot) expands to its encoded arguments
             raw_call = ", ".join(f"*_enc({n}, _m{i})" if i in descs else n for i, n in enumerate(names))
-            env.update({f"_m{i}": m for i, m in descs.items()})
-            body = ("    if (enter is None or not getattr(enter, 'calls', True)) and "
-                    "(leave is None or not getattr(leave, 'calls', True)):\n"
-                    f"        _c(_g0, _g1, _g2, stream, _fn, *_head, {raw_call})\n"
-                    "    else:\n"
-                    f"        {full}")
-        src = (f"def launch(ptrs, {', '.join(f'{k}={k}' for k in env)}):\n"
-               f"    {ptrs}{',' if len(slots) == 1 else ''} = ptrs\n"
-               "    dev = _cur()\n"
-               "    if dev != _dev:\n"
-               "        return False\n"
-               "    stream = _stream(dev)\n"
-               "    enter, leave = _rt.launch_enter_hook, _rt.launch_exit_hook\n"
-               f"{body}"
-               "    return True\n")
+            body = ["if (enter is None or not getattr(enter, 'calls', True)) and "
+                    "(leave is None or not getattr(leave, 'calls', True)):",
+                    f"    _c(_g0, _g1, _g2, stream, _fn, *_head, {raw_call})",
+                    "else:",
+                    *(f"    {line}" for line in full)]
+        src = "\n".join([f"def launch(ptrs, {', '.join(f'{k}={k}' for k in env)}):",
+                         f"    {ptrs}{',' if len(slots) == 1 else ''} = ptrs",
+                         "    dev = _cur()",
+                         "    if dev != _dev:",
+                         "        return False",
+                         "    stream = _stream(dev)",
+                         "    enter, leave = _rt.launch_enter_hook, _rt.launch_exit_hook",
+                         *(f"    {line}" for line in body),
+                         "    return True\n"])
         ns = dict(env)
         exec(src, ns)  # noqa: S102 - generated from the kernel's own argument list
         self.launch = ns["launch"]
