@@ -119,7 +119,7 @@ def move(useg, cw, c, uk, CAP: tl.constexpr, CAND: tl.constexpr, NW: tl.constexp
 
 
 @triton.jit
-def _tie_cap(gt, eq, cap, n_parts: tl.constexpr):
+def tie_cap(gt, eq, cap, n_parts: tl.constexpr):
     """Per part (warp list or chunk, in position order) with ``gt [n_parts]`` keys above the threshold and
     ``eq`` equal to it, when only the first ``cap`` equal keys of all parts (position order) are wanted:
     ``(eq_base, base, kept)``, the equal keys before each part, the kept keys before each part, and the
@@ -130,7 +130,7 @@ def _tie_cap(gt, eq, cap, n_parts: tl.constexpr):
 
 
 @triton.jit
-def _scan_keep(key, valid, t, cap, eq_before):
+def scan_keep(key, valid, t, cap, eq_before):
     """One tile ``[P, J]`` of keys >= t (``valid``), each row a part in position order, ``eq_before [P, 1]``
     equal keys before the tile in position order: which keys are kept (above t, or among the first ``cap``
     equal to t), the exclusive count of kept keys before each in its row, and the row totals of kept and
@@ -165,7 +165,7 @@ def move_capped(useg, cw, c, t_lo, K, uk, CAP: tl.constexpr, CAND: tl.constexpr,
         acc += ((jj < cnt) & (bits_key((v >> 32).to(tl.int32)) == t_lo)).to(tl.int32)
     eq = tl.sum(acc, axis=1)
     cap = tl.maximum(K - (c - tl.sum(eq, axis=0)), 0)
-    eq_base, base, kept = _tie_cap(cw - eq, eq, cap, NW)
+    eq_base, base, kept = tie_cap(cw - eq, eq, cap, NW)
     # ---- pass 2: move what is kept
     eq_before = eq_base[:, None]
     at = base[:, None]
@@ -174,7 +174,7 @@ def move_capped(useg, cw, c, t_lo, K, uk, CAP: tl.constexpr, CAND: tl.constexpr,
         jj = it + j
         v = tl.load(src + jj, mask=jj < cnt, other=0)
         key = bits_key((v >> 32).to(tl.int32))
-        keep, ex, n_keep, n_eq = _scan_keep(key, jj < cnt, t_lo, cap, eq_before)
+        keep, ex, n_keep, n_eq = scan_keep(key, jj < cnt, t_lo, cap, eq_before)
         slot = at + ex
         m = keep & (slot < CAND)
         vmax = tl.maximum(vmax, tl.where(keep, key, INT_MIN))

@@ -19,7 +19,6 @@ from typing import NamedTuple
 import torch
 
 from flashdsa._checks import error_flag
-from flashdsa._library import in_registered_op
 from flashdsa.ops._common import INT32_MAX
 from flashdsa.ops._device_checks import TOPK_CODE0
 from flashdsa.ops._launch import KernelLauncher, aligned
@@ -276,9 +275,7 @@ def topk_transform(logits, lengths, topk, page_table, row_starts, out_offsets, p
     ptrs = [lptr, len_ptr, starts.data_ptr(), offsets.data_ptr(), table.data_ptr(), out.data_ptr()]
     ptrs += [base + off for _, off, _, _ in scratch]
     if split:
-        # called as a registered op (compiled graphs: CUDA-graph trees check that no buffer of their warm-up
-        # outlives the call): fresh counters, not the per-stream cached ones
-        arrive = arrive_counters(dev, R, cfg.cached_counters and not in_registered_op())
+        arrive = arrive_counters(dev, R, cfg.cached_counters)
         ptrs.insert(9, arrive.data_ptr())  # after scr, sscr, counts
         if not cfg.sample_stream:
             ptrs.append(len_ptr)  # sampscr: unused, any int32 pointer

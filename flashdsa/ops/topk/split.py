@@ -10,9 +10,10 @@ import torch
 import triton
 import triton.language as tl
 
+from flashdsa._library import in_registered_op
 from flashdsa.ops.topk.common import (INT_MIN, bits_bounds, copy_short, excl_sum, pad4, round4, row_check, row_setup,
                                       store)
-from flashdsa.ops.topk.compact import _scan_keep, _tie_cap, compact_seg, move, move_capped
+from flashdsa.ops.topk.compact import compact_seg, move, move_capped, scan_keep, tie_cap
 from flashdsa.ops.topk.fallback import row_fallback
 from flashdsa.ops.topk.radix import sample_threshold, select_emit
 
@@ -73,7 +74,7 @@ def _gather_capped(scr_r, counts_r, t_lo, K, uk, CAND: tl.constexpr, CHUNKS: tl.
     n_gt = tl.sum(gt, axis=1)
     n_eq = tl.sum(eq, axis=1)
     cap = tl.maximum(K - tl.sum(n_gt, axis=0), 0)
-    eq_base, base, kept = _tie_cap(n_gt, n_eq, cap, CP)
+    eq_base, base, kept = tie_cap(n_gt, n_eq, cap, CP)
     # ---- pass 2: copy what is kept
     eq_before = eq_base[:, None]
     at = base[:, None]
@@ -81,7 +82,7 @@ def _gather_capped(scr_r, counts_r, t_lo, K, uk, CAND: tl.constexpr, CHUNKS: tl.
         o = start + offs
         x = tl.load(src + o, mask=o < cnt2, other=INT_MIN, cache_modifier=".cg")
         p = tl.load(src + CAND + o, mask=o < cnt2, other=0, cache_modifier=".cg")
-        keep, ex, k_row, e_row = _scan_keep(x, o < cnt2, t_lo, cap, eq_before)
+        keep, ex, k_row, e_row = scan_keep(x, o < cnt2, t_lo, cap, eq_before)
         slot = at + ex
         store(uk + slot, x, keep & (slot < CAND), ASM)
         store(uk + CAND + slot, p, keep & (slot < CAND), ASM)
@@ -217,8 +218,8 @@ except ImportError:  # a CPU-only torch build (then never called)
 
 def arrive_counters(dev: torch.device, R: int, cached: bool) -> torch.Tensor:
     """Split mode's per-row arrival counters ``[>= R] int32``, zero at launch: cached per device and stream
-    (``cached``), else fresh zeros."""
-    if not cached:
+    (``cached``, and not called as the registered op: see ``_ARRIVE``), else fresh zeros."""
+    if not cached or in_registered_op():
         return torch.zeros(R, dtype=torch.int32, device=dev)
     key = (dev, _raw_stream(dev.index) if dev.type == "cuda" else 0)
     buf = _ARRIVE.get(key)
