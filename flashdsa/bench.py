@@ -321,7 +321,6 @@ def _setup_decode(p: dict, dev, status) -> list[tuple[str, Bench]]:
     g = torch.Generator(device=dev).manual_seed(ctx)
     per_req = -(-ctx // 64)
     cache = mla_cache(B * per_req, g, dev, fmt)
-    peer_cache = cache if fmt == "fp8" else mla_cache(B * per_req, torch.Generator(device=dev).manual_seed(ctx), dev)
     bt = torch.randperm(B * per_req, generator=g, device=dev).view(B, per_req)
     idx = decode_slots(bt, ctx, s_q, topk, g)
     q = randn((B, s_q, h, 576), g, dev, torch.bfloat16)
@@ -339,6 +338,9 @@ def _setup_decode(p: dict, dev, status) -> list[tuple[str, Bench]]:
     peer = {}
     if status["FlashMLA"]["ok"] and h in (64, 128):
         seqlens = torch.full((B,), ctx, dtype=torch.int32, device=dev)
+        # the same tokens as fp8 pages: a generator in the state ``cache`` was drawn from
+        peer_cache = cache if fmt == "fp8" else mla_cache(B * per_req, torch.Generator(device=dev).manual_seed(ctx),
+                                                           dev)
         peer["FlashMLA" if fmt == "fp8" else "FlashMLA (fp8 pages)"] = _flashmla_decode(q, peer_cache, idx, SM_SCALE,
                                                                                          seqlens, ours)
     row_bytes = MLA_FP8_BYTES if fmt == "fp8" else MLA_BF16_BYTES

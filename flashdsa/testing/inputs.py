@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from flashdsa.cache.layouts import (INDEX_DIM, INDEX_PAGE_BYTES, MLA_DIM, MLA_FP8_BYTES, PAGE_SIZE, index_page_views,
-                                    quantize_mla_656)
+from flashdsa.cache.layouts import (INDEX_DIM, INDEX_PAGE_BYTES, MLA_DIM, MLA_FP8_BYTES, PAGE_SIZE, encode_mla,
+                                    index_page_views)
 
 CHUNK_PAGES = 4096  # pages (256K tokens) generated per slice: bounds the fp32 temporaries of big caches
 
@@ -89,7 +89,7 @@ def mla_cache(P: int, g: torch.Generator, device, fmt: str = "fp8") -> torch.Ten
     for p0 in range(0, P, CHUNK_PAGES):
         p1 = min(P, p0 + CHUNK_PAGES)
         rows = randn(((p1 - p0) * PAGE_SIZE, MLA_DIM), g, device, torch.bfloat16)
-        cache[p0:p1] = (rows if fmt == "bf16" else quantize_mla_656(rows)).view(p1 - p0, PAGE_SIZE, -1)
+        cache[p0:p1] = encode_mla(rows, fmt).view(p1 - p0, PAGE_SIZE, -1)
     return cache
 
 
