@@ -8,7 +8,7 @@ every launch only queues and the wall time of ``--calls`` back-to-back calls is 
 (argument checks, dispatch, config, value checks, Triton's launcher); the best of 9 such batches (the
 shared host's load moves medians by +-40 % between runs; the best batch is the path's own cost).
 ``gpu_busy`` says the spin outlasted the batch (else the time may include waiting). Ours with the
-default value checks (on the device: one small check kernel, no host sync) and with checks off; the
+default value checks (on the device, inside the op's own kernel, no host sync) and with checks off; the
 peers as ``flashdsa.testing.peers`` calls them (their schedule metadata made once, outside the timing).
 Calibration rows: torch.add and an empty Triton kernel with 2 / 12 arguments. The device cost of the
 value checks folded into the paged-logits and top-k kernels: graph-replayed µs with and without them.
@@ -55,7 +55,7 @@ TARGET_US = {"indexer_logits_paged": 45.0, "topk_transform": 20.0}  # issue #18,
 # ---- timing --------------------------------------------------------------------------------------------
 
 class HostTimer:
-    """Median host µs per call of ``fn`` over batches of ``calls`` calls, each queued behind a GPU spin."""
+    """Host µs per call: the best of ``reps`` batches of ``calls`` calls, each batch queued behind a GPU spin."""
 
     def __init__(self, dev: str, calls: int, reps: int = 9):
         self.dev, self.calls, self.reps = dev, calls, reps
