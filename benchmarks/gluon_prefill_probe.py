@@ -66,7 +66,7 @@ def small_prefill(T, N, h_q, topk, kind, gen, dev):
     return q, kv, idx.int().contiguous()
 
 
-def run_child(variant: str, log) -> dict:
+def run_child(variant: str, log, baselines: bool = True) -> dict:
     from _common import load_sgl_ops, timed
     from flashdsa.ops.sparse_mla import gluon_bf16 as G, reference, triton as tri
     from flashdsa.testing.inputs import decode_slots, mla_cache, prefill_indices, randn
@@ -93,7 +93,8 @@ def run_child(variant: str, log) -> dict:
     torch.cuda.synchronize()
     res["compile"] = dict(n_regs=k.n_regs, n_spills=k.n_spills, shared=k.metadata.shared, s=round(time.time() - t0, 1))
     log(f"{variant}: compiled {res['compile']}")
-    for T, N, h_q, topk, kind in [(4, 300, 128, 128, "full"), (5, 300, 64, 100, "full"), (9, 4096, 128, 2048, "full"),
+    diag = variant.startswith("diag")
+    for T, N, h_q, topk, kind in [] if diag else [(4, 300, 128, 128, "full"), (5, 300, 64, 100, "full"), (9, 4096, 128, 2048, "full"),
                                   (7, 4096, 128, 2048, "ragged"), (7, 4096, 64, 192, "mixed"), (3, 300, 128, 64, "empty"),
                                   (5, 300, 128, 256, "nan0"), (6, 1000, 64, 1, "full"), (6, 1000, 192, 65, "ragged"),
                                   (2, 128, 128, 0, "full")]:
@@ -106,7 +107,7 @@ def run_child(variant: str, log) -> dict:
         res["cases"].append(c)
         log(f"  {c}")
     # bf16 paged cache through the decode layout (page / row strides)
-    for B, s_q, h_q, topk in [(3, 2, 128, 256), (4, 1, 64, 2048)]:
+    for B, s_q, h_q, topk in [] if diag else [(3, 2, 128, 256), (4, 1, 64, 2048)]:
         cache = randn((48, 64, 576), gen, dev, torch.bfloat16)
         qd = randn((B, s_q, h_q, 576), gen, dev, torch.bfloat16)
         idd = torch.stack([torch.randperm(48 * 64, generator=gen, device=dev)[:topk] for _ in range(B * s_q)])
@@ -121,7 +122,7 @@ def run_child(variant: str, log) -> dict:
     if not all(c["ok"] for c in res["cases"]):
         log(f"{variant}: NOT all correct; timing anyway")
 
-    peer_ok = load_sgl_ops()
+    peer_ok = baselines and load_sgl_ops()
     for T, N, h_q in PREFILL_CASES:
         g = torch.Generator(device=dev).manual_seed(1)
         kv = randn((N, 576), g, dev, torch.bfloat16)
@@ -136,7 +137,12 @@ def run_child(variant: str, log) -> dict:
         row = dict(case=f"prefill T{T} N{N} h{h_q}", ok=ok["ok"], max_err=ok["max_err"],
                    vs_triton=float((out.float() - t_out.float()).abs().max()))
         row["gluon_us"] = timed(fn, "cuda", True)
-        row["triton_us"] = timed(lambda: tri.sparse_mla_prefill(q, kv, idx, SM_SCALE, 512), "cuda", True)
+        if T == PREFILL_CASES[0][0] and N == PREFILL_CASES[0][1] and h_q == PREFILL_CASES[0][2]:
+            # every row on the same 64 keys (L2 / L1 resident): the kernel without the gathers' latency
+            hot = (torch.arange(2048, device=dev, dtype=torch.int32) % 64).expand_as(idx).contiguous()
+            row["gluon_hot64_us"] = timed(prep(q, kv, hot, 64 * 576, 576, N)[0], "cuda", True)
+        if baselines:
+            row["triton_us"] = timed(lambda: tri.sparse_mla_prefill(q, kv, idx, SM_SCALE, 512), "cuda", True)
         if peer_ok:
             row["flashmla_us"] = timed(flashmla_prefill(q, kv, idx, SM_SCALE), "cuda", True)
         res["timings"].append(row)
@@ -159,7 +165,8 @@ def run_child(variant: str, log) -> dict:
         ok = check(out[sub], lse[sub], r_out.view(8, h_q, 512), r_lse.view(8, h_q))
         row = dict(case=f"decode bf16 B{B} s_q{s_q} h{h_q} 32K", ok=ok["ok"], max_err=ok["max_err"])
         row["gluon_us"] = timed(fn, "cuda", True)
-        row["triton_us"] = timed(lambda: tri.sparse_mla_decode(qd, cache, idd, SM_SCALE, 512, None), "cuda", True)
+        if baselines:
+            row["triton_us"] = timed(lambda: tri.sparse_mla_decode(qd, cache, idd, SM_SCALE, 512, None), "cuda", True)
         if peer_ok:
             # FlashMLA has no bf16-cache sparse decode: its fp8 one on the same slots
             c8 = mla_cache(P, torch.Generator(device=dev).manual_seed(2), dev)
@@ -177,6 +184,7 @@ def main() -> int:
     ap.add_argument("--variants", default="ws2")
     ap.add_argument("--child-timeout", type=float, default=150.0)
     ap.add_argument("--child")
+    ap.add_argument("--no-baselines", action="store_true", help="(child) time only the Gluon kernel")
     args = ap.parse_args()
     out_dir = Path(os.environ.get("OUT", "out"))
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -185,14 +193,15 @@ def main() -> int:
 
         def log(msg):
             print(msg, flush=True)
-        res = run_child(args.child, log)
+        res = run_child(args.child, log, not args.no_baselines)
         path.write_text(json.dumps(res, indent=1))
         return 0
     results = []
-    for v in args.variants.split(","):
+    for i, v in enumerate(args.variants.split(",")):
         t0 = time.time()
         try:
-            p = subprocess.run([sys.executable, __file__, "--child", v], timeout=args.child_timeout)
+            p = subprocess.run([sys.executable, __file__, "--child", v] + (["--no-baselines"] if i else []),
+                               timeout=args.child_timeout)
             status = f"exit {p.returncode}"
         except subprocess.TimeoutExpired:
             status = f"killed after {args.child_timeout:.0f} s (deadlock?)"
@@ -201,13 +210,16 @@ def main() -> int:
         if f.exists():
             results.append(json.loads(f.read_text()))
     (out_dir / "gluon_prefill_probe.json").write_text(json.dumps(results, indent=1))
-    print("\nvariant | case | ok | gluon us | triton us | FlashMLA us | gluon/FlashMLA | gluon/triton")
+    base = {t["case"]: t for r in results for t in r["timings"] if "triton_us" in t}
+    print("\nvariant | case | ok | gluon us | hot64 us | triton us | FlashMLA us | gluon/FlashMLA | gluon/triton")
     for r in results:
         for t in r["timings"]:
-            peer = t.get("flashmla_us") or t.get("flashmla_fp8_us")
-            print(f"{r['variant']} | {t['case']} | {t['ok']} | {t['gluon_us']:.1f} | {t['triton_us']:.1f} | "
-                  f"{peer or float('nan'):.1f} | {t['gluon_us'] / peer if peer else float('nan'):.3f} | "
-                  f"{t['gluon_us'] / t['triton_us']:.3f}")
+            b = base.get(t["case"], {})
+            peer = b.get("flashmla_us") or b.get("flashmla_fp8_us")
+            tri_us = b.get("triton_us")
+            print(f"{r['variant']} | {t['case']} | {t['ok']} | {t['gluon_us']:.1f} | {t.get('gluon_hot64_us', float('nan')):.1f} | "
+                  f"{tri_us or float('nan'):.1f} | {peer or float('nan'):.1f} | "
+                  f"{t['gluon_us'] / peer if peer else float('nan'):.3f} | {t['gluon_us'] / tri_us if tri_us else float('nan'):.3f}")
     return 0
 
 

@@ -20,8 +20,8 @@ import torch
 from test_sparse_mla_triton import LSE_TOL, SM_SCALE, make_cache, make_indices
 
 from flashdsa.cache.layouts import PAGE_SIZE, decode_mla
-from flashdsa.ops import sparse_mla_decode
-from flashdsa.ops.sparse_mla import gluon
+from flashdsa.ops import sparse_mla_decode, sparse_mla_prefill
+from flashdsa.ops.sparse_mla import gluon, gluon_bf16
 from flashdsa.testing.compare import assert_close
 
 SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
@@ -29,11 +29,13 @@ needs_sm90 = pytest.mark.skipif(not SM90, reason="the Gluon kernel needs an sm_9
 
 
 def check(out, lse, ref_out, ref_lse, cache):
-    """The bound of the module docstring, FlashMLA's cosine diff and lse tolerance, exact empty rows."""
+    """The bound of the module docstring, FlashMLA's cosine diff and lse tolerance, exact empty rows.
+    ``cache``: the paged cache, or prefill's [N, 576] bf16 KV."""
     assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
     assert not torch.isnan(out).any() and not torch.isnan(lse).any()
     assert_close(lse, ref_lse, name="lse", **LSE_TOL)
-    v_max = decode_mla(cache.view(-1, cache.shape[-1]))[:, :512].abs().max().item()
+    rows = cache.reshape(-1, cache.shape[-1])
+    v_max = (rows.float() if rows.dtype == torch.bfloat16 else decode_mla(rows))[:, :512].abs().max().item()
     err = (out.float() - ref_out.float()).abs()
     bound = 2.0 ** -8 * (v_max + ref_out.float().abs()) + 1e-6
     assert (err <= bound).all(), f"out: |out - ref| {err.max().item():.3g} exceeds 2^-8 (max|v| + |ref|)"
@@ -56,14 +58,31 @@ def _inputs(device, B, s_q, h_q, topk, pages, fmt="fp8"):
 
 
 @pytest.mark.parametrize("fmt,h_q,d_v,why", [
-    ("fp8", 64, 512, "an sm_90 GPU"), ("bf16", 64, 512, "the fp8 656-B cache"),
-    ("fp8", 32, 512, "h_q a multiple of 64"), ("fp8", 128, 256, "d_v 512")])
+    ("fp8", 64, 512, "an sm_90 GPU"), ("bf16", 64, 512, "an sm_90 GPU"), ("fp8_raw", 64, 512, "the fp8 656-B cache"),
+    ("fp8", 32, 512, "h_q a multiple of 64"), ("bf16", 32, 512, "h_q a multiple of 64"),
+    ("fp8", 128, 256, "d_v 512"), ("bf16", 128, 256, "d_v 512")])
 def test_rule_says_why_not(fmt, h_q, d_v, why):
     """``unsupported`` names the first requirement a call misses; a forced backend="gluon" raises it."""
     q, cache, idx = _inputs("cpu", 1, 1, h_q, 8, 1, fmt)
-    assert why in gluon.unsupported(q, cache, fmt, d_v)
+    if fmt == "bf16":
+        assert why in gluon_bf16.unsupported(q, cache, d_v)
+    else:
+        assert why in gluon.unsupported(q, cache, fmt, d_v)
+    kw = dict(kv_scale=0.5) if fmt == "fp8_raw" else {}
     with pytest.raises(ValueError, match=f"^backend: expected 'gluon' for a call it supports: it needs .*{why}"):
-        sparse_mla_decode(q, cache, idx, SM_SCALE, d_v, backend="gluon")
+        sparse_mla_decode(q, cache, idx, SM_SCALE, d_v, backend="gluon", **kw)
+
+
+@pytest.mark.parametrize("h_q,d_v,kv_dtype,why", [
+    (64, 512, torch.bfloat16, "an sm_90 GPU"), (96, 512, torch.bfloat16, "h_q a multiple of 64"),
+    (64, 128, torch.bfloat16, "d_v 512"), (64, 512, torch.float32, "bf16 KV")])
+def test_prefill_rule_says_why_not(h_q, d_v, kv_dtype, why):
+    q = torch.randn(3, h_q, 576).to(torch.float32 if kv_dtype == torch.float32 else torch.bfloat16)
+    kv = torch.randn(100, 576).to(kv_dtype)
+    idx = torch.randint(0, 100, (3, 16), dtype=torch.int32)
+    assert why in gluon_bf16.unsupported(q, kv, d_v)
+    with pytest.raises(ValueError, match=f"^backend: expected 'gluon' for a call it supports: it needs .*{why}"):
+        sparse_mla_prefill(q, kv, idx, SM_SCALE, d_v, backend="gluon")
 
 
 DECODE_CASES = [
@@ -80,10 +99,14 @@ DECODE_CASES = [
 
 @pytest.mark.gpu
 @needs_sm90
+@pytest.mark.parametrize("fmt", ["fp8", "bf16"])
 @pytest.mark.parametrize("B,s_q,h_q,topk,pages", DECODE_CASES)
-def test_gluon_decode_matches_reference(B, s_q, h_q, topk, pages):
-    q, cache, idx = _inputs("cuda", B, s_q, h_q, topk, pages)
-    assert gluon.unsupported(q, cache, "fp8", 512) is None
+def test_gluon_decode_matches_reference(B, s_q, h_q, topk, pages, fmt):
+    q, cache, idx = _inputs("cuda", B, s_q, h_q, topk, pages, fmt)
+    if fmt == "bf16":
+        assert gluon_bf16.unsupported(q, cache, 512) is None
+    else:
+        assert gluon.unsupported(q, cache, "fp8", 512) is None
     ref_out, ref_lse = sparse_mla_decode(q, cache, idx, SM_SCALE, backend="torch")
     assert torch.isneginf(ref_lse[0, 0]).all()  # the all-invalid row really is empty
     for _ in range(2):  # the second call launches from the plan
@@ -106,3 +129,55 @@ def test_default_backend_is_gluon_where_it_applies(monkeypatch):
     sparse_mla_decode(q, cache, idx, SM_SCALE)
     sparse_mla_decode(q[:, :, :16].contiguous(), cache, idx, SM_SCALE)
     assert calls == [128]
+
+
+PREFILL_CASES = [
+    # T, N, h_q, topk
+    pytest.param(5, 300, 64, 64, id="T5-N300-H64-k64"),
+    pytest.param(3, 4096, 128, 2048, id="T3-N4096-H128-k2048"),
+    pytest.param(7, 1000, 128, 130, id="T7-N1000-H128-k130"),
+    pytest.param(2, 64, 192, 1, id="T2-N64-H192-k1"),
+    pytest.param(4, 5000, 64, 2047, id="T4-N5000-H64-k2047"),
+    pytest.param(3, 100, 0, 16, id="T3-N100-H0-k16"),  # no heads: nothing to launch
+]
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("T,N,h_q,topk", PREFILL_CASES)
+def test_gluon_prefill_matches_reference(T, N, h_q, topk):
+    """Prefill over gathered bf16 KV, also read in place from a wider buffer (row stride 640); chunked
+    calls give the one-shot call's bits."""
+    q = torch.randn(T, h_q, 576, device="cuda").to(torch.bfloat16)
+    wide = torch.randn(N, 640, device="cuda").to(torch.bfloat16)
+    idx = make_indices((T, topk), N, "cuda")
+    for kv in (wide[:, :576].contiguous(), wide[:, :576]):
+        assert gluon_bf16.unsupported(q, kv, 512) is None
+        ref_out, ref_lse = sparse_mla_prefill(q, kv, idx, SM_SCALE, backend="torch")
+        assert torch.isneginf(ref_lse[0]).all()  # the all-invalid row really is empty
+        for _ in range(2):  # the second call launches from the plan
+            out, lse = sparse_mla_prefill(q, kv, idx, SM_SCALE, backend="gluon")
+            assert out.shape == (T, h_q, 512) and lse.shape == (T, h_q)
+            check(out, lse, ref_out, ref_lse, kv)
+        tail = sparse_mla_prefill(q[1:], kv, idx[1:], SM_SCALE, backend="gluon")
+        assert torch.equal(tail[0], out[1:]) and torch.equal(tail[1], lse[1:])
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_default_backend_is_gluon_for_bf16_where_it_applies(monkeypatch):
+    """bf16 pages and prefill KV: the default picks the bf16 Gluon kernel at h_q 64 / 128, Triton at h_q 16."""
+    q, cache, idx = _inputs("cuda", 2, 1, 128, 256, 8, "bf16")
+    kv = cache.view(-1, 576)
+    qp, ip = q[:, 0].contiguous(), idx[:, 0].contiguous()
+    calls = []
+    for name in ("sparse_mla_decode", "sparse_mla_prefill"):
+        real = getattr(gluon_bf16, name)
+        monkeypatch.setattr(gluon_bf16, name, lambda *a, _n=name, _r=real, **k: calls.append(_n) or _r(*a, **k))
+    out = sparse_mla_decode(q, cache, idx, SM_SCALE)
+    sparse_mla_decode(q[:, :, :16].contiguous(), cache, idx, SM_SCALE)
+    pre = sparse_mla_prefill(qp, kv, ip, SM_SCALE)
+    sparse_mla_prefill(qp[:, :16].contiguous(), kv, ip, SM_SCALE)
+    assert calls == ["sparse_mla_decode", "sparse_mla_prefill"]
+    # the same rows through the paged and the flat view: the same kernel, the same bits
+    assert torch.equal(out[0][:, 0], pre[0]) and torch.equal(out[1][:, 0], pre[1])

@@ -25,44 +25,71 @@ def _triton_prefill(*args, **kwargs):
     return _module("flashdsa.ops.sparse_mla.triton").sparse_mla_prefill(*args, **kwargs)
 
 
-_GLUON_STATE = {"ran": False, "failed": None}  # a Gluon kernel ran in this process / why its first launch failed
+# The Gluon kernels (sm_90): the fp8 656-B decode kernel, and the two-consumer kernel over bf16 rows (prefill's
+# gathered KV and the bf16 paged cache)
+_GLUON_FP8 = "flashdsa.ops.sparse_mla.gluon"
+_GLUON_BF16 = "flashdsa.ops.sparse_mla.gluon_bf16"
+_GLUON_STATE = {"ran": set(), "failed": {}}  # (module, op) that ran in this process / module -> why its first launch failed
 
 
-def _gluon_decode(*args, **kwargs):
+def _run_gluon(mod: str, op_name: str, fallback, *args):
     try:
-        out = _module("flashdsa.ops.sparse_mla.gluon").sparse_mla_decode(*args, **kwargs)
+        out = getattr(_module(mod), f"sparse_mla_{op_name}")(*args)
     except Exception as e:  # noqa: BLE001 - see below
-        if _GLUON_STATE["ran"]:
+        if any(m == mod for m, _ in _GLUON_STATE["ran"]):
             raise
         # Gluon is experimental in Triton: a version whose API moved fails to compile the kernel (measured
-        # with 3.6; it compiles with 3.9). The Triton kernels then run, for this call and every later one.
-        _GLUON_STATE["failed"] = f"{type(e).__name__}: {e}"
-        warnings.warn(f"sparse_mla_decode: the Gluon kernel failed on this Triton ({_GLUON_STATE['failed']}); "
-                      "using the Triton kernels", RuntimeWarning)
-        return _triton_decode(*args, **kwargs)
-    _GLUON_STATE["ran"] = True
+        # with 3.6; they compile with 3.9). The Triton kernels then run, for this call and every later one.
+        _GLUON_STATE["failed"][mod] = f"{type(e).__name__}: {e}"
+        warnings.warn(f"sparse_mla_{op_name}: the Gluon kernel ({mod.rsplit('.', 1)[1]}.py) failed on this Triton "
+                      f"({_GLUON_STATE['failed'][mod]}); using the Triton kernels", RuntimeWarning)
+        return fallback(*args)
+    _GLUON_STATE["ran"].add((mod, op_name))
     return out
 
 
+def _gluon_decode(q, kv_cache, indices, sm_scale, d_v, kv_scale):
+    mod = _GLUON_BF16 if kv_cache.dtype == torch.bfloat16 else _GLUON_FP8
+    return _run_gluon(mod, "decode", _triton_decode, q, kv_cache, indices, sm_scale, d_v, kv_scale)
+
+
+def _gluon_prefill(q, kv, indices, sm_scale, d_v):
+    return _run_gluon(_GLUON_BF16, "prefill", _triton_prefill, q, kv, indices, sm_scale, d_v)
+
+
 def gluon_decode_ran() -> bool:
-    """Whether the Gluon decode kernel has run in this process (the default dispatch picks it on sm_90 where
-    it applies: README.md), for reports that name the kernels behind their figures."""
-    return _GLUON_STATE["ran"]
+    """Whether a Gluon decode kernel has run in this process (the default dispatch picks one on sm_90 where it
+    applies: README.md), for reports that name the kernels behind their figures."""
+    return any(op_name == "decode" for _, op_name in _GLUON_STATE["ran"])
 
 
-def _gluon_unsupported(q, kv_cache, fmt: str, d_v: int) -> str | None:
-    """Why the Gluon decode kernel cannot run this call (None: it can); also where this Triton has no Gluon."""
-    if _GLUON_STATE["failed"]:
-        return f"a Triton whose Gluon compiles it (its first launch failed: {_GLUON_STATE['failed']})"
+def _gluon_unsupported(mod: str, *args) -> str | None:
+    """Why the Gluon kernel of ``mod`` cannot run this call (None: it can; ``args`` go to its ``unsupported``),
+    also where this Triton has no Gluon or the kernel's first launch failed."""
+    if mod in _GLUON_STATE["failed"]:
+        return f"a Triton whose Gluon compiles it (its first launch failed: {_GLUON_STATE['failed'][mod]})"
     try:
-        gluon = _module("flashdsa.ops.sparse_mla.gluon")
+        kernel = _module(mod)
     except (ImportError, AttributeError) as e:  # a Triton without triton.experimental.gluon (or another API)
         return f"Triton's Gluon (import failed: {e})"
-    return gluon.unsupported(q, kv_cache, fmt, d_v)
+    return kernel.unsupported(*args)
+
+
+def _pick(backend, impls, triton_impl, gluon_impl, why_not, dev, name):
+    """The one rule: Gluon wherever its kernel applies (``why_not()`` is None), Triton elsewhere on CUDA;
+    ``backend`` forces one (a forced Gluon it does not apply to is a ValueError naming what is missing)."""
+    impl = pick_backend(backend, impls, dev, name)
+    if impl is triton_impl and backend is None or impl is gluon_impl:
+        why = why_not()
+        if why is None:
+            return gluon_impl
+        if impl is gluon_impl:
+            fail("backend", f"'gluon' for a call it supports: it needs {why}", "'gluon'")
+    return impl
 
 
 _DECODE = {"torch": reference.sparse_mla_decode, "triton": _triton_decode, "gluon": _gluon_decode}
-_PREFILL = {"torch": reference.sparse_mla_prefill, "triton": _triton_prefill}
+_PREFILL = {"torch": reference.sparse_mla_prefill, "triton": _triton_prefill, "gluon": _gluon_prefill}
 
 
 def _check_d_v(d_v) -> None:
@@ -123,11 +150,12 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Te
         kv_scale: per-tensor scale of the raw fp8 cache; None for the other formats.
         backend:  None (the rule below), "gluon", "triton" or "torch" (the fp32 reference).
 
-    Backends: on an sm_90 GPU with the fp8 656-B cache, h_q a multiple of 64 and d_v 512, the
-    warp-specialised Gluon kernel (``gluon.py``; 0.65x the Triton kernel's time at B 64 h 128 on the H200);
-    everywhere else on CUDA (other GPUs, caches, head counts, the interpreter) the Triton kernels. Both round
-    P and the output to bf16, as FlashMLA does: ``|out - ref| <= 2^-8 (max |v| + |ref|)`` of the fp32
-    reference. ``backend="gluon"`` where it does not apply is a ValueError.
+    Backends: on an sm_90 GPU with the fp8 656-B or the bf16 cache (16-byte aligned rows), h_q a multiple of
+    64 and d_v 512, a warp-specialised Gluon kernel (``gluon.py`` for fp8, ``gluon_bf16.py`` for bf16; about
+    0.6x the Triton kernels' time at B 64 h 128 on the H200); everywhere else on CUDA (other GPUs, caches,
+    head counts, the interpreter) the Triton kernels. All round P and the output to bf16, as FlashMLA does:
+    ``|out - ref| <= 2^-8 (max |v| + |ref|)`` of the fp32 reference. ``backend="gluon"`` where it does not
+    apply is a ValueError.
 
     Returns:
         ``out [B, s_q, h_q, d_v] bfloat16`` (float32 with an fp32 cache) and ``lse [B, s_q, h_q] float32``
@@ -153,14 +181,11 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Te
     check_scalar("sm_scale", sm_scale)
     _check_d_v(d_v)
     (indices,) = dense(indices)
-    impl = pick_backend(backend, _DECODE, dev, "sparse_mla_decode")
-    # the one rule: Gluon wherever it applies (sm_90, fp8 656-B cache, h_q a multiple of 64), else Triton
-    if impl is _triton_decode and backend is None or impl is _gluon_decode:
-        why = _gluon_unsupported(q, kv_cache, fmt, d_v)
-        if why is None:
-            impl = _gluon_decode
-        elif impl is _gluon_decode:
-            fail("backend", f"'gluon' for a call it supports: it needs {why}", "'gluon'")
+    if fmt == "bf16":
+        why_not = lambda: _gluon_unsupported(_GLUON_BF16, q, kv_cache, d_v)  # noqa: E731
+    else:
+        why_not = lambda: _gluon_unsupported(_GLUON_FP8, q, kv_cache, fmt, d_v)  # noqa: E731
+    impl = _pick(backend, _DECODE, _triton_decode, _gluon_decode, why_not, dev, "sparse_mla_decode")
     return impl(q, kv_cache, indices, float(sm_scale), d_v, kv_scale)
 
 
@@ -180,6 +205,11 @@ def sparse_mla_prefill(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
                  fp32 cache's rows: computed in fp32 throughout, IEEE products).
         indices: ``[T, topk] int32`` rows of ``kv``; -1 or >= N = skip.
 
+    Backends: on an sm_90 GPU with bf16 kv (16-byte aligned rows), h_q a multiple of 64 and d_v 512 the
+    warp-specialised Gluon kernel (``gluon_bf16.py``, FlashMLA's sm90 prefill schedule); elsewhere on CUDA
+    the Triton kernels; ``backend`` forces one ("gluon", "triton", "torch"), as in :func:`sparse_mla_decode`,
+    with its tolerance.
+
     Returns:
         ``out [T, h_q, d_v]`` bfloat16 (float32 with float32 kv), ``lse [T, h_q] float32`` (natural log;
         -inf for empty rows). A row's result does not depend on the other rows of the call (chunked
@@ -197,7 +227,8 @@ def sparse_mla_prefill(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
     check_scalar("sm_scale", sm_scale)
     _check_d_v(d_v)
     (indices,) = dense(indices)
-    impl = pick_backend(backend, _PREFILL, dev, "sparse_mla_prefill")
+    impl = _pick(backend, _PREFILL, _triton_prefill, _gluon_prefill,
+                 lambda: _gluon_unsupported(_GLUON_BF16, q, kv, d_v), dev, "sparse_mla_prefill")
     return impl(q, kv, indices, float(sm_scale), d_v)
 
 

@@ -65,56 +65,89 @@ def _tile_smem(rows, cols):
 # ---- producer -----------------------------------------------------------------------------------------
 
 @gluon.jit
-def _rows(p_idx, blk, topk, n_slots, kv, stride_kv_page, stride_kv_row, L: gl.constexpr):
-    """[64] row pointers and validity of block ``blk`` in layout L. Skipped slots (-1 past the list, < 0,
-    >= n_slots) point at slot 0 and are masked: cp.async zero-fills them, nothing is read."""
+def _slots(p_idx, blk, topk, L: gl.constexpr):
+    # [64] raw slots of block blk in layout L (-1 past the list)
     o_n = blk * BLOCK_N + gl.arange(0, BLOCK_N, L)
-    slot = gl.load(p_idx + o_n, mask=o_n < topk, other=-1)
-    valid = (slot >= 0) & (slot < n_slots)
-    slot = gl.where(valid, slot, 0)
-    return kv + (slot // 64).to(gl.int64) * stride_kv_page + (slot % 64).to(gl.int64) * stride_kv_row, valid
+    return gl.load(p_idx + o_n, mask=o_n < topk, other=-1)
 
 
 @gluon.jit
-def _copy_half(k_lat, k_rope, buf, RIGHT: gl.constexpr, p_idx, blk, topk, n_slots, kv, stride_kv_page,
-               stride_kv_row, free, ready, phase):
-    """Wait until half (buf, RIGHT) is free, then cp.async block ``blk``'s dims of that half into it and
-    have its ``ready`` barrier track the copies (count 128: every producer thread arrives)."""
+def _copy(smem, p, mask, EVICT: gl.constexpr):
+    if EVICT:
+        _cp_async(smem, p, mask=mask, eviction_policy="evict_last")
+    else:
+        _cp_async(smem, p, mask=mask)
+
+
+@gluon.jit
+def _copy_half(k_lat, k_rope, buf, RIGHT: gl.constexpr, slot, n_slots, kv, stride_kv_page, stride_kv_row, free, ready,
+               phase, DIAG: gl.constexpr, EVICT: gl.constexpr):
+    """Wait until half (buf, RIGHT) is free, then cp.async the rows of ``slot`` ([64], SliceLayout(1, LG)) into
+    that half's dims and have its ``ready`` barrier track the copies (count 128: every producer thread arrives).
+    Skipped slots (-1 past the list, < 0, >= n_slots) are masked: cp.async zero-fills them, nothing is read."""
     LG: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])   # [64 rows, 128 bf16]: 16 B a thread
-    LR: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])    # [64 rows, 64 bf16]
-    p_row, valid = _rows(p_idx, blk, topk, n_slots, kv, stride_kv_page, stride_kv_row, gl.SliceLayout(1, LG))
+    # [64 rows, 64 bf16] of rope, 8 B a thread: the same rows per thread as LG, so no layout conversion
+    LR: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])
+    valid = (slot >= 0) & (slot < n_slots)
+    slot = gl.where(valid, slot, 0)
+    p_row = kv + (slot // 64).to(gl.int64) * stride_kv_page + (slot % 64).to(gl.int64) * stride_kv_row
     o_c = gl.arange(0, 128, gl.SliceLayout(0, LG))
     h = buf * 2 + RIGHT
     mbarrier.wait(free.index(h), phase)
-    g0: gl.constexpr = 2 * RIGHT
-    for g in gl.static_range(2):
-        _cp_async(k_lat.index(buf * 4 + g0 + g), p_row[:, None] + (g0 + g) * 128 + o_c[None, :],
-                                               mask=valid[:, None])
-    if RIGHT:
-        o_r = gl.arange(0, 64, gl.SliceLayout(0, LR))
-        p_r = gl.convert_layout(p_row, gl.SliceLayout(1, LR))
-        v_r = gl.convert_layout(valid, gl.SliceLayout(1, LR))
-        _cp_async(k_rope.index(buf), p_r[:, None] + 512 + o_r[None, :], mask=v_r[:, None])
+    if DIAG == 0:
+        g0: gl.constexpr = 2 * RIGHT
+        for g in gl.static_range(2):
+            _copy(k_lat.index(buf * 4 + g0 + g), p_row[:, None] + (g0 + g) * 128 + o_c[None, :], valid[:, None], EVICT)
+        if RIGHT:
+            o_r = gl.arange(0, 64, gl.SliceLayout(0, LR))
+            p_r = gl.convert_layout(p_row, gl.SliceLayout(1, LR))
+            v_r = gl.convert_layout(valid, gl.SliceLayout(1, LR))
+            _copy(k_rope.index(buf), p_r[:, None] + 512 + o_r[None, :], v_r[:, None], EVICT)
     async_copy.mbarrier_arrive(ready.index(h), increment_count=False)
 
 
 @gluon.jit
-def _producer(kv, idx, stride_kv_page, stride_kv_row, stride_i_row, n_slots, topk, n_pairs, n_hb,
-              k_lat, k_rope, ready, free):
+def _producer(q, stride_q_row, stride_q_h, h_q, kv, idx, stride_kv_page, stride_kv_row, stride_i_row, n_slots, topk,
+              n_pairs, n_hb, q_lat, q_rope, q_bar, k_lat, k_rope, ready, free, PREF: gl.constexpr, DIAG: gl.constexpr,
+              EVICT: gl.constexpr, QCP: gl.constexpr):
+    SG: gl.constexpr = gl.SliceLayout(1, gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0]))
     i_row = (gl.program_id(0) // n_hb).to(gl.int64)
+    if QCP:
+        # Q of this row and head block by cp.async too (q_bar counts the 128 producer threads)
+        LQ: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+        LQR: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])
+        i_hb = gl.program_id(0) % n_hb
+        o_h = i_hb * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(1, LQ))
+        o_c = gl.arange(0, 128, gl.SliceLayout(0, LQ))
+        p_q = q + i_row * stride_q_row + o_h.to(gl.int64)[:, None] * stride_q_h + o_c[None, :]
+        for g in gl.static_range(4):
+            _cp_async(q_lat.index(g), p_q + g * 128, mask=(o_h < h_q)[:, None])
+        o_hr = i_hb * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(1, LQR))
+        o_r = gl.arange(0, 64, gl.SliceLayout(0, LQR))
+        _cp_async(q_rope.index(0), q + i_row * stride_q_row + o_hr.to(gl.int64)[:, None] * stride_q_h + 512 + o_r[None, :],
+                  mask=(o_hr < h_q)[:, None])
+        async_copy.mbarrier_arrive(q_bar, increment_count=False)
     p_idx = idx + i_row * stride_i_row
+    s_a = _slots(p_idx, 0, topk, SG)
+    s_b = _slots(p_idx, 1, topk, SG)
     for j in range(n_pairs):
         ph = (j & 1) ^ 1   # a fresh barrier's "previous phase" has completed: the first waits pass
+        if PREF:
+            # the next pair's slots now: their load latency is not in front of a refill
+            n_a = _slots(p_idx, 2 * j + 2, topk, SG)
+            n_b = _slots(p_idx, 2 * j + 3, topk, SG)
         # the order the halves are freed in: 0L (consumer 0's own P V), 1R (consumer 1's own P V),
         # 0R (consumer 1's P V on the other P; buffer 0's rope tile held that P), 1L (consumer 0's)
-        _copy_half(k_lat, k_rope, 0, False, p_idx, 2 * j, topk, n_slots, kv, stride_kv_page, stride_kv_row, free,
-                   ready, ph)
-        _copy_half(k_lat, k_rope, 1, True, p_idx, 2 * j + 1, topk, n_slots, kv, stride_kv_page, stride_kv_row, free,
-                   ready, ph)
-        _copy_half(k_lat, k_rope, 0, True, p_idx, 2 * j, topk, n_slots, kv, stride_kv_page, stride_kv_row, free,
-                   ready, ph)
-        _copy_half(k_lat, k_rope, 1, False, p_idx, 2 * j + 1, topk, n_slots, kv, stride_kv_page, stride_kv_row, free,
-                   ready, ph)
+        _copy_half(k_lat, k_rope, 0, False, s_a, n_slots, kv, stride_kv_page, stride_kv_row, free, ready, ph, DIAG, EVICT)
+        _copy_half(k_lat, k_rope, 1, True, s_b, n_slots, kv, stride_kv_page, stride_kv_row, free, ready, ph, DIAG, EVICT)
+        _copy_half(k_lat, k_rope, 0, True, s_a, n_slots, kv, stride_kv_page, stride_kv_row, free, ready, ph, DIAG, EVICT)
+        _copy_half(k_lat, k_rope, 1, False, s_b, n_slots, kv, stride_kv_page, stride_kv_row, free, ready, ph, DIAG, EVICT)
+        if PREF:
+            s_a = n_a
+            s_b = n_b
+        else:
+            s_a = _slots(p_idx, 2 * j + 2, topk, SG)
+            s_b = _slots(p_idx, 2 * j + 3, topk, SG)
 
 
 # ---- consumers ----------------------------------------------------------------------------------------
@@ -128,12 +161,14 @@ def _bias(p_idx, blk, topk, n_slots, L: gl.constexpr):
 
 
 @gluon.jit
-def _qk_half(s, q_lat, q_rope, k_lat, k_rope, buf, z, RIGHT: gl.constexpr, ready, phase, FIRST: gl.constexpr):
+def _qk_half(s, q_lat, q_rope, k_lat, k_rope, buf, z, RIGHT: gl.constexpr, ready, phase, FIRST: gl.constexpr,
+             FENCE: gl.constexpr = True):
     """Wait for half (buf, RIGHT) of the K tile, then issue its share of S += Q K^T (async, not waited).
     ``z`` is 0 as a value of the loop counter (see :func:`_consumer0`): it keeps Q's descriptors in the loop."""
     mbarrier.wait(ready.index(buf * 2 + RIGHT), phase)
-    # cp.async wrote the tile through the generic proxy; wgmma reads it through the async proxy
-    fence_async_shared()
+    if FENCE:
+        # cp.async wrote the tile through the generic proxy; wgmma reads it through the async proxy
+        fence_async_shared()
     g0: gl.constexpr = 2 * RIGHT
     s = warpgroup_mma(q_lat.index(g0 + z), k_lat.index(buf * 4 + g0).permute((1, 0)), s, use_acc=not FIRST,
                       is_async=True)
@@ -200,76 +235,116 @@ def _finish(out, lse, stride_o_row, stride_o_h, stride_l_row, h_q, i_row, i_hb, 
 
 
 @gluon.jit
-def _consumer0(q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, stride_o_row, stride_o_h, stride_l_row,
-               n_slots, h_q, topk, n_pairs, n_hb, qk_scale, q_lat, q_rope, k_lat, k_rope, p1_s, m_s, l_s, ready, free,
-               q_bar, m_bar, s_bar, s1_free, l_bar):
+def _c0_pair(j, s, bias, m_i, l_i, o0, o1, qk_scale, k_lat, k_rope, p1_s, m_s, m_bar, s_bar, free):
+    """Consumer 0 on pair j from its S = Q K_{2j}^T (complete): softmax, the pair's max from consumer 1, O[:, :256]
+    += P0 V0 (local P) and P1 V1 (consumer 1's P, issued and NOT waited: 2 wgmma groups in flight)."""
     M64: gl.constexpr = _mma_layout(64)
     M128: gl.constexpr = _mma_layout(128)
     PA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=M128, k_width=2)
+    ph = j & 1
+    # buffer 0 / 1 as values of j (always 0 / 1): with constant buffer indices LLVM hoists every wgmma's
+    # shared-memory descriptor out of the loop (~50 64-bit values live: 1.2 KB of spills)
+    b0 = j >> 30
+    b1 = b0 + 1
+    p, m0, m_use = _exp_scores(s, bias, qk_scale, m_i)
+    # publish this block's max for consumer 1 (which takes the pair's max and publishes it back)
+    m_s.index(0).store(m0)
+    mbarrier.arrive(m_bar.index(0), count=1)
+    alpha = gl.exp2(m_i - m_use)
+    l_i = l_i * alpha + gl.sum(p, 1)
+    a_o = gl.convert_layout(alpha, gl.SliceLayout(1, M128))
+    o0 = o0 * a_o[:, None]
+    o1 = o1 * a_o[:, None]
+    pa = gl.convert_layout(p.to(gl.bfloat16), PA)
+    o0 = warpgroup_mma(pa, k_lat.index(b0 * 4), o0, is_async=True)
+    o1 = warpgroup_mma(pa, k_lat.index(b0 * 4 + 1), o1, is_async=True)
+    # the pair's max from consumer 1: P rescaled to it, rounded to bf16 once (from fp32), staged for
+    # consumer 1 in buffer 0's rope tile (this QK, its only reader, has completed)
+    mbarrier.wait(m_bar.index(1), ph)
+    m1 = m_s.index(1).load(gl.SliceLayout(1, M64))
+    m1_use = gl.where(m1 == float("-inf"), 0.0, m1)
+    sc = gl.exp2(m0 - m1_use)   # m0 = -inf: p is 0 and sc 0 (never exp2 of a huge positive)
+    k_rope.index(b0).store((p * sc[:, None]).to(gl.bfloat16))
+    fence_async_shared()
+    mbarrier.arrive(s_bar.index(0), count=1)
+    l_i = l_i * sc
+    o0, o1, pa = warpgroup_mma_wait(0, deps=(o0, o1, pa))
+    mbarrier.arrive(free.index(0), count=1)   # 0L: its last reader done
+    a_o = gl.convert_layout(sc, gl.SliceLayout(1, M128))
+    o0 = o0 * a_o[:, None]
+    o1 = o1 * a_o[:, None]
+    # O[:, :256] += P1 V1[:, :256], P1 from consumer 1 through shared memory
+    mbarrier.wait(s_bar.index(1), ph)
+    o0 = warpgroup_mma(p1_s, k_lat.index(b1 * 4), o0, is_async=True)
+    o1 = warpgroup_mma(p1_s, k_lat.index(b1 * 4 + 1), o1, is_async=True)
+    return m1, l_i, o0, o1
+
+
+@gluon.jit
+def _consumer0(q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, stride_o_row, stride_o_h, stride_l_row,
+               n_slots, h_q, topk, n_pairs, n_hb, qk_scale, q_lat, q_rope, k_lat, k_rope, p1_s, m_s, l_s, ready, free,
+               q_bar, m_bar, s_bar, l_bar, PIPE: gl.constexpr, FENCE: gl.constexpr, QCP: gl.constexpr):
+    M64: gl.constexpr = _mma_layout(64)
+    M128: gl.constexpr = _mma_layout(128)
     i_hb = gl.program_id(0) % n_hb
     i_row = (gl.program_id(0) // n_hb).to(gl.int64)
     p_idx = idx + i_row * stride_i_row
-    _load_q(q, stride_q_row, stride_q_h, h_q, i_row, i_hb, q_lat, q_rope)
-    mbarrier.arrive(q_bar, count=1)
+    if QCP:
+        mbarrier.wait(q_bar, 0)
+        fence_async_shared()
+    else:
+        _load_q(q, stride_q_row, stride_q_h, h_q, i_row, i_hb, q_lat, q_rope)
+        mbarrier.arrive(q_bar, count=1)
 
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, M64))
     l_i = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(1, M64))
     o0 = gl.zeros([BLOCK_H, 128], gl.float32, M128)
     o1 = gl.zeros([BLOCK_H, 128], gl.float32, M128)
-    for j in range(n_pairs):
-        # made in the loop: a zero accumulator carried across it would hold 32 registers
-        zero_s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, M64)
-        ph = j & 1
-        # buffer 0 / 1 as values of j (always 0 / 1): with constant buffer indices LLVM hoists every wgmma's
-        # shared-memory descriptor out of the loop (~50 64-bit values live: 1.2 KB of spills)
-        b0 = j >> 30
-        b1 = b0 + 1
-        bias = _bias(p_idx, 2 * j, topk, n_slots, gl.SliceLayout(0, M64))
-        s = _qk_half(zero_s, q_lat, q_rope, k_lat, k_rope, b0, b0, False, ready, ph, True)
-        s = _qk_half(s, q_lat, q_rope, k_lat, k_rope, b0, b0, True, ready, ph, False)
+    if PIPE:
+        # S of the next pair is issued before this pair's last P V is waited for (FlashMLA's order): the
+        # tensor cores get the next QK while the P V drains
+        bias = _bias(p_idx, 0, topk, n_slots, gl.SliceLayout(0, M64))
+        s = _qk_half(gl.zeros([BLOCK_H, BLOCK_N], gl.float32, M64), q_lat, q_rope, k_lat, k_rope, 0, 0, False, ready,
+                     0, True, FENCE)
+        s = _qk_half(s, q_lat, q_rope, k_lat, k_rope, 0, 0, True, ready, 0, False, FENCE)
         s = warpgroup_mma_wait(0, deps=(s,))
-        p, m0, m_use = _exp_scores(s, bias, qk_scale, m_i)
-        # publish this block's max for consumer 1 (which takes the pair's max and publishes it back)
-        m_s.index(0).store(m0)
-        mbarrier.arrive(m_bar.index(0), count=1)
-        alpha = gl.exp2(m_i - m_use)
-        l_i = l_i * alpha + gl.sum(p, 1)
-        a_o = gl.convert_layout(alpha, gl.SliceLayout(1, M128))
-        o0 = o0 * a_o[:, None]
-        o1 = o1 * a_o[:, None]
-        pa = gl.convert_layout(p.to(gl.bfloat16), PA)
-        o0 = warpgroup_mma(pa, k_lat.index(b0 * 4), o0, is_async=True)
-        o1 = warpgroup_mma(pa, k_lat.index(b0 * 4 + 1), o1, is_async=True)
-        # the pair's max from consumer 1: P rescaled to it, rounded to bf16 again, staged for consumer 1
-        # in buffer 0's rope tile (this QK, its only reader, has completed)
-        mbarrier.wait(m_bar.index(1), ph)
-        m1 = m_s.index(1).load(gl.SliceLayout(1, M64))
-        m1_use = gl.where(m1 == float("-inf"), 0.0, m1)
-        sc = gl.exp2(m0 - m1_use)   # m0 = -inf: p is 0 and sc 0 (never exp2 of a huge positive)
-        k_rope.index(b0).store((p * sc[:, None]).to(gl.bfloat16))
-        fence_async_shared()
-        mbarrier.arrive(s_bar.index(0), count=1)
-        l_i = l_i * sc
-        m_i = m1
-        o0, o1, pa = warpgroup_mma_wait(0, deps=(o0, o1, pa))
-        mbarrier.arrive(free.index(0), count=1)   # 0L: its last reader done
-        a_o = gl.convert_layout(sc, gl.SliceLayout(1, M128))
-        o0 = o0 * a_o[:, None]
-        o1 = o1 * a_o[:, None]
-        # O[:, :256] += P1 V1[:, :256], P1 from consumer 1 through shared memory
-        mbarrier.wait(s_bar.index(1), ph)
-        o0 = warpgroup_mma(p1_s, k_lat.index(b1 * 4), o0, is_async=True)
-        o1 = warpgroup_mma(p1_s, k_lat.index(b1 * 4 + 1), o1, is_async=True)
+        # the last pair is peeled: an in-flight accumulator cannot cross an if
+        for j in range(n_pairs - 1):
+            m_i, l_i, o0, o1 = _c0_pair(j, s, bias, m_i, l_i, o0, o1, qk_scale, k_lat, k_rope, p1_s, m_s, m_bar, s_bar,
+                                        free)
+            b0 = j >> 30
+            bias = _bias(p_idx, 2 * j + 2, topk, n_slots, gl.SliceLayout(0, M64))
+            s = _qk_half(gl.zeros([BLOCK_H, BLOCK_N], gl.float32, M64), q_lat, q_rope, k_lat, k_rope, b0, b0, False,
+                         ready, (j + 1) & 1, True, FENCE)
+            # the two P1 V1 groups retire first: 1L is free while the QK goes on
+            o0, o1 = warpgroup_mma_wait(2, deps=(o0, o1))
+            mbarrier.arrive(free.index(2), count=1)   # 1L
+            s = _qk_half(s, q_lat, q_rope, k_lat, k_rope, b0, b0, True, ready, (j + 1) & 1, False, FENCE)
+            s = warpgroup_mma_wait(0, deps=(s,))
+        m_i, l_i, o0, o1 = _c0_pair(n_pairs - 1, s, bias, m_i, l_i, o0, o1, qk_scale, k_lat, k_rope, p1_s, m_s, m_bar,
+                                    s_bar, free)
         o0, o1 = warpgroup_mma_wait(0, deps=(o0, o1))
-        mbarrier.arrive(free.index(2), count=1)   # 1L
-        mbarrier.arrive(s1_free, count=1)
+        mbarrier.arrive(free.index(2), count=1)
+    else:
+        for j in range(n_pairs):
+            b0 = j >> 30
+            bias = _bias(p_idx, 2 * j, topk, n_slots, gl.SliceLayout(0, M64))
+            # made in the loop: a zero accumulator carried across it would hold 32 registers
+            s = _qk_half(gl.zeros([BLOCK_H, BLOCK_N], gl.float32, M64), q_lat, q_rope, k_lat, k_rope, b0, b0, False,
+                         ready, j & 1, True, FENCE)
+            s = _qk_half(s, q_lat, q_rope, k_lat, k_rope, b0, b0, True, ready, j & 1, False, FENCE)
+            s = warpgroup_mma_wait(0, deps=(s,))
+            m_i, l_i, o0, o1 = _c0_pair(j, s, bias, m_i, l_i, o0, o1, qk_scale, k_lat, k_rope, p1_s, m_s, m_bar, s_bar,
+                                        free)
+            o0, o1 = warpgroup_mma_wait(0, deps=(o0, o1))
+            mbarrier.arrive(free.index(2), count=1)   # 1L
     _finish(out, lse, stride_o_row, stride_o_h, stride_l_row, h_q, i_row, i_hb, o0, o1, m_i, l_i, l_s, l_bar, 0, 0)
 
 
 @gluon.jit
 def _consumer1(idx, out, lse, stride_i_row, stride_o_row, stride_o_h, stride_l_row, n_slots, h_q, topk, n_pairs,
-               n_hb, qk_scale, q_lat, q_rope, k_lat, k_rope, p1_s, m_s, l_s, ready, free, q_bar, m_bar, s_bar, s1_free,
-               l_bar):
+               n_hb, qk_scale, q_lat, q_rope, k_lat, k_rope, p1_s, m_s, l_s, ready, free, q_bar, m_bar, s_bar, l_bar,
+               PIPE: gl.constexpr, FENCE: gl.constexpr, QCP: gl.constexpr):
     M64: gl.constexpr = _mma_layout(64)
     M128: gl.constexpr = _mma_layout(128)
     PA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=M128, k_width=2)
@@ -277,21 +352,22 @@ def _consumer1(idx, out, lse, stride_i_row, stride_o_row, stride_o_h, stride_l_r
     i_row = (gl.program_id(0) // n_hb).to(gl.int64)
     p_idx = idx + i_row * stride_i_row
     mbarrier.wait(q_bar, 0)
+    if QCP:
+        fence_async_shared()
 
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, M64))
     l_i = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(1, M64))
     o2 = gl.zeros([BLOCK_H, 128], gl.float32, M128)
     o3 = gl.zeros([BLOCK_H, 128], gl.float32, M128)
     for j in range(n_pairs):
-        # made in the loop: a zero accumulator carried across it would hold 32 registers
-        zero_s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, M64)
         ph = j & 1
-        b0 = j >> 30   # 0 and 1, see consumer 0
+        b0 = j >> 30   # 0 and 1, see _c0_pair
         b1 = b0 + 1
         bias = _bias(p_idx, 2 * j + 1, topk, n_slots, gl.SliceLayout(0, M64))
         # the right half first: it is freed first (by this consumer's own P V)
-        s = _qk_half(zero_s, q_lat, q_rope, k_lat, k_rope, b1, b0, True, ready, ph, True)
-        s = _qk_half(s, q_lat, q_rope, k_lat, k_rope, b1, b0, False, ready, ph, False)
+        s = _qk_half(gl.zeros([BLOCK_H, BLOCK_N], gl.float32, M64), q_lat, q_rope, k_lat, k_rope, b1, b0, True, ready,
+                     ph, True, FENCE)
+        s = _qk_half(s, q_lat, q_rope, k_lat, k_rope, b1, b0, False, ready, ph, False, FENCE)
         s = warpgroup_mma_wait(0, deps=(s,))
         mbarrier.wait(m_bar.index(0), ph)
         m0 = m_s.index(0).load(gl.SliceLayout(1, M64))
@@ -308,19 +384,29 @@ def _consumer1(idx, out, lse, stride_i_row, stride_o_row, stride_o_h, stride_l_r
         pa = gl.convert_layout(p16, PA)
         o2 = warpgroup_mma(pa, k_lat.index(b1 * 4 + 2), o2, is_async=True)
         o3 = warpgroup_mma(pa, k_lat.index(b1 * 4 + 3), o3, is_async=True)
-        # P1 for consumer 0, once it is done with the previous one
-        mbarrier.wait(s1_free, ph ^ 1)
+        # P1 for consumer 0. Its P1 V1 of the previous pair has completed: consumer 0 waits for it before it
+        # computes the softmax whose max (m_bar 0) this consumer waited for above.
         p1_s.store(p16)
         fence_async_shared()
         mbarrier.arrive(s_bar.index(1), count=1)
-        o2, o3, pa = warpgroup_mma_wait(0, deps=(o2, o3, pa))
-        mbarrier.arrive(free.index(3), count=1)   # 1R
-        # O[:, 256:] += P0 V0[:, 256:], P0 from consumer 0 in buffer 0's rope tile
-        mbarrier.wait(s_bar.index(0), ph)
-        o2 = warpgroup_mma(k_rope.index(b0), k_lat.index(b0 * 4 + 2), o2, is_async=True)
-        o3 = warpgroup_mma(k_rope.index(b0), k_lat.index(b0 * 4 + 3), o3, is_async=True)
-        o2, o3 = warpgroup_mma_wait(0, deps=(o2, o3))
-        mbarrier.arrive(free.index(1), count=1)   # 0R (and P0 with it)
+        if PIPE:
+            # O[:, 256:] += P0 V0[:, 256:] issued behind the local P V, waited in order
+            mbarrier.wait(s_bar.index(0), ph)
+            o2 = warpgroup_mma(k_rope.index(b0), k_lat.index(b0 * 4 + 2), o2, is_async=True)
+            o3 = warpgroup_mma(k_rope.index(b0), k_lat.index(b0 * 4 + 3), o3, is_async=True)
+            pa = warpgroup_mma_wait(2, deps=(pa,))
+            mbarrier.arrive(free.index(3), count=1)   # 1R
+            o2, o3 = warpgroup_mma_wait(0, deps=(o2, o3))
+            mbarrier.arrive(free.index(1), count=1)   # 0R (and P0 with it)
+        else:
+            o2, o3, pa = warpgroup_mma_wait(0, deps=(o2, o3, pa))
+            mbarrier.arrive(free.index(3), count=1)   # 1R
+            # O[:, 256:] += P0 V0[:, 256:], P0 from consumer 0 in buffer 0's rope tile
+            mbarrier.wait(s_bar.index(0), ph)
+            o2 = warpgroup_mma(k_rope.index(b0), k_lat.index(b0 * 4 + 2), o2, is_async=True)
+            o3 = warpgroup_mma(k_rope.index(b0), k_lat.index(b0 * 4 + 3), o3, is_async=True)
+            o2, o3 = warpgroup_mma_wait(0, deps=(o2, o3))
+            mbarrier.arrive(free.index(1), count=1)   # 0R (and P0 with it)
     _finish(out, lse, stride_o_row, stride_o_h, stride_l_row, h_q, i_row, i_hb, o2, o3, m_i, l_i, l_s, l_bar, 1, 256)
 
 
@@ -331,7 +417,8 @@ def sparse_mla_bf16_ws_kernel(
     q, kv, idx, out, lse,
     stride_q_row, stride_q_h, stride_kv_page, stride_kv_row, stride_i_row, stride_o_row, stride_o_h, stride_l_row,
     n_slots, h_q, topk, n_pairs, n_hb, qk_scale,
-    REGS_C1: gl.constexpr, REGS_PROD: gl.constexpr,
+    REGS_C1: gl.constexpr, REGS_PROD: gl.constexpr, PIPE: gl.constexpr, PREF: gl.constexpr, DIAG: gl.constexpr,
+    EVICT: gl.constexpr, FENCE: gl.constexpr, QCP: gl.constexpr,
 ):
     """Warp-specialised sparse MLA over bf16 rows, one (query row, 64 heads) per CTA (module docstring).
 
@@ -357,7 +444,6 @@ def sparse_mla_bf16_ws_kernel(
     s_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     l_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    s1_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     for h in gl.static_range(4):
         mbarrier.init(ready.index(h), count=128)   # every producer thread's cp.async arrive
         mbarrier.init(free.index(h), count=1)      # the half's last reader
@@ -365,30 +451,43 @@ def sparse_mla_bf16_ws_kernel(
         mbarrier.init(m_bar.index(w), count=1)
         mbarrier.init(s_bar.index(w), count=1)
         mbarrier.init(l_bar.index(w), count=1)
-    mbarrier.init(q_bar, count=1)
-    mbarrier.init(s1_free, count=1)
+    mbarrier.init(q_bar, count=128 if QCP else 1)
     fence_async_shared()
 
     gl.warp_specialize([
         (_consumer0, (q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, stride_o_row, stride_o_h, stride_l_row,
                       n_slots, h_q, topk, n_pairs, n_hb, qk_scale, q_lat, q_rope, k_lat, k_rope, p1_s, m_s, l_s, ready,
-                      free, q_bar, m_bar, s_bar, s1_free, l_bar)),
+                      free, q_bar, m_bar, s_bar, l_bar, PIPE, FENCE, QCP)),
         (_consumer1, (idx, out, lse, stride_i_row, stride_o_row, stride_o_h, stride_l_row, n_slots, h_q, topk, n_pairs,
                       n_hb, qk_scale, q_lat, q_rope, k_lat, k_rope, p1_s, m_s, l_s, ready, free, q_bar, m_bar, s_bar,
-                      s1_free, l_bar)),
-        (_producer, (kv, idx, stride_kv_page, stride_kv_row, stride_i_row, n_slots, topk, n_pairs, n_hb, k_lat, k_rope,
-                     ready, free)),
+                      l_bar, PIPE, FENCE, QCP)),
+        (_producer, (q, stride_q_row, stride_q_h, h_q, kv, idx, stride_kv_page, stride_kv_row, stride_i_row, n_slots,
+                     topk, n_pairs, n_hb, q_lat, q_rope, q_bar, k_lat, k_rope, ready, free, PREF, DIAG, EVICT, QCP)),
     ], [4, 4], [REGS_C1, REGS_PROD])
 
 
 # ---- launcher -----------------------------------------------------------------------------------------
 
 # consumer 0 gets 3 x MAXNREG - REGS_C1 - REGS_PROD
+def _variant(pipe=False, pref=False, diag=0, evict=False, c1=216, prod=72, fence=True, qcp=False):
+    return dict(REGS_C1=c1, REGS_PROD=prod, PIPE=pipe, PREF=pref, DIAG=diag, EVICT=evict, FENCE=fence, QCP=qcp)
+
+
 VARIANTS = {
-    "ws2": dict(REGS_C1=216, REGS_PROD=72),
-    "ws2-r208": dict(REGS_C1=208, REGS_PROD=80),
+    "ws2": _variant(),
+    "ws2-pipe": _variant(pipe=True),
+    "ws2-pref": _variant(pref=True),
+    "ws2-pref-ev": _variant(pref=True, evict=True),
+    "ws2-pref-r80": _variant(pref=True, prod=80, c1=208),
+    "ws2-pref-r88": _variant(pref=True, prod=88, c1=208),
+    "ws2-pref-r88-nf": _variant(pref=True, prod=88, c1=208, fence=False),
+    "ws2-pref-r88-qcp": _variant(pref=True, prod=88, c1=208, qcp=True),
+    "ws2-pref-r88-pipe": _variant(pref=True, prod=88, c1=208, pipe=True),
+    "ws2-pref-pipe": _variant(pref=True, pipe=True),
+    # diagnostic (wrong results, timed only): no copies, the consumers and their exchanges alone
+    "diag-nocopy": _variant(diag=1),
 }
-DEFAULT_VARIANT = "ws2"
+DEFAULT_VARIANT = "ws2-pref-r88"
 
 
 def kernel_args(q3, kv, stride_kv_page, stride_kv_row, n_slots, i2, sm_scale, o3, l2, variant: str = DEFAULT_VARIANT):
