@@ -25,7 +25,37 @@ warpgroups (``gl.warp_specialize``, registers moved by setmaxnreg):
   + 8 KB P + barriers and the max / sum exchange.
 
 The skip mask is computed by each consumer from the indices itself (a [64] load issued before it waits
-for the rows), so nothing but cp.async writes the K/V buffers.
+for the rows), so nothing but cp.async writes the K/V buffers. Shared memory 230,816 B; registers 208 /
+208 / 88 (consumer 0 / consumer 1 / producer), 8 B of spills (ptxas -v, Triton 3.6). Buffer indices are
+written as values of the loop counter (``j >> 30``, always 0): with constant indices LLVM hoists every
+wgmma's shared-memory descriptor out of the loop (1.2 KB of spills).
+
+Measured on the H200 (Triton 3.6, CUDA-graph replay, ``benchmarks/gluon_prefill_probe.py``, FlashMLA and
+our Triton kernels in the same runs; top-2048):
+
+* Correct: every probe case (ragged / mixed -1, -7, >= N / all-empty rows / NaN row never selected /
+  top-k 0, 1, 64, 65, 100 ... 2048 / h 64, 128, 192 / NaN-poisoned outputs) within
+  ``|out - ref| <= 2^-8 (max |v| + |ref|)``, the same max error as the Triton kernels case by case.
+* Prefill T 4096, h 128: N 8K 4829-4916 us vs FlashMLA 3940-3952 (1.22-1.25x its time, 0.80-0.82x its
+  throughput; the Triton kernels 8142-8238, 0.49x); N 32K 4914-5002 vs 3916-4077 (1.21-1.23x). h 64, N 32K:
+  2495-2539 vs 2036-2204 (1.13-1.15x).
+* Decode over the bf16 cache, 32K: B 64 h 128 94.2-97.1 us, B 128 s_q 2 h 64 194.8-198.8 us; FlashMLA has
+  no bf16-cache sparse decode, its fp8 one on the same slots takes 95.2-95.6 / 234-238 us (0.99x / 0.83x),
+  our Triton kernels 165 / 322 us.
+* What bounds it: the consumers alone (``diag-nocopy``: no copies) take 3700 us at N 8K h 128, 0.94x
+  FlashMLA's whole kernel; the copies add ~1150 us, and every row hot in L2 (64 keys only) removes just
+  ~150 us of it, so it is not the gathers' latency. Per 64-token block that is 2.45 us against FlashMLA's
+  1.99 us and ~1.2 us of tensor work.
+* Won: the next pair's slots loaded a pair ahead and a rope layout with the latent's rows (no layout
+  conversion): 5640 -> 4904 us (the first version loaded each half's slots right before its wait).
+* No gain (within 1 %, not kept): FlashMLA's exact order (``ws2-pipe``: the next QK issued under the last
+  P V); Q copied by the producer's cp.async instead of the consumer's loads; no proxy fence after the
+  cp.async barrier (FlashMLA has none); producer 72 / 80 registers (spills). Lost: ``evict_last`` on the
+  copies (+6 %).
+* Tried for the fp8 656-B cache with the producer dequantising (loads issued before the free wait,
+  gluon._dequant, L2 prefetch of the next pair): 137.5-164.1 us at B 64 h 128, against 116.8 for
+  ``gluon.py`` (one producer warpgroup cannot dequantise a half in the time the consumers take to free
+  the next one with two buffers), so fp8 stays on ``gluon.py``.
 """
 
 from __future__ import annotations
@@ -72,16 +102,8 @@ def _slots(p_idx, blk, topk, L: gl.constexpr):
 
 
 @gluon.jit
-def _copy(smem, p, mask, EVICT: gl.constexpr):
-    if EVICT:
-        _cp_async(smem, p, mask=mask, eviction_policy="evict_last")
-    else:
-        _cp_async(smem, p, mask=mask)
-
-
-@gluon.jit
 def _copy_half(k_lat, k_rope, buf, RIGHT: gl.constexpr, slot, n_slots, kv, stride_kv_page, stride_kv_row, free, ready,
-               phase, DIAG: gl.constexpr, EVICT: gl.constexpr):
+               phase, DIAG: gl.constexpr):
     """Wait until half (buf, RIGHT) is free, then cp.async the rows of ``slot`` ([64], SliceLayout(1, LG)) into
     that half's dims and have its ``ready`` barrier track the copies (count 128: every producer thread arrives).
     Skipped slots (-1 past the list, < 0, >= n_slots) are masked: cp.async zero-fills them, nothing is read."""
@@ -97,57 +119,37 @@ def _copy_half(k_lat, k_rope, buf, RIGHT: gl.constexpr, slot, n_slots, kv, strid
     if DIAG == 0:
         g0: gl.constexpr = 2 * RIGHT
         for g in gl.static_range(2):
-            _copy(k_lat.index(buf * 4 + g0 + g), p_row[:, None] + (g0 + g) * 128 + o_c[None, :], valid[:, None], EVICT)
+            _cp_async(k_lat.index(buf * 4 + g0 + g), p_row[:, None] + (g0 + g) * 128 + o_c[None, :], mask=valid[:, None])
         if RIGHT:
             o_r = gl.arange(0, 64, gl.SliceLayout(0, LR))
             p_r = gl.convert_layout(p_row, gl.SliceLayout(1, LR))
             v_r = gl.convert_layout(valid, gl.SliceLayout(1, LR))
-            _copy(k_rope.index(buf), p_r[:, None] + 512 + o_r[None, :], v_r[:, None], EVICT)
+            _cp_async(k_rope.index(buf), p_r[:, None] + 512 + o_r[None, :], mask=v_r[:, None])
     async_copy.mbarrier_arrive(ready.index(h), increment_count=False)
 
 
 @gluon.jit
-def _producer(q, stride_q_row, stride_q_h, h_q, kv, idx, stride_kv_page, stride_kv_row, stride_i_row, n_slots, topk,
-              n_pairs, n_hb, q_lat, q_rope, q_bar, k_lat, k_rope, ready, free, PREF: gl.constexpr, DIAG: gl.constexpr,
-              EVICT: gl.constexpr, QCP: gl.constexpr):
-    SG: gl.constexpr = gl.SliceLayout(1, gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0]))
+def _producer(kv, idx, stride_kv_page, stride_kv_row, stride_i_row, n_slots, topk, n_pairs, n_hb, k_lat, k_rope, ready,
+              free, DIAG: gl.constexpr):
+    SG: gl.constexpr = gl.SliceLayout(1, gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0]))   # _copy_half's rows
     i_row = (gl.program_id(0) // n_hb).to(gl.int64)
-    if QCP:
-        # Q of this row and head block by cp.async too (q_bar counts the 128 producer threads)
-        LQ: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
-        LQR: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])
-        i_hb = gl.program_id(0) % n_hb
-        o_h = i_hb * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(1, LQ))
-        o_c = gl.arange(0, 128, gl.SliceLayout(0, LQ))
-        p_q = q + i_row * stride_q_row + o_h.to(gl.int64)[:, None] * stride_q_h + o_c[None, :]
-        for g in gl.static_range(4):
-            _cp_async(q_lat.index(g), p_q + g * 128, mask=(o_h < h_q)[:, None])
-        o_hr = i_hb * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(1, LQR))
-        o_r = gl.arange(0, 64, gl.SliceLayout(0, LQR))
-        _cp_async(q_rope.index(0), q + i_row * stride_q_row + o_hr.to(gl.int64)[:, None] * stride_q_h + 512 + o_r[None, :],
-                  mask=(o_hr < h_q)[:, None])
-        async_copy.mbarrier_arrive(q_bar, increment_count=False)
     p_idx = idx + i_row * stride_i_row
     s_a = _slots(p_idx, 0, topk, SG)
     s_b = _slots(p_idx, 1, topk, SG)
     for j in range(n_pairs):
         ph = (j & 1) ^ 1   # a fresh barrier's "previous phase" has completed: the first waits pass
-        if PREF:
-            # the next pair's slots now: their load latency is not in front of a refill
-            n_a = _slots(p_idx, 2 * j + 2, topk, SG)
-            n_b = _slots(p_idx, 2 * j + 3, topk, SG)
+        # the next pair's slots first: their load latency is then not in front of a refill (loaded after
+        # this pair's copies instead: +1 %; loaded per half right before its wait, the first version: +15 %)
+        n_a = _slots(p_idx, 2 * j + 2, topk, SG)
+        n_b = _slots(p_idx, 2 * j + 3, topk, SG)
         # the order the halves are freed in: 0L (consumer 0's own P V), 1R (consumer 1's own P V),
         # 0R (consumer 1's P V on the other P; buffer 0's rope tile held that P), 1L (consumer 0's)
-        _copy_half(k_lat, k_rope, 0, False, s_a, n_slots, kv, stride_kv_page, stride_kv_row, free, ready, ph, DIAG, EVICT)
-        _copy_half(k_lat, k_rope, 1, True, s_b, n_slots, kv, stride_kv_page, stride_kv_row, free, ready, ph, DIAG, EVICT)
-        _copy_half(k_lat, k_rope, 0, True, s_a, n_slots, kv, stride_kv_page, stride_kv_row, free, ready, ph, DIAG, EVICT)
-        _copy_half(k_lat, k_rope, 1, False, s_b, n_slots, kv, stride_kv_page, stride_kv_row, free, ready, ph, DIAG, EVICT)
-        if PREF:
-            s_a = n_a
-            s_b = n_b
-        else:
-            s_a = _slots(p_idx, 2 * j + 2, topk, SG)
-            s_b = _slots(p_idx, 2 * j + 3, topk, SG)
+        _copy_half(k_lat, k_rope, 0, False, s_a, n_slots, kv, stride_kv_page, stride_kv_row, free, ready, ph, DIAG)
+        _copy_half(k_lat, k_rope, 1, True, s_b, n_slots, kv, stride_kv_page, stride_kv_row, free, ready, ph, DIAG)
+        _copy_half(k_lat, k_rope, 0, True, s_a, n_slots, kv, stride_kv_page, stride_kv_row, free, ready, ph, DIAG)
+        _copy_half(k_lat, k_rope, 1, False, s_b, n_slots, kv, stride_kv_page, stride_kv_row, free, ready, ph, DIAG)
+        s_a = n_a
+        s_b = n_b
 
 
 # ---- consumers ----------------------------------------------------------------------------------------
@@ -161,14 +163,12 @@ def _bias(p_idx, blk, topk, n_slots, L: gl.constexpr):
 
 
 @gluon.jit
-def _qk_half(s, q_lat, q_rope, k_lat, k_rope, buf, z, RIGHT: gl.constexpr, ready, phase, FIRST: gl.constexpr,
-             FENCE: gl.constexpr = True):
+def _qk_half(s, q_lat, q_rope, k_lat, k_rope, buf, z, RIGHT: gl.constexpr, ready, phase, FIRST: gl.constexpr):
     """Wait for half (buf, RIGHT) of the K tile, then issue its share of S += Q K^T (async, not waited).
     ``z`` is 0 as a value of the loop counter (see :func:`_consumer0`): it keeps Q's descriptors in the loop."""
     mbarrier.wait(ready.index(buf * 2 + RIGHT), phase)
-    if FENCE:
-        # cp.async wrote the tile through the generic proxy; wgmma reads it through the async proxy
-        fence_async_shared()
+    # cp.async wrote the tile through the generic proxy; wgmma reads it through the async proxy
+    fence_async_shared()
     g0: gl.constexpr = 2 * RIGHT
     s = warpgroup_mma(q_lat.index(g0 + z), k_lat.index(buf * 4 + g0).permute((1, 0)), s, use_acc=not FIRST,
                       is_async=True)
@@ -283,18 +283,14 @@ def _c0_pair(j, s, bias, m_i, l_i, o0, o1, qk_scale, k_lat, k_rope, p1_s, m_s, m
 @gluon.jit
 def _consumer0(q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, stride_o_row, stride_o_h, stride_l_row,
                n_slots, h_q, topk, n_pairs, n_hb, qk_scale, q_lat, q_rope, k_lat, k_rope, p1_s, m_s, l_s, ready, free,
-               q_bar, m_bar, s_bar, l_bar, PIPE: gl.constexpr, FENCE: gl.constexpr, QCP: gl.constexpr):
+               q_bar, m_bar, s_bar, l_bar, PIPE: gl.constexpr):
     M64: gl.constexpr = _mma_layout(64)
     M128: gl.constexpr = _mma_layout(128)
     i_hb = gl.program_id(0) % n_hb
     i_row = (gl.program_id(0) // n_hb).to(gl.int64)
     p_idx = idx + i_row * stride_i_row
-    if QCP:
-        mbarrier.wait(q_bar, 0)
-        fence_async_shared()
-    else:
-        _load_q(q, stride_q_row, stride_q_h, h_q, i_row, i_hb, q_lat, q_rope)
-        mbarrier.arrive(q_bar, count=1)
+    _load_q(q, stride_q_row, stride_q_h, h_q, i_row, i_hb, q_lat, q_rope)
+    mbarrier.arrive(q_bar, count=1)
 
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, M64))
     l_i = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(1, M64))
@@ -305,8 +301,8 @@ def _consumer0(q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, stride_
         # tensor cores get the next QK while the P V drains
         bias = _bias(p_idx, 0, topk, n_slots, gl.SliceLayout(0, M64))
         s = _qk_half(gl.zeros([BLOCK_H, BLOCK_N], gl.float32, M64), q_lat, q_rope, k_lat, k_rope, 0, 0, False, ready,
-                     0, True, FENCE)
-        s = _qk_half(s, q_lat, q_rope, k_lat, k_rope, 0, 0, True, ready, 0, False, FENCE)
+                     0, True)
+        s = _qk_half(s, q_lat, q_rope, k_lat, k_rope, 0, 0, True, ready, 0, False)
         s = warpgroup_mma_wait(0, deps=(s,))
         # the last pair is peeled: an in-flight accumulator cannot cross an if
         for j in range(n_pairs - 1):
@@ -315,11 +311,11 @@ def _consumer0(q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, stride_
             b0 = j >> 30
             bias = _bias(p_idx, 2 * j + 2, topk, n_slots, gl.SliceLayout(0, M64))
             s = _qk_half(gl.zeros([BLOCK_H, BLOCK_N], gl.float32, M64), q_lat, q_rope, k_lat, k_rope, b0, b0, False,
-                         ready, (j + 1) & 1, True, FENCE)
+                         ready, (j + 1) & 1, True)
             # the two P1 V1 groups retire first: 1L is free while the QK goes on
             o0, o1 = warpgroup_mma_wait(2, deps=(o0, o1))
             mbarrier.arrive(free.index(2), count=1)   # 1L
-            s = _qk_half(s, q_lat, q_rope, k_lat, k_rope, b0, b0, True, ready, (j + 1) & 1, False, FENCE)
+            s = _qk_half(s, q_lat, q_rope, k_lat, k_rope, b0, b0, True, ready, (j + 1) & 1, False)
             s = warpgroup_mma_wait(0, deps=(s,))
         m_i, l_i, o0, o1 = _c0_pair(n_pairs - 1, s, bias, m_i, l_i, o0, o1, qk_scale, k_lat, k_rope, p1_s, m_s, m_bar,
                                     s_bar, free)
@@ -331,8 +327,8 @@ def _consumer0(q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, stride_
             bias = _bias(p_idx, 2 * j, topk, n_slots, gl.SliceLayout(0, M64))
             # made in the loop: a zero accumulator carried across it would hold 32 registers
             s = _qk_half(gl.zeros([BLOCK_H, BLOCK_N], gl.float32, M64), q_lat, q_rope, k_lat, k_rope, b0, b0, False,
-                         ready, j & 1, True, FENCE)
-            s = _qk_half(s, q_lat, q_rope, k_lat, k_rope, b0, b0, True, ready, j & 1, False, FENCE)
+                         ready, j & 1, True)
+            s = _qk_half(s, q_lat, q_rope, k_lat, k_rope, b0, b0, True, ready, j & 1, False)
             s = warpgroup_mma_wait(0, deps=(s,))
             m_i, l_i, o0, o1 = _c0_pair(j, s, bias, m_i, l_i, o0, o1, qk_scale, k_lat, k_rope, p1_s, m_s, m_bar, s_bar,
                                         free)
@@ -344,7 +340,7 @@ def _consumer0(q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, stride_
 @gluon.jit
 def _consumer1(idx, out, lse, stride_i_row, stride_o_row, stride_o_h, stride_l_row, n_slots, h_q, topk, n_pairs,
                n_hb, qk_scale, q_lat, q_rope, k_lat, k_rope, p1_s, m_s, l_s, ready, free, q_bar, m_bar, s_bar, l_bar,
-               PIPE: gl.constexpr, FENCE: gl.constexpr, QCP: gl.constexpr):
+               PIPE: gl.constexpr):
     M64: gl.constexpr = _mma_layout(64)
     M128: gl.constexpr = _mma_layout(128)
     PA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=M128, k_width=2)
@@ -352,8 +348,6 @@ def _consumer1(idx, out, lse, stride_i_row, stride_o_row, stride_o_h, stride_l_r
     i_row = (gl.program_id(0) // n_hb).to(gl.int64)
     p_idx = idx + i_row * stride_i_row
     mbarrier.wait(q_bar, 0)
-    if QCP:
-        fence_async_shared()
 
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, M64))
     l_i = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(1, M64))
@@ -366,8 +360,8 @@ def _consumer1(idx, out, lse, stride_i_row, stride_o_row, stride_o_h, stride_l_r
         bias = _bias(p_idx, 2 * j + 1, topk, n_slots, gl.SliceLayout(0, M64))
         # the right half first: it is freed first (by this consumer's own P V)
         s = _qk_half(gl.zeros([BLOCK_H, BLOCK_N], gl.float32, M64), q_lat, q_rope, k_lat, k_rope, b1, b0, True, ready,
-                     ph, True, FENCE)
-        s = _qk_half(s, q_lat, q_rope, k_lat, k_rope, b1, b0, False, ready, ph, False, FENCE)
+                     ph, True)
+        s = _qk_half(s, q_lat, q_rope, k_lat, k_rope, b1, b0, False, ready, ph, False)
         s = warpgroup_mma_wait(0, deps=(s,))
         mbarrier.wait(m_bar.index(0), ph)
         m0 = m_s.index(0).load(gl.SliceLayout(1, M64))
@@ -417,8 +411,7 @@ def sparse_mla_bf16_ws_kernel(
     q, kv, idx, out, lse,
     stride_q_row, stride_q_h, stride_kv_page, stride_kv_row, stride_i_row, stride_o_row, stride_o_h, stride_l_row,
     n_slots, h_q, topk, n_pairs, n_hb, qk_scale,
-    REGS_C1: gl.constexpr, REGS_PROD: gl.constexpr, PIPE: gl.constexpr, PREF: gl.constexpr, DIAG: gl.constexpr,
-    EVICT: gl.constexpr, FENCE: gl.constexpr, QCP: gl.constexpr,
+    REGS_C1: gl.constexpr, REGS_PROD: gl.constexpr, PIPE: gl.constexpr, DIAG: gl.constexpr,
 ):
     """Warp-specialised sparse MLA over bf16 rows, one (query row, 64 heads) per CTA (module docstring).
 
@@ -445,49 +438,44 @@ def sparse_mla_bf16_ws_kernel(
     l_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     for h in gl.static_range(4):
-        mbarrier.init(ready.index(h), count=128)   # every producer thread's cp.async arrive
+        # every producer thread's cp.async arrive
+        mbarrier.init(ready.index(h), count=128)
         mbarrier.init(free.index(h), count=1)      # the half's last reader
     for w in gl.static_range(2):
         mbarrier.init(m_bar.index(w), count=1)
         mbarrier.init(s_bar.index(w), count=1)
         mbarrier.init(l_bar.index(w), count=1)
-    mbarrier.init(q_bar, count=128 if QCP else 1)
+    mbarrier.init(q_bar, count=1)
     fence_async_shared()
 
     gl.warp_specialize([
         (_consumer0, (q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, stride_o_row, stride_o_h, stride_l_row,
                       n_slots, h_q, topk, n_pairs, n_hb, qk_scale, q_lat, q_rope, k_lat, k_rope, p1_s, m_s, l_s, ready,
-                      free, q_bar, m_bar, s_bar, l_bar, PIPE, FENCE, QCP)),
+                      free, q_bar, m_bar, s_bar, l_bar, PIPE)),
         (_consumer1, (idx, out, lse, stride_i_row, stride_o_row, stride_o_h, stride_l_row, n_slots, h_q, topk, n_pairs,
                       n_hb, qk_scale, q_lat, q_rope, k_lat, k_rope, p1_s, m_s, l_s, ready, free, q_bar, m_bar, s_bar,
-                      l_bar, PIPE, FENCE, QCP)),
-        (_producer, (q, stride_q_row, stride_q_h, h_q, kv, idx, stride_kv_page, stride_kv_row, stride_i_row, n_slots,
-                     topk, n_pairs, n_hb, q_lat, q_rope, q_bar, k_lat, k_rope, ready, free, PREF, DIAG, EVICT, QCP)),
+                      l_bar, PIPE)),
+        (_producer, (kv, idx, stride_kv_page, stride_kv_row, stride_i_row, n_slots, topk, n_pairs, n_hb, k_lat, k_rope,
+                     ready, free, DIAG)),
     ], [4, 4], [REGS_C1, REGS_PROD])
 
 
 # ---- launcher -----------------------------------------------------------------------------------------
 
-# consumer 0 gets 3 x MAXNREG - REGS_C1 - REGS_PROD
-def _variant(pipe=False, pref=False, diag=0, evict=False, c1=216, prod=72, fence=True, qcp=False):
-    return dict(REGS_C1=c1, REGS_PROD=prod, PIPE=pipe, PREF=pref, DIAG=diag, EVICT=evict, FENCE=fence, QCP=qcp)
+def _variant(pipe=False, diag=0):
+    # consumer 0 gets 3 x MAXNREG - REGS_C1 - REGS_PROD = 208; the producer 88 (72: 80 B of spills)
+    return dict(REGS_C1=208, REGS_PROD=88, PIPE=pipe, DIAG=diag)
 
 
+# variant name -> constexprs; measured on the H200 (module docstring)
 VARIANTS = {
     "ws2": _variant(),
+    # FlashMLA's exact order: the next pair's QK issued before this pair's last P V is waited for
     "ws2-pipe": _variant(pipe=True),
-    "ws2-pref": _variant(pref=True),
-    "ws2-pref-ev": _variant(pref=True, evict=True),
-    "ws2-pref-r80": _variant(pref=True, prod=80, c1=208),
-    "ws2-pref-r88": _variant(pref=True, prod=88, c1=208),
-    "ws2-pref-r88-nf": _variant(pref=True, prod=88, c1=208, fence=False),
-    "ws2-pref-r88-qcp": _variant(pref=True, prod=88, c1=208, qcp=True),
-    "ws2-pref-r88-pipe": _variant(pref=True, prod=88, c1=208, pipe=True),
-    "ws2-pref-pipe": _variant(pref=True, pipe=True),
     # diagnostic (wrong results, timed only): no copies, the consumers and their exchanges alone
     "diag-nocopy": _variant(diag=1),
 }
-DEFAULT_VARIANT = "ws2-pref-r88"
+DEFAULT_VARIANT = "ws2"
 
 
 def kernel_args(q3, kv, stride_kv_page, stride_kv_row, n_slots, i2, sm_scale, o3, l2, variant: str = DEFAULT_VARIANT):
