@@ -8,8 +8,9 @@ Cases (``--quick`` keeps those marked Q; the sweeps feed the plot):
     topk        top-2048 of [64, 32K] Q, [64, 128K], [4096, 8K], [4096, 32K] Q      peers: fast_topk, torch.topk
     sparse_mla  decode fp8 656, B 64, s_q 1, h_q 128, top-2048, context {4K Q, 16K Q, 32K Q, 64K Q}
                 (top-k fixed, so the time is flat in context)                     peer: FlashMLA decode
-                full run also: fp8 B 64 s_q 2 h_q 128 and B 128 s_q 2 h_q 64, and bf16 pages B 64 h_q 128
-                (FlashMLA reads fp8 pages of the same tokens: it has no bf16-cache sparse decode), 32K Q
+                full run also: fp8 B 64 s_q 2 h_q 128 and B 128 s_q 2 h_q 64, and bf16 pages B 64 h_q 128 and
+                B 128 s_q 2 h_q 64 (FlashMLA reads fp8 pages of the same tokens: it has no bf16-cache sparse
+                decode), 32K Q
                 prefill bf16, T 4096, h_q 128, top-2048 over 8K Q / 32K keys      peer: FlashMLA prefill
     layer       one V3.2 decode step of one layer the way flashdsa.engine runs it (paged indexer -> top-k
                 with slot translation -> sparse decode), B 64 at context 8K and 32K Q, split into indexer /
@@ -118,7 +119,7 @@ def cases(ops: tuple[str, ...] = OPS, quick: bool = False, tiny: bool = False) -
             out.append(Case("sparse_mla", "decode", f"decode fp8 B64 h128 top-2048 ctx {_ctx_name(ctx)}",
                             dict(B=64, s_q=1, h=128, topk=2048, ctx=ctx), sweep="sparse_decode"))
         if not quick:  # the other decode shapes, and our bf16 pages against FlashMLA's fp8 ones
-            for B, s_q, h, fmt in [(64, 2, 128, "fp8"), (128, 2, 64, "fp8"), (64, 1, 128, "bf16")]:
+            for B, s_q, h, fmt in [(64, 2, 128, "fp8"), (128, 2, 64, "fp8"), (64, 1, 128, "bf16"), (128, 2, 64, "bf16")]:
                 out.append(Case("sparse_mla", "decode", f"decode {fmt} B{B} s_q{s_q} h{h} top-2048 ctx 32K",
                                 dict(B=B, s_q=s_q, h=h, topk=2048, ctx=32 * K, fmt=fmt)))
         for N in [8 * K] + ([] if quick else [32 * K]):
@@ -353,7 +354,10 @@ def _setup_prefill(p: dict, dev, status) -> list[tuple[str, Bench]]:
     g = torch.Generator(device=dev).manual_seed(T + N)
     kv, q = randn((N, 576), g, dev, torch.bfloat16), randn((T, h, 576), g, dev, torch.bfloat16)
     idx = prefill_indices(T, N, topk, g, dev)
-    ours = lambda: ops.sparse_mla_prefill(q, kv, idx, SM_SCALE, backend="triton")  # noqa: E731
+    # the default backend on CUDA (on sm_90 the bf16 Gluon kernel where it applies, elsewhere Triton); the
+    # Triton kernels on the CPU (interpreted)
+    backend = None if q.is_cuda else "triton"
+    ours = lambda: ops.sparse_mla_prefill(q, kv, idx, SM_SCALE, backend=backend)  # noqa: E731
 
     def check():
         sub = rows_subset(T, 16, dev)
