@@ -315,7 +315,7 @@ def _rescale(o0, o1, alpha, p16, M128: gl.constexpr, PA: gl.constexpr):
 @gluon.jit
 def _consumer0(q, out, lse, stride_q_row, stride_q_h, stride_o_row, stride_o_h, stride_l_row, h_q, n_hb, n_steps,
                qk_scale, q_lat, q_rope, k_lat, k_rope, k_bias, p_s, alpha_s, fin_s, k_ready, k_free, p_ready,
-               p_free, fin, NBUF: gl.constexpr, OVERLAP: gl.constexpr):
+               p_free, fin, NBUF: gl.constexpr, OVERLAP: gl.constexpr, OSTAGE: gl.constexpr, QL: gl.constexpr):
     M64: gl.constexpr = _mma_layout(64)
     M128: gl.constexpr = _mma_layout(128)
     PA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=M128, k_width=2)
@@ -329,12 +329,26 @@ def _consumer0(q, out, lse, stride_q_row, stride_q_h, stride_o_row, stride_o_h, 
     o_c = gl.arange(0, 128, gl.SliceLayout(0, LQ))
     p_q = q + i_row * stride_q_row + o_h.to(gl.int64)[:, None] * stride_q_h + o_c[None, :]
     m_q = (o_h < h_q)[:, None]
-    for g in gl.static_range(4):
-        q_lat.index(g).store(gl.load(p_q + g * 128, mask=m_q, other=0.0))
     o_hr = i_hb * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(1, LQR))
     o_r = gl.arange(0, 64, gl.SliceLayout(0, LQR))
-    q_rope.store(gl.load(q + i_row * stride_q_row + o_hr.to(gl.int64)[:, None] * stride_q_h + 512 + o_r[None, :],
-                         mask=(o_hr < h_q)[:, None], other=0.0))
+    p_r = q + i_row * stride_q_row + o_hr.to(gl.int64)[:, None] * stride_q_h + 512 + o_r[None, :]
+    if QL:
+        # every load issued before the first store: one DRAM latency instead of five (gluon_bf16.py: part of
+        # -180 us of fixed cost over 8192 CTAs there)
+        b_q0 = gl.load(p_q, mask=m_q, other=0.0)
+        b_q1 = gl.load(p_q + 128, mask=m_q, other=0.0)
+        b_q2 = gl.load(p_q + 256, mask=m_q, other=0.0)
+        b_q3 = gl.load(p_q + 384, mask=m_q, other=0.0)
+        b_qr = gl.load(p_r, mask=(o_hr < h_q)[:, None], other=0.0)
+        q_lat.index(0).store(b_q0)
+        q_lat.index(1).store(b_q1)
+        q_lat.index(2).store(b_q2)
+        q_lat.index(3).store(b_q3)
+        q_rope.store(b_qr)
+    else:
+        for g in gl.static_range(4):
+            q_lat.index(g).store(gl.load(p_q + g * 128, mask=m_q, other=0.0))
+        q_rope.store(gl.load(p_r, mask=(o_hr < h_q)[:, None], other=0.0))
     fence_async_shared()
 
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, M64))
@@ -397,25 +411,39 @@ def _consumer0(q, out, lse, stride_q_row, stride_q_h, stride_o_row, stride_o_h, 
     gl.store(lse + i_row * stride_l_row + o_hl, gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * LN2),
              mask=o_hl < h_q)
     _store_o(out, i_row, i_hb, stride_o_row, stride_o_h, h_q, o0, o1, gl.convert_layout(inv, gl.SliceLayout(1, M128)),
-             0, M128)
+             0, M128, q_lat, OSTAGE)
 
 
 @gluon.jit
-def _store_o(out, i_row, i_hb, stride_o_row, stride_o_h, h_q, o_a, o_b, inv, d0: gl.constexpr, M128: gl.constexpr):
-    # out[row, heads, d0 : d0 + 256] = (O / l) in bf16, straight from the accumulator layout
-    o_h = i_hb * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(1, M128))
-    o_d = gl.arange(0, 128, gl.SliceLayout(0, M128))
-    p_o = out + i_row * stride_o_row + o_h.to(gl.int64)[:, None] * stride_o_h + d0 + o_d[None, :]
-    m_o = (o_h < h_q)[:, None]
-    gl.store(p_o, (o_a * inv[:, None]).to(gl.bfloat16), mask=m_o)
-    gl.store(p_o + 128, (o_b * inv[:, None]).to(gl.bfloat16), mask=m_o)
+def _store_o(out, i_row, i_hb, stride_o_row, stride_o_h, h_q, o_a, o_b, inv, d0: gl.constexpr, M128: gl.constexpr,
+             q_lat, OSTAGE: gl.constexpr):
+    """out[row, heads, d0 : d0 + 256] = (O / l) in bf16: straight from the accumulator layout (4-B pieces), or
+    with OSTAGE through the Q tiles d0 / 128, d0 / 128 + 1 (free: consumer 0's QK, their only reader, is done
+    before ``fin``) into whole 16-B pieces of 256-B rows."""
+    if OSTAGE:
+        LO: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])   # [64, 128] bf16
+        q_lat.index(d0 // 128).store((o_a * inv[:, None]).to(gl.bfloat16))
+        q_lat.index(d0 // 128 + 1).store((o_b * inv[:, None]).to(gl.bfloat16))
+        o_h = i_hb * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(1, LO))
+        o_d = gl.arange(0, 128, gl.SliceLayout(0, LO))
+        p_o = out + i_row * stride_o_row + o_h.to(gl.int64)[:, None] * stride_o_h + d0 + o_d[None, :]
+        m_o = (o_h < h_q)[:, None]
+        gl.store(p_o, q_lat.index(d0 // 128).load(LO), mask=m_o)
+        gl.store(p_o + 128, q_lat.index(d0 // 128 + 1).load(LO), mask=m_o)
+    else:
+        o_h = i_hb * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(1, M128))
+        o_d = gl.arange(0, 128, gl.SliceLayout(0, M128))
+        p_o = out + i_row * stride_o_row + o_h.to(gl.int64)[:, None] * stride_o_h + d0 + o_d[None, :]
+        m_o = (o_h < h_q)[:, None]
+        gl.store(p_o, (o_a * inv[:, None]).to(gl.bfloat16), mask=m_o)
+        gl.store(p_o + 128, (o_b * inv[:, None]).to(gl.bfloat16), mask=m_o)
 
 
 # ---- consumer 1: O[:, 256:] ---------------------------------------------------------------------------
 
 @gluon.jit
 def _consumer1(out, stride_o_row, stride_o_h, h_q, n_hb, n_steps, k_lat, p_s, alpha_s, fin_s, k_free, p_ready,
-               p_free, fin, NBUF: gl.constexpr):
+               p_free, fin, q_lat, NBUF: gl.constexpr, OSTAGE: gl.constexpr):
     M128: gl.constexpr = _mma_layout(128)
     i_hb = gl.program_id(0) % n_hb
     i_row = (gl.program_id(0) // n_hb).to(gl.int64)
@@ -435,7 +463,8 @@ def _consumer1(out, stride_o_row, stride_o_h, h_q, n_hb, n_steps, k_lat, p_s, al
         mbarrier.arrive(p_free, count=1)
         mbarrier.arrive(k_free.index(b), count=1)
     mbarrier.wait(fin, 0)
-    _store_o(out, i_row, i_hb, stride_o_row, stride_o_h, h_q, o2, o3, fin_s.load(gl.SliceLayout(1, M128)), 256, M128)
+    _store_o(out, i_row, i_hb, stride_o_row, stride_o_h, h_q, o2, o3, fin_s.load(gl.SliceLayout(1, M128)), 256, M128,
+             q_lat, OSTAGE)
 
 
 # ---- the kernel ---------------------------------------------------------------------------------------
@@ -448,7 +477,8 @@ def sparse_mla_decode_ws_kernel(
     stride_q_row, stride_q_h, stride_kv_page, stride_kv_row, stride_i_row, stride_o_row, stride_o_h, stride_l_row,
     n_slots, h_q, topk, n_steps, n_hb, qk_scale,
     NBUF: gl.constexpr, PREFETCH: gl.constexpr, OVERLAP: gl.constexpr, PIPE: gl.constexpr,
-    DEQ: gl.constexpr, REGS_C1: gl.constexpr, REGS_PROD: gl.constexpr,
+    DEQ: gl.constexpr, REGS_C1: gl.constexpr, REGS_PROD: gl.constexpr, OSTAGE: gl.constexpr = False,
+    QL: gl.constexpr = False,
 ):
     """Warp-specialised sparse MLA decode, one (query row, 64 heads) per CTA (module docstring).
 
@@ -485,9 +515,9 @@ def sparse_mla_decode_ws_kernel(
     gl.warp_specialize([
         (_consumer0, (q, out, lse, stride_q_row, stride_q_h, stride_o_row, stride_o_h, stride_l_row, h_q, n_hb, n_steps,
                       qk_scale, q_lat, q_rope, k_lat, k_rope, k_bias, p_s, alpha_s, fin_s, k_ready, k_free, p_ready,
-                      p_free, fin, NBUF, OVERLAP)),
+                      p_free, fin, NBUF, OVERLAP, OSTAGE, QL)),
         (_consumer1, (out, stride_o_row, stride_o_h, h_q, n_hb, n_steps, k_lat, p_s, alpha_s, fin_s, k_free, p_ready,
-                      p_free, fin, NBUF)),
+                      p_free, fin, q_lat, NBUF, OSTAGE)),
         (_producer_pipe if PIPE else _producer,
          (kv, idx, stride_kv_page, stride_kv_row, stride_i_row, n_slots, topk, n_steps, n_hb, k_lat, k_rope, k_bias,
           k_ready, k_free, NBUF, PREFETCH, DEQ)),
@@ -496,11 +526,11 @@ def sparse_mla_decode_ws_kernel(
 
 # ---- launcher -----------------------------------------------------------------------------------------
 
-def _variant(pipe: bool, deq: int, prefetch: int, overlap: bool) -> dict:
+def _variant(pipe: bool, deq: int, prefetch: int, overlap: bool, ostage: bool = False, ql: bool = False) -> dict:
     # two K/V buffers (a third does not fit); consumer 1 needs 160 registers (152 spill), consumer 0 192
     # (216 with OVERLAP: at 200 ptxas serialises its wgmma), the producer gets the rest of 3 x 168
     return dict(NBUF=2, PIPE=pipe, DEQ=deq, PREFETCH=prefetch, OVERLAP=overlap, REGS_C1=160,
-                REGS_PROD=128 if overlap else 152)
+                REGS_PROD=128 if overlap else 152, OSTAGE=ostage, QL=ql)
 
 
 # variant name -> constexprs. Measured on the H200 with Triton 3.6
@@ -512,6 +542,9 @@ VARIANTS = {
     "ws-pipe-pf2": _variant(pipe=True, deq=0, prefetch=2, overlap=False),  # 116.3 / 224.3 / 241.7
     # the same with FlashMLA's bf16 scale multiply (exact for power-of-two scales only)
     "ws-pipe-pf2-dq4": _variant(pipe=True, deq=4, prefetch=2, overlap=False),  # 115.5 / 221.1 / 232.9
+    # the default plus gluon_bf16.py's fixed-cost fixes (Q's loads before its stores, O through the Q tiles
+    # into 16-B stores): compiled (sm_90, Triton 3.6 and 3.9), NOT yet run on a GPU
+    "ws-pipe-pf2-os-ql": _variant(pipe=True, deq=0, prefetch=2, overlap=False, ostage=True, ql=True),
     "ws-pipe-pf2-dq1": _variant(pipe=True, deq=1, prefetch=2, overlap=False),  # 118.5 / 226.7 / 234.5
     "ws-pipe-pf3": _variant(pipe=True, deq=0, prefetch=3, overlap=False),  # 118.0 / 228.3 / 258.8
     "ws-pipe": _variant(pipe=True, deq=0, prefetch=0, overlap=False),  # 129.6 / 245.2 / 255.9
