@@ -181,3 +181,31 @@ def test_default_backend_is_gluon_for_bf16_where_it_applies(monkeypatch):
     assert calls == ["sparse_mla_decode", "sparse_mla_prefill"]
     # the same rows through the paged and the flat view: the same kernel, the same bits
     assert torch.equal(out[0][:, 0], pre[0]) and torch.equal(out[1][:, 0], pre[1])
+
+
+def test_failed_first_launch_falls_back_to_triton_once(monkeypatch):
+    """A Gluon kernel whose first launch raises (a Triton whose Gluon API moved): a RuntimeWarning, the Triton
+    result for that call, and the rule names the failure from then on; the other Gluon kernel is unaffected.
+    After a kernel has run once, its errors propagate (they are not a version problem)."""
+    import types
+
+    import flashdsa.ops.sparse_mla as S
+    monkeypatch.setattr(S, "_GLUON_STATE", {"ran": set(), "failed": {}})
+    calls = []
+
+    def broken(*args):
+        raise TypeError("an API this Triton does not have")
+
+    fakes = {S._GLUON_BF16: types.SimpleNamespace(sparse_mla_prefill=broken, unsupported=lambda *a: None),
+             S._GLUON_FP8: types.SimpleNamespace(sparse_mla_decode=lambda *a: calls.append("fp8") or "fp8 ok",
+                                                 unsupported=lambda *a: None)}
+    monkeypatch.setattr(S, "_module", lambda name: fakes[name])
+    with pytest.warns(RuntimeWarning, match=r"sparse_mla_prefill: the Gluon kernel \(gluon_bf16.py\) failed .*TypeError"):
+        got = S._run_gluon(S._GLUON_BF16, "prefill", lambda *a: "triton result", 1, 2)
+    assert got == "triton result"
+    assert "its first launch failed: TypeError" in S._gluon_unsupported(S._GLUON_BF16)
+    assert S._gluon_unsupported(S._GLUON_FP8) is None
+    assert S._run_gluon(S._GLUON_FP8, "decode", lambda *a: "unused") == "fp8 ok" and S.gluon_decode_ran()
+    fakes[S._GLUON_FP8].sparse_mla_decode = broken
+    with pytest.raises(TypeError):
+        S._run_gluon(S._GLUON_FP8, "decode", lambda *a: "unused")
