@@ -83,13 +83,13 @@ MAXNREG = 168  # 12 warps x 32 threads x 168 registers = 64,512 <= 65,536: one C
 # ---- layouts ------------------------------------------------------------------------------------------
 
 @gluon.constexpr_function
-def _mma_layout(n):
+def mma_layout(n):
     # wgmma accumulator of one warpgroup (4 warps along M = 64 rows), instruction m64 n k16
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
 
 
 @gluon.constexpr_function
-def _tile_smem(rows, cols):
+def tile_smem(rows, cols):
     # bf16 tile read by wgmma (128-B swizzle)
     return gl.NVMMASharedLayout.get_default_for([rows, cols], gl.bfloat16)
 
@@ -313,18 +313,14 @@ def _rescale(o0, o1, alpha, p16, M128: gl.constexpr, PA: gl.constexpr):
 
 
 @gluon.jit
-def _consumer0(q, out, lse, stride_q_row, stride_q_h, stride_o_row, stride_o_h, stride_l_row, h_q, n_hb, n_steps,
-               qk_scale, q_lat, q_rope, k_lat, k_rope, k_bias, p_s, alpha_s, fin_s, k_ready, k_free, p_ready,
-               p_free, fin, NBUF: gl.constexpr, OVERLAP: gl.constexpr, OSTAGE: gl.constexpr, QL: gl.constexpr):
-    M64: gl.constexpr = _mma_layout(64)
-    M128: gl.constexpr = _mma_layout(128)
-    PA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=M128, k_width=2)
+def load_q(q, stride_q_row, stride_q_h, h_q, i_row, i_hb, q_lat, q_rope, QL: gl.constexpr, PART: gl.constexpr = 0):
+    """Q of this row and head block into shared memory, once: ``q_lat`` [4, 64, 128] bf16 (latent), ``q_rope``
+    [64, 64] bf16 (a tile), then ``fence_async_shared`` for the wgmma reads. QL 0: one group after the other;
+    QL 1: every load issued before the first store (one DRAM latency instead of five; part of -180 us of
+    fixed cost over 8192 CTAs in gluon_bf16.py); QL 2: PART 1 latent groups 0, 1, PART 2 groups 2, 3 and the
+    rope, loads before stores (gluon_bf16.py: each consumer loads half). Heads >= h_q read as 0."""
     LQ: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])   # [64, 128] bf16
     LQR: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])   # [64, 64] bf16
-    i_hb = gl.program_id(0) % n_hb
-    i_row = (gl.program_id(0) // n_hb).to(gl.int64)
-
-    # Q of this row and head block into shared memory, once: [64, 128] x 4 latent, [64, 64] rope
     o_h = i_hb * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(1, LQ))
     o_c = gl.arange(0, 128, gl.SliceLayout(0, LQ))
     p_q = q + i_row * stride_q_row + o_h.to(gl.int64)[:, None] * stride_q_h + o_c[None, :]
@@ -332,24 +328,39 @@ def _consumer0(q, out, lse, stride_q_row, stride_q_h, stride_o_row, stride_o_h, 
     o_hr = i_hb * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(1, LQR))
     o_r = gl.arange(0, 64, gl.SliceLayout(0, LQR))
     p_r = q + i_row * stride_q_row + o_hr.to(gl.int64)[:, None] * stride_q_h + 512 + o_r[None, :]
-    if QL:
-        # every load issued before the first store: one DRAM latency instead of five (gluon_bf16.py: part of
-        # -180 us of fixed cost over 8192 CTAs there)
-        b_q0 = gl.load(p_q, mask=m_q, other=0.0)
-        b_q1 = gl.load(p_q + 128, mask=m_q, other=0.0)
-        b_q2 = gl.load(p_q + 256, mask=m_q, other=0.0)
-        b_q3 = gl.load(p_q + 384, mask=m_q, other=0.0)
-        b_qr = gl.load(p_r, mask=(o_hr < h_q)[:, None], other=0.0)
-        q_lat.index(0).store(b_q0)
-        q_lat.index(1).store(b_q1)
-        q_lat.index(2).store(b_q2)
-        q_lat.index(3).store(b_q3)
-        q_rope.store(b_qr)
-    else:
+    m_r = (o_hr < h_q)[:, None]
+    if QL == 0:
         for g in gl.static_range(4):
             q_lat.index(g).store(gl.load(p_q + g * 128, mask=m_q, other=0.0))
-        q_rope.store(gl.load(p_r, mask=(o_hr < h_q)[:, None], other=0.0))
+        q_rope.store(gl.load(p_r, mask=m_r, other=0.0))
+    else:
+        if PART != 2:
+            b_q0 = gl.load(p_q, mask=m_q, other=0.0)
+            b_q1 = gl.load(p_q + 128, mask=m_q, other=0.0)
+        if PART != 1:
+            b_q2 = gl.load(p_q + 256, mask=m_q, other=0.0)
+            b_q3 = gl.load(p_q + 384, mask=m_q, other=0.0)
+            b_qr = gl.load(p_r, mask=m_r, other=0.0)
+        if PART != 2:
+            q_lat.index(0).store(b_q0)
+            q_lat.index(1).store(b_q1)
+        if PART != 1:
+            q_lat.index(2).store(b_q2)
+            q_lat.index(3).store(b_q3)
+            q_rope.store(b_qr)
     fence_async_shared()
+
+
+@gluon.jit
+def _consumer0(q, out, lse, stride_q_row, stride_q_h, stride_o_row, stride_o_h, stride_l_row, h_q, n_hb, n_steps,
+               qk_scale, q_lat, q_rope, k_lat, k_rope, k_bias, p_s, alpha_s, fin_s, k_ready, k_free, p_ready,
+               p_free, fin, NBUF: gl.constexpr, OVERLAP: gl.constexpr, OSTAGE: gl.constexpr, QL: gl.constexpr):
+    M64: gl.constexpr = mma_layout(64)
+    M128: gl.constexpr = mma_layout(128)
+    PA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=M128, k_width=2)
+    i_hb = gl.program_id(0) % n_hb
+    i_row = (gl.program_id(0) // n_hb).to(gl.int64)
+    load_q(q, stride_q_row, stride_q_h, h_q, i_row, i_hb, q_lat, q_rope, QL)
 
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, M64))
     l_i = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(1, M64))
@@ -410,16 +421,16 @@ def _consumer0(q, out, lse, stride_q_row, stride_q_h, stride_o_row, stride_o_h, 
     o_hl = i_hb * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(1, M64))
     gl.store(lse + i_row * stride_l_row + o_hl, gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * LN2),
              mask=o_hl < h_q)
-    _store_o(out, i_row, i_hb, stride_o_row, stride_o_h, h_q, o0, o1, gl.convert_layout(inv, gl.SliceLayout(1, M128)),
+    store_o(out, i_row, i_hb, stride_o_row, stride_o_h, h_q, o0, o1, gl.convert_layout(inv, gl.SliceLayout(1, M128)),
              0, M128, q_lat, OSTAGE)
 
 
 @gluon.jit
-def _store_o(out, i_row, i_hb, stride_o_row, stride_o_h, h_q, o_a, o_b, inv, d0: gl.constexpr, M128: gl.constexpr,
+def store_o(out, i_row, i_hb, stride_o_row, stride_o_h, h_q, o_a, o_b, inv, d0: gl.constexpr, M128: gl.constexpr,
              q_lat, OSTAGE: gl.constexpr):
     """out[row, heads, d0 : d0 + 256] = (O / l) in bf16: straight from the accumulator layout (4-B pieces), or
-    with OSTAGE through the Q tiles d0 / 128, d0 / 128 + 1 (free: consumer 0's QK, their only reader, is done
-    before ``fin``) into whole 16-B pieces of 256-B rows."""
+    with OSTAGE through the Q tiles d0 / 128, d0 / 128 + 1 (the caller knows every QK reading them is done:
+    here ``fin``, in gluon_bf16.py the sum exchange) into whole 16-B pieces of 256-B rows."""
     if OSTAGE:
         LO: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])   # [64, 128] bf16
         q_lat.index(d0 // 128).store((o_a * inv[:, None]).to(gl.bfloat16))
@@ -444,7 +455,7 @@ def _store_o(out, i_row, i_hb, stride_o_row, stride_o_h, h_q, o_a, o_b, inv, d0:
 @gluon.jit
 def _consumer1(out, stride_o_row, stride_o_h, h_q, n_hb, n_steps, k_lat, p_s, alpha_s, fin_s, k_free, p_ready,
                p_free, fin, q_lat, NBUF: gl.constexpr, OSTAGE: gl.constexpr):
-    M128: gl.constexpr = _mma_layout(128)
+    M128: gl.constexpr = mma_layout(128)
     i_hb = gl.program_id(0) % n_hb
     i_row = (gl.program_id(0) // n_hb).to(gl.int64)
     o2 = gl.zeros([BLOCK_H, 128], gl.float32, M128)
@@ -463,7 +474,7 @@ def _consumer1(out, stride_o_row, stride_o_h, h_q, n_hb, n_steps, k_lat, p_s, al
         mbarrier.arrive(p_free, count=1)
         mbarrier.arrive(k_free.index(b), count=1)
     mbarrier.wait(fin, 0)
-    _store_o(out, i_row, i_hb, stride_o_row, stride_o_h, h_q, o2, o3, fin_s.load(gl.SliceLayout(1, M128)), 256, M128,
+    store_o(out, i_row, i_hb, stride_o_row, stride_o_h, h_q, o2, o3, fin_s.load(gl.SliceLayout(1, M128)), 256, M128,
              q_lat, OSTAGE)
 
 
@@ -478,7 +489,7 @@ def sparse_mla_decode_ws_kernel(
     n_slots, h_q, topk, n_steps, n_hb, qk_scale,
     NBUF: gl.constexpr, PREFETCH: gl.constexpr, OVERLAP: gl.constexpr, PIPE: gl.constexpr,
     DEQ: gl.constexpr, REGS_C1: gl.constexpr, REGS_PROD: gl.constexpr, OSTAGE: gl.constexpr = False,
-    QL: gl.constexpr = False,
+    QL: gl.constexpr = 0,
 ):
     """Warp-specialised sparse MLA decode, one (query row, 64 heads) per CTA (module docstring).
 
@@ -488,8 +499,8 @@ def sparse_mla_decode_ws_kernel(
     out  [R, h_q, 512] bf16 (unit stride last)           lse [R, h_q] fp32, natural log
     n_steps = max(1, cdiv(topk, 64)); n_hb = cdiv(h_q, 64); qk_scale = sm_scale * log2(e).
     """
-    T: gl.constexpr = _tile_smem(BLOCK_N, 128)
-    TR: gl.constexpr = _tile_smem(BLOCK_N, 64)
+    T: gl.constexpr = tile_smem(BLOCK_N, 128)
+    TR: gl.constexpr = tile_smem(BLOCK_N, 64)
     V1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     q_lat = gl.allocate_shared_memory(gl.bfloat16, [4, BLOCK_H, 128], T)
     q_rope = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, 64], TR)
@@ -530,7 +541,7 @@ def _variant(pipe: bool, deq: int, prefetch: int, overlap: bool, ostage: bool = 
     # two K/V buffers (a third does not fit); consumer 1 needs 160 registers (152 spill), consumer 0 192
     # (216 with OVERLAP: at 200 ptxas serialises its wgmma), the producer gets the rest of 3 x 168
     return dict(NBUF=2, PIPE=pipe, DEQ=deq, PREFETCH=prefetch, OVERLAP=overlap, REGS_C1=160,
-                REGS_PROD=128 if overlap else 152, OSTAGE=ostage, QL=ql)
+                REGS_PROD=128 if overlap else 152, OSTAGE=ostage, QL=int(ql))
 
 
 # variant name -> constexprs. Measured on the H200 with Triton 3.6

@@ -76,28 +76,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from flashdsa.ops._launch import KernelLauncher, aligned, capability
 from flashdsa.ops._triton_utils import cdiv
+from flashdsa.ops.sparse_mla.gluon import (BLOCK_H, BLOCK_N, LN2, LOG2E, MAXNREG, load_q, mma_layout, store_o,
+                                           tile_smem)
 
 # global -> shared cp.async: ``async_copy_global_to_shared`` in Triton 3.6, renamed ``async_load`` by 3.9
 _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
-
-LOG2E = 1.4426950408889634
-LN2 = gl.constexpr(0.6931471805599453)
-BLOCK_H = gl.constexpr(64)   # heads per CTA: the wgmma M side of one warpgroup
-BLOCK_N = gl.constexpr(64)   # selected tokens per block
-MAXNREG = 168  # 12 warps x 32 threads x 168 = 64,512 <= 65,536 registers: one CTA per SM
-
-
-@gluon.constexpr_function
-def _mma_layout(n):
-    # wgmma accumulator of one warpgroup (4 warps along M = 64 rows), instruction m64 n k16
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
-
-
-@gluon.constexpr_function
-def _tile_smem(rows, cols):
-    # bf16 tile read by wgmma (128-B swizzle)
-    return gl.NVMMASharedLayout.get_default_for([rows, cols], gl.bfloat16)
-
 
 # ---- producer -----------------------------------------------------------------------------------------
 
@@ -197,45 +180,12 @@ def _exp_scores(s, bias, qk_scale, m_run):
 
 
 @gluon.jit
-def _load_q(q, stride_q_row, stride_q_h, h_q, i_row, i_hb, q_lat, q_rope, QL: gl.constexpr, PART: gl.constexpr = 0):
-    """Q of this row and head block into shared memory, once: [64, 128] x 4 latent, [64, 64] rope. QL 0: all of
-    it, one group after the other (consumer 0 alone); QL 2: PART 1 latent groups 0, 1 (consumer 0), PART 2
-    groups 2, 3 and the rope (consumer 1), each part's loads issued before its stores."""
-    LQ: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
-    LQR: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    o_h = i_hb * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(1, LQ))
-    o_c = gl.arange(0, 128, gl.SliceLayout(0, LQ))
-    p_q = q + i_row * stride_q_row + o_h.to(gl.int64)[:, None] * stride_q_h + o_c[None, :]
-    m_q = (o_h < h_q)[:, None]
-    o_hr = i_hb * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(1, LQR))
-    o_r = gl.arange(0, 64, gl.SliceLayout(0, LQR))
-    p_r = q + i_row * stride_q_row + o_hr.to(gl.int64)[:, None] * stride_q_h + 512 + o_r[None, :]
-    if QL == 0:
-        for g in gl.static_range(4):
-            q_lat.index(g).store(gl.load(p_q + g * 128, mask=m_q, other=0.0))
-        q_rope.index(0).store(gl.load(p_r, mask=(o_hr < h_q)[:, None], other=0.0))
-    elif PART == 1:
-        b0 = gl.load(p_q, mask=m_q, other=0.0)
-        b1 = gl.load(p_q + 128, mask=m_q, other=0.0)
-        q_lat.index(0).store(b0)
-        q_lat.index(1).store(b1)
-    else:
-        b2 = gl.load(p_q + 256, mask=m_q, other=0.0)
-        b3 = gl.load(p_q + 384, mask=m_q, other=0.0)
-        br = gl.load(p_r, mask=(o_hr < h_q)[:, None], other=0.0)
-        q_lat.index(2).store(b2)
-        q_lat.index(3).store(b3)
-        q_rope.index(0).store(br)
-    fence_async_shared()
-
-
-@gluon.jit
 def _finish(out, lse, stride_o_row, stride_o_h, stride_l_row, h_q, i_row, i_hb, o_a, o_b, m_i, l_i, l_s, l_bar,
             q_lat, WG: gl.constexpr, d0: gl.constexpr, OSTAGE: gl.constexpr):
     """Sum the two consumers' softmax denominators (each holds its own blocks' share, both against the
     same final max) through shared memory, then store this consumer's half of out (and, consumer 0, lse)."""
-    M64: gl.constexpr = _mma_layout(64)
-    M128: gl.constexpr = _mma_layout(128)
+    M64: gl.constexpr = mma_layout(64)
+    M128: gl.constexpr = mma_layout(128)
     l_s.index(WG).store(l_i)
     mbarrier.arrive(l_bar.index(WG), count=1)
     mbarrier.wait(l_bar.index(1 - WG), 0)
@@ -248,33 +198,16 @@ def _finish(out, lse, stride_o_row, stride_o_h, stride_l_row, h_q, i_row, i_hb, 
         gl.store(lse + i_row * stride_l_row + o_hl, gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * LN2),
                  mask=o_hl < h_q)
     inv = gl.convert_layout(1.0 / l_safe, gl.SliceLayout(1, M128))
-    if OSTAGE:
-        # through this consumer's half of the Q tiles (free: the other consumer has finished too, l_bar), so
-        # that the global stores are whole 16-B pieces of 256-B rows instead of 4-B pieces of the wgmma layout
-        LO: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])   # [64, 128] bf16
-        q_lat.index(2 * WG).store((o_a * inv[:, None]).to(gl.bfloat16))
-        q_lat.index(2 * WG + 1).store((o_b * inv[:, None]).to(gl.bfloat16))
-        o_h = i_hb * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(1, LO))
-        o_d = gl.arange(0, 128, gl.SliceLayout(0, LO))
-        p_o = out + i_row * stride_o_row + o_h.to(gl.int64)[:, None] * stride_o_h + d0 + o_d[None, :]
-        m_o = (o_h < h_q)[:, None]
-        gl.store(p_o, q_lat.index(2 * WG).load(LO), mask=m_o)
-        gl.store(p_o + 128, q_lat.index(2 * WG + 1).load(LO), mask=m_o)
-    else:
-        o_h = i_hb * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(1, M128))
-        o_d = gl.arange(0, 128, gl.SliceLayout(0, M128))
-        p_o = out + i_row * stride_o_row + o_h.to(gl.int64)[:, None] * stride_o_h + d0 + o_d[None, :]
-        m_o = (o_h < h_q)[:, None]
-        gl.store(p_o, (o_a * inv[:, None]).to(gl.bfloat16), mask=m_o)
-        gl.store(p_o + 128, (o_b * inv[:, None]).to(gl.bfloat16), mask=m_o)
+    # OSTAGE: through this consumer's half of the Q tiles (free: the other consumer has finished too, l_bar)
+    store_o(out, i_row, i_hb, stride_o_row, stride_o_h, h_q, o_a, o_b, inv, d0, M128, q_lat, OSTAGE)
 
 
 @gluon.jit
 def _c0_pair(j, s, bias, m_i, l_i, o0, o1, qk_scale, k_lat, k_rope, p1_s, m_s, m_bar, s_bar, free):
     """Consumer 0 on pair j from its S = Q K_{2j}^T (complete): softmax, the pair's max from consumer 1, O[:, :256]
     += P0 V0 (local P) and P1 V1 (consumer 1's P, issued and NOT waited: 2 wgmma groups in flight)."""
-    M64: gl.constexpr = _mma_layout(64)
-    M128: gl.constexpr = _mma_layout(128)
+    M64: gl.constexpr = mma_layout(64)
+    M128: gl.constexpr = mma_layout(128)
     PA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=M128, k_width=2)
     ph = j & 1
     # buffer 0 / 1 as values of j (always 0 / 1): with constant buffer indices LLVM hoists every wgmma's
@@ -319,17 +252,17 @@ def _c0_pair(j, s, bias, m_i, l_i, o0, o1, qk_scale, k_lat, k_rope, p1_s, m_s, m
 def _consumer0(q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, stride_o_row, stride_o_h, stride_l_row,
                n_slots, h_q, topk, n_pairs, n_hb, qk_scale, q_lat, q_rope, k_lat, k_rope, p1_s, m_s, l_s, ready, free,
                q_bar, m_bar, s_bar, l_bar, PIPE: gl.constexpr, OSTAGE: gl.constexpr, QL: gl.constexpr):
-    M64: gl.constexpr = _mma_layout(64)
-    M128: gl.constexpr = _mma_layout(128)
+    M64: gl.constexpr = mma_layout(64)
+    M128: gl.constexpr = mma_layout(128)
     i_hb = gl.program_id(0) % n_hb
     i_row = (gl.program_id(0) // n_hb).to(gl.int64)
     p_idx = idx + i_row * stride_i_row
     if QL == 2:
-        _load_q(q, stride_q_row, stride_q_h, h_q, i_row, i_hb, q_lat, q_rope, QL, 1)
+        load_q(q, stride_q_row, stride_q_h, h_q, i_row, i_hb, q_lat, q_rope.index(0), QL, 1)
         mbarrier.arrive(q_bar, count=1)
         mbarrier.wait(q_bar, 0)
     else:
-        _load_q(q, stride_q_row, stride_q_h, h_q, i_row, i_hb, q_lat, q_rope, QL)
+        load_q(q, stride_q_row, stride_q_h, h_q, i_row, i_hb, q_lat, q_rope.index(0), QL)
         mbarrier.arrive(q_bar, count=1)
 
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, M64))
@@ -382,14 +315,14 @@ def _consumer0(q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, stride_
 def _consumer1(q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, stride_o_row, stride_o_h, stride_l_row,
                n_slots, h_q, topk, n_pairs, n_hb, qk_scale, q_lat, q_rope, k_lat, k_rope, p1_s, m_s, l_s, ready, free,
                q_bar, m_bar, s_bar, l_bar, PIPE: gl.constexpr, OSTAGE: gl.constexpr, QL: gl.constexpr):
-    M64: gl.constexpr = _mma_layout(64)
-    M128: gl.constexpr = _mma_layout(128)
+    M64: gl.constexpr = mma_layout(64)
+    M128: gl.constexpr = mma_layout(128)
     PA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=M128, k_width=2)
     i_hb = gl.program_id(0) % n_hb
     i_row = (gl.program_id(0) // n_hb).to(gl.int64)
     p_idx = idx + i_row * stride_i_row
     if QL == 2:
-        _load_q(q, stride_q_row, stride_q_h, h_q, i_row, i_hb, q_lat, q_rope, QL, 2)
+        load_q(q, stride_q_row, stride_q_h, h_q, i_row, i_hb, q_lat, q_rope.index(0), QL, 2)
         mbarrier.arrive(q_bar, count=1)
     mbarrier.wait(q_bar, 0)
 
@@ -467,8 +400,8 @@ def sparse_mla_bf16_ws_kernel(
     out  [R, h_q, 512] bf16 (unit stride last)           lse [R, h_q] fp32, natural log
     n_pairs = max(1, cdiv(topk, 128)); n_hb = cdiv(h_q, 64); qk_scale = sm_scale * log2(e).
     """
-    T: gl.constexpr = _tile_smem(BLOCK_N, 128)
-    TR: gl.constexpr = _tile_smem(BLOCK_N, 64)
+    T: gl.constexpr = tile_smem(BLOCK_N, 128)
+    TR: gl.constexpr = tile_smem(BLOCK_N, 64)
     V1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     q_lat = gl.allocate_shared_memory(gl.bfloat16, [4, BLOCK_H, 128], T)
     q_rope = gl.allocate_shared_memory(gl.bfloat16, [1, BLOCK_H, 64], TR)
