@@ -2,7 +2,7 @@
 top-k 128 / 512 / 2048 (1 / 4 / 16 block pairs a CTA); a line through the three gives the cost per pair and
 what a CTA costs besides its pairs (barrier set-up, Q load, epilogue, wave tails), next to FlashMLA's.
 
-    PYTHONPATH=. python benchmarks/gluon_prefill_fixed.py [--variants ws2,ws2-os]
+    PYTHONPATH=. python benchmarks/gluon_prefill_fixed.py [--variants ws2-os-ql2,ws2-os-ql2-persist]
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def main() -> int:
     import argparse
     ap = argparse.ArgumentParser()
-    ap.add_argument("--variants", default="ws2")
+    ap.add_argument("--variants", default="ws2-os-ql2,ws2-os-ql2-persist")
     variants = ap.parse_args().variants.split(",")
     from _common import load_sgl_ops, timed
     from flashdsa.ops.sparse_mla import gluon_bf16 as G

@@ -2,7 +2,7 @@
 on one H200: sparse prefill and the bf16-cache decode, against the fp32 reference, our Triton kernels and
 FlashMLA, in one run.
 
-    PYTHONPATH=. python benchmarks/gluon_prefill_probe.py [--variants ws2,ws2-r208] [--child-timeout 120]
+    PYTHONPATH=. python benchmarks/gluon_prefill_probe.py [--variants ws2-os-ql2,ws2] [--child-timeout 120]
 
 Each variant runs in its own child process (a deadlocked kernel only loses its child, killed after
 ``--child-timeout`` s; its output so far is kept): compile stats, then correctness on fresh random inputs
@@ -181,7 +181,7 @@ def run_child(variant: str, log, baselines: bool = True) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--variants", default="ws2,ws2-pipe,diag-nocopy")
+    ap.add_argument("--variants", default="ws2-os-ql2,ws2-os-ql2-persist,ws2-os-ql2-pipe,diag-nocopy")
     ap.add_argument("--child-timeout", type=float, default=150.0)
     ap.add_argument("--child")
     ap.add_argument("--no-baselines", action="store_true", help="(child) time only the Gluon kernel")

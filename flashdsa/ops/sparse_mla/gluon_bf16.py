@@ -59,6 +59,10 @@ shared, so a figure moves by a few per cent between runs, ratios within a run mu
   issued under the last P V; 4725 / 4814 us in the second run, but h 64 and decode 3-4 % slower); Q copied
   by the producer's cp.async instead of the consumers' loads; no proxy fence after the cp.async barrier
   (FlashMLA has none); producer 72 / 80 registers (spills). Lost: ``evict_last`` on the copies (+6 %).
+* Not yet measured: ``ws2-os-ql2-persist``, a persistent grid (one CTA per SM walking tiles pid, pid + grid,
+  ...; every barrier phase counts over the CTA's tiles), so the next tile's first K halves are copied
+  while this tile's consumers finish; the remaining fixed cost (362 us against FlashMLA's 267-276) is
+  what it can win. Compiled for sm_90 with Triton 3.6 and 3.9 (48 B of spills).
 * Tried for the fp8 656-B cache with the producer dequantising (loads issued before the free wait,
   gluon._dequant, L2 prefetch of the next pair): 137.5-164.1 us at B 64 h 128, against 116.8 for
   ``gluon.py`` (one producer warpgroup cannot dequantise a half in the time the consumers take to free
@@ -75,7 +79,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from flashdsa.ops._launch import KernelLauncher, aligned, capability
-from flashdsa.ops._triton_utils import cdiv
+from flashdsa.ops._triton_utils import cdiv, num_sms
 from flashdsa.ops.sparse_mla.gluon import (BLOCK_H, BLOCK_N, LN2, LOG2E, MAXNREG, load_q, mma_layout, store_o,
                                            tile_smem)
 
@@ -119,15 +123,18 @@ def _copy_half(k_lat, k_rope, buf, RIGHT: gl.constexpr, slot, n_slots, kv, strid
 
 
 @gluon.jit
-def _producer(kv, idx, stride_kv_page, stride_kv_row, stride_i_row, n_slots, topk, n_pairs, n_hb, k_lat, k_rope, ready,
-              free, DIAG: gl.constexpr):
+def _prod_tile(t, tc, kv, idx, stride_kv_page, stride_kv_row, stride_i_row, n_slots, topk, n_pairs, n_hb, k_lat, k_rope,
+               ready, free, DIAG: gl.constexpr):
+    """The producer on tile ``t`` (query row t // n_hb), the CTA's tile number ``tc``: barrier phases count
+    pairs over the CTA's tiles."""
     SG: gl.constexpr = gl.SliceLayout(1, gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0]))   # _copy_half's rows
-    i_row = (gl.program_id(0) // n_hb).to(gl.int64)
+    i_row = (t // n_hb).to(gl.int64)
     p_idx = idx + i_row * stride_i_row
+    g0 = tc * n_pairs
     s_a = _slots(p_idx, 0, topk, SG)
     s_b = _slots(p_idx, 1, topk, SG)
     for j in range(n_pairs):
-        ph = (j & 1) ^ 1   # a fresh barrier's "previous phase" has completed: the first waits pass
+        ph = ((g0 + j) & 1) ^ 1   # a fresh barrier's "previous phase" has completed: the first waits pass
         # the next pair's slots first: their load latency is then not in front of a refill (loaded after
         # this pair's copies instead: +1 %; loaded per half right before its wait, the first version: +15 %)
         n_a = _slots(p_idx, 2 * j + 2, topk, SG)
@@ -140,6 +147,22 @@ def _producer(kv, idx, stride_kv_page, stride_kv_row, stride_i_row, n_slots, top
         _copy_half(k_lat, k_rope, 1, False, s_b, n_slots, kv, stride_kv_page, stride_kv_row, free, ready, ph, DIAG)
         s_a = n_a
         s_b = n_b
+
+
+@gluon.jit
+def _producer(kv, idx, stride_kv_page, stride_kv_row, stride_i_row, n_slots, topk, n_pairs, n_hb, n_tiles, k_lat,
+              k_rope, ready, free, DIAG: gl.constexpr, PERSIST: gl.constexpr):
+    if PERSIST:
+        # tiles pid, pid + grid, ...: the first halves of the next tile are copied while the consumers
+        # finish this one (set-up, Q load and epilogue of a tile no longer stand alone)
+        tc = 0
+        for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+            _prod_tile(t, tc, kv, idx, stride_kv_page, stride_kv_row, stride_i_row, n_slots, topk, n_pairs, n_hb, k_lat,
+                       k_rope, ready, free, DIAG)
+            tc += 1
+    else:
+        _prod_tile(gl.program_id(0), 0, kv, idx, stride_kv_page, stride_kv_row, stride_i_row, n_slots, topk, n_pairs,
+                   n_hb, k_lat, k_rope, ready, free, DIAG)
 
 
 # ---- consumers ----------------------------------------------------------------------------------------
@@ -181,14 +204,14 @@ def _exp_scores(s, bias, qk_scale, m_run):
 
 @gluon.jit
 def _finish(out, lse, stride_o_row, stride_o_h, stride_l_row, h_q, i_row, i_hb, o_a, o_b, m_i, l_i, l_s, l_bar,
-            q_lat, WG: gl.constexpr, d0: gl.constexpr, OSTAGE: gl.constexpr):
+            q_lat, WG: gl.constexpr, d0: gl.constexpr, OSTAGE: gl.constexpr, tc):
     """Sum the two consumers' softmax denominators (each holds its own blocks' share, both against the
     same final max) through shared memory, then store this consumer's half of out (and, consumer 0, lse)."""
     M64: gl.constexpr = mma_layout(64)
     M128: gl.constexpr = mma_layout(128)
     l_s.index(WG).store(l_i)
     mbarrier.arrive(l_bar.index(WG), count=1)
-    mbarrier.wait(l_bar.index(1 - WG), 0)
+    mbarrier.wait(l_bar.index(1 - WG), tc & 1)   # tc: the CTA's tile count (persistent grid)
     l_tot = l_i + l_s.index(1 - WG).load(gl.SliceLayout(1, M64))
     # empty rows (no valid index): l = 0 -> out 0 (O is 0), lse -inf
     empty = l_tot == 0.0
@@ -249,18 +272,21 @@ def _c0_pair(j, s, bias, m_i, l_i, o0, o1, qk_scale, k_lat, k_rope, p1_s, m_s, m
 
 
 @gluon.jit
-def _consumer0(q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, stride_o_row, stride_o_h, stride_l_row,
-               n_slots, h_q, topk, n_pairs, n_hb, qk_scale, q_lat, q_rope, k_lat, k_rope, p1_s, m_s, l_s, ready, free,
-               q_bar, m_bar, s_bar, l_bar, PIPE: gl.constexpr, OSTAGE: gl.constexpr, QL: gl.constexpr):
+def _c0_tile(t, tc, q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, stride_o_row, stride_o_h, stride_l_row,
+             n_slots, h_q, topk, n_pairs, n_hb, qk_scale, q_lat, q_rope, k_lat, k_rope, p1_s, m_s, l_s, ready, free,
+             q_bar, m_bar, s_bar, l_bar, PIPE: gl.constexpr, OSTAGE: gl.constexpr, QL: gl.constexpr):
+    """Consumer 0 on tile ``t``, the CTA's tile number ``tc`` (barrier phases count pairs / tiles over the
+    CTA's tiles)."""
     M64: gl.constexpr = mma_layout(64)
     M128: gl.constexpr = mma_layout(128)
-    i_hb = gl.program_id(0) % n_hb
-    i_row = (gl.program_id(0) // n_hb).to(gl.int64)
+    i_hb = t % n_hb
+    i_row = (t // n_hb).to(gl.int64)
     p_idx = idx + i_row * stride_i_row
+    g0 = tc * n_pairs
     if QL == 2:
         load_q(q, stride_q_row, stride_q_h, h_q, i_row, i_hb, q_lat, q_rope.index(0), QL, 1)
         mbarrier.arrive(q_bar, count=1)
-        mbarrier.wait(q_bar, 0)
+        mbarrier.wait(q_bar, tc & 1)
     else:
         load_q(q, stride_q_row, stride_q_h, h_q, i_row, i_hb, q_lat, q_rope.index(0), QL)
         mbarrier.arrive(q_bar, count=1)
@@ -274,65 +300,85 @@ def _consumer0(q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, stride_
         # tensor cores get the next QK while the P V drains
         bias = _bias(p_idx, 0, topk, n_slots, gl.SliceLayout(0, M64))
         s = _qk_half(gl.zeros([BLOCK_H, BLOCK_N], gl.float32, M64), q_lat, q_rope, k_lat, k_rope, 0, 0, False, ready,
-                     0, True)
-        s = _qk_half(s, q_lat, q_rope, k_lat, k_rope, 0, 0, True, ready, 0, False)
+                     g0 & 1, True)
+        s = _qk_half(s, q_lat, q_rope, k_lat, k_rope, 0, 0, True, ready, g0 & 1, False)
         s = warpgroup_mma_wait(0, deps=(s,))
         # the last pair is peeled: an in-flight accumulator cannot cross an if
         for j in range(n_pairs - 1):
-            m_i, l_i, o0, o1 = _c0_pair(j, s, bias, m_i, l_i, o0, o1, qk_scale, k_lat, k_rope, p1_s, m_s, m_bar, s_bar,
-                                        free)
-            b0 = j >> 30
+            m_i, l_i, o0, o1 = _c0_pair(g0 + j, s, bias, m_i, l_i, o0, o1, qk_scale, k_lat, k_rope, p1_s, m_s, m_bar,
+                                        s_bar, free)
+            b0 = (g0 + j) >> 30
             bias = _bias(p_idx, 2 * j + 2, topk, n_slots, gl.SliceLayout(0, M64))
             s = _qk_half(gl.zeros([BLOCK_H, BLOCK_N], gl.float32, M64), q_lat, q_rope, k_lat, k_rope, b0, b0, False,
-                         ready, (j + 1) & 1, True)
+                         ready, (g0 + j + 1) & 1, True)
             # the two P1 V1 groups retire first: 1L is free while the QK goes on
             o0, o1 = warpgroup_mma_wait(2, deps=(o0, o1))
             mbarrier.arrive(free.index(2), count=1)   # 1L
-            s = _qk_half(s, q_lat, q_rope, k_lat, k_rope, b0, b0, True, ready, (j + 1) & 1, False)
+            s = _qk_half(s, q_lat, q_rope, k_lat, k_rope, b0, b0, True, ready, (g0 + j + 1) & 1, False)
             s = warpgroup_mma_wait(0, deps=(s,))
-        m_i, l_i, o0, o1 = _c0_pair(n_pairs - 1, s, bias, m_i, l_i, o0, o1, qk_scale, k_lat, k_rope, p1_s, m_s, m_bar,
-                                    s_bar, free)
+        m_i, l_i, o0, o1 = _c0_pair(g0 + n_pairs - 1, s, bias, m_i, l_i, o0, o1, qk_scale, k_lat, k_rope, p1_s, m_s,
+                                    m_bar, s_bar, free)
         o0, o1 = warpgroup_mma_wait(0, deps=(o0, o1))
         mbarrier.arrive(free.index(2), count=1)
     else:
         for j in range(n_pairs):
-            b0 = j >> 30
+            gj = g0 + j
+            b0 = gj >> 30
             bias = _bias(p_idx, 2 * j, topk, n_slots, gl.SliceLayout(0, M64))
             # made in the loop: a zero accumulator carried across it would hold 32 registers
             s = _qk_half(gl.zeros([BLOCK_H, BLOCK_N], gl.float32, M64), q_lat, q_rope, k_lat, k_rope, b0, b0, False,
-                         ready, j & 1, True)
-            s = _qk_half(s, q_lat, q_rope, k_lat, k_rope, b0, b0, True, ready, j & 1, False)
+                         ready, gj & 1, True)
+            s = _qk_half(s, q_lat, q_rope, k_lat, k_rope, b0, b0, True, ready, gj & 1, False)
             s = warpgroup_mma_wait(0, deps=(s,))
-            m_i, l_i, o0, o1 = _c0_pair(j, s, bias, m_i, l_i, o0, o1, qk_scale, k_lat, k_rope, p1_s, m_s, m_bar, s_bar,
+            m_i, l_i, o0, o1 = _c0_pair(gj, s, bias, m_i, l_i, o0, o1, qk_scale, k_lat, k_rope, p1_s, m_s, m_bar, s_bar,
                                         free)
             o0, o1 = warpgroup_mma_wait(0, deps=(o0, o1))
             mbarrier.arrive(free.index(2), count=1)   # 1L
     _finish(out, lse, stride_o_row, stride_o_h, stride_l_row, h_q, i_row, i_hb, o0, o1, m_i, l_i, l_s, l_bar, q_lat, 0, 0,
-            OSTAGE)
+            OSTAGE, tc)
 
 
 @gluon.jit
-def _consumer1(q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, stride_o_row, stride_o_h, stride_l_row,
-               n_slots, h_q, topk, n_pairs, n_hb, qk_scale, q_lat, q_rope, k_lat, k_rope, p1_s, m_s, l_s, ready, free,
-               q_bar, m_bar, s_bar, l_bar, PIPE: gl.constexpr, OSTAGE: gl.constexpr, QL: gl.constexpr):
+def _consumer0(q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, stride_o_row, stride_o_h, stride_l_row,
+               n_slots, h_q, topk, n_pairs, n_hb, n_tiles, qk_scale, q_lat, q_rope, k_lat, k_rope, p1_s, m_s, l_s, ready,
+               free, q_bar, m_bar, s_bar, l_bar, PIPE: gl.constexpr, OSTAGE: gl.constexpr, QL: gl.constexpr,
+               PERSIST: gl.constexpr):
+    if PERSIST:
+        tc = 0
+        for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+            _c0_tile(t, tc, q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, stride_o_row, stride_o_h,
+                     stride_l_row, n_slots, h_q, topk, n_pairs, n_hb, qk_scale, q_lat, q_rope, k_lat, k_rope, p1_s, m_s,
+                     l_s, ready, free, q_bar, m_bar, s_bar, l_bar, PIPE, OSTAGE, QL)
+            tc += 1
+    else:
+        _c0_tile(gl.program_id(0), 0, q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, stride_o_row, stride_o_h,
+                 stride_l_row, n_slots, h_q, topk, n_pairs, n_hb, qk_scale, q_lat, q_rope, k_lat, k_rope, p1_s, m_s, l_s,
+                 ready, free, q_bar, m_bar, s_bar, l_bar, PIPE, OSTAGE, QL)
+
+
+@gluon.jit
+def _c1_tile(t, tc, q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, stride_o_row, stride_o_h, stride_l_row,
+             n_slots, h_q, topk, n_pairs, n_hb, qk_scale, q_lat, q_rope, k_lat, k_rope, p1_s, m_s, l_s, ready, free,
+             q_bar, m_bar, s_bar, l_bar, PIPE: gl.constexpr, OSTAGE: gl.constexpr, QL: gl.constexpr):
     M64: gl.constexpr = mma_layout(64)
     M128: gl.constexpr = mma_layout(128)
     PA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=M128, k_width=2)
-    i_hb = gl.program_id(0) % n_hb
-    i_row = (gl.program_id(0) // n_hb).to(gl.int64)
+    i_hb = t % n_hb
+    i_row = (t // n_hb).to(gl.int64)
     p_idx = idx + i_row * stride_i_row
+    g0 = tc * n_pairs
     if QL == 2:
         load_q(q, stride_q_row, stride_q_h, h_q, i_row, i_hb, q_lat, q_rope.index(0), QL, 2)
         mbarrier.arrive(q_bar, count=1)
-    mbarrier.wait(q_bar, 0)
+    mbarrier.wait(q_bar, tc & 1)
 
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, M64))
     l_i = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(1, M64))
     o2 = gl.zeros([BLOCK_H, 128], gl.float32, M128)
     o3 = gl.zeros([BLOCK_H, 128], gl.float32, M128)
     for j in range(n_pairs):
-        ph = j & 1
-        b0 = j >> 30   # 0 and 1, see _c0_pair
+        ph = (g0 + j) & 1
+        b0 = (g0 + j) >> 30   # 0 and 1, see _c0_pair
         b1 = b0 + 1
         bias = _bias(p_idx, 2 * j + 1, topk, n_slots, gl.SliceLayout(0, M64))
         # the right half first: it is freed first (by this consumer's own P V)
@@ -379,18 +425,36 @@ def _consumer1(q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, stride_
             o2, o3 = warpgroup_mma_wait(0, deps=(o2, o3))
             mbarrier.arrive(free.index(1), count=1)   # 0R (and P0 with it)
     _finish(out, lse, stride_o_row, stride_o_h, stride_l_row, h_q, i_row, i_hb, o2, o3, m_i, l_i, l_s, l_bar, q_lat, 1, 256,
-            OSTAGE)
+            OSTAGE, tc)
+
+
+@gluon.jit
+def _consumer1(q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, stride_o_row, stride_o_h, stride_l_row,
+               n_slots, h_q, topk, n_pairs, n_hb, n_tiles, qk_scale, q_lat, q_rope, k_lat, k_rope, p1_s, m_s, l_s, ready,
+               free, q_bar, m_bar, s_bar, l_bar, PIPE: gl.constexpr, OSTAGE: gl.constexpr, QL: gl.constexpr,
+               PERSIST: gl.constexpr):
+    if PERSIST:
+        tc = 0
+        for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+            _c1_tile(t, tc, q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, stride_o_row, stride_o_h,
+                     stride_l_row, n_slots, h_q, topk, n_pairs, n_hb, qk_scale, q_lat, q_rope, k_lat, k_rope, p1_s, m_s,
+                     l_s, ready, free, q_bar, m_bar, s_bar, l_bar, PIPE, OSTAGE, QL)
+            tc += 1
+    else:
+        _c1_tile(gl.program_id(0), 0, q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, stride_o_row, stride_o_h,
+                 stride_l_row, n_slots, h_q, topk, n_pairs, n_hb, qk_scale, q_lat, q_rope, k_lat, k_rope, p1_s, m_s, l_s,
+                 ready, free, q_bar, m_bar, s_bar, l_bar, PIPE, OSTAGE, QL)
 
 
 # ---- the kernel ---------------------------------------------------------------------------------------
 
-@gluon.jit(do_not_specialize=["stride_i_row", "stride_l_row", "n_slots", "h_q", "topk", "n_pairs", "n_hb"])
+@gluon.jit(do_not_specialize=["stride_i_row", "stride_l_row", "n_slots", "h_q", "topk", "n_pairs", "n_hb", "n_tiles"])
 def sparse_mla_bf16_ws_kernel(
     q, kv, idx, out, lse,
     stride_q_row, stride_q_h, stride_kv_page, stride_kv_row, stride_i_row, stride_o_row, stride_o_h, stride_l_row,
-    n_slots, h_q, topk, n_pairs, n_hb, qk_scale,
+    n_slots, h_q, topk, n_pairs, n_hb, n_tiles, qk_scale,
     REGS_C1: gl.constexpr, REGS_PROD: gl.constexpr, PIPE: gl.constexpr, DIAG: gl.constexpr, OSTAGE: gl.constexpr,
-    QL: gl.constexpr,
+    QL: gl.constexpr, PERSIST: gl.constexpr,
 ):
     """Warp-specialised sparse MLA over bf16 rows, one (query row, 64 heads) per CTA (module docstring).
 
@@ -398,7 +462,8 @@ def sparse_mla_bf16_ws_kernel(
     kv   bf16 rows of 576: slot -> kv + (slot // 64) * stride_kv_page + (slot % 64) * stride_kv_row
          (element strides, multiples of 8: rows 16-byte aligned); prefill's [N, 576] with page stride 64 x row
     out  [R, h_q, 512] bf16 (unit stride last)           lse [R, h_q] fp32, natural log
-    n_pairs = max(1, cdiv(topk, 128)); n_hb = cdiv(h_q, 64); qk_scale = sm_scale * log2(e).
+    n_pairs = max(1, cdiv(topk, 128)); n_hb = cdiv(h_q, 64); n_tiles = R * n_hb (the grid, or with PERSIST
+    a grid of at most one CTA per SM walking tiles pid, pid + grid, ...); qk_scale = sm_scale * log2(e).
     """
     T: gl.constexpr = tile_smem(BLOCK_N, 128)
     TR: gl.constexpr = tile_smem(BLOCK_N, 64)
@@ -429,21 +494,24 @@ def sparse_mla_bf16_ws_kernel(
 
     gl.warp_specialize([
         (_consumer0, (q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, stride_o_row, stride_o_h, stride_l_row,
-                      n_slots, h_q, topk, n_pairs, n_hb, qk_scale, q_lat, q_rope, k_lat, k_rope, p1_s, m_s, l_s, ready,
-                      free, q_bar, m_bar, s_bar, l_bar, PIPE, OSTAGE, QL)),
+                      n_slots, h_q, topk, n_pairs, n_hb, n_tiles, qk_scale, q_lat, q_rope, k_lat, k_rope, p1_s, m_s, l_s,
+                      ready, free, q_bar, m_bar, s_bar, l_bar, PIPE, OSTAGE, QL, PERSIST)),
         (_consumer1, (q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, stride_o_row, stride_o_h, stride_l_row,
-                      n_slots, h_q, topk, n_pairs, n_hb, qk_scale, q_lat, q_rope, k_lat, k_rope, p1_s, m_s, l_s, ready,
-                      free, q_bar, m_bar, s_bar, l_bar, PIPE, OSTAGE, QL)),
-        (_producer, (kv, idx, stride_kv_page, stride_kv_row, stride_i_row, n_slots, topk, n_pairs, n_hb, k_lat, k_rope,
-                     ready, free, DIAG)),
+                      n_slots, h_q, topk, n_pairs, n_hb, n_tiles, qk_scale, q_lat, q_rope, k_lat, k_rope, p1_s, m_s, l_s,
+                      ready, free, q_bar, m_bar, s_bar, l_bar, PIPE, OSTAGE, QL, PERSIST)),
+        (_producer, (kv, idx, stride_kv_page, stride_kv_row, stride_i_row, n_slots, topk, n_pairs, n_hb, n_tiles, k_lat,
+                     k_rope, ready, free, DIAG, PERSIST)),
     ], [4, 4], [REGS_C1, REGS_PROD])
 
 
 # ---- launcher -----------------------------------------------------------------------------------------
 
-def _variant(pipe=False, diag=0, ostage=False, ql=0):
-    # consumer 0 gets 3 x MAXNREG - REGS_C1 - REGS_PROD = 208; the producer 88 (72: 80 B of spills)
-    return dict(REGS_C1=208, REGS_PROD=88, PIPE=pipe, DIAG=diag, OSTAGE=ostage, QL=ql)
+def _variant(pipe=False, diag=0, ostage=False, ql=0, persist=False):
+    # consumer 0 gets 3 x MAXNREG - REGS_C1 - REGS_PROD = 208; the producer 88 (72: 80 B of spills). A
+    # persistent CTA loads the next tile's Q while the other consumer may still stage its O through the Q
+    # tiles: only safe when each consumer loads its own half (ql 2)
+    assert not persist or ql == 2
+    return dict(REGS_C1=208, REGS_PROD=88, PIPE=pipe, DIAG=diag, OSTAGE=ostage, QL=ql, PERSIST=persist)
 
 
 # variant name -> constexprs; measured on the H200 (module docstring)
@@ -452,6 +520,8 @@ VARIANTS = {
     "ws2-os-ql2": _variant(ostage=True, ql=2),
     # the same with FlashMLA's exact order: the next pair's QK issued under this pair's last P V
     "ws2-os-ql2-pipe": _variant(ostage=True, ql=2, pipe=True),
+    # persistent grid (one CTA per SM walking tiles): compiled, NOT yet run on a GPU
+    "ws2-os-ql2-persist": _variant(ostage=True, ql=2, persist=True),
     # the first version: Q loaded by consumer 0 alone, O stored from the wgmma layout
     "ws2": _variant(),
     # diagnostic (wrong results, timed only): no copies, the consumers and their exchanges alone
@@ -466,8 +536,12 @@ def kernel_args(q3, kv, stride_kv_page, stride_kv_row, n_slots, i2, sm_scale, o3
     R, h_q, _ = q3.shape
     topk = i2.shape[-1]
     n_hb = cdiv(h_q, 64)
-    return (R * n_hb,), dict(
-        q=q3, kv=kv, idx=i2, out=o3, lse=l2,
+    n_tiles = R * n_hb
+    grid = n_tiles
+    if VARIANTS[variant]["PERSIST"]:
+        grid = min(n_tiles, num_sms(q3.device) if q3.is_cuda else 132)   # 132: the compile-only check
+    return (grid,), dict(
+        q=q3, kv=kv, idx=i2, out=o3, lse=l2, n_tiles=n_tiles,
         stride_q_row=q3.stride(0), stride_q_h=q3.stride(1), stride_kv_page=stride_kv_page, stride_kv_row=stride_kv_row,
         stride_i_row=i2.stride(0), stride_o_row=o3.stride(0), stride_o_h=o3.stride(1), stride_l_row=l2.stride(0),
         n_slots=n_slots, h_q=h_q, topk=topk, n_pairs=max(1, cdiv(topk, 128)), n_hb=n_hb, qk_scale=sm_scale * LOG2E,
