@@ -73,6 +73,14 @@ def test_rule_says_why_not(fmt, h_q, d_v, why):
         sparse_mla_decode(q, cache, idx, SM_SCALE, d_v, backend="gluon", **kw)
 
 
+def test_prefill_rule_takes_transposed_kv():
+    """KV rows with a non-unit inner stride are copied first (as the Triton path does): only the device is
+    then missing on the CPU, not alignment."""
+    q = torch.randn(3, 64, 576).to(torch.bfloat16)
+    kv = torch.randn(576, 101).to(torch.bfloat16).t()
+    assert "an sm_90 GPU" in gluon_bf16.unsupported(q, kv, 512)
+
+
 @pytest.mark.parametrize("h_q,d_v,kv_dtype,why", [
     (64, 512, torch.bfloat16, "an sm_90 GPU"), (96, 512, torch.bfloat16, "h_q a multiple of 64"),
     (64, 128, torch.bfloat16, "d_v 512"), (64, 512, torch.float32, "bf16 KV")])
@@ -151,7 +159,8 @@ def test_gluon_prefill_matches_reference(T, N, h_q, topk):
     q = torch.randn(T, h_q, 576, device="cuda").to(torch.bfloat16)
     wide = torch.randn(N, 640, device="cuda").to(torch.bfloat16)
     idx = make_indices((T, topk), N, "cuda")
-    for kv in (wide[:, :576].contiguous(), wide[:, :576]):
+    # contiguous, a wider buffer read in place, and a transposed buffer (copied first, like the Triton path)
+    for kv in (wide[:, :576].contiguous(), wide[:, :576], wide[:, :576].t().contiguous().t()):
         assert gluon_bf16.unsupported(q, kv, 512) is None
         ref_out, ref_lse = sparse_mla_prefill(q, kv, idx, SM_SCALE, backend="torch")
         assert torch.isneginf(ref_lse[0]).all()  # the all-invalid row really is empty

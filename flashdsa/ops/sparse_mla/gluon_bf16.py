@@ -573,7 +573,8 @@ def unsupported(q: torch.Tensor, kv: torch.Tensor, d_v: int) -> str | None:
         return f"a bfloat16 q with h_q a multiple of 64 (got {q.dtype}, h_q {q.shape[-2]})"
     if q.device.type != "cuda" or capability(q.device) != (9, 0):
         return f"an sm_90 GPU (got {q.device})"
-    if kv.data_ptr() % 16 or any(s % 8 for s in kv.stride()[:-1]):
+    # rows with a non-unit inner stride are copied first (as the Triton path does), and a copy is aligned
+    if kv.stride(-1) == 1 and (kv.data_ptr() % 16 or any(s % 8 for s in kv.stride()[:-1])):
         return "16-byte aligned KV rows (data_ptr and row / page strides multiples of 16 bytes)"
     return None
 
@@ -598,10 +599,13 @@ def _run(q3, kv, stride_kv_page, stride_kv_row, n_slots, i2, sm_scale, out3, lse
 
 def sparse_mla_prefill(q, kv, indices, sm_scale, d_v):
     """The Gluon backend of :func:`flashdsa.ops.sparse_mla_prefill` (inputs validated there and
-    :func:`unsupported` None): q [T, h_q, 576] bf16, kv [N, 576] bf16, indices [T, topk] int32."""
+    :func:`unsupported` None): q [T, h_q, 576] bf16, kv [N, 576] bf16 (rows with a non-unit inner stride are
+    copied first), indices [T, topk] int32."""
     T, h_q, _ = q.shape
     out = torch.empty((T, h_q, d_v), dtype=torch.bfloat16, device=q.device)
     lse = torch.empty((T, h_q), dtype=torch.float32, device=q.device)
+    if kv.stride(-1) != 1:
+        kv = kv.contiguous()
     _run(q, kv, 64 * kv.stride(0), kv.stride(0), kv.shape[0], indices, sm_scale, out, lse)
     return out, lse
 
