@@ -339,24 +339,6 @@ def _c0_tile(t, tc, q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, st
 
 
 @gluon.jit
-def _consumer0(q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, stride_o_row, stride_o_h, stride_l_row,
-               n_slots, h_q, topk, n_pairs, n_hb, n_tiles, qk_scale, q_lat, q_rope, k_lat, k_rope, p1_s, m_s, l_s, ready,
-               free, q_bar, m_bar, s_bar, l_bar, PIPE: gl.constexpr, OSTAGE: gl.constexpr, QL: gl.constexpr,
-               PERSIST: gl.constexpr):
-    if PERSIST:
-        tc = 0
-        for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-            _c0_tile(t, tc, q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, stride_o_row, stride_o_h,
-                     stride_l_row, n_slots, h_q, topk, n_pairs, n_hb, qk_scale, q_lat, q_rope, k_lat, k_rope, p1_s, m_s,
-                     l_s, ready, free, q_bar, m_bar, s_bar, l_bar, PIPE, OSTAGE, QL)
-            tc += 1
-    else:
-        _c0_tile(gl.program_id(0), 0, q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, stride_o_row, stride_o_h,
-                 stride_l_row, n_slots, h_q, topk, n_pairs, n_hb, qk_scale, q_lat, q_rope, k_lat, k_rope, p1_s, m_s, l_s,
-                 ready, free, q_bar, m_bar, s_bar, l_bar, PIPE, OSTAGE, QL)
-
-
-@gluon.jit
 def _c1_tile(t, tc, q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, stride_o_row, stride_o_h, stride_l_row,
              n_slots, h_q, topk, n_pairs, n_hb, qk_scale, q_lat, q_rope, k_lat, k_rope, p1_s, m_s, l_s, ready, free,
              q_bar, m_bar, s_bar, l_bar, PIPE: gl.constexpr, OSTAGE: gl.constexpr, QL: gl.constexpr):
@@ -429,21 +411,38 @@ def _c1_tile(t, tc, q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, st
 
 
 @gluon.jit
-def _consumer1(q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, stride_o_row, stride_o_h, stride_l_row,
-               n_slots, h_q, topk, n_pairs, n_hb, n_tiles, qk_scale, q_lat, q_rope, k_lat, k_rope, p1_s, m_s, l_s, ready,
-               free, q_bar, m_bar, s_bar, l_bar, PIPE: gl.constexpr, OSTAGE: gl.constexpr, QL: gl.constexpr,
-               PERSIST: gl.constexpr):
+def _tile(WG: gl.constexpr, t, tc, q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, stride_o_row, stride_o_h,
+          stride_l_row, n_slots, h_q, topk, n_pairs, n_hb, qk_scale, q_lat, q_rope, k_lat, k_rope, p1_s, m_s, l_s, ready,
+          free, q_bar, m_bar, s_bar, l_bar, PIPE: gl.constexpr, OSTAGE: gl.constexpr, QL: gl.constexpr):
+    if WG == 0:
+        _c0_tile(t, tc, q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, stride_o_row, stride_o_h, stride_l_row,
+                 n_slots, h_q, topk, n_pairs, n_hb, qk_scale, q_lat, q_rope, k_lat, k_rope, p1_s, m_s, l_s, ready, free,
+                 q_bar, m_bar, s_bar, l_bar, PIPE, OSTAGE, QL)
+    else:
+        _c1_tile(t, tc, q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, stride_o_row, stride_o_h, stride_l_row,
+                 n_slots, h_q, topk, n_pairs, n_hb, qk_scale, q_lat, q_rope, k_lat, k_rope, p1_s, m_s, l_s, ready, free,
+                 q_bar, m_bar, s_bar, l_bar, PIPE, OSTAGE, QL)
+
+
+@gluon.jit
+def _consumer(WG: gl.constexpr, q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, stride_o_row, stride_o_h,
+              stride_l_row, n_slots, h_q, topk, n_pairs, n_hb, n_tiles, qk_scale, q_lat, q_rope, k_lat, k_rope, p1_s, m_s,
+              l_s, ready, free, q_bar, m_bar, s_bar, l_bar, PIPE: gl.constexpr, OSTAGE: gl.constexpr, QL: gl.constexpr,
+              PERSIST: gl.constexpr):
+    """Consumer ``WG`` (0: :func:`_c0_tile`, 1: :func:`_c1_tile`; a function cannot be a partition argument) on
+    its CTA's tiles: one, or with PERSIST the tiles pid, pid + grid, ... (the producer copies the next tile's
+    first halves while this one finishes)."""
     if PERSIST:
         tc = 0
         for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-            _c1_tile(t, tc, q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, stride_o_row, stride_o_h,
-                     stride_l_row, n_slots, h_q, topk, n_pairs, n_hb, qk_scale, q_lat, q_rope, k_lat, k_rope, p1_s, m_s,
-                     l_s, ready, free, q_bar, m_bar, s_bar, l_bar, PIPE, OSTAGE, QL)
+            _tile(WG, t, tc, q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, stride_o_row, stride_o_h,
+                  stride_l_row, n_slots, h_q, topk, n_pairs, n_hb, qk_scale, q_lat, q_rope, k_lat, k_rope, p1_s, m_s, l_s,
+                  ready, free, q_bar, m_bar, s_bar, l_bar, PIPE, OSTAGE, QL)
             tc += 1
     else:
-        _c1_tile(gl.program_id(0), 0, q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, stride_o_row, stride_o_h,
-                 stride_l_row, n_slots, h_q, topk, n_pairs, n_hb, qk_scale, q_lat, q_rope, k_lat, k_rope, p1_s, m_s, l_s,
-                 ready, free, q_bar, m_bar, s_bar, l_bar, PIPE, OSTAGE, QL)
+        _tile(WG, gl.program_id(0), 0, q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, stride_o_row,
+              stride_o_h, stride_l_row, n_slots, h_q, topk, n_pairs, n_hb, qk_scale, q_lat, q_rope, k_lat, k_rope, p1_s,
+              m_s, l_s, ready, free, q_bar, m_bar, s_bar, l_bar, PIPE, OSTAGE, QL)
 
 
 # ---- the kernel ---------------------------------------------------------------------------------------
@@ -493,10 +492,10 @@ def sparse_mla_bf16_ws_kernel(
     fence_async_shared()
 
     gl.warp_specialize([
-        (_consumer0, (q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, stride_o_row, stride_o_h, stride_l_row,
+        (_consumer, (0, q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, stride_o_row, stride_o_h, stride_l_row,
                       n_slots, h_q, topk, n_pairs, n_hb, n_tiles, qk_scale, q_lat, q_rope, k_lat, k_rope, p1_s, m_s, l_s,
                       ready, free, q_bar, m_bar, s_bar, l_bar, PIPE, OSTAGE, QL, PERSIST)),
-        (_consumer1, (q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, stride_o_row, stride_o_h, stride_l_row,
+        (_consumer, (1, q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, stride_o_row, stride_o_h, stride_l_row,
                       n_slots, h_q, topk, n_pairs, n_hb, n_tiles, qk_scale, q_lat, q_rope, k_lat, k_rope, p1_s, m_s, l_s,
                       ready, free, q_bar, m_bar, s_bar, l_bar, PIPE, OSTAGE, QL, PERSIST)),
         (_producer, (kv, idx, stride_kv_page, stride_kv_row, stride_i_row, n_slots, topk, n_pairs, n_hb, n_tiles, k_lat,
