@@ -170,15 +170,14 @@ def _producer(kv, idx, stride_kv_page, stride_kv_row, stride_i_row, n_slots, top
 @gluon.jit
 def _bias(p_idx, blk, topk, n_slots, L: gl.constexpr):
     # [64] additive score mask of block blk (0 valid, -inf skipped) in layout L
-    o_n = blk * BLOCK_N + gl.arange(0, BLOCK_N, L)
-    slot = gl.load(p_idx + o_n, mask=o_n < topk, other=-1)
+    slot = _slots(p_idx, blk, topk, L)
     return gl.where((slot >= 0) & (slot < n_slots), 0.0, float("-inf"))
 
 
 @gluon.jit
 def _qk_half(s, q_lat, q_rope, k_lat, k_rope, buf, z, RIGHT: gl.constexpr, ready, phase, FIRST: gl.constexpr):
     """Wait for half (buf, RIGHT) of the K tile, then issue its share of S += Q K^T (async, not waited).
-    ``z`` is 0 as a value of the loop counter (see :func:`_consumer0`): it keeps Q's descriptors in the loop."""
+    ``z`` is 0 as a value of the loop counter (see :func:`_c0_pair`): it keeps Q's descriptors in the loop."""
     mbarrier.wait(ready.index(buf * 2 + RIGHT), phase)
     # cp.async wrote the tile through the generic proxy; wgmma reads it through the async proxy
     fence_async_shared()
@@ -204,9 +203,10 @@ def _exp_scores(s, bias, qk_scale, m_run):
 
 @gluon.jit
 def _finish(out, lse, stride_o_row, stride_o_h, stride_l_row, h_q, i_row, i_hb, o_a, o_b, m_i, l_i, l_s, l_bar,
-            q_lat, WG: gl.constexpr, d0: gl.constexpr, OSTAGE: gl.constexpr, tc):
+            q_lat, WG: gl.constexpr, OSTAGE: gl.constexpr, tc):
     """Sum the two consumers' softmax denominators (each holds its own blocks' share, both against the
-    same final max) through shared memory, then store this consumer's half of out (and, consumer 0, lse)."""
+    same final max) through shared memory, then store this consumer's half of out (value dims 256 WG ..,
+    and, consumer 0, lse)."""
     M64: gl.constexpr = mma_layout(64)
     M128: gl.constexpr = mma_layout(128)
     l_s.index(WG).store(l_i)
@@ -222,7 +222,7 @@ def _finish(out, lse, stride_o_row, stride_o_h, stride_l_row, h_q, i_row, i_hb, 
                  mask=o_hl < h_q)
     inv = gl.convert_layout(1.0 / l_safe, gl.SliceLayout(1, M128))
     # OSTAGE: through this consumer's half of the Q tiles (free: the other consumer has finished too, l_bar)
-    store_o(out, i_row, i_hb, stride_o_row, stride_o_h, h_q, o_a, o_b, inv, d0, M128, q_lat, OSTAGE)
+    store_o(out, i_row, i_hb, stride_o_row, stride_o_h, h_q, o_a, o_b, inv, 256 * WG, M128, q_lat, OSTAGE)
 
 
 @gluon.jit
@@ -334,7 +334,7 @@ def _c0_tile(t, tc, q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, st
                                         free)
             o0, o1 = warpgroup_mma_wait(0, deps=(o0, o1))
             mbarrier.arrive(free.index(2), count=1)   # 1L
-    _finish(out, lse, stride_o_row, stride_o_h, stride_l_row, h_q, i_row, i_hb, o0, o1, m_i, l_i, l_s, l_bar, q_lat, 0, 0,
+    _finish(out, lse, stride_o_row, stride_o_h, stride_l_row, h_q, i_row, i_hb, o0, o1, m_i, l_i, l_s, l_bar, q_lat, 0,
             OSTAGE, tc)
 
 
@@ -406,7 +406,7 @@ def _c1_tile(t, tc, q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, st
             o3 = warpgroup_mma(k_rope.index(b0), k_lat.index(b0 * 4 + 3), o3, is_async=True)
             o2, o3 = warpgroup_mma_wait(0, deps=(o2, o3))
             mbarrier.arrive(free.index(1), count=1)   # 0R (and P0 with it)
-    _finish(out, lse, stride_o_row, stride_o_h, stride_l_row, h_q, i_row, i_hb, o2, o3, m_i, l_i, l_s, l_bar, q_lat, 1, 256,
+    _finish(out, lse, stride_o_row, stride_o_h, stride_l_row, h_q, i_row, i_hb, o2, o3, m_i, l_i, l_s, l_bar, q_lat, 1,
             OSTAGE, tc)
 
 
