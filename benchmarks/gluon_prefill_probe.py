@@ -44,25 +44,16 @@ def check(out, lse, ref_out, ref_lse) -> dict:
 
 
 def small_prefill(T, N, h_q, topk, kind, gen, dev):
+    """(q, kv, indices) over N rows with the edge cases of ``kind`` (gluon_sparse_mla_probe.edge_indices;
+    "nan0": row 0 of kv is NaN and never selected)."""
+    from gluon_sparse_mla_probe import edge_indices
+
     from flashdsa.testing.inputs import randn
     kv = randn((N, 576), gen, dev, torch.bfloat16)
     q = randn((T, h_q, 576), gen, dev, torch.bfloat16)
-    lo = 1 if kind == "nan0" else 0
-    idx = torch.stack([torch.randperm(N - lo, generator=gen, device=dev)[:topk] + lo for _ in range(T)]).int()
+    idx = edge_indices(T, topk, N, kind, gen, dev)
     if kind == "nan0":
         kv[0] = float("nan")
-    elif kind == "ragged":
-        keep = torch.randint(0, topk + 1, (T,), generator=gen, device=dev)
-        keep[0], keep[-1] = 0, topk
-        idx = torch.where(torch.arange(topk, device=dev)[None, :] < keep[:, None], idx, -1)
-    elif kind == "mixed":
-        idx = torch.randint(0, N, (T, topk), generator=gen, device=dev, dtype=torch.int32)
-        r = torch.rand(T, topk, generator=gen, device=dev)
-        idx = torch.where(r < 0.1, -1, idx)
-        idx = torch.where((r >= 0.1) & (r < 0.15), -7, idx)
-        idx = torch.where((r >= 0.15) & (r < 0.2), N + 5, idx)
-    elif kind == "empty":
-        idx = torch.full_like(idx, -1)
     return q, kv, idx.int().contiguous()
 
 

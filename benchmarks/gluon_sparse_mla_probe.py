@@ -46,20 +46,11 @@ DEFAULT_VARIANTS = ["ws-pipe-pf2", "ws-pipe-pf2-os-ql", "ws-pipe-pf2-dq4", "ws-o
 
 # ---- correctness inputs ---------------------------------------------------------------------------------
 
-def small_case(B, s_q, h_q, topk, kind, seed, dev):
-    """(q, cache, indices) on a small pool (48 pages = 3072 slots) with the edge cases of ``kind``:
-
-    "full": every index a distinct valid slot; "ragged": row r keeps a random number of valid slots
-    (0 for row 0: all -1), the rest -1; "mixed": -1, -7 and >= N sprinkled over the list, duplicates
-    allowed; "empty": every index -1; "nan0": slot 0 of the cache is NaN bytes and never selected (a
-    skipped index must not read it)."""
-    from flashdsa.testing.inputs import mla_cache, randn
-    gen = torch.Generator(device=dev).manual_seed(seed)
-    P = 48
-    cache = mla_cache(P, gen, dev)
-    N = P * 64
-    q = randn((B, s_q, h_q, 576), gen, dev, torch.bfloat16)
-    R = B * s_q
+def edge_indices(R, topk, N, kind, gen, dev):
+    """``[R, topk]`` indices into N rows with the edge cases of ``kind``: "full": every index a distinct valid
+    row; "ragged": row r keeps a random number of valid rows (0 for row 0: all -1, topk for the last), the
+    rest -1; "mixed": -1, -7 and >= N sprinkled over the list, duplicates allowed; "empty": every index -1;
+    "nan0": distinct rows, never row 0 (the caller poisons it: a skipped index must not read it)."""
     lo = 1 if kind == "nan0" else 0
     idx = torch.stack([torch.randperm(N - lo, generator=gen, device=dev)[:topk] + lo for _ in range(R)])
     if kind == "ragged":
@@ -76,7 +67,21 @@ def small_case(B, s_q, h_q, topk, kind, seed, dev):
         idx = torch.where((r >= 0.15) & (r < 0.2), N + 5, idx)
     elif kind == "empty":
         idx = torch.full_like(idx, -1)
-    elif kind == "nan0":
+    return idx
+
+
+def small_case(B, s_q, h_q, topk, kind, seed, dev):
+    """(q, cache, indices) on a small pool (48 pages = 3072 slots) with the edge cases of ``kind``
+    (:func:`edge_indices`; "nan0": slot 0 of the cache is NaN bytes, and 30 % of the indices are -1)."""
+    from flashdsa.testing.inputs import mla_cache, randn
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    P = 48
+    cache = mla_cache(P, gen, dev)
+    N = P * 64
+    q = randn((B, s_q, h_q, 576), gen, dev, torch.bfloat16)
+    R = B * s_q
+    idx = edge_indices(R, topk, N, kind, gen, dev)
+    if kind == "nan0":
         cache[0, 0, :] = 0xFF   # e4m3 NaN latent, NaN scales, NaN rope
         idx = torch.where(torch.rand(R, topk, generator=gen, device=dev) < 0.3, -1, idx)
     return q, cache, idx.view(B, s_q, topk).to(torch.int32).contiguous()
