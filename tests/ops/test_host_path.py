@@ -296,6 +296,7 @@ def recording(monkeypatch):
     for launcher in _launchers():
         monkeypatch.setattr(launcher, "kernel", _Recording(launcher.kernel, log))
         monkeypatch.setattr(launcher, "plans", {})
+        monkeypatch.setattr(launcher, "refused", False)  # restored afterwards: a test may leave it set
     yield log
     assert not [lch.kernel for lch in _launchers() if lch.refused]
 
@@ -381,6 +382,57 @@ def test_a_launcher_that_refuses_plans_falls_back(recording, monkeypatch):
     call()
     assert [e[0] for e in recording] == ["triton"] * 3 and launch._FUSED.refused
     monkeypatch.setattr(launch._FUSED, "refused", False)  # for the fixture's check
+
+
+@pytest.mark.parametrize("kind", ["fused", "split"])
+def test_planned_topk_takes_a_raw_scratch_block_and_frees_it(kind, recording, monkeypatch):
+    """A planned top-k launch gets its scratch as one raw allocator block (``_launch.raw_scratch``), passes
+    the block's addresses in the scratch slots, and frees it once the launch is queued; the first call
+    (Triton's launch) and verified plans take a tensor. A stand-in allocator here (the CPU build of torch
+    has none); on the GPU, ``test_gpu_plans_equal_tritons_launch`` covers the real one."""
+    from flashdsa.ops.topk import launch
+    monkeypatch.setattr(_launch, "VERIFY", False)
+    log, blocks = [], {}
+
+    def alloc(dev, nbytes):
+        t = torch.empty(nbytes, dtype=torch.uint8)
+        blocks[t.data_ptr()] = t
+        log.append(("alloc", t.data_ptr(), nbytes))
+        return t.data_ptr()
+
+    def run(self, g0, g1, g2, stream, function, packed, meta, enter, leave, *args):
+        log.append(("launch", args))
+
+    monkeypatch.setattr(launch, "raw_scratch", alloc)
+    monkeypatch.setattr(launch, "free_scratch", lambda ptr: log.append(("free", blocks.pop(ptr).data_ptr())))
+    monkeypatch.setattr(_Compiled, "run", run)
+    t = _topk()
+    cfg = launch.default_config(3, 100, 8, 4, kind=kind)
+    call = lambda: launch.topk_transform(t["logits"], t["lengths"], 8, t["page_table"], None, None, 64,  # noqa: E731
+                                         config=cfg)
+    call()
+    assert not log  # Triton's launch: a tensor
+    call()
+    assert [e[0] for e in log] == ["alloc", "launch", "free"] and not blocks
+    (_, base, nbytes), (_, args), (_, freed) = log
+    scratch = [a for a in args if isinstance(a, int) and base <= a < base + nbytes]
+    assert freed == base and base in scratch and len(scratch) == (5 if kind == "split" else 3)
+    monkeypatch.setattr(launch, "RAW_SCRATCH", False)  # bench_host's A/B switch
+    log.clear()
+    call()
+    assert [e[0] for e in log] == ["launch"]
+
+
+def test_raw_scratch_only_on_the_current_cuda_device(monkeypatch):
+    """No raw block for CPU tensors, without a CUDA build, or while plans are verified."""
+    assert _launch.raw_scratch(torch.device("cpu"), 64) is None
+    monkeypatch.setattr(_launch, "_RAW_ALLOC", lambda n, s: 1 << 20)
+    monkeypatch.setattr(_launch, "_RAW_STREAM", lambda i: 0)
+    monkeypatch.setattr(_launch, "_current_device", lambda: 0)
+    assert _launch.raw_scratch(torch.device("cuda", 0), 64) == 1 << 20
+    assert _launch.raw_scratch(torch.device("cuda", 1), 64) is None
+    monkeypatch.setattr(_launch, "VERIFY", True)
+    assert _launch.raw_scratch(torch.device("cuda", 0), 64) is None
 
 
 class CudaLauncher:

@@ -42,8 +42,9 @@ Measured on the H200 (Triton 3.6, CUDA-graph replay, 4 runs of the probe; B64 s_
   probe cases: ragged / mixed -1, -7, >= N / all-empty rows / NaN bytes in skipped slot 0 / topk 100 ... 2048
   / h 16, 64, 128, NaN-poisoned outputs); both pass 9 of 10 under the Triton tests' tolerance and fail the
   same one (B2 s_q2 h128 topk192: |err| 1.5e-3 on a 0.022 element, bf16 P on a short list).
-* Time: default ``ws-pipe-pf2`` 116.3 us vs FlashMLA 94.7 (1.22x) and our Triton default 177.9 (0.65x);
-  h64 (B128 s_q2) 241.7 vs 234.7 (1.03x; ``ws-pipe-pf2-dq4`` 232.9, 0.99x).
+* Time: default ``ws-pipe-pf2-os-ql`` 111.9 us vs FlashMLA 94.4 (1.19x) and our Triton default 178.3 (0.63x);
+  B64 s_q2 216.2 vs 179.4 (1.21x); h64 (B128 s_q2) 238.0 vs 234.1 (1.02x; ``ws-pipe-pf2-dq4`` 232.9, 0.99x,
+  an earlier run). Its predecessor ``ws-pipe-pf2`` ran 116.6 in the same run (116.3 vs 94.7 before).
 * What bounds it: the consumers alone (``diag-nodeq``: no gathers, no dequantisation) already take 104 us
   (92 us with ``OVERLAP``), i.e. ~3.2 us per 64-token step against 2,176 tensor cycles (~1.2 us): QK as
   m64n64k16 with both operands in shared memory needs 128 B/clk of shared-memory bandwidth, all of it, and
@@ -51,7 +52,9 @@ Measured on the H200 (Triton 3.6, CUDA-graph replay, 4 runs of the probe; B64 s_
   The producer adds 12 us on top (``hot64``, every step on the same 64 rows: 108 us, so ~8 us is DRAM
   latency the 2-buffer pipeline cannot hide).
 * Won: slots one step ahead (135.6 -> 129.6 us), per-line L2 prefetch 2 steps ahead (-> 116.3; 3 ahead
-  118.0, and h64 worse), FlashMLA's bf16 scale multiply (DEQ 4, -1 / -4 %).
+  118.0, and h64 worse), Q's loads all issued before its stores and O leaving through the Q tiles as 16-B
+  stores (``OSTAGE`` / ``QL``, gluon_bf16.py's fixed-cost fixes: -> 111.9), FlashMLA's bf16 scale multiply
+  (DEQ 4, -1 / -4 %).
 * Lost: ``OVERLAP`` with the real producer (124-148 us: the consumer gets faster alone, 104 -> 92, but
   the 216 registers it needs leave the producer 128 and the dequantisation then competes with the softmax:
   ``diag-ovl-raw`` without the arithmetic 110.6); the integer-pipe dequantisation (DEQ 1: +10 % without
@@ -549,13 +552,14 @@ def _variant(pipe: bool, deq: int, prefetch: int, overlap: bool, ostage: bool = 
 # runs FlashMLA 94.4-95.8 / 178.4-181.6 / 234.6-237.7 and our Triton default 177.4-179.3 / 344.4-348.7 /
 # 361.2-364.9). What each one showed: the module docstring.
 VARIANTS = {
-    # the default: carried slots + per-line L2 prefetch 2 steps ahead, exact dequantisation
+    # the default: carried slots + per-line L2 prefetch 2 steps ahead, exact dequantisation, and gluon_bf16.py's
+    # fixed-cost fixes (Q's loads before its stores, O through the Q tiles into 16-B stores). 2026-12-02, one
+    # run: 111.9 / 216.2 / 238.0 against ws-pipe-pf2's 116.6 / 223.8 / 241.9 (FlashMLA 94.4 / 179.4 / 234.1)
+    "ws-pipe-pf2-os-ql": _variant(pipe=True, deq=0, prefetch=2, overlap=False, ostage=True, ql=True),
+    # the default until 2026-12-02 (without the fixed-cost fixes)
     "ws-pipe-pf2": _variant(pipe=True, deq=0, prefetch=2, overlap=False),  # 116.3 / 224.3 / 241.7
     # the same with FlashMLA's bf16 scale multiply (exact for power-of-two scales only)
     "ws-pipe-pf2-dq4": _variant(pipe=True, deq=4, prefetch=2, overlap=False),  # 115.5 / 221.1 / 232.9
-    # the default plus gluon_bf16.py's fixed-cost fixes (Q's loads before its stores, O through the Q tiles
-    # into 16-B stores): compiled (sm_90, Triton 3.6 and 3.9), NOT yet run on a GPU
-    "ws-pipe-pf2-os-ql": _variant(pipe=True, deq=0, prefetch=2, overlap=False, ostage=True, ql=True),
     "ws-pipe-pf2-dq1": _variant(pipe=True, deq=1, prefetch=2, overlap=False),  # 118.5 / 226.7 / 234.5
     "ws-pipe-pf3": _variant(pipe=True, deq=0, prefetch=3, overlap=False),  # 118.0 / 228.3 / 258.8
     "ws-pipe": _variant(pipe=True, deq=0, prefetch=0, overlap=False),  # 129.6 / 245.2 / 255.9
@@ -574,7 +578,7 @@ VARIANTS = {
     "diag-ovl-nodeq": _variant(pipe=True, deq=2, prefetch=0, overlap=True),  # 92.1 / 177.8 / 178.3
     "diag-ovl-raw": _variant(pipe=True, deq=3, prefetch=0, overlap=True),  # 110.6 / 210.2 / 219.8
 }
-DEFAULT_VARIANT = "ws-pipe-pf2"
+DEFAULT_VARIANT = "ws-pipe-pf2-os-ql"
 
 
 def kernel_args(q, cache_u8, indices, sm_scale, out, lse, variant: str = DEFAULT_VARIANT):

@@ -21,7 +21,7 @@ import torch
 from flashdsa._checks import error_flag
 from flashdsa.ops._common import INT32_MAX
 from flashdsa.ops._device_checks import TOPK_CODE0
-from flashdsa.ops._launch import KernelLauncher, aligned
+from flashdsa.ops._launch import KernelLauncher, aligned, free_scratch, raw_scratch
 from flashdsa.ops._triton_utils import cdiv, interpreting, next_pow2, num_sms, prev_pow2
 from flashdsa.ops.topk.fused import topk_fused_kernel
 from flashdsa.ops.topk.split import arrive_counters, topk_split_kernel
@@ -180,6 +180,7 @@ _FUSED = KernelLauncher(topk_fused_kernel, ("logits", "lengths", "row_starts", "
 _SPLIT = KernelLauncher(topk_split_kernel, ("logits", "lengths", "row_starts", "out_offsets", "table", "out", "scr",
                                             "sscr", "counts", "arrive", "uscr", "wscr", "sampscr", "flag"))
 _ALIGN = 256  # scratch pieces start at multiples of this (16 would do: Triton's pointer specialisation)
+RAW_SCRATCH = True  # bench hook: False gives planned launches a scratch tensor too (bench_host.py's A/B row)
 
 
 def _launch_shape(key, logits, K, page_table, row_starts, out_offsets, page_size, config, check) -> _Launch:
@@ -247,7 +248,8 @@ def topk_transform(logits, lengths, topk, page_table, row_starts, out_offsets, p
     error word, ``flashdsa._checks``).
 
     Host path: a shape's launch is worked out once (:func:`_launch_shape`), the scratch is one
-    allocation, and the kernel is launched from a plan (``ops/_launch.py``) when the pointers are aligned.
+    allocation (for a planned launch a raw caching-allocator block, freed as soon as the launch is queued),
+    and the kernel is launched from a plan (``ops/_launch.py``) when the pointers are aligned.
     (The scratch is not cached across calls: a cached buffer first allocated while torch.compile's CUDA
     graphs warm up would live in their memory pool, which they refuse.)
     """
@@ -263,9 +265,18 @@ def topk_transform(logits, lengths, topk, page_table, row_starts, out_offsets, p
            None if page_table is None else (*page_table.shape, page_table.stride()[0]), not lptr & 15, check)
     cfg, grid, consts, scratch, nbytes = _launch_shape(key, logits, K, page_table, row_starts, out_offsets, page_size,
                                                        config, check)
-    buf = torch.empty(nbytes, dtype=torch.uint8, device=dev)
-    base = buf.data_ptr()
     split = cfg.kind == "split"
+    launcher = _SPLIT if split else _FUSED
+    # A planned launch takes its scratch as a raw block of the caching allocator (no tensor object: a CUDA
+    # torch.empty costs 2-6 us of host time), freed once the launch is queued; the first call of a shape
+    # (Triton's launch, which wants tensors) and plan verification take a tensor.
+    raw = raw_scratch(dev, nbytes) if RAW_SCRATCH and key in launcher.plans else None
+    buf = None
+    if raw is None:
+        buf = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+        base = buf.data_ptr()
+    else:
+        base = raw
     len_ptr = lengths.data_ptr()
     table = page_table if page_table is not None else lengths
     offsets = out_offsets if out_offsets is not None else lengths
@@ -286,14 +297,23 @@ def topk_transform(logits, lengths, topk, page_table, row_starts, out_offsets, p
         key = None
 
     def build():
+        # a raw block cannot back tensors: Triton's launch gets a scratch tensor of its own
+        scr = buf if buf is not None else torch.empty(nbytes, dtype=torch.uint8, device=dev)
         kw = dict(consts, logits=logits, lengths=lengths, row_starts=starts, out_offsets=offsets, table=table, out=out,
                   flag=flag)
         for name, off, n, dtype in scratch:
-            kw[name] = buf[off:off + n].view(dtype)
+            kw[name] = scr[off:off + n].view(dtype)
         if split:
             kw["arrive"] = arrive
             kw.setdefault("sampscr", lengths)
         return grid, kw
 
-    (_SPLIT if split else _FUSED)(key, tuple(ptrs), build)
+    if raw is None:
+        launcher(key, tuple(ptrs), build)
+    else:
+        try:
+            launcher(key, tuple(ptrs), build)
+        finally:
+            # stream-ordered, like a tensor's: the block is reused only by work queued after this launch
+            free_scratch(raw)
     return out
