@@ -187,10 +187,22 @@ def error_word(code: int) -> int:
     return code << 32
 
 
+_CUDA: dict = {}
+
+
+def is_cuda(device: torch.device) -> bool:
+    """``device.type == "cuda"``, remembered per device: the attribute builds a new string on every read
+    (0.3 us), and every op call asks a few times."""
+    cuda = _CUDA.get(device)
+    if cuda is None:
+        cuda = _CUDA[device] = device.type == "cuda"
+    return cuda
+
+
 def error_flag(device: torch.device) -> torch.Tensor:
     """The ``[1] int64`` error word the device checks of ``device`` write: pinned host memory for CUDA
     (a kernel stores into it directly; the host reads it without a sync), a CPU tensor in the interpreter."""
-    kind = "cuda" if device.type == "cuda" else "cpu"
+    kind = "cuda" if is_cuda(device) else "cpu"
     flag = _FLAGS.get(kind)
     if flag is None:
         flag = torch.zeros(1, dtype=torch.int64, pin_memory=kind == "cuda")

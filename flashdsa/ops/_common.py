@@ -16,7 +16,7 @@ from typing import Callable, Iterable
 import torch
 
 from flashdsa._checks import (DEVICE, HOST, check_errors, check_finite, check_range, fail,  # noqa: F401 (re-exported)
-                              raise_deferred, set_value_checks, value_check_mode, value_checks_enabled)
+                              is_cuda, raise_deferred, set_value_checks, value_check_mode, value_checks_enabled)
 
 BACKENDS = ("torch", "triton", "gluon")  # gluon: the ops that have a Gluon kernel (sparse_mla_decode)
 _Tensor = torch.Tensor
@@ -109,7 +109,7 @@ def check_scalar(name: str, x, *, positive: bool = True) -> float:
 def pick_backend(backend: str | None, impls: dict[str, Callable], device: torch.device, op: str) -> Callable:
     """The implementation to run: ``backend`` if given, else Triton on CUDA when it exists, else torch."""
     if backend is None:
-        if device.type == "cuda":
+        if is_cuda(device):
             impl = impls.get("triton")
             if impl is not None:
                 return impl

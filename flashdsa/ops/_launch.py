@@ -273,31 +273,6 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
 
 
-# The caching allocator's raw blocks (what ``torch.cuda.caching_allocator_alloc`` calls, without its Python
-# wrapper's Stream object and device context): None in a CPU-only torch build.
-_RAW_ALLOC = getattr(torch._C, "_cuda_cudaCachingAllocator_raw_alloc", None)
-_RAW_DELETE = getattr(torch._C, "_cuda_cudaCachingAllocator_raw_delete", None)
-_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-
-
-def raw_scratch(device: torch.device, nbytes: int) -> int | None:
-    """The address of ``nbytes`` of scratch on ``device`` for a planned launch on its current stream, or None
-    (no CUDA build, another current device, or plan verification on: the caller allocates a tensor). The block
-    comes from the caching allocator on the current stream, as a tensor's would (inside a graph capture, from
-    the capture's pool); the caller frees it with :func:`free_scratch` right after queueing the launch."""
-    if _RAW_ALLOC is None or device.type != "cuda" or VERIFY:
-        return None
-    index = _current_device()
-    if index != device.index:
-        return None
-    return _RAW_ALLOC(max(nbytes, 1), _RAW_STREAM(index))
-
-
-def free_scratch(ptr: int) -> None:
-    """Give a :func:`raw_scratch` block back (stream-ordered: reused only by work queued after it)."""
-    _RAW_DELETE(ptr)
-
-
 _CAPS: dict = {}
 
 

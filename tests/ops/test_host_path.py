@@ -385,54 +385,38 @@ def test_a_launcher_that_refuses_plans_falls_back(recording, monkeypatch):
 
 
 @pytest.mark.parametrize("kind", ["fused", "split"])
-def test_planned_topk_takes_a_raw_scratch_block_and_frees_it(kind, recording, monkeypatch):
-    """A planned top-k launch gets its scratch as one raw allocator block (``_launch.raw_scratch``), passes
-    the block's addresses in the scratch slots, and frees it once the launch is queued; the first call
-    (Triton's launch) and verified plans take a tensor. A stand-in allocator here (the CPU build of torch
-    has none); on the GPU, ``test_gpu_plans_equal_tritons_launch`` covers the real one."""
+def test_topk_scratch_is_kept_per_stream_for_eager_calls(kind, monkeypatch):
+    """Eager top-k calls on one stream share one scratch buffer, grown for a larger shape; calls as the
+    registered op (compiled graphs), with the cache switched off, or above the size cap allocate their own
+    and leave the cache as it was. Every call gives the reference's bits."""
     from flashdsa.ops.topk import launch
-    monkeypatch.setattr(_launch, "VERIFY", False)
-    log, blocks = [], {}
+    monkeypatch.setattr(launch, "_SCRATCH", {})
+    used = []
+    real = launch.scratch_buffer
+    monkeypatch.setattr(launch, "scratch_buffer", lambda dev, n: used.append(real(dev, n)) or used[-1])
+    g = torch.Generator().manual_seed(3)
 
-    def alloc(dev, nbytes):
-        t = torch.empty(nbytes, dtype=torch.uint8)
-        blocks[t.data_ptr()] = t
-        log.append(("alloc", t.data_ptr(), nbytes))
-        return t.data_ptr()
+    def call(rows, fn=None):
+        logits = torch.randn(rows, 100, generator=g)
+        lengths = torch.randint(0, 101, (rows,), generator=g, dtype=torch.int32)
+        cfg = launch.default_config(rows, 100, 8, 4, kind=kind)
+        out = launch.topk_transform(logits, lengths, 8, None, None, None, 64, config=cfg) if fn is None else \
+            fn(logits, lengths, 8, backend="triton")
+        assert torch.equal(out, ops.topk_transform(logits, lengths, 8, backend="torch"))
 
-    def run(self, g0, g1, g2, stream, function, packed, meta, enter, leave, *args):
-        log.append(("launch", args))
-
-    monkeypatch.setattr(launch, "raw_scratch", alloc)
-    monkeypatch.setattr(launch, "free_scratch", lambda ptr: log.append(("free", blocks.pop(ptr).data_ptr())))
-    monkeypatch.setattr(_Compiled, "run", run)
-    t = _topk()
-    cfg = launch.default_config(3, 100, 8, 4, kind=kind)
-    call = lambda: launch.topk_transform(t["logits"], t["lengths"], 8, t["page_table"], None, None, 64,  # noqa: E731
-                                         config=cfg)
-    call()
-    assert not log  # Triton's launch: a tensor
-    call()
-    assert [e[0] for e in log] == ["alloc", "launch", "free"] and not blocks
-    (_, base, nbytes), (_, args), (_, freed) = log
-    scratch = [a for a in args if isinstance(a, int) and base <= a < base + nbytes]
-    assert freed == base and base in scratch and len(scratch) == (5 if kind == "split" else 3)
-    monkeypatch.setattr(launch, "RAW_SCRATCH", False)  # bench_host's A/B switch
-    log.clear()
-    call()
-    assert [e[0] for e in log] == ["launch"]
-
-
-def test_raw_scratch_only_on_the_current_cuda_device(monkeypatch):
-    """No raw block for CPU tensors, without a CUDA build, or while plans are verified."""
-    assert _launch.raw_scratch(torch.device("cpu"), 64) is None
-    monkeypatch.setattr(_launch, "_RAW_ALLOC", lambda n, s: 1 << 20)
-    monkeypatch.setattr(_launch, "_RAW_STREAM", lambda i: 0)
-    monkeypatch.setattr(_launch, "_current_device", lambda: 0)
-    assert _launch.raw_scratch(torch.device("cuda", 0), 64) == 1 << 20
-    assert _launch.raw_scratch(torch.device("cuda", 1), 64) is None
-    monkeypatch.setattr(_launch, "VERIFY", True)
-    assert _launch.raw_scratch(torch.device("cuda", 0), 64) is None
+    call(3)
+    call(3)
+    assert used[0] is used[1] and list(launch._SCRATCH.values()) == [used[0]]
+    call(6)  # more rows: more scratch, the cache grows
+    assert used[2].numel() > used[0].numel() and list(launch._SCRATCH.values()) == [used[2]]
+    call(3, torch.ops.flashdsa.topk_transform)  # the registered op: its own
+    monkeypatch.setattr(launch, "CACHED_SCRATCH", False)
+    call(3)
+    monkeypatch.setattr(launch, "CACHED_SCRATCH", True)
+    monkeypatch.setattr(launch, "SCRATCH_CACHE_MAX", used[0].numel() - 1)
+    call(3)
+    assert len(used) == 6 and all(u is not used[2] for u in used[3:])
+    assert list(launch._SCRATCH.values()) == [used[2]]
 
 
 class CudaLauncher:
@@ -605,4 +589,37 @@ def test_gpu_graph_capture_with_default_checks():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(got[0], ops.indexer_logits_paged(**a))
+    ops.check_errors()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("R,L", [(64, 8192), (512, 4096)])  # split mode, fused mode
+def test_gpu_cached_scratch_equals_fresh_scratch(R, L, monkeypatch):
+    """Top-k on the per-stream cached scratch gives the bits of a fresh scratch each call, eagerly and
+    replayed from a CUDA graph; the capture takes a scratch of its own (the graph keeps its address)."""
+    from flashdsa.ops.topk import launch
+    from flashdsa.testing.timing import capture_graph
+    used = []
+    real = launch.scratch_buffer
+    monkeypatch.setattr(launch, "scratch_buffer", lambda dev, n: used.append(real(dev, n)) or used[-1])
+    g = torch.Generator(device="cuda").manual_seed(R)
+    logits = torch.randn(R, L, generator=g, device="cuda")
+    lengths = torch.randint(0, L + 1, (R,), generator=g, device="cuda", dtype=torch.int32)
+    table = torch.randperm(R * L // 64, generator=g, device="cuda").to(torch.int32).view(R, L // 64)
+    call = lambda: ops.topk_transform(logits, lengths, 2048, page_table=table)  # noqa: E731
+    monkeypatch.setattr(launch, "CACHED_SCRATCH", False)
+    want = call()
+    monkeypatch.setattr(launch, "CACHED_SCRATCH", True)
+    got = [call() for _ in range(3)]
+    assert used[-1] is used[-2] is used[-3]
+    for o in got:
+        assert torch.equal(o, want)
+    out = []
+    graph = capture_graph(lambda: out.__setitem__(slice(None), [call()]))
+    # the capture's own scratch; the warm-up (on a side stream, not captured) cached one for that stream
+    assert all(used[-1] is not b for b in launch._SCRATCH.values()) and used[-2] in launch._SCRATCH.values()
+    call()  # an eager call in between does not disturb the replay
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out[0], want)
     ops.check_errors()

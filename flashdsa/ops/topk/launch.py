@@ -18,13 +18,14 @@ from typing import NamedTuple
 
 import torch
 
-from flashdsa._checks import error_flag
+from flashdsa._checks import error_flag, is_cuda
+from flashdsa._library import in_registered_op
 from flashdsa.ops._common import INT32_MAX
 from flashdsa.ops._device_checks import TOPK_CODE0
-from flashdsa.ops._launch import KernelLauncher, aligned, free_scratch, raw_scratch
+from flashdsa.ops._launch import KernelLauncher, aligned
 from flashdsa.ops._triton_utils import cdiv, interpreting, next_pow2, num_sms, prev_pow2
 from flashdsa.ops.topk.fused import topk_fused_kernel
-from flashdsa.ops.topk.split import arrive_counters, topk_split_kernel
+from flashdsa.ops.topk.split import arrive_counters, stream_key, topk_split_kernel
 
 WCAP = 512                    # W: the bucket small enough to leave U's registers for
 LG_SAMPLE_MIN, LG_SAMPLE_MAX = 9, 11
@@ -180,7 +181,32 @@ _FUSED = KernelLauncher(topk_fused_kernel, ("logits", "lengths", "row_starts", "
 _SPLIT = KernelLauncher(topk_split_kernel, ("logits", "lengths", "row_starts", "out_offsets", "table", "out", "scr",
                                             "sscr", "counts", "arrive", "uscr", "wscr", "sampscr", "flag"))
 _ALIGN = 256  # scratch pieces start at multiples of this (16 would do: Triton's pointer specialisation)
-RAW_SCRATCH = True  # bench hook: False gives planned launches a scratch tensor too (bench_host.py's A/B row)
+CACHED_SCRATCH = True  # bench hook: False allocates the scratch on every call (bench_host.py's A/B row)
+SCRATCH_CACHE_MAX = 64 << 20  # bytes: decode shapes need 3-9 MiB; a larger scratch is allocated per call
+
+# Scratch kept per (device, stream) for eager calls, grown to the largest shape seen: an allocation a call
+# costs 2-6 us of host time on the H200's host. Safe for the same reasons as split mode's arrival counters
+# (split.py, ``_ARRIVE``): calls on one stream run one after another, two streams get two buffers. Never
+# used by a call that is being captured into a CUDA graph (the graph would keep the address, and a later
+# larger call replaces the buffer) nor by the registered op (torch.compile's CUDA-graph trees check that
+# no buffer of their warm-up outlives it): those allocate per call, as before.
+_SCRATCH: dict = {}
+try:
+    from torch._C import _cuda_isCurrentStreamCapturing as _capturing
+except ImportError:  # a CPU-only torch build
+    def _capturing() -> bool:
+        return False
+
+
+def scratch_buffer(dev: torch.device, nbytes: int) -> torch.Tensor:
+    """``[>= nbytes] uint8`` scratch for one launch on ``dev``'s current stream (see ``_SCRATCH``)."""
+    if not CACHED_SCRATCH or nbytes > SCRATCH_CACHE_MAX or in_registered_op() or is_cuda(dev) and _capturing():
+        return torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    key = stream_key(dev)
+    buf = _SCRATCH.get(key)
+    if buf is None or buf.numel() < nbytes:
+        buf = _SCRATCH[key] = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    return buf
 
 
 def _launch_shape(key, logits, K, page_table, row_starts, out_offsets, page_size, config, check) -> _Launch:
@@ -248,10 +274,8 @@ def topk_transform(logits, lengths, topk, page_table, row_starts, out_offsets, p
     error word, ``flashdsa._checks``).
 
     Host path: a shape's launch is worked out once (:func:`_launch_shape`), the scratch is one
-    allocation (for a planned launch a raw caching-allocator block, freed as soon as the launch is queued),
-    and the kernel is launched from a plan (``ops/_launch.py``) when the pointers are aligned.
-    (The scratch is not cached across calls: a cached buffer first allocated while torch.compile's CUDA
-    graphs warm up would live in their memory pool, which they refuse.)
+    buffer kept per stream for eager calls (:func:`scratch_buffer`), and the kernel is launched from a plan
+    (``ops/_launch.py``) when the pointers are aligned.
     """
     R, L = logits.shape
     dev = logits.device
@@ -266,17 +290,8 @@ def topk_transform(logits, lengths, topk, page_table, row_starts, out_offsets, p
     cfg, grid, consts, scratch, nbytes = _launch_shape(key, logits, K, page_table, row_starts, out_offsets, page_size,
                                                        config, check)
     split = cfg.kind == "split"
-    launcher = _SPLIT if split else _FUSED
-    # A planned launch takes its scratch as a raw block of the caching allocator (no tensor object: a CUDA
-    # torch.empty costs 2-6 us of host time), freed once the launch is queued; the first call of a shape
-    # (Triton's launch, which wants tensors) and plan verification take a tensor.
-    raw = raw_scratch(dev, nbytes) if RAW_SCRATCH and key in launcher.plans else None
-    buf = None
-    if raw is None:
-        buf = torch.empty(nbytes, dtype=torch.uint8, device=dev)
-        base = buf.data_ptr()
-    else:
-        base = raw
+    buf = scratch_buffer(dev, nbytes)
+    base = buf.data_ptr()
     len_ptr = lengths.data_ptr()
     table = page_table if page_table is not None else lengths
     offsets = out_offsets if out_offsets is not None else lengths
@@ -297,23 +312,14 @@ def topk_transform(logits, lengths, topk, page_table, row_starts, out_offsets, p
         key = None
 
     def build():
-        # a raw block cannot back tensors: Triton's launch gets a scratch tensor of its own
-        scr = buf if buf is not None else torch.empty(nbytes, dtype=torch.uint8, device=dev)
         kw = dict(consts, logits=logits, lengths=lengths, row_starts=starts, out_offsets=offsets, table=table, out=out,
                   flag=flag)
         for name, off, n, dtype in scratch:
-            kw[name] = scr[off:off + n].view(dtype)
+            kw[name] = buf[off:off + n].view(dtype)
         if split:
             kw["arrive"] = arrive
             kw.setdefault("sampscr", lengths)
         return grid, kw
 
-    if raw is None:
-        launcher(key, tuple(ptrs), build)
-    else:
-        try:
-            launcher(key, tuple(ptrs), build)
-        finally:
-            # stream-ordered, like a tensor's: the block is reused only by work queued after this launch
-            free_scratch(raw)
+    (_SPLIT if split else _FUSED)(key, tuple(ptrs), build)
     return out

@@ -10,6 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
+from flashdsa._checks import is_cuda
 from flashdsa._library import in_registered_op
 from flashdsa.ops.topk.common import (INT_MIN, bits_bounds, copy_short, excl_sum, pad4, round4, row_check, row_setup,
                                       store)
@@ -216,12 +217,17 @@ except ImportError:  # a CPU-only torch build (then never called)
         return torch.cuda.current_stream(index).cuda_stream
 
 
+def stream_key(dev: torch.device) -> tuple:
+    """(device, its current stream's handle): the key of a buffer kept per stream."""
+    return dev, _raw_stream(dev.index) if is_cuda(dev) else 0
+
+
 def arrive_counters(dev: torch.device, R: int, cached: bool) -> torch.Tensor:
     """Split mode's per-row arrival counters ``[>= R] int32``, zero at launch: cached per device and stream
     (``cached``, and not called as the registered op: see ``_ARRIVE``), else fresh zeros."""
     if not cached or in_registered_op():
         return torch.zeros(R, dtype=torch.int32, device=dev)
-    key = (dev, _raw_stream(dev.index) if dev.type == "cuda" else 0)
+    key = stream_key(dev)
     buf = _ARRIVE.get(key)
     if buf is None or buf.numel() < R:
         buf = _ARRIVE[key] = torch.zeros(max(R, 1024), dtype=torch.int32, device=dev)
