@@ -17,8 +17,9 @@ from flashdsa.ops.topk import reference
 _module = functools.cache(importlib.import_module)
 
 
-def _triton_topk(*args, **kwargs):
-    return _module("flashdsa.ops.topk.launch").topk_transform(*args, **kwargs)
+def _triton_topk(logits, lengths, topk, page_table, row_starts, out_offsets, page_size, check=False):
+    return _module("flashdsa.ops.topk.launch").topk_transform(logits, lengths, topk, page_table, row_starts,
+                                                             out_offsets, page_size, check=check)
 
 
 _IMPLS = {"torch": reference.topk_transform, "triton": _triton_topk}

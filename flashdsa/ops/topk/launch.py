@@ -211,10 +211,8 @@ def scratch_buffer(dev: torch.device, nbytes: int) -> torch.Tensor:
 
 def _launch_shape(key, logits, K, page_table, row_starts, out_offsets, page_size, config, check) -> _Launch:
     """Config, constexprs, grid and scratch layout of a launch: functions of the shapes, the config, the
-    device and the logits' alignment only, so they are worked out once per ``key``."""
-    hit = _SHAPES.get(key)
-    if hit is not None:
-        return hit
+    device and the logits' alignment only, so they are worked out once per ``key`` (the caller looks
+    ``_SHAPES`` up first)."""
     R, L = logits.shape
     dev = logits.device
     cfg = default_config(R, L, K, num_sms(dev)) if config is None else config
@@ -287,8 +285,10 @@ def topk_transform(logits, lengths, topk, page_table, row_starts, out_offsets, p
     lptr = logits.data_ptr()
     key = (dev, R, L, logits.stride()[0], K, config, page_size, row_starts is not None, out_offsets is not None,
            None if page_table is None else (*page_table.shape, page_table.stride()[0]), not lptr & 15, check)
-    cfg, grid, consts, scratch, nbytes = _launch_shape(key, logits, K, page_table, row_starts, out_offsets, page_size,
-                                                       config, check)
+    hit = _SHAPES.get(key)
+    if hit is None:
+        hit = _launch_shape(key, logits, K, page_table, row_starts, out_offsets, page_size, config, check)
+    cfg, grid, consts, scratch, nbytes = hit
     split = cfg.kind == "split"
     buf = scratch_buffer(dev, nbytes)
     base = buf.data_ptr()
@@ -298,18 +298,18 @@ def topk_transform(logits, lengths, topk, page_table, row_starts, out_offsets, p
     starts = row_starts if row_starts is not None else lengths
     flag = error_flag(dev) if check else lengths  # unused (compiled out) without checks: any pointer
     # the pointers in the kernel's order (scratch pieces: offsets into buf)
-    ptrs = [lptr, len_ptr, starts.data_ptr(), offsets.data_ptr(), table.data_ptr(), out.data_ptr()]
-    ptrs += [base + off for _, off, _, _ in scratch]
+    user = (lptr, len_ptr, starts.data_ptr(), offsets.data_ptr(), table.data_ptr(), out.data_ptr())
+    if not aligned(*user):
+        key = None  # no plan: Triton's launch (our own buffers are allocator-aligned, pieces 256-B apart)
     if split:
         arrive = arrive_counters(dev, R, cfg.cached_counters)
-        ptrs.insert(9, arrive.data_ptr())  # after scr, sscr, counts
-        if not cfg.sample_stream:
-            ptrs.append(len_ptr)  # sampscr: unused, any int32 pointer
+        scr, sscr, counts, *rest = [base + off for _, off, _, _ in scratch]
+        # uscr, wscr, then sampscr: a piece when the sample streams, else unused (any int32 pointer)
+        ptrs = (*user, scr, sscr, counts, arrive.data_ptr(), *rest, *(() if cfg.sample_stream else (len_ptr,)),
+                flag.data_ptr())
     else:
         arrive = None
-    ptrs.append(flag.data_ptr())
-    if not aligned(*ptrs):
-        key = None
+        ptrs = (*user, *[base + off for _, off, _, _ in scratch], flag.data_ptr())
 
     def build():
         kw = dict(consts, logits=logits, lengths=lengths, row_starts=starts, out_offsets=offsets, table=table, out=out,
@@ -321,5 +321,5 @@ def topk_transform(logits, lengths, topk, page_table, row_starts, out_offsets, p
             kw.setdefault("sampscr", lengths)
         return grid, kw
 
-    (_SPLIT if split else _FUSED)(key, tuple(ptrs), build)
+    (_SPLIT if split else _FUSED)(key, ptrs, build)
     return out
