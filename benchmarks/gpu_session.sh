@@ -6,7 +6,8 @@
 # tests/ops (about 6 min) / everything else (about 2 min), for runs of a few minutes), <op> (benchmarks/bench_<op>.py),
 # demo (flashdsa demo on v32, few layers), hf (benchmarks/bench_hf.py), gluon (the Gluon sparse-MLA probes:
 # every variant of gluon.py's fp8 decode and gluon_bf16.py's prefill / bf16 decode checked against the
-# reference and timed next to FlashMLA, and the bf16 kernel's fixed cost per CTA; about 4 min).
+# reference and timed next to FlashMLA, and the bf16 kernel's fixed cost per CTA; about 4 min), ncu (Nsight
+# Compute sections of our Gluon sparse-MLA kernels and FlashMLA's, decode and prefill: $OUT/ncu*.txt).
 # BENCH_ARGS go to every bench.
 # Wheels in .anchors/ are installed over the image's packages: put a transformers >= 5.23 wheel there for
 # the hf stage and test_hf (the H200 image had 5.17 on 2026-12-01).
@@ -27,10 +28,16 @@ for stage in "$@"; do
                   | tee "$OUT/tests-rest.log" | tail -25 ;;
     demo)  timeout 300 python3 -m flashdsa.cli demo --preset v32 --device cuda --layers ${DEMO_LAYERS:-4} --json 2>&1 | tee "$OUT/demo.json" | tail -3 ;;
     hf)    timeout 300 python3 benchmarks/bench_hf.py ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_hf.log" | tail -30 ;;
-    gluon) timeout 200 python3 benchmarks/gluon_sparse_mla_probe.py --variants ws-pipe-pf2,ws-pipe-pf2-os-ql --budget 180 \
+    gluon) timeout 200 python3 benchmarks/gluon_sparse_mla_probe.py --variants ws-pipe-pf2-os-ql-dq4,ws-pipe-pf2-os-ql --budget 180 \
              2>&1 | tee "$OUT/gluon_fp8.log" | tail -8
            timeout 200 python3 benchmarks/gluon_prefill_probe.py --child-timeout 60 2>&1 | tee "$OUT/gluon_bf16.log" | tail -22
            timeout 100 python3 benchmarks/gluon_prefill_fixed.py 2>&1 | tee "$OUT/gluon_fixed.log" | tail -6 ;;
+    ncu)   for mode in "" --prefill; do
+             timeout 150 ncu --kernel-name regex:'ws_kernel|mla|sparse' --launch-count 12 --section SpeedOfLight \
+               --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \
+               --section WarpStateStats --section SchedulerStats python3 benchmarks/ncu_sparse_mla.py --calls 1 $mode \
+               > "$OUT/ncu${mode:+-prefill}.txt" 2>&1; tail -3 "$OUT/ncu${mode:+-prefill}.txt"
+           done ;;
     *)     timeout ${STAGE_TIMEOUT:-300} python3 benchmarks/bench_$stage.py ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_$stage.log" | tail -40 ;;
   esac
 done

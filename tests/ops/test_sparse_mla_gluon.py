@@ -19,7 +19,7 @@ import pytest
 import torch
 from test_sparse_mla_triton import LSE_TOL, SM_SCALE, make_cache, make_indices
 
-from flashdsa.cache.layouts import PAGE_SIZE, decode_mla
+from flashdsa.cache.layouts import PAGE_SIZE, decode_mla, quantize_mla_656
 from flashdsa.ops import sparse_mla_decode, sparse_mla_prefill
 from flashdsa.ops.sparse_mla import gluon, gluon_bf16
 from flashdsa.testing.compare import assert_close
@@ -121,6 +121,35 @@ def test_gluon_decode_matches_reference(B, s_q, h_q, topk, pages, fmt):
         out, lse = sparse_mla_decode(q, cache, idx, SM_SCALE, backend="gluon")
         assert out.shape == (B, s_q, h_q, 512) and lse.shape == (B, s_q, h_q)
         check(out, lse, ref_out, ref_lse, cache)
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("variant", [gluon.DEFAULT_VARIANT, "ws-pipe-pf2-os-ql"])
+def test_gluon_decode_with_scales_not_powers_of_two(variant):
+    """Scales that are not powers of two (a cache quantised with amax / 448, not flashdsa's ue8m0). The
+    default multiplies by the scale rounded to bf16, as FlashMLA does: its output is bitwise its output on
+    the same cache with every scale rounded to bf16, and within the bound of the reference on that cache
+    (the product of a 4-bit e4m3 and an 8-bit bf16 mantissa is exact in fp32, so both round it once). The
+    exact variant (DEQ 0) is within the bound of the reference on the cache as it is."""
+    g = torch.Generator(device="cuda").manual_seed(11)
+    pages = 40
+    kv = torch.randn(pages * PAGE_SIZE, 576, device="cuda", generator=g).to(torch.bfloat16)
+    cache = quantize_mla_656(kv, ue8m0=False).view(pages, PAGE_SIZE, -1)
+    scales = cache[..., 512:528].contiguous().view(torch.float32)
+    assert (torch.frexp(scales).mantissa.abs() != 0.5).any()  # really not powers of two
+    rounded = cache.clone()
+    rounded[..., 512:528] = scales.to(torch.bfloat16).float().view(torch.uint8).view(pages, PAGE_SIZE, 16)
+    q = torch.randn(2, 2, 128, 576, device="cuda", generator=g).to(torch.bfloat16)
+    idx = make_indices((2, 2, 2048), pages * PAGE_SIZE, "cuda")
+    out, lse = gluon.sparse_mla_decode_gluon(q, cache, idx, SM_SCALE, variant=variant)
+    exact = gluon.VARIANTS[variant]["DEQ"] == 0
+    ref_cache = cache if exact else rounded
+    ref_out, ref_lse = sparse_mla_decode(q, ref_cache, idx, SM_SCALE, backend="torch")
+    check(out, lse, ref_out, ref_lse, ref_cache)
+    if not exact:
+        out2, lse2 = gluon.sparse_mla_decode_gluon(q, rounded, idx, SM_SCALE, variant=variant)
+        assert torch.equal(out, out2) and torch.equal(lse, lse2)
 
 
 @pytest.mark.gpu

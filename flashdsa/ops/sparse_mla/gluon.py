@@ -7,9 +7,13 @@ next to FlashMLA and our Triton default; ``--compile-only`` compiles it for sm_9
 
 Math: ``reference.py`` (s = sm_scale q.k over 576 dims, softmax over the valid selected tokens, out =
 P V over the first 512 dims, lse natural log; index -1 / negative / >= N skipped; a row with no valid
-index gives out 0 and lse -inf). P is rounded to bf16 for the P V product, as FlashMLA does, and the
-latent is dequantised like the reference (e4m3 -> fp32, times its fp32 scale, rounded once to bf16;
-variants DEQ 1 / 4 are bit-identical only for power-of-two scales, see :func:`_dequant`).
+index gives out 0 and lse -inf). P is rounded to bf16 for the P V product, and the latent is dequantised,
+as FlashMLA does, as e4m3 -> bf16 times the scale rounded to bf16 (DEQ 4, the default since 2026-12-02):
+bit-identical to the reference's dequantisation (e4m3 -> fp32, times the fp32 scale, rounded once to bf16)
+when the scales are powers of two, which flashdsa's cache writers and FlashMLA's quantiser write (ue8m0);
+for other fp32 scales it is the reference's dequantisation of the same cache with every scale rounded to
+bf16 first (one rounding of the exact 12-bit product either way; tested). Variant DEQ 0 is the
+reference's arithmetic for any scale, 1-5 % slower (:func:`_dequant`).
 
 One CTA owns one query row (b, s_q) and 64 heads (h_q 128: two CTAs per row, next to each other in the
 grid so the second one's gathers hit L2) and walks the top-k list in steps of 64 tokens with three
@@ -42,11 +46,12 @@ Measured on the H200 (Triton 3.6, CUDA-graph replay, 4 runs of the probe; B64 s_
   probe cases: ragged / mixed -1, -7, >= N / all-empty rows / NaN bytes in skipped slot 0 / topk 100 ... 2048
   / h 16, 64, 128, NaN-poisoned outputs); both pass 9 of 10 under the Triton tests' tolerance and fail the
   same one (B2 s_q2 h128 topk192: |err| 1.5e-3 on a 0.022 element, bf16 P on a short list).
-* Time: default ``ws-pipe-pf2-os-ql`` 111.9 us vs FlashMLA 94.4 (1.19x) and our Triton default 178.3 (0.63x);
-  B64 s_q2 216.2 vs 179.4 (1.21x); h64 (B128 s_q2) 238.0 vs 234.1 (1.02x; ``ws-pipe-pf2-dq4`` 232.9, 0.99x,
-  an earlier run). Its predecessor ``ws-pipe-pf2`` ran 116.6 in the same run (116.3 vs 94.7 before).
+* Time: default ``ws-pipe-pf2-os-ql-dq4`` 109.9 us vs FlashMLA 94.8 (1.16x) and our Triton default 178.1
+  (0.62x); B64 s_q2 211.2 vs 179.9 (1.17x); h64 (B128 s_q2) 224.6 vs 236.3 (0.95x). The same kernel with
+  the exact dequantisation (``ws-pipe-pf2-os-ql``) 111.1 / 215.5 / 236.2 in that run; the default before
+  the fixed-cost fixes (``ws-pipe-pf2``) 116.6 against its 111.9 in another (116.3 vs 94.7 before).
 * What bounds it: the consumers alone (``diag-nodeq``: no gathers, no dequantisation) already take 104 us
-  (92 us with ``OVERLAP``), i.e. ~3.2 us per 64-token step against 2,176 tensor cycles (~1.2 us): QK as
+  (92 us with ``OVERLAP``; 101.7 with the fixed-cost fixes, 1.07x FlashMLA's whole kernel), i.e. ~3.2 us per 64-token step against 2,176 tensor cycles (~1.2 us): QK as
   m64n64k16 with both operands in shared memory needs 128 B/clk of shared-memory bandwidth, all of it, and
   the softmax sits between QK and P V. FlashMLA's kernel has the same QK shape and runs 2.95 us per step.
   The producer adds 12 us on top (``hot64``, every step on the same 64 rows: 108 us, so ~8 us is DRAM
@@ -552,10 +557,17 @@ def _variant(pipe: bool, deq: int, prefetch: int, overlap: bool, ostage: bool = 
 # runs FlashMLA 94.4-95.8 / 178.4-181.6 / 234.6-237.7 and our Triton default 177.4-179.3 / 344.4-348.7 /
 # 361.2-364.9). What each one showed: the module docstring.
 VARIANTS = {
-    # the default: carried slots + per-line L2 prefetch 2 steps ahead, exact dequantisation, and gluon_bf16.py's
-    # fixed-cost fixes (Q's loads before its stores, O through the Q tiles into 16-B stores). 2026-12-02, one
-    # run: 111.9 / 216.2 / 238.0 against ws-pipe-pf2's 116.6 / 223.8 / 241.9 (FlashMLA 94.4 / 179.4 / 234.1)
+    # the default (2026-12-02): carried slots + per-line L2 prefetch 2 steps ahead, FlashMLA's bf16 scale
+    # multiply, and gluon_bf16.py's fixed-cost fixes (Q's loads before its stores, O through the Q tiles into
+    # 16-B stores); in one run 109.9 / 211.2 / 224.6 against the exact dequantisation's 111.1 / 215.5 /
+    # 236.2 (FlashMLA 94.8 / 179.9 / 236.3)
+    "ws-pipe-pf2-os-ql-dq4": _variant(pipe=True, deq=4, prefetch=2, overlap=False, ostage=True, ql=True),
+    # the same with the reference's dequantisation for any scale; 2026-12-02, another run: 111.9 / 216.2 /
+    # 238.0 against ws-pipe-pf2's 116.6 / 223.8 / 241.9 (FlashMLA 94.4 / 179.4 / 234.1)
     "ws-pipe-pf2-os-ql": _variant(pipe=True, deq=0, prefetch=2, overlap=False, ostage=True, ql=True),
+    "ws-pipe-pf3-os-ql": _variant(pipe=True, deq=0, prefetch=3, overlap=False, ostage=True, ql=True),  # 112.1 / 217.7 / 253.9
+    # diagnostic: the consumers alone with the fixed-cost fixes (hot64: 99.5)
+    "diag-nodeq-os-ql": _variant(pipe=True, deq=2, prefetch=0, overlap=False, ostage=True, ql=True),  # 101.7 / 193.6 / 191.2
     # the default until 2026-12-02 (without the fixed-cost fixes)
     "ws-pipe-pf2": _variant(pipe=True, deq=0, prefetch=2, overlap=False),  # 116.3 / 224.3 / 241.7
     # the same with FlashMLA's bf16 scale multiply (exact for power-of-two scales only)
@@ -578,7 +590,7 @@ VARIANTS = {
     "diag-ovl-nodeq": _variant(pipe=True, deq=2, prefetch=0, overlap=True),  # 92.1 / 177.8 / 178.3
     "diag-ovl-raw": _variant(pipe=True, deq=3, prefetch=0, overlap=True),  # 110.6 / 210.2 / 219.8
 }
-DEFAULT_VARIANT = "ws-pipe-pf2-os-ql"
+DEFAULT_VARIANT = "ws-pipe-pf2-os-ql-dq4"
 
 
 def kernel_args(q, cache_u8, indices, sm_scale, out, lse, variant: str = DEFAULT_VARIANT):
