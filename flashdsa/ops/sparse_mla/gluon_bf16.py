@@ -59,10 +59,11 @@ shared, so a figure moves by a few per cent between runs, ratios within a run mu
   issued under the last P V; 4725 / 4814 us in the second run, but h 64 and decode 3-4 % slower); Q copied
   by the producer's cp.async instead of the consumers' loads; no proxy fence after the cp.async barrier
   (FlashMLA has none); producer 72 / 80 registers (spills). Lost: ``evict_last`` on the copies (+6 %).
-* Not yet measured: ``ws2-os-ql2-persist``, a persistent grid (one CTA per SM walking tiles pid, pid + grid,
-  ...; every barrier phase counts over the CTA's tiles), so the next tile's first K halves are copied
-  while this tile's consumers finish; the remaining fixed cost (362 us against FlashMLA's 267-276) is
-  what it can win. Compiled for sm_90 with Triton 3.6 and 3.9 (48 B of spills).
+* No clear gain either: ``ws2-os-ql2-persist``, a persistent grid (one CTA per SM walking tiles pid,
+  pid + grid, ...; every barrier phase counts over the CTA's tiles), so the next tile's first K halves are
+  copied while this tile's consumers finish. 4714 / 4863 / 2423 us against the default's 4746 / 4818 /
+  2531 (N 8K h 128 / N 32K h 128 / N 32K h 64, one run); fixed cost per CTA 345 against 355 us
+  (FlashMLA 265). 48 B of spills.
 * Tried for the fp8 656-B cache with the producer dequantising (loads issued before the free wait,
   gluon._dequant, L2 prefetch of the next pair): 137.5-164.1 us at B 64 h 128, against 116.8 for
   ``gluon.py`` (one producer warpgroup cannot dequantise a half in the time the consumers take to free
@@ -519,7 +520,8 @@ VARIANTS = {
     "ws2-os-ql2": _variant(ostage=True, ql=2),
     # the same with FlashMLA's exact order: the next pair's QK issued under this pair's last P V
     "ws2-os-ql2-pipe": _variant(ostage=True, ql=2, pipe=True),
-    # persistent grid (one CTA per SM walking tiles): compiled, NOT yet run on a GPU
+    # persistent grid (one CTA per SM walking tiles): 4714 / 4863 / 2423 us against the default's 4746 / 4818 /
+    # 2531 in one run (N8K h128 / N32K h128 / N32K h64), fixed cost per CTA 345 vs 355 us: no clear gain
     "ws2-os-ql2-persist": _variant(ostage=True, ql=2, persist=True),
     # the first version: Q loaded by consumer 0 alone, O stored from the wgmma layout
     "ws2": _variant(),
