@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 SM_SCALE = 576 ** -0.5
 TIMING_CASES = [(64, 1, 128), (64, 2, 128), (128, 2, 64)]   # (B, s_q, h_q), topk 2048, 32K context
-DEFAULT_VARIANTS = ["ws-pipe-pf2-os-ql-dq4", "ws-pipe-pf2-os-ql", "ws-pipe-pf2", "ws-pipe-pf2-dq4", "ws-ovl-pipe-pf2-dq4", "ws", "diag-nodeq", "diag-ovl-nodeq"]
+DEFAULT_VARIANTS = ["ws-pipe-pf2-os-ql-dq4", "ws-pipe-pf2-os-ql-dq4-r8", "ws-pipe-pf2-os-ql", "ws-pipe-pf2-os-ql-r8", "ws-pipe-pf2", "ws-pipe-pf2-dq4", "ws-ovl-pipe-pf2-dq4", "ws", "diag-nodeq", "diag-ovl-nodeq"]
 
 
 # ---- correctness inputs ---------------------------------------------------------------------------------
@@ -357,8 +357,9 @@ def run_parent(variants: list[str], child_timeout: float, budget: float) -> int:
 
 # ---- no GPU: compile for sm_90 ---------------------------------------------------------------------------
 
-def compile_only(variants: list[str]) -> int:
-    """Compile each variant for sm_90 (no GPU) and report what ptxas made of it."""
+def compile_only(variants: list[str], sass_dir: str | None = None) -> int:
+    """Compile each variant for sm_90 (no GPU) and report what ptxas made of it (``sass_dir``: also write each
+    variant's SASS there)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -399,12 +400,16 @@ def compile_only(variants: list[str]) -> int:
                                     str(Path(d) / "k2.cubin")], capture_output=True, text=True).stderr
             sass = subprocess.run([str(bin_dir / "nvdisasm"), "-c", str(Path(d) / "k.cubin")], capture_output=True,
                                   text=True).stdout
+        if sass_dir:
+            Path(sass_dir).mkdir(parents=True, exist_ok=True)
+            (Path(sass_dir) / f"{v}.sass").write_text(sass)
         notes = [ln.split(": ", 1)[-1] for ln in ptxas.splitlines() if "C75" in ln]
         spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", ptxas)
         regs = re.findall(r"setmaxnreg[.]\w+[.]sync[.]aligned[.]u32\s+(\d+)", k.asm["ptx"])
         print(f"{v}: shared {k.metadata.shared} B, setmaxnreg {regs}, "
               f"spill st/ld {spill.groups() if spill else '?'} B, HGMMA {sass.count('HGMMA')}, "
-              f"DEPBAR {len(re.findall(r'WARPGROUP.DEPBAR', sass))}, notes {notes or 'none'}")
+              f"DEPBAR {len(re.findall(r'WARPGROUP.DEPBAR', sass))}, LDG.128 {sass.count('LDG.E.128')}, "
+              f"STS.128 {sass.count('STS.128')}, notes {notes or 'none'}")
     return 0
 
 
@@ -414,12 +419,13 @@ def main() -> int:
     ap.add_argument("--child-timeout", type=float, default=150.0)
     ap.add_argument("--budget", type=float, default=540.0, help="seconds for the whole run")
     ap.add_argument("--compile-only", action="store_true")
+    ap.add_argument("--sass-dir", default=None, help="with --compile-only: write each variant's SASS here")
     ap.add_argument("--child")
     ap.add_argument("--result")
     args = ap.parse_args()
     variants = [v for v in args.variants.split(",") if v]
     if args.compile_only:
-        return compile_only(variants)
+        return compile_only(variants, args.sass_dir)
     if args.child:
         run_child(args.child, args.result)
         return 0

@@ -97,6 +97,31 @@ def mma_layout(n):
 
 
 @gluon.constexpr_function
+def gather_layout(rows_first):
+    """[64 rows, 128 bytes] of one latent group, 16 B a thread (one 16-B global load). Row-major (8 threads
+    a row, 4 rows a warp: the first version) or, with ``rows_first``, 8 rows a warp in lane order, 4
+    threads a row, each holding two 16-B pieces 64 bytes apart. Stored dequantised (16 bf16 a thread as two
+    16-B stores) into the 128-B-swizzled [64, 128] bf16 tile, whose two 64-column halves lie 8 KB apart
+    on the same banks: shared memory serves a 16-B store in phases of 8 lanes, and the row-major layout's
+    8 lanes of a row write the same 4 bank groups in both halves (2 wavefronts a phase: measured by ncu as
+    8 wavefronts per store against an ideal 4). Eight rows in a phase land on 8 different bank groups
+    (the swizzle XORs the 16-B chunk with the row), one wavefront a phase (tests/ops/test_sparse_mla_gluon.py
+    checks both on the layouts themselves)."""
+    if rows_first:
+        return gl.BlockedLayout([1, 16], [8, 4], [4, 1], [0, 1])
+    return gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
+
+
+@gluon.constexpr_function
+def rope_layout(rows_first):
+    """[64 rows, 64 bf16] of rope, 16 B a thread, with the rows of :func:`gather_layout` (so the row
+    pointers pass between the two without a shuffle through shared memory)."""
+    if rows_first:
+        return gl.BlockedLayout([1, 8], [8, 4], [4, 1], [0, 1])
+    return gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+
+
+@gluon.constexpr_function
 def tile_smem(rows, cols):
     # bf16 tile read by wgmma (128-B swizzle)
     return gl.NVMMASharedLayout.get_default_for([rows, cols], gl.bfloat16)
@@ -154,9 +179,11 @@ def _stage(tiles, valid, k_lat, k_rope, k_bias, k_ready, b, DEQ: gl.constexpr):
 
 @gluon.jit
 def _producer(kv, idx, stride_kv_page, stride_kv_row, stride_i_row, n_slots, topk, n_steps, n_hb,
-              k_lat, k_rope, k_bias, k_ready, k_free, NBUF: gl.constexpr, PREFETCH: gl.constexpr, DEQ: gl.constexpr):
+              k_lat, k_rope, k_bias, k_ready, k_free, NBUF: gl.constexpr, PREFETCH: gl.constexpr, DEQ: gl.constexpr,
+              ROWS_FIRST: gl.constexpr):
     """Gather, dequantise and stage the K/V tile of every step, slots loaded in-step (variant "ws", the
-    first version; :func:`_producer_pipe` replaces it). PREFETCH and DEQ are ignored (exact dequantisation)."""
+    first version; :func:`_producer_pipe` replaces it). PREFETCH, DEQ and ROWS_FIRST are ignored (exact
+    dequantisation, row-major gathers)."""
     # [64 rows, 128 bytes] of latent: 16 B per thread, 8 threads per row, 16 rows per pass of 4 warps
     LG: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
     # [64 rows, 64 bf16] of rope: the same rows per thread as LG
@@ -236,14 +263,14 @@ def _dequant(b_u, b_sc, DEQ: gl.constexpr):
 @gluon.jit
 def _producer_pipe(kv, idx, stride_kv_page, stride_kv_row, stride_i_row, n_slots, topk, n_steps, n_hb,
                    k_lat, k_rope, k_bias, k_ready, k_free, NBUF: gl.constexpr, PREFETCH: gl.constexpr,
-                   DEQ: gl.constexpr):
+                   DEQ: gl.constexpr, ROWS_FIRST: gl.constexpr):
     """:func:`_producer` with the slot loads out of the gathers' critical path: the row pointers of step
     i + 1 come from slots loaded during step i, and with ``PREFETCH`` the rows of step i + PREFETCH are
     asked into L2 at the end of step i (their slots loaded at its top, so that load's latency hides under
     the dequantisation). The gathered bytes themselves are not carried across iterations: a u8 tensor
     carried by the loop costs a 32-bit register per byte (ptxas spilled 4.6 KB when it was tried)."""
-    LG: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])   # [64 rows, 128 bytes]
-    LR: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])    # [64 rows, 64 bf16]
+    LG: gl.constexpr = gather_layout(ROWS_FIRST)   # [64 rows, 128 bytes]
+    LR: gl.constexpr = rope_layout(ROWS_FIRST)     # [64 rows, 64 bf16]
     LP: gl.constexpr = gl.BlockedLayout([1, 4], [16, 2], [4, 1], [1, 0])   # [64 rows, 8 lines] L2 prefetches
     SG: gl.constexpr = gl.SliceLayout(1, LG)
     SR: gl.constexpr = gl.SliceLayout(1, LR)
@@ -497,7 +524,7 @@ def sparse_mla_decode_ws_kernel(
     n_slots, h_q, topk, n_steps, n_hb, qk_scale,
     NBUF: gl.constexpr, PREFETCH: gl.constexpr, OVERLAP: gl.constexpr, PIPE: gl.constexpr,
     DEQ: gl.constexpr, REGS_C1: gl.constexpr, REGS_PROD: gl.constexpr, OSTAGE: gl.constexpr = False,
-    QL: gl.constexpr = 0,
+    QL: gl.constexpr = 0, ROWS_FIRST: gl.constexpr = False,
 ):
     """Warp-specialised sparse MLA decode, one (query row, 64 heads) per CTA (module docstring).
 
@@ -539,17 +566,18 @@ def sparse_mla_decode_ws_kernel(
                       p_free, fin, q_lat, NBUF, OSTAGE)),
         (_producer_pipe if PIPE else _producer,
          (kv, idx, stride_kv_page, stride_kv_row, stride_i_row, n_slots, topk, n_steps, n_hb, k_lat, k_rope, k_bias,
-          k_ready, k_free, NBUF, PREFETCH, DEQ)),
+          k_ready, k_free, NBUF, PREFETCH, DEQ, ROWS_FIRST)),
     ], [4, 4], [REGS_C1, REGS_PROD])
 
 
 # ---- launcher -----------------------------------------------------------------------------------------
 
-def _variant(pipe: bool, deq: int, prefetch: int, overlap: bool, ostage: bool = False, ql: bool = False) -> dict:
+def _variant(pipe: bool, deq: int, prefetch: int, overlap: bool, ostage: bool = False, ql: bool = False,
+             rows_first: bool = False) -> dict:
     # two K/V buffers (a third does not fit); consumer 1 needs 160 registers (152 spill), consumer 0 192
     # (216 with OVERLAP: at 200 ptxas serialises its wgmma), the producer gets the rest of 3 x 168
     return dict(NBUF=2, PIPE=pipe, DEQ=deq, PREFETCH=prefetch, OVERLAP=overlap, REGS_C1=160,
-                REGS_PROD=128 if overlap else 152, OSTAGE=ostage, QL=int(ql))
+                REGS_PROD=128 if overlap else 152, OSTAGE=ostage, QL=int(ql), ROWS_FIRST=rows_first)
 
 
 # variant name -> constexprs. Measured on the H200 with Triton 3.6
@@ -562,6 +590,12 @@ VARIANTS = {
     # 16-B stores); in one run 109.9 / 211.2 / 224.6 against the exact dequantisation's 111.1 / 215.5 /
     # 236.2 (FlashMLA 94.8 / 179.9 / 236.3)
     "ws-pipe-pf2-os-ql-dq4": _variant(pipe=True, deq=4, prefetch=2, overlap=False, ostage=True, ql=True),
+    # the default and its exact twin with the conflict-free gather layout (:func:`gather_layout`): compiled for
+    # sm_90 (Triton 3.6 and 3.9; the same 56 LDG.128 / 72 STS.128, 96 B of spills), NOT yet run on a GPU
+    "ws-pipe-pf2-os-ql-dq4-r8": _variant(pipe=True, deq=4, prefetch=2, overlap=False, ostage=True, ql=True,
+                                         rows_first=True),
+    "ws-pipe-pf2-os-ql-r8": _variant(pipe=True, deq=0, prefetch=2, overlap=False, ostage=True, ql=True,
+                                     rows_first=True),
     # the same with the reference's dequantisation for any scale; 2026-12-02, another run: 111.9 / 216.2 /
     # 238.0 against ws-pipe-pf2's 116.6 / 223.8 / 241.9 (FlashMLA 94.4 / 179.4 / 234.1)
     "ws-pipe-pf2-os-ql": _variant(pipe=True, deq=0, prefetch=2, overlap=False, ostage=True, ql=True),
