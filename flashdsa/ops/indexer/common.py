@@ -33,7 +33,7 @@ def fp8_dot_supported(device: torch.device) -> bool:
 def logits_buffer(out: torch.Tensor | None, shape: tuple[int, int], device: torch.device) -> torch.Tensor:
     """``out`` checked to be a ``shape`` float32 buffer on ``device`` with unit last stride, or a new one."""
     if out is None:
-        return torch.empty(shape, dtype=torch.float32, device=device)
+        return torch.empty(*shape, dtype=torch.float32, device=device)
     bad_stride = out.dim() == 2 and out.stride(-1) != 1 and shape[1] > 1
     if out.dtype != torch.float32 or tuple(out.shape) != shape or out.device != device or bad_stride:
         raise ValueError(f"out: expected float32 {list(shape)} on {device} with unit last stride, got "

@@ -285,8 +285,8 @@ def indexer_quant(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interle
         ``x_fp8 [T, ..., 128] float8_e4m3fn`` and ``scale [T, ...] float32`` (UE8M0 powers of two).
     """
     if out is None:
-        out = (torch.empty(x.shape, dtype=FP8, device=x.device),
-               torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device))
+        out = (torch.empty(*x.shape, dtype=FP8, device=x.device),
+               torch.empty(*x.shape[:-1], dtype=torch.float32, device=x.device))
     x_fp8, scale = out
     _launch(_LAUNCH, x, cos, sin, interleave, x_fp8, torch.uint8, scale, False, config, check)
     return x_fp8, scale
@@ -298,7 +298,7 @@ def indexer_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interlea
     (kpool pools the keys between the RoPE and the Hadamard). Arguments as :func:`indexer_quant`; ``out``:
     an optional contiguous ``[T, ..., 128]`` tensor of x's dtype. Returns it (new: contiguous)."""
     if out is None:
-        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        out = torch.empty(*x.shape, dtype=x.dtype, device=x.device)
     bits = torch.int16 if x.dtype == torch.bfloat16 else None
     _launch(_ROPE, x, cos, sin, interleave, out, bits, out, True, config, False)  # no scale: its pointer is unused
     return out

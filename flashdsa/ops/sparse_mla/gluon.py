@@ -721,8 +721,8 @@ def sparse_mla_decode(q, kv_cache, indices, sm_scale, d_v, kv_scale):
     first call of a shape."""
     B, s_q, h_q, d = q.shape
     R, topk = B * s_q, indices.shape[-1]
-    out = torch.empty((B, s_q, h_q, d_v), dtype=torch.bfloat16, device=q.device)
-    lse = torch.empty((B, s_q, h_q), dtype=torch.float32, device=q.device)
+    out = torch.empty(B, s_q, h_q, d_v, dtype=torch.bfloat16, device=q.device)
+    lse = torch.empty(B, s_q, h_q, dtype=torch.float32, device=q.device)
     if R == 0 or h_q == 0:  # no program to launch (a grid of 0 is a launch error)
         return out, lse
     q3 = q.reshape(R, h_q, d) if q.stride(-1) == 1 else q.reshape(R, h_q, d).contiguous()

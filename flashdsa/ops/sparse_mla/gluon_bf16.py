@@ -603,8 +603,8 @@ def sparse_mla_prefill(q, kv, indices, sm_scale, d_v):
     :func:`unsupported` None): q [T, h_q, 576] bf16, kv [N, 576] bf16 (rows with a non-unit inner stride are
     copied first), indices [T, topk] int32."""
     T, h_q, _ = q.shape
-    out = torch.empty((T, h_q, d_v), dtype=torch.bfloat16, device=q.device)
-    lse = torch.empty((T, h_q), dtype=torch.float32, device=q.device)
+    out = torch.empty(T, h_q, d_v, dtype=torch.bfloat16, device=q.device)
+    lse = torch.empty(T, h_q, dtype=torch.float32, device=q.device)
     if kv.stride(-1) != 1:
         kv = kv.contiguous()
     _run(q, kv, 64 * kv.stride(0), kv.stride(0), kv.shape[0], indices, sm_scale, out, lse)
@@ -616,8 +616,8 @@ def sparse_mla_decode(q, kv_cache, indices, sm_scale, d_v, kv_scale):
     (validated there, :func:`unsupported` None)."""
     B, s_q, h_q, d = q.shape
     R, topk = B * s_q, indices.shape[-1]
-    out = torch.empty((B, s_q, h_q, d_v), dtype=torch.bfloat16, device=q.device)
-    lse = torch.empty((B, s_q, h_q), dtype=torch.float32, device=q.device)
+    out = torch.empty(B, s_q, h_q, d_v, dtype=torch.bfloat16, device=q.device)
+    lse = torch.empty(B, s_q, h_q, dtype=torch.float32, device=q.device)
     _run(q.reshape(R, h_q, d), kv_cache, kv_cache.stride(0), kv_cache.stride(1), kv_cache.shape[0] * 64,
          indices.reshape(R, topk), sm_scale, out.view(R, h_q, d_v), lse.view(R, h_q))
     return out, lse

@@ -155,8 +155,8 @@ def sparse_mla_fwd(q: torch.Tensor, kv: torch.Tensor, stride_kv_page: int, strid
     R, h_q, _ = q.shape
     topk = indices.shape[1]
     dev = q.device
-    out = torch.empty((R, h_q, d_v), dtype=q.dtype, device=dev)
-    lse = torch.empty((R, h_q), dtype=torch.float32, device=dev)
+    out = torch.empty(R, h_q, d_v, dtype=q.dtype, device=dev)
+    lse = torch.empty(R, h_q, dtype=torch.float32, device=dev)
     if R == 0 or h_q == 0:
         return out, lse
     cfg = launch_config(h_q, fmt, R, topk, dev, config, split)

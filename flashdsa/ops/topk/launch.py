@@ -279,7 +279,7 @@ def topk_transform(logits, lengths, topk, page_table, row_starts, out_offsets, p
     dev = logits.device
     K = int(topk)
     if out is None:
-        out = torch.empty((R, K), dtype=torch.int32, device=dev)
+        out = torch.empty(R, K, dtype=torch.int32, device=dev)  # sizes as arguments, not a tuple: 0.5 us less to parse
     if R == 0:
         return out
     lptr = logits.data_ptr()
