@@ -452,3 +452,17 @@ def test_gpu_cuda_graph_replay():
             _assert_same(out.cpu(), ref_impl(logits, lengths, k, table, None, None, 64).cpu(), kind)
     finally:
         ops.set_value_checks(True)
+
+
+def test_outgrown_counters_stay_alive(monkeypatch):
+    """More rows than the cached arrival counters hold: a larger buffer replaces them, and the old one is
+    kept alive (a CUDA graph captured with it replays on its address), never handed back to the allocator."""
+    monkeypatch.setattr(split, "_ARRIVE", {})
+    monkeypatch.setattr(split, "_OUTGROWN", [])
+    dev = torch.device(DEVICE)
+    small = split.arrive_counters(dev, 8, True)
+    assert split.arrive_counters(dev, 1024, True) is small
+    large = split.arrive_counters(dev, 1025, True)
+    assert large is not small and large.numel() >= 1025 and not large.any()
+    assert len(split._OUTGROWN) == 1 and split._OUTGROWN[0] is small
+    assert split.arrive_counters(dev, 1025, True) is large

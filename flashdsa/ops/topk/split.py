@@ -206,8 +206,10 @@ def topk_split_kernel(
 # capture allocates the buffer there: its zeroing is captured and replayed, correct if slower.) Calls made
 # as the registered op (compiled graphs) take fresh zeros instead: torch.compile's CUDA-graph trees run
 # their warm-up with every allocation routed into their private pool and then check that only their
-# outputs stay allocated there, which a buffer cached here would fail.
+# outputs stay allocated there, which a buffer cached here would fail. A buffer outgrown by more rows is
+# kept alive (``_OUTGROWN``), never freed: a graph captured with it still replays on its address.
 _ARRIVE: dict = {}
+_OUTGROWN: list = []
 
 
 try:  # the raw stream handle, as Triton's driver reads it (torch.cuda.current_stream builds a Stream object)
@@ -230,6 +232,8 @@ def arrive_counters(dev: torch.device, R: int, cached: bool) -> torch.Tensor:
     key = stream_key(dev)
     buf = _ARRIVE.get(key)
     if buf is None or buf.numel() < R:
+        if buf is not None:
+            _OUTGROWN.append(buf)
         buf = _ARRIVE[key] = torch.zeros(max(R, 1024), dtype=torch.int32, device=dev)
     return buf
 
