@@ -353,8 +353,9 @@ def main() -> int:
         if dev == "cuda":
             torch.cuda.empty_cache()
     write_json(rows, "bench_host")
-    cols = ("ctx", "call", "side", "host_us", "host_us_checks_off", "host_us_fresh_scratch", "peer", "peer_host_us", "ours/peer", "gpu_busy",
-            "step_plain_us", "step_graph_us", "plain/graph", "gpu_us_checks", "gpu_us_no_checks", "checks/none")
+    cols = ("ctx", "call", "side", "host_us", "host_us_checks_off", "host_us_fresh_scratch", "peer", "peer_host_us",
+            "ours/peer", "gpu_busy", "step_plain_us", "step_graph_us", "plain/graph", "gpu_us_checks",
+            "gpu_us_no_checks", "checks/none")
     print_table([{c: r[c] for c in cols if c in r} for r in rows],
                 f"host us per plain call (GPU kept busy), B {a.B}, H_I {a.H}, h_q {a.h_q}, top-{a.topk}"
                 + (" [smoke: times mean nothing]" if a.smoke else ""))

@@ -41,7 +41,8 @@ def main() -> None:
         kv = randn((8192, 576), g, dev, torch.bfloat16)
         q = randn((4096, a.h_q, 576), g, dev, torch.bfloat16)
         idx = prefill_indices(4096, 8192, 2048, g, dev)
-        calls = {"gluon_bf16 " + gluon_bf16.DEFAULT_VARIANT: lambda: gluon_bf16.sparse_mla_prefill(q, kv, idx, SM_SCALE, 512)}
+        ours = "gluon_bf16 " + gluon_bf16.DEFAULT_VARIANT
+        calls = {ours: lambda: gluon_bf16.sparse_mla_prefill(q, kv, idx, SM_SCALE, 512)}
         if sgl:
             calls["FlashMLA prefill"] = peers.flashmla_prefill(q, kv, idx, SM_SCALE)
         for name, fn in calls.items():

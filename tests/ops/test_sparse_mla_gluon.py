@@ -181,8 +181,9 @@ def _phase_wavefronts(reg_layout, shape) -> int:
             for phase in range((1 << len(regs.lane_bases)) // 8):
                 hits: dict = {}
                 for lane in range(8 * phase, 8 * phase + 8):
-                    cells = [tuple(a ^ b ^ c for a, b, c in zip(at(regs.reg_bases, 8 * store + j), at(regs.lane_bases, lane),
-                                                               at(regs.warp_bases, w))) for j in range(8)]
+                    cells = [tuple(a ^ b ^ c for a, b, c in zip(at(regs.reg_bases, 8 * store + j),
+                                                               at(regs.lane_bases, lane), at(regs.warp_bases, w)))
+                             for j in range(8)]
                     offs = [offset[cell] for cell in cells]
                     assert offs == list(range(offs[0], offs[0] + 8)), "a store of 8 contiguous bf16"
                     group = offs[0] * 2 // 16 % 8

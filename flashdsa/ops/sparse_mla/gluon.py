@@ -51,8 +51,8 @@ Measured on the H200 (Triton 3.6, CUDA-graph replay, 4 runs of the probe; B64 s_
   the exact dequantisation (``ws-pipe-pf2-os-ql``) 111.1 / 215.5 / 236.2 in that run; the default before
   the fixed-cost fixes (``ws-pipe-pf2``) 116.6 against its 111.9 in another (116.3 vs 94.7 before).
 * What bounds it: the consumers alone (``diag-nodeq``: no gathers, no dequantisation) already take 104 us
-  (92 us with ``OVERLAP``; 101.7 with the fixed-cost fixes, 1.07x FlashMLA's whole kernel), i.e. ~3.2 us per 64-token step against 2,176 tensor cycles (~1.2 us): QK as
-  m64n64k16 with both operands in shared memory needs 128 B/clk of shared-memory bandwidth, all of it, and
+  (92 us with ``OVERLAP``; 101.7 with the fixed-cost fixes, 1.07x FlashMLA's whole kernel), i.e. ~3.2 us
+  per 64-token step against 2,176 tensor cycles (~1.2 us): QK as m64n64k16 with both operands in shared memory needs 128 B/clk of shared-memory bandwidth, all of it, and
   the softmax sits between QK and P V. FlashMLA's kernel has the same QK shape and runs 2.95 us per step.
   The producer adds 12 us on top (``hot64``, every step on the same 64 rows: 108 us, so ~8 us is DRAM
   latency the 2-buffer pipeline cannot hide).
@@ -599,9 +599,10 @@ VARIANTS = {
     # the same with the reference's dequantisation for any scale; 2026-12-02, another run: 111.9 / 216.2 /
     # 238.0 against ws-pipe-pf2's 116.6 / 223.8 / 241.9 (FlashMLA 94.4 / 179.4 / 234.1)
     "ws-pipe-pf2-os-ql": _variant(pipe=True, deq=0, prefetch=2, overlap=False, ostage=True, ql=True),
-    "ws-pipe-pf3-os-ql": _variant(pipe=True, deq=0, prefetch=3, overlap=False, ostage=True, ql=True),  # 112.1 / 217.7 / 253.9
-    # diagnostic: the consumers alone with the fixed-cost fixes (hot64: 99.5)
-    "diag-nodeq-os-ql": _variant(pipe=True, deq=2, prefetch=0, overlap=False, ostage=True, ql=True),  # 101.7 / 193.6 / 191.2
+    # prefetch 3 ahead: 112.1 / 217.7 / 253.9
+    "ws-pipe-pf3-os-ql": _variant(pipe=True, deq=0, prefetch=3, overlap=False, ostage=True, ql=True),
+    # diagnostic: the consumers alone with the fixed-cost fixes: 101.7 / 193.6 / 191.2 (hot64: 99.5)
+    "diag-nodeq-os-ql": _variant(pipe=True, deq=2, prefetch=0, overlap=False, ostage=True, ql=True),
     # the default until 2026-12-02 (without the fixed-cost fixes)
     "ws-pipe-pf2": _variant(pipe=True, deq=0, prefetch=2, overlap=False),  # 116.3 / 224.3 / 241.7
     # the same with FlashMLA's bf16 scale multiply (exact for power-of-two scales only)
