@@ -7,7 +7,8 @@
 # demo (flashdsa demo on v32, few layers), hf (benchmarks/bench_hf.py), gluon (the Gluon sparse-MLA probes:
 # every variant of gluon.py's fp8 decode and gluon_bf16.py's prefill / bf16 decode checked against the
 # reference and timed next to FlashMLA, and the bf16 kernel's fixed cost per CTA; about 4 min), ncu (Nsight
-# Compute sections of our Gluon sparse-MLA kernels and FlashMLA's, decode and prefill: $OUT/ncu*.txt).
+# Compute sections of our Gluon sparse-MLA kernels and FlashMLA's, decode and prefill: $OUT/ncu*.txt; and our
+# kernels' per-SASS-instruction counters, summarised by benchmarks/ncu_sass_top.py: $OUT/ncu-sass*.txt).
 # BENCH_ARGS go to every bench.
 # Wheels in .anchors/ are installed over the image's packages: put a transformers >= 5.23 wheel there for
 # the hf stage and test_hf (the H200 image had 5.17 on 2026-12-01).
@@ -37,6 +38,12 @@ for stage in "$@"; do
                --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \
                --section WarpStateStats --section SchedulerStats python3 benchmarks/ncu_sparse_mla.py --calls 1 $mode \
                > "$OUT/ncu${mode:+-prefill}.txt" 2>&1; tail -3 "$OUT/ncu${mode:+-prefill}.txt"
+             # per-SASS-instruction counters of our kernel (bank conflicts, spills, stall samples), summarised
+             timeout 150 ncu --kernel-name regex:'ws_kernel' --launch-count 1 --section SourceCounters --page source \
+               --print-source sass --csv python3 benchmarks/ncu_sparse_mla.py --calls 1 $mode \
+               > "$OUT/ncu-sass${mode:+-prefill}.csv" 2>&1
+             python3 benchmarks/ncu_sass_top.py "$OUT/ncu-sass${mode:+-prefill}.csv" | tee "$OUT/ncu-sass${mode:+-prefill}.txt" \
+               | head -4
            done ;;
     *)     timeout ${STAGE_TIMEOUT:-300} python3 benchmarks/bench_$stage.py ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_$stage.log" | tail -40 ;;
   esac

@@ -1,0 +1,33 @@
+"""The GPU-box helpers of benchmarks/ that run anywhere: ``ncu_sass_top.py`` on a CSV shaped like Nsight
+Compute's ``--page source --print-source sass --csv`` output."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+CSV = '''==PROF== Connected to process 1
+ran something x1
+"Kernel Name","k_kernel",
+"Address","Source","Warp Stall Sampling (All Samples)","Instructions Executed","L1 Wavefronts Shared Excessive","L1 Wavefronts Shared","L1 Wavefronts Shared Ideal","L2 Theoretical Sectors Local","stall_long_sb","stall_wait","stall_barrier"
+"0x7f0000000100","      STS.128 [R8], R96","3","16384","65536","131072","65536","0","0","0","0"
+"0x7f0000000110","      LDL R15, [R1]","5","16384","0","0","0","65536","5","0","0"
+"0x7f0000000120","  @!P0  BRA 0x7f0000000100","90","1000","0","0","0","0","88","2","0"
+'''
+
+
+def test_ncu_sass_top_ranks_instructions(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import ncu_sass_top
+
+    path = tmp_path / "k.csv"
+    path.write_text(CSV)
+    text = ncu_sass_top.summary(path, top=2)
+    lines = text.splitlines()
+    assert lines[0] == "== k_kernel (3 SASS instructions)"
+    assert "shared wavefronts 131,072 (ideal 65,536, excess 65,536 = 50.0%)" in lines[1]
+    assert "local-memory sectors 65,536; stall samples 98" in lines[1]
+    assert lines[2].startswith("stall samples by reason: long_sb 93 (95%), wait 2 (2%)")
+    excess = lines.index("-- top 1 by excess shared wavefronts")
+    assert "STS.128 [R8], R96" in lines[excess + 1]
+    stalls = lines.index("-- top 2 by stall samples")  # of 3: the top 2 only
+    assert "BRA" in lines[stalls + 1] and "LDL" in lines[stalls + 2]
