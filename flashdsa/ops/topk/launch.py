@@ -191,16 +191,12 @@ SCRATCH_CACHE_MAX = 64 << 20  # bytes: decode shapes need 3-9 MiB; a larger scra
 # larger call replaces the buffer) nor by the registered op (torch.compile's CUDA-graph trees check that
 # no buffer of their warm-up outlives it): those allocate per call, as before.
 _SCRATCH: dict = {}
-try:
-    from torch._C import _cuda_isCurrentStreamCapturing as _capturing
-except ImportError:  # a CPU-only torch build
-    def _capturing() -> bool:
-        return False
 
 
 def scratch_buffer(dev: torch.device, nbytes: int) -> torch.Tensor:
     """``[>= nbytes] uint8`` scratch for one launch on ``dev``'s current stream (see ``_SCRATCH``)."""
-    if not CACHED_SCRATCH or nbytes > SCRATCH_CACHE_MAX or in_registered_op() or is_cuda(dev) and _capturing():
+    if (not CACHED_SCRATCH or nbytes > SCRATCH_CACHE_MAX or in_registered_op()
+            or is_cuda(dev) and torch.cuda.is_current_stream_capturing()):
         return torch.empty(nbytes, dtype=torch.uint8, device=dev)
     key = stream_key(dev)
     buf = _SCRATCH.get(key)
