@@ -297,15 +297,16 @@ def topk_transform(logits, lengths, topk, page_table, row_starts, out_offsets, p
     user = (lptr, len_ptr, starts.data_ptr(), offsets.data_ptr(), table.data_ptr(), out.data_ptr())
     if not aligned(*user):
         key = None  # no plan: Triton's launch (our own buffers are allocator-aligned, pieces 256-B apart)
+    pieces = [base + off for _, off, _, _ in scratch]
     if split:
         arrive = arrive_counters(dev, R, cfg.cached_counters)
-        scr, sscr, counts, *rest = [base + off for _, off, _, _ in scratch]
+        scr, sscr, counts, *rest = pieces
         # uscr, wscr, then sampscr: a piece when the sample streams, else unused (any int32 pointer)
         ptrs = (*user, scr, sscr, counts, arrive.data_ptr(), *rest, *(() if cfg.sample_stream else (len_ptr,)),
                 flag.data_ptr())
     else:
         arrive = None
-        ptrs = (*user, *[base + off for _, off, _, _ in scratch], flag.data_ptr())
+        ptrs = (*user, *pieces, flag.data_ptr())
 
     def build():
         kw = dict(consts, logits=logits, lengths=lengths, row_starts=starts, out_offsets=offsets, table=table, out=out,
