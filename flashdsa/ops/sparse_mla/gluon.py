@@ -184,10 +184,8 @@ def _producer(kv, idx, stride_kv_page, stride_kv_row, stride_i_row, n_slots, top
     """Gather, dequantise and stage the K/V tile of every step, slots loaded in-step (variant "ws", the
     first version; :func:`_producer_pipe` replaces it). PREFETCH, DEQ and ROWS_FIRST are ignored (exact
     dequantisation, row-major gathers)."""
-    # [64 rows, 128 bytes] of latent: 16 B per thread, 8 threads per row, 16 rows per pass of 4 warps
-    LG: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
-    # [64 rows, 64 bf16] of rope: the same rows per thread as LG
-    LR: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    LG: gl.constexpr = gather_layout(False)   # [64 rows, 128 bytes], row-major
+    LR: gl.constexpr = rope_layout(False)     # [64 rows, 64 bf16], LG's rows
     i_row = (gl.program_id(0) // n_hb).to(gl.int64)
     p_idx = idx + i_row * stride_i_row
     o_n = gl.arange(0, BLOCK_N, gl.SliceLayout(1, LG))
