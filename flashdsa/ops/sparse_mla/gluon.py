@@ -106,7 +106,8 @@ def gather_layout(rows_first):
     8 lanes of a row write the same 4 bank groups in both halves (2 wavefronts a phase: measured by ncu as
     8 wavefronts per store against an ideal 4). Eight rows in a phase land on 8 different bank groups
     (the swizzle XORs the 16-B chunk with the row), one wavefront a phase (tests/ops/test_sparse_mla_gluon.py
-    checks both on the layouts themselves)."""
+    checks both on the layouts themselves). Measured, rows-first is slower all the same (VARIANTS' ``-r8``):
+    a warp's 16-B loads then touch twice as many rows' lines."""
     if rows_first:
         return gl.BlockedLayout([1, 16], [8, 4], [4, 1], [0, 1])
     return gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
@@ -588,8 +589,12 @@ VARIANTS = {
     # 16-B stores); in one run 109.9 / 211.2 / 224.6 against the exact dequantisation's 111.1 / 215.5 /
     # 236.2 (FlashMLA 94.8 / 179.9 / 236.3)
     "ws-pipe-pf2-os-ql-dq4": _variant(pipe=True, deq=4, prefetch=2, overlap=False, ostage=True, ql=True),
-    # the default and its exact twin with the conflict-free gather layout (:func:`gather_layout`): compiled for
-    # sm_90 (Triton 3.6 and 3.9; the same 56 LDG.128 / 72 STS.128, 96 B of spills), NOT yet run on a GPU
+    # the default and its exact twin with the conflict-free gather layout (:func:`gather_layout`; the same 56
+    # LDG.128 / 72 STS.128). ncu: no excess shared wavefronts (the default's 2-way conflict is gone), yet
+    # slower: 2026-12-02, one run, 133.6 / 254.5 / 256.0 and 120.4 / 228.7 / 236.4 against 109.4 / 210.7 /
+    # 224.7 and 111.3 / 215.9 / 236.2 (FlashMLA 94.7 / 179.8 / 235.3); with every step on the same 64 rows
+    # (hot64, no DRAM) 111.6 / 111.4 against 108.9 / 102.3. Each load instruction of a warp now touches 8
+    # rows' lines instead of 4, and the gathers, not the stores' conflicts, set the pace.
     "ws-pipe-pf2-os-ql-dq4-r8": _variant(pipe=True, deq=4, prefetch=2, overlap=False, ostage=True, ql=True,
                                          rows_first=True),
     "ws-pipe-pf2-os-ql-r8": _variant(pipe=True, deq=0, prefetch=2, overlap=False, ostage=True, ql=True,
