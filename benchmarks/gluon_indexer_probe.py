@@ -1,0 +1,238 @@
+"""The Gluon paged indexer (``flashdsa/ops/indexer/gluon.py``, issue #17) on the H200: checked against the
+reference, then timed (CUDA-graph replay) next to our Triton kernel and DeepGEMM in the same run.
+
+    PYTHONPATH=. python benchmarks/gluon_indexer_probe.py [--cases quick|full] [--chunk-pages 16,32]
+    PYTHONPATH=/path/to/triton-3.6:. python benchmarks/gluon_indexer_probe.py --compile-only   # no GPU
+
+Correctness first, on small ragged batches (lengths 0, 1, 63, 64, 65, several chunks, junk in the block
+table past each row's reach, NaN-poisoned outputs): the exact -inf pattern, max |err| relative to the
+row's largest logit, and the device checks (a bad page id / length sets the error word). Then the timed
+cases: B 64, ctx ~U(0.7, 1.3) x 8K / 32K, next_n 1..4, with ours (Triton default), DeepGEMM (n <= 2) and
+each ``--chunk-pages`` setting. JSON: $OUT/gluon_indexer_probe.json when $OUT is set.
+--compile-only compiles every next_n for sm_90 with the Triton on the path and prints shared memory,
+setmaxnreg budgets, ptxas spills and HGMMA / DEPBAR counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+D, H = 128, 64
+
+
+def compile_only(ns=(1, 2, 3, 4)) -> int:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    from flashdsa.ops.indexer import gluon as G
+    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    print(f"triton {triton.__version__} ({triton.__file__})")
+    tys = {torch.float32: "*fp32", torch.int32: "*i32", torch.uint8: "*u8", torch.float8_e4m3fn: "*fp8e4nv",
+           torch.int64: "*i64"}
+    fn = G.indexer_paged_ws_kernel
+    for n in ns:
+        for check in (False, True):
+            B, P, max_len = 4, 64, 4096
+            q = torch.empty(B, n, H, D, dtype=torch.float8_e4m3fn)
+            cache = torch.empty(P, 8448, dtype=torch.uint8)
+            w = torch.empty(B * n, H)
+            ctx = torch.empty(B, n, dtype=torch.int32)
+            bt = torch.empty(B, max_len // 64, dtype=torch.int32)
+            out = torch.empty(B * n, max_len)
+            flag = torch.empty(1, dtype=torch.int64)
+            G.num_sms = lambda dev: 132   # noqa: E731 - no GPU here
+            _, kw = G.kernel_args(q, cache, w, ctx, bt, max_len, out, flag=flag, hi=max_len, code0=5, check=check,
+                                  chunk_pages=16)
+            opts = {k: kw.pop(k) for k in ("num_warps", "maxnreg")}
+            sig, attrs, consts = {}, {}, {}
+            for i, name in enumerate(fn.arg_names):
+                val = kw[name]
+                if name.isupper():
+                    sig[name], consts[name] = "constexpr", val.value if hasattr(val, "value") else val
+                elif isinstance(val, torch.Tensor):
+                    sig[name], attrs[(i,)] = tys[val.dtype], [["tt.divisibility", 16]]
+                elif isinstance(val, G.TensorDescriptor):
+                    sig[name] = mangle_type(val)
+                else:
+                    sig[name] = "i32"
+            try:
+                k = triton.compile(GluonASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                                   options=opts)
+            except Exception as e:  # noqa: BLE001
+                print(f"n{n} check {check}: FAILED {type(e).__name__}: " + " | ".join(str(e).splitlines()[-3:])[-800:] + " | cause: " + repr(e.__cause__)[-700:] + " | " + repr(getattr(e.__cause__, "__cause__", None))[-700:])
+                continue
+            with tempfile.TemporaryDirectory() as d:
+                (Path(d) / "k.ptx").write_text(k.asm["ptx"])
+                (Path(d) / "k.cubin").write_bytes(k.asm["cubin"])
+                ptxas = subprocess.run([str(bin_dir / "ptxas"), "-arch=sm_90a", "-v", str(Path(d) / "k.ptx"), "-o",
+                                        str(Path(d) / "k2.cubin")], capture_output=True, text=True).stderr
+                sass = subprocess.run([str(bin_dir / "nvdisasm"), "-c", str(Path(d) / "k.cubin")],
+                                      capture_output=True, text=True).stdout
+            if os.environ.get("SASS_DIR"):
+                Path(os.environ["SASS_DIR"]).mkdir(parents=True, exist_ok=True)
+                (Path(os.environ["SASS_DIR"]) / f"n{n}-{int(check)}.sass").write_text(sass)
+                (Path(os.environ["SASS_DIR"]) / f"n{n}-{int(check)}.ptx").write_text(k.asm["ptx"])
+            notes = [ln.split(": ", 1)[-1] for ln in ptxas.splitlines() if "C75" in ln]
+            spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", ptxas)
+            regs = re.findall(r"setmaxnreg[.]\w+[.]sync[.]aligned[.]u32\s+(\d+)", k.asm["ptx"])
+            print(f"n{n} check {check}: shared {k.metadata.shared} B, setmaxnreg {regs}, "
+                  f"spill st/ld {spill.groups() if spill else '?'} B, HGMMA {sass.count('HGMMA')}, "
+                  f"DEPBAR {len(re.findall(r'WARPGROUP.DEPBAR', sass))}, notes {notes or 'none'}")
+    return 0
+
+
+# ---- GPU ------------------------------------------------------------------------------------------------------
+
+def _small_case(B, n, lens_list, P_extra=5, seed=0):
+    """A ragged batch with explicit lengths (row j of request b: lens_list[b] - n + 1 + j, clamped at 0) and
+    junk page ids past each request's pages."""
+    from flashdsa.ops.indexer.reference import indexer_logits_paged as _  # noqa: F401
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    seq = torch.tensor(lens_list, dtype=torch.int32, device="cuda")
+    pages = [(int(s) + 63) // 64 for s in lens_list]
+    maxp = max(max(pages), 1) + 2
+    P = sum(pages) + P_extra
+    perm = torch.randperm(P, generator=g, device="cuda").to(torch.int32)
+    bt = torch.full((B, maxp), 2 ** 30, dtype=torch.int32, device="cuda")   # junk past the reach
+    o = 0
+    for b in range(B):
+        bt[b, :pages[b]] = perm[o:o + pages[b]]
+        o += pages[b]
+    cache = torch.randint(0, 256, (P, 8448), dtype=torch.uint8, device="cuda", generator=g)
+    keys = cache[:, :8192].view(P, 64, D)
+    keys.copy_((torch.randn(P, 64, D, device="cuda", generator=g) * 2).to(torch.float8_e4m3fn).view(torch.uint8))
+    cache[:, 8192:].view(torch.float32).copy_(torch.rand(P, 64, device="cuda", generator=g) + 0.01)
+    ctx = (seq[:, None] - n + 1 + torch.arange(n, device="cuda")[None, :]).clamp(min=0).to(torch.int32)
+    q = (torch.randn(B, n, H, D, device="cuda", generator=g) * 2).to(torch.float8_e4m3fn)
+    w = torch.randn(B * n, H, device="cuda", generator=g)
+    return q, cache, w, ctx, bt, maxp * 64
+
+
+def _check(out, ref):
+    inf_ok = torch.equal(torch.isneginf(out), torch.isneginf(ref)) and not torch.isnan(out).any()
+    fin = torch.isfinite(ref)
+    scale = ref[fin].abs().max().clamp(min=1e-30) if fin.any() else torch.tensor(1.0)
+    err = float((out - ref)[fin].abs().max() / scale) if fin.any() else 0.0
+    return inf_ok, err
+
+
+def run_gpu(args) -> int:
+    from flashdsa._checks import error_flag
+    from flashdsa.ops._device_checks import PAGED_CODE0
+    from flashdsa.ops.indexer import gluon as G
+    from flashdsa.ops.indexer import paged as KP
+    from flashdsa.ops.indexer import reference
+    from flashdsa.testing.peers import deepgemm_paged, import_deep_gemm
+    rows = []
+    ok_all = True
+    # correctness: lengths 0, 1, 63, 64, 65, 200, 1000 with 1-page chunks (many CTAs, fills) and the default
+    for n in (1, 2, 3, 4):
+        for cp in (1, 2, None):
+            lens = [0, 1, 63, 64, 65, 200, 1000, 777][: 8]
+            q, cache, w, ctx, bt, max_len = _small_case(len(lens), n, lens, seed=n)
+            out = torch.full((len(lens) * n, max_len), float("nan"), device="cuda")
+            grid, kw = G.kernel_args(q, cache, w, ctx, bt, max_len, out, chunk_pages=cp)
+            G.indexer_paged_ws_kernel[grid](**kw)
+            torch.cuda.synchronize()
+            ref = reference.indexer_logits_paged(q, cache, w, ctx, bt, max_len)
+            inf_ok, err = _check(out, ref)
+            ok = inf_ok and err < 1e-5
+            ok_all &= ok
+            print(f"check n{n} chunk_pages {cp}: -inf pattern {inf_ok}, max rel err {err:.2e} {'ok' if ok else 'FAIL'}",
+                  flush=True)
+            rows.append(dict(kind="check", n=n, chunk_pages=cp, inf_ok=inf_ok, err=err))
+    # device checks: a bad page id and a bad length set the error word
+    flag = error_flag(torch.device("cuda"))
+    for what in ("page", "len"):
+        q, cache, w, ctx, bt, max_len = _small_case(3, 2, [100, 300, 50], seed=7)
+        if what == "page":
+            bt[1, 2] = cache.shape[0] + 3
+        else:
+            ctx[2, 1] = max_len + 5
+        flag.zero_()
+        out = torch.full((6, max_len), float("nan"), device="cuda")
+        grid, kw = G.kernel_args(q, cache, w, ctx, bt, max_len, out, flag=flag, hi=max_len, code0=PAGED_CODE0,
+                                 check=True)
+        G.indexer_paged_ws_kernel[grid](**kw)
+        torch.cuda.synchronize()
+        word = int(flag.item())
+        flagged = word != 0
+        ok_all &= flagged and not torch.isnan(out).any()
+        print(f"device check bad {what}: flag {hex(word)} {'ok' if flagged else 'FAIL'}; NaN left "
+              f"{int(torch.isnan(out).sum())}", flush=True)
+        flag.zero_()
+
+    # timing
+    from bench_indexer import _graph_time, _paged_case
+    dg, why = import_deep_gemm()
+    cases = [(64, 1, 32768), (64, 2, 32768), (64, 3, 32768), (64, 4, 32768)]
+    if args.cases == "full":
+        cases = [(64, 1, 8192), (64, 2, 8192)] + cases + [(128, 1, 32768)]
+    cps = [None] + [int(x) for x in args.chunk_pages.split(",") if x]
+    table = []
+    for B, n, avg in cases:
+        c = _paged_case(B, n, avg)
+        a = (c["q_fp8"], c["cache"], c["w"], c["ctx"], c["bt"], c["max_len"])
+        ref = KP.indexer_logits_paged(*a)   # the Triton kernel (checked against the reference in its tests)
+        t_tri = _graph_time(lambda: KP.indexer_logits_paged(*a))
+        t_dg = None
+        if dg is not None and n <= 2:
+            call = deepgemm_paged(*a)
+            call()
+            t_dg = _graph_time(call)
+        for cp in cps:
+            out = torch.full_like(ref, float("nan"))
+            grid, kw = G.kernel_args(*a, out, chunk_pages=cp)
+            G.indexer_paged_ws_kernel[grid](**kw)
+            torch.cuda.synchronize()
+            inf_ok, err = _check(out, ref)
+            t = _graph_time(lambda: G.indexer_paged_ws_kernel[grid](**kw))
+            r = dict(kind="time", B=B, n=n, ctx=avg, chunk_pages=kw["CHUNK_PAGES"], inf_ok=inf_ok, err_vs_triton=err,
+                     gluon_us=t, triton_us=t_tri, deepgemm_us=t_dg)
+            rows.append(r)
+            table.append(r)
+            print(r, flush=True)
+        del c, a, ref
+        torch.cuda.empty_cache()
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "gluon_indexer_probe.json").write_text(json.dumps(rows, indent=1))
+    print("\ncase             | chunk | gluon us | triton us | DeepGEMM us | gluon/DG | gluon/triton | ok")
+    for r in table:
+        g_, t_, d_ = r["gluon_us"], r["triton_us"], r["deepgemm_us"]
+        print(f"B{r['B']} n{r['n']} ctx~{r['ctx'] // 1024}K".ljust(17) + f"| {r['chunk_pages']:5d} | {g_:8.1f} | "
+              f"{t_:9.1f} | " + (f"{d_:11.1f} | {g_ / d_:8.3f}" if d_ else f"{'-':>11} | {'-':>8}")
+              + f" | {g_ / t_:12.3f} | {r['inf_ok'] and r['err_vs_triton'] < 1e-5}")
+    print("correctness:", "all ok" if ok_all else "FAILURES")
+    return 0 if ok_all else 1
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--compile-only", action="store_true")
+    ap.add_argument("--cases", default="quick", choices=["quick", "full"])
+    ap.add_argument("--chunk-pages", default="", help="extra chunk sizes to time, comma-separated")
+    args = ap.parse_args()
+    if args.compile_only:
+        return compile_only()
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU (or --compile-only)")
+        return 1
+    return run_gpu(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
