@@ -45,7 +45,7 @@ def compile_only(ns=(1, 2, 3, 4)) -> int:
            torch.int64: "*i64"}
     fn = G.indexer_paged_ws_kernel
     for n in ns:
-        for check in (False, True):
+        for check in (False,):
             B, P, max_len = 4, 64, 4096
             q = torch.empty(B, n, H, D, dtype=torch.float8_e4m3fn)
             cache = torch.empty(P, 8448, dtype=torch.uint8)
@@ -55,8 +55,7 @@ def compile_only(ns=(1, 2, 3, 4)) -> int:
             out = torch.empty(B * n, max_len)
             flag = torch.empty(1, dtype=torch.int64)
             G.num_sms = lambda dev: 132   # noqa: E731 - no GPU here
-            _, kw = G.kernel_args(q, cache, w, ctx, bt, max_len, out, flag=flag, hi=max_len, code0=5, check=check,
-                                  chunk_pages=16)
+            _, kw = G.kernel_args(q, cache, w, ctx, bt, max_len, out, chunk_pages=16)
             opts = {k: kw.pop(k) for k in ("num_warps", "maxnreg")}
             sig, attrs, consts = {}, {}, {}
             for i, name in enumerate(fn.arg_names):
@@ -131,8 +130,6 @@ def _check(out, ref):
 
 
 def run_gpu(args) -> int:
-    from flashdsa._checks import error_flag
-    from flashdsa.ops._device_checks import PAGED_CODE0
     from flashdsa.ops.indexer import gluon as G
     from flashdsa.ops.indexer import paged as KP
     from flashdsa.ops.indexer import reference
@@ -141,48 +138,28 @@ def run_gpu(args) -> int:
     ok_all = True
     # correctness: lengths 0, 1, 63, 64, 65, 200, 1000 with 1-page chunks (many CTAs, fills) and the default
     for n in (1, 2, 3, 4):
-        for cp in (1, 2, None):
+        for cp, extra in ((1, {"max_ctas": 3}), (2, {}), (None, {}), (1, {"ctas_per_sm": 1, "max_ctas": 2}),
+                          (2, {"pages_in_flight": 1, "max_ctas": 5})):
             lens = [0, 1, 63, 64, 65, 200, 1000, 777][: 8]
             q, cache, w, ctx, bt, max_len = _small_case(len(lens), n, lens, seed=n)
             out = torch.full((len(lens) * n, max_len), float("nan"), device="cuda")
-            grid, kw = G.kernel_args(q, cache, w, ctx, bt, max_len, out, chunk_pages=cp)
+            grid, kw = G.kernel_args(q, cache, w, ctx, bt, max_len, out, chunk_pages=cp, **extra)
             G.indexer_paged_ws_kernel[grid](**kw)
             torch.cuda.synchronize()
             ref = reference.indexer_logits_paged(q, cache, w, ctx, bt, max_len)
             inf_ok, err = _check(out, ref)
-            ok = inf_ok and err < 1e-5
+            ok = inf_ok and err < 1e-3   # Hopper's fp8 wgmma accumulates in less than fp32 (~2e-4)
             ok_all &= ok
-            print(f"check n{n} chunk_pages {cp}: -inf pattern {inf_ok}, max rel err {err:.2e} {'ok' if ok else 'FAIL'}",
+            print(f"check n{n} chunk_pages {cp} {extra}: -inf pattern {inf_ok}, max rel err {err:.2e} {'ok' if ok else 'FAIL'}",
                   flush=True)
-            rows.append(dict(kind="check", n=n, chunk_pages=cp, inf_ok=inf_ok, err=err))
-    # device checks: a bad page id and a bad length set the error word
-    flag = error_flag(torch.device("cuda"))
-    for what in ("page", "len"):
-        q, cache, w, ctx, bt, max_len = _small_case(3, 2, [100, 300, 50], seed=7)
-        if what == "page":
-            bt[1, 2] = cache.shape[0] + 3
-        else:
-            ctx[2, 1] = max_len + 5
-        flag.zero_()
-        out = torch.full((6, max_len), float("nan"), device="cuda")
-        grid, kw = G.kernel_args(q, cache, w, ctx, bt, max_len, out, flag=flag, hi=max_len, code0=PAGED_CODE0,
-                                 check=True)
-        G.indexer_paged_ws_kernel[grid](**kw)
-        torch.cuda.synchronize()
-        word = int(flag.item())
-        flagged = word != 0
-        ok_all &= flagged and not torch.isnan(out).any()
-        print(f"device check bad {what}: flag {hex(word)} {'ok' if flagged else 'FAIL'}; NaN left "
-              f"{int(torch.isnan(out).sum())}", flush=True)
-        flag.zero_()
-
+            rows.append(dict(kind="check", n=n, chunk_pages=cp, extra=str(extra), inf_ok=inf_ok, err=err))
     # timing
     from bench_indexer import _graph_time, _paged_case
     dg, why = import_deep_gemm()
     cases = [(64, 1, 32768), (64, 2, 32768), (64, 3, 32768), (64, 4, 32768)]
     if args.cases == "full":
         cases = [(64, 1, 8192), (64, 2, 8192)] + cases + [(128, 1, 32768)]
-    cps = [None] + [int(x) for x in args.chunk_pages.split(",") if x]
+    variants = [{}] + [json.loads(v) for v in args.variants.split(";") if v]
     table = []
     for B, n, avg in cases:
         c = _paged_case(B, n, avg)
@@ -194,14 +171,23 @@ def run_gpu(args) -> int:
             call = deepgemm_paged(*a)
             call()
             t_dg = _graph_time(call)
-        for cp in cps:
+        seen = set()
+        for v in variants:
+            try:
+                resolved = G.launch_config(B, n, c["max_len"], "cuda", **v)
+            except ValueError:
+                continue
+            if str(resolved) in seen:
+                continue
+            seen.add(str(resolved))
             out = torch.full_like(ref, float("nan"))
-            grid, kw = G.kernel_args(*a, out, chunk_pages=cp)
+            grid, kw = G.kernel_args(*a, out, **v)
             G.indexer_paged_ws_kernel[grid](**kw)
             torch.cuda.synchronize()
             inf_ok, err = _check(out, ref)
             t = _graph_time(lambda: G.indexer_paged_ws_kernel[grid](**kw))
-            r = dict(kind="time", B=B, n=n, ctx=avg, chunk_pages=kw["CHUNK_PAGES"], inf_ok=inf_ok, err_vs_triton=err,
+            cfg = f"cp{kw['CHUNK_PAGES']} dp{kw['DP']} c{resolved['ctas']}"
+            r = dict(kind="time", B=B, n=n, ctx=avg, cfg=cfg, inf_ok=inf_ok, err_vs_triton=err,
                      gluon_us=t, triton_us=t_tri, deepgemm_us=t_dg)
             rows.append(r)
             table.append(r)
@@ -210,12 +196,12 @@ def run_gpu(args) -> int:
         torch.cuda.empty_cache()
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "gluon_indexer_probe.json").write_text(json.dumps(rows, indent=1))
-    print("\ncase             | chunk | gluon us | triton us | DeepGEMM us | gluon/DG | gluon/triton | ok")
+    print("\ncase             | config       | gluon us | triton us | DeepGEMM us | gluon/DG | gluon/triton | ok")
     for r in table:
         g_, t_, d_ = r["gluon_us"], r["triton_us"], r["deepgemm_us"]
-        print(f"B{r['B']} n{r['n']} ctx~{r['ctx'] // 1024}K".ljust(17) + f"| {r['chunk_pages']:5d} | {g_:8.1f} | "
+        print(f"B{r['B']} n{r['n']} ctx~{r['ctx'] // 1024}K".ljust(17) + f"| {r['cfg']:12} | {g_:8.1f} | "
               f"{t_:9.1f} | " + (f"{d_:11.1f} | {g_ / d_:8.3f}" if d_ else f"{'-':>11} | {'-':>8}")
-              + f" | {g_ / t_:12.3f} | {r['inf_ok'] and r['err_vs_triton'] < 1e-5}")
+              + f" | {g_ / t_:12.3f} | {r['inf_ok'] and r['err_vs_triton'] < 1e-3}")
     print("correctness:", "all ok" if ok_all else "FAILURES")
     return 0 if ok_all else 1
 
@@ -224,7 +210,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--compile-only", action="store_true")
     ap.add_argument("--cases", default="quick", choices=["quick", "full"])
-    ap.add_argument("--chunk-pages", default="", help="extra chunk sizes to time, comma-separated")
+    ap.add_argument("--variants", default='{"chunk_pages": 16};{"chunk_pages": 8};{"ctas_per_sm": 1};'
+                    '{"ctas_per_sm": 1, "pages_in_flight": 2};{"pages_in_flight": 1}',
+                    help="launch_config overrides to time next to the default, JSON objects separated by ';'")
     args = ap.parse_args()
     if args.compile_only:
         return compile_only()

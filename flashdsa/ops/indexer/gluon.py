@@ -74,8 +74,9 @@ def scale_layout():
 
 
 @gluon.jit
-def _scales(buf, layout: gl.constexpr, NEW: gl.constexpr):
-    """A page's [2, 32] fp32 scale tile read as its 64 scales in ``layout``."""
+def _scales(buf, NEW: gl.constexpr):
+    """A page's [2, 32] fp32 scale tile read as its 64 scales, one a key row of the accumulator."""
+    layout: gl.constexpr = gl.SliceLayout(1, acc_layout())
     flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     if NEW:
         v = buf.reinterpret(gl.float32, [64], flat)
@@ -84,83 +85,69 @@ def _scales(buf, layout: gl.constexpr, NEW: gl.constexpr):
     return v.load(layout)
 
 
-# ---- value checks (default mode) ---------------------------------------------------------------------------
-
-@gluon.jit
-def _flag(flag, bad, value, code):
-    """Store the error word of ``code`` with ``value``'s low 32 bits into ``flag`` where ``bad`` (scalars)."""
-    v = gl.minimum(gl.maximum(value.to(gl.int64), -2147483648), 2147483647)
-    gl.store(flag, (code.to(gl.int64) << 32) | (v & 0xFFFFFFFF), mask=bad)
-
-
-@gluon.jit
-def _flag_range(flag, v, m, hi, code):
-    """Flag the largest of ``v`` above ``hi`` (code + 1), then the smallest below 0 (code: it wins, as the host
-    check tests the minimum first). Returns 1 if any was bad, else 0 (int32 scalar)."""
-    bad_lo = m & (v < 0)
-    bad_hi = m & (v > hi)
-    any_hi = gl.max(bad_hi.to(gl.int32), axis=0)
-    any_lo = gl.max(bad_lo.to(gl.int32), axis=0)
-    _flag(flag, any_hi > 0, gl.max(gl.where(bad_hi, v, 0), axis=0), code + 1)
-    _flag(flag, any_lo > 0, gl.min(gl.where(bad_lo, v, 0), axis=0), code)
-    return gl.maximum(any_hi, any_lo)
-
-
-@gluon.jit
-def _checks(q_b, stride_qn, stride_qh, lens, m_j, p_bt, page0, n_pages, i_c, flag, hi, last_page, code0,
-            NEXT_N: gl.constexpr, CP: gl.constexpr):
-    """The device checks of CTA (b, c) (error words code0 + i in ``_device_checks.PAGED_CHECKS``' order):
-    lengths, the chunk's page ids, and (chunk 0) NaN codes in the request's queries. 1 if all good."""
-    bad = _flag_range(flag, lens, m_j, hi, code0)
-    LP: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-    o_p = gl.arange(0, CP, layout=LP)
-    m_p = o_p < n_pages
-    ids = gl.load(p_bt + page0 + o_p, mask=m_p, other=0)
-    bad = gl.maximum(bad, _flag_range(flag, ids, m_p, last_page, code0 + 2))
-    if i_c == 0:
-        LQ: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
-        o_h = gl.arange(0, HEADS, layout=gl.SliceLayout(1, LQ))
-        o_d = gl.arange(0, D, layout=gl.SliceLayout(0, LQ))
-        nan = gl.zeros([HEADS, D], gl.int32, LQ)
-        for j in gl.static_range(NEXT_N):
-            x = gl.load(q_b + j * stride_qn + gl.expand_dims(o_h, 1) * stride_qh + gl.expand_dims(o_d, 0))
-            nan = gl.maximum(nan, ((x.to(gl.uint8, bitcast=True) & 0x7F) == 0x7F).to(gl.int32))
-        any_nan = gl.max(gl.max(nan, axis=1), axis=0)
-        _flag(flag, any_nan > 0, any_nan * 0, code0 + 4)
-    return bad == 0
-
-
 # ---- partitions ----------------------------------------------------------------------------------------------
 
 @gluon.jit
-def _producer(key_desc, sc_desc, p_bt, page0, n_pages, out_b, stride_o, fill0, c1, k_smem, s_smem, ready, free,
-              NBUF: gl.constexpr, NEXT_N: gl.constexpr, NEW: gl.constexpr):
-    """Pages [page0, page0 + n_pages) of the request's table row ``p_bt``: page ids 4 ahead, one TMA copy of
-    the keys and one of the scales per page into buffer i % NBUF; then -inf at columns [fill0, c1) of the
-    request's NEXT_N rows (``out_b``)."""
-    pa = gl.load(p_bt + page0, mask=n_pages > 0, other=0)
-    pb = gl.load(p_bt + page0 + 1, mask=n_pages > 1, other=0)
-    pc = gl.load(p_bt + page0 + 2, mask=n_pages > 2, other=0)
-    pd = gl.load(p_bt + page0 + 3, mask=n_pages > 3, other=0)
-    for i in range(n_pages):
-        pn = gl.load(p_bt + page0 + i + 4, mask=i + 4 < n_pages, other=0)
-        s = i % NBUF
-        mbarrier.wait(free.index(s), ((i // NBUF) & 1) ^ 1)   # a fresh barrier's previous phase counts as done
-        bar = ready.index(s)
-        mbarrier.expect(bar, 64 * D + 64 * 4)
-        r = pa * 66
-        _tma_copy(key_desc, [r, 0], bar, k_smem.index(s))
-        _tma_copy(sc_desc, [r + 64, 0], bar, s_smem.index(s))
-        pa = pb
-        pb = pc
-        pc = pd
-        pd = pn
+def _item(t, B, n_chunks, context_lens, max_len, NEXT_N: gl.constexpr, CHUNK_PAGES: gl.constexpr,
+          DP: gl.constexpr):
+    """Work item t -> (request b, its first column c0, the chunk end c1, pages to score, pages padded to whole
+    rounds of both consumers). Chunk-major order: every request's first chunk (never empty) comes first."""
+    b = t % B
+    c0 = (t // B) * (CHUNK_PAGES * 64)
+    c1 = gl.minimum(c0 + CHUNK_PAGES * 64, max_len)
+    p_len = context_lens + b.to(gl.int64) * NEXT_N
+    reach = gl.load(p_len)
+    for j in gl.static_range(1, NEXT_N):
+        reach = gl.maximum(reach, gl.load(p_len + j))
+    n_pages = gl.cdiv(gl.maximum(gl.minimum(c1, reach) - c0, 0), 64)
+    n_pad = gl.cdiv(n_pages, 2 * DP) * (2 * DP)
+    return b, c0, c1, n_pages, n_pad
+
+
+@gluon.jit
+def _producer(q_desc, key_desc, sc_desc, context_lens, block_table, stride_bt, out, stride_o, max_len, B, n_chunks,
+              n_items, q_smem, k_smem, s_smem, ready, free, q_ready, q_free, NBUF: gl.constexpr,
+              NEXT_N: gl.constexpr, CHUNK_PAGES: gl.constexpr, DP: gl.constexpr):
+    """For each of the CTA's items: the request's queries (n TMA copies into the item's Q buffer), then its
+    pages (page ids four ahead, one TMA copy of the keys and one of the scales per page, padding pages read
+    page 0), then -inf at the columns past the rows' reach."""
     LF: gl.constexpr = gl.BlockedLayout([4], [32], [1], [0])
     o_f = gl.arange(0, 128, layout=LF)
     ninf = gl.full([128], float("-inf"), gl.float32, LF)
-    for j in gl.static_range(NEXT_N):
-        for t in range(fill0, c1, 128):
-            gl.store(out_b + j * stride_o + t + o_f, ninf, mask=t + o_f < c1)
+    g = 0    # pages issued so far (buffer g % NBUF)
+    it = 0   # non-empty items so far (Q buffer it % 2)
+    for t in range(gl.program_id(0), n_items, gl.num_programs(0)):
+        b, c0, c1, n_pages, n_pad = _item(t, B, n_chunks, context_lens, max_len, NEXT_N, CHUNK_PAGES, DP)
+        if n_pages > 0:
+            qb = it % 2
+            mbarrier.wait(q_free.index(qb), ((it // 2) & 1) ^ 1)   # a fresh barrier's previous phase is done
+            mbarrier.expect(q_ready.index(qb), NEXT_N * 64 * D)
+            for j in gl.static_range(NEXT_N):
+                _tma_copy(q_desc, [(b * NEXT_N + j) * 64, 0], q_ready.index(qb), q_smem.index(qb * NEXT_N + j))
+            it += 1
+        p_bt = block_table + b.to(gl.int64) * stride_bt + c0 // 64
+        pa = gl.load(p_bt, mask=n_pages > 0, other=0)
+        pb = gl.load(p_bt + 1, mask=n_pages > 1, other=0)
+        pc = gl.load(p_bt + 2, mask=n_pages > 2, other=0)
+        pd = gl.load(p_bt + 3, mask=n_pages > 3, other=0)
+        for i in range(n_pad):
+            pn = gl.load(p_bt + i + 4, mask=i + 4 < n_pages, other=0)
+            s = g % NBUF
+            mbarrier.wait(free.index(s), ((g // NBUF) & 1) ^ 1)
+            bar = ready.index(s)
+            mbarrier.expect(bar, 64 * D + 64 * 4)
+            r = pa * 66
+            _tma_copy(key_desc, [r, 0], bar, k_smem.index(s))
+            _tma_copy(sc_desc, [r + 64, 0], bar, s_smem.index(s))
+            pa = pb
+            pb = pc
+            pc = pd
+            pd = pn
+            g += 1
+        out_b = out + b.to(gl.int64) * NEXT_N * stride_o
+        for j in gl.static_range(NEXT_N):
+            for f in range(c0 + n_pages * 64, c1, 128):
+                gl.store(out_b + j * stride_o + f + o_f, ninf, mask=f + o_f < c1)
 
 
 @gluon.jit
@@ -174,143 +161,156 @@ def _row_out(acc, w, sc, len_rel, p_out, lim, o_n):
 
 
 @gluon.jit
-def _consumer(WG: gl.constexpr, q_b, w_b, lens_b, out_b, stride_qn, stride_qh, stride_w, stride_o, c0, c1, n_pages,
-              q_smem, k_smem, s_smem, ready, free, q_bar, NBUF: gl.constexpr, NEXT_N: gl.constexpr,
-              NEW: gl.constexpr):
-    """Consumer WG: pages WG, WG + 2, ... of the CTA (see the module docstring)."""
+def _row(g: gl.constexpr, w0, w1, w2, w3, l0, l1, l2, l3):
+    """Draft row g's gates and length (a static pick: the rows are separate registers)."""
+    if g == 0:
+        return w0, l0
+    elif g == 1:
+        return w1, l1
+    elif g == 2:
+        return w2, l2
+    else:
+        return w3, l3
+
+
+@gluon.jit
+def _issue(g0, i, g: gl.constexpr, q_smem, q0, k_smem, ready, zero, NBUF: gl.constexpr):
+    """Draft row g's chain on the item's page i (global page g0 + i; row 0 first waits for the page)."""
+    s = (g0 + i) % NBUF
+    if g == 0:
+        mbarrier.wait(ready.index(s), ((g0 + i) // NBUF) & 1)
+    return warpgroup_mma(k_smem.index(s), q_smem.index(q0 + g).permute((1, 0)), zero, use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _finish(U: gl.constexpr, acc, g0, i0, G: gl.constexpr, S: gl.constexpr, c0, lim_end, s_smem, free, o_n,
+            w0, w1, w2, w3, l0, l1, l2, l3, out_b, stride_o, NBUF: gl.constexpr, NEW: gl.constexpr):
+    """Accumulator U = d * G + g of a round whose first page is i0: wait for its chain (the oldest of the
+    S - U still in flight), free the page after its last row, store the row's logits."""
+    d: gl.constexpr = U // G
+    g: gl.constexpr = U % G
+    i = i0 + 2 * d
+    s = (g0 + i) % NBUF
+    sc = _scales(s_smem.index(s), NEW)
+    acc = warpgroup_mma_wait(S - 1 - U, deps=(acc,))
+    if g == G - 1:
+        mbarrier.arrive(free.index(s), count=1)
+    t0 = c0 + i * 64
+    w, ln = _row(g, w0, w1, w2, w3, l0, l1, l2, l3)
+    _row_out(acc, w, sc, ln - t0, out_b + g * stride_o + t0, lim_end - t0, o_n)
+
+
+@gluon.jit
+def _consumer(WG: gl.constexpr, w, context_lens, out, stride_w, stride_o, max_len, B, n_chunks, n_items,
+              q_smem, k_smem, s_smem, ready, free, q_ready, q_free, NBUF: gl.constexpr, NEXT_N: gl.constexpr,
+              CHUNK_PAGES: gl.constexpr, DP: gl.constexpr, NEW: gl.constexpr):
+    """Consumer WG on each of the CTA's items: pages WG, WG + 2, ... in rounds of DP pages: the round's
+    S = DP * n chains issued together, then finished one by one as they complete (``_finish``), so the
+    tensor cores run the rest of the round's chains (and the other consumer's) during each epilogue.
+    Every chain completes within its round (ptxas serialises wgmma whose accumulators are read while a
+    chain issued in an earlier loop iteration may still run: C7514)."""
     L: gl.constexpr = acc_layout()
     LN: gl.constexpr = gl.SliceLayout(1, L)
     LH: gl.constexpr = gl.SliceLayout(0, L)
-    if WG == 0:
-        LQ: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
-        o_h = gl.arange(0, HEADS, layout=gl.SliceLayout(1, LQ))
-        o_d = gl.arange(0, D, layout=gl.SliceLayout(0, LQ))
-        for j in gl.static_range(NEXT_N):
-            x = gl.load(q_b + j * stride_qn + gl.expand_dims(o_h, 1) * stride_qh + gl.expand_dims(o_d, 0))
-            q_smem.index(j).store(x)
-        fence_async_shared()
-        mbarrier.arrive(q_bar, count=1)
+    S: gl.constexpr = DP * NEXT_N
+    G: gl.constexpr = NEXT_N
     o_n = gl.arange(0, 64, layout=LN)
-    o_hw = gl.arange(0, HEADS, layout=LH)
-    w0 = gl.load(w_b + o_hw)
-    l0 = gl.load(lens_b)
-    p0 = out_b
-    if NEXT_N > 1:
-        w1 = gl.load(w_b + stride_w + o_hw)
-        l1 = gl.load(lens_b + 1)
-        p1 = out_b + stride_o
-    if NEXT_N > 2:
-        w2 = gl.load(w_b + 2 * stride_w + o_hw)
-        l2 = gl.load(lens_b + 2)
-        p2 = out_b + 2 * stride_o
-    if NEXT_N > 3:
-        w3 = gl.load(w_b + 3 * stride_w + o_hw)
-        l3 = gl.load(lens_b + 3)
-        p3 = out_b + 3 * stride_o
+    o_h = gl.arange(0, HEADS, layout=LH)
     zero = gl.zeros([64, HEADS], gl.float32, L)
-    mbarrier.wait(q_bar, 0)
-    for i in range(WG, n_pages, 2):
-        s = i % NBUF
-        mbarrier.wait(ready.index(s), (i // NBUF) & 1)
-        kt = k_smem.index(s)
-        a0 = warpgroup_mma(kt, q_smem.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
-        if NEXT_N > 1:
-            a1 = warpgroup_mma(kt, q_smem.index(1).permute((1, 0)), zero, use_acc=False, is_async=True)
-        if NEXT_N > 2:
-            a2 = warpgroup_mma(kt, q_smem.index(2).permute((1, 0)), zero, use_acc=False, is_async=True)
-        if NEXT_N > 3:
-            a3 = warpgroup_mma(kt, q_smem.index(3).permute((1, 0)), zero, use_acc=False, is_async=True)
-        sc = _scales(s_smem.index(s), LN, NEW)
-        t0 = c0 + i * 64
-        lim = c1 - t0
-        if NEXT_N == 1:
-            a0 = warpgroup_mma_wait(0, deps=(a0,))
-            mbarrier.arrive(free.index(s), count=1)
-            _row_out(a0, w0, sc, l0 - t0, p0 + t0, lim, o_n)
-        elif NEXT_N == 2:
-            a0 = warpgroup_mma_wait(1, deps=(a0,))
-            _row_out(a0, w0, sc, l0 - t0, p0 + t0, lim, o_n)
-            a1 = warpgroup_mma_wait(0, deps=(a1,))
-            mbarrier.arrive(free.index(s), count=1)
-            _row_out(a1, w1, sc, l1 - t0, p1 + t0, lim, o_n)
-        elif NEXT_N == 3:
-            a0 = warpgroup_mma_wait(2, deps=(a0,))
-            _row_out(a0, w0, sc, l0 - t0, p0 + t0, lim, o_n)
-            a1 = warpgroup_mma_wait(1, deps=(a1,))
-            _row_out(a1, w1, sc, l1 - t0, p1 + t0, lim, o_n)
-            a2 = warpgroup_mma_wait(0, deps=(a2,))
-            mbarrier.arrive(free.index(s), count=1)
-            _row_out(a2, w2, sc, l2 - t0, p2 + t0, lim, o_n)
-        else:
-            a0 = warpgroup_mma_wait(3, deps=(a0,))
-            _row_out(a0, w0, sc, l0 - t0, p0 + t0, lim, o_n)
-            a1 = warpgroup_mma_wait(2, deps=(a1,))
-            _row_out(a1, w1, sc, l1 - t0, p1 + t0, lim, o_n)
-            a2 = warpgroup_mma_wait(1, deps=(a2,))
-            _row_out(a2, w2, sc, l2 - t0, p2 + t0, lim, o_n)
-            a3 = warpgroup_mma_wait(0, deps=(a3,))
-            mbarrier.arrive(free.index(s), count=1)
-            _row_out(a3, w3, sc, l3 - t0, p3 + t0, lim, o_n)
+    g0 = 0   # pages of earlier items (the producer's global page count at this item's start)
+    it = 0
+    for t in range(gl.program_id(0), n_items, gl.num_programs(0)):
+        b, c0, c1, n_pages, n_pad = _item(t, B, n_chunks, context_lens, max_len, NEXT_N, CHUNK_PAGES, DP)
+        if n_pages > 0:
+            row0 = b.to(gl.int64) * NEXT_N
+            w_b = w + row0 * stride_w
+            lens_b = context_lens + row0
+            w0 = gl.load(w_b + o_h)
+            l0 = gl.load(lens_b)
+            w1, w2, w3, l1, l2, l3 = w0, w0, w0, l0, l0, l0
+            if NEXT_N > 1:
+                w1 = gl.load(w_b + stride_w + o_h)
+                l1 = gl.load(lens_b + 1)
+            if NEXT_N > 2:
+                w2 = gl.load(w_b + 2 * stride_w + o_h)
+                l2 = gl.load(lens_b + 2)
+            if NEXT_N > 3:
+                w3 = gl.load(w_b + 3 * stride_w + o_h)
+                l3 = gl.load(lens_b + 3)
+            out_b = out + row0 * stride_o
+            lim_end = gl.minimum(c1, c0 + n_pages * 64)   # below it the consumers store, from it the producer
+            qb = it % 2
+            mbarrier.wait(q_ready.index(qb), (it // 2) & 1)
+            q0 = qb * NEXT_N
+            for r in range(n_pad // (2 * DP)):
+                i0 = WG + 2 * DP * r
+                a0 = _issue(g0, i0, 0, q_smem, q0, k_smem, ready, zero, NBUF)
+                a1 = a0
+                a2 = a0
+                a3 = a0
+                if S > 1:
+                    a1 = _issue(g0, i0 + 2 * (1 // G), 1 % G, q_smem, q0, k_smem, ready, zero, NBUF)
+                if S > 2:
+                    a2 = _issue(g0, i0 + 2 * (2 // G), 2 % G, q_smem, q0, k_smem, ready, zero, NBUF)
+                if S > 3:
+                    a3 = _issue(g0, i0 + 2 * (3 // G), 3 % G, q_smem, q0, k_smem, ready, zero, NBUF)
+                _finish(0, a0, g0, i0, G, S, c0, lim_end, s_smem, free, o_n, w0, w1, w2, w3, l0, l1, l2, l3,
+                        out_b, stride_o, NBUF, NEW)
+                if S > 1:
+                    _finish(1, a1, g0, i0, G, S, c0, lim_end, s_smem, free, o_n, w0, w1, w2, w3, l0, l1, l2, l3,
+                            out_b, stride_o, NBUF, NEW)
+                if S > 2:
+                    _finish(2, a2, g0, i0, G, S, c0, lim_end, s_smem, free, o_n, w0, w1, w2, w3, l0, l1, l2, l3,
+                            out_b, stride_o, NBUF, NEW)
+                if S > 3:
+                    _finish(3, a3, g0, i0, G, S, c0, lim_end, s_smem, free, o_n, w0, w1, w2, w3, l0, l1, l2, l3,
+                            out_b, stride_o, NBUF, NEW)
+            mbarrier.arrive(q_free.index(qb), count=1)
+            it += 1
+        g0 += n_pad
 
 
 # ---- kernel ----------------------------------------------------------------------------------------------------
 
 @gluon.jit
 def indexer_paged_ws_kernel(
-    q,             # [B, NEXT_N, 64, 128] e4m3, unit stride last
+    q_desc,        # TMA descriptor: q as [B * NEXT_N * 64, 128] e4m3, block [64, 128] (tile_layout)
     key_desc,      # TMA descriptor: the cache as [P * 66, 128] e4m3, block [64, 128] (tile_layout)
     sc_desc,       # TMA descriptor: the cache as [P * 66, 32] fp32, block [2, 32] (scale_layout)
     w,             # [B * NEXT_N, 64] f32, unit stride last
     context_lens,  # [B, NEXT_N] i32, contiguous
     block_table,   # [B, maxp] i32, unit stride last
     out,           # [B * NEXT_N, max_len] f32, unit stride last
-    max_len, stride_qb, stride_qn, stride_qh, stride_w, stride_bt, stride_o,
-    flag, hi, last_page, code0,   # the device value checks (CHECK)
-    NEXT_N: gl.constexpr, CHUNK_PAGES: gl.constexpr, NBUF: gl.constexpr, REGS_C: gl.constexpr,
-    REGS_P: gl.constexpr, CHECK: gl.constexpr, NEW: gl.constexpr,
+    max_len, B, n_chunks, stride_w, stride_bt, stride_o,
+    NEXT_N: gl.constexpr, CHUNK_PAGES: gl.constexpr, NBUF: gl.constexpr, DP: gl.constexpr, REGS_C: gl.constexpr,
+    REGS_P: gl.constexpr, NEW: gl.constexpr,
 ):
-    """CTA (c, b): request b, output columns [c * CHUNK, (c + 1) * CHUNK) with CHUNK = 64 * CHUNK_PAGES."""
-    i_c = gl.program_id(0)
-    i_b = gl.program_id(1).to(gl.int64)
-    c0 = i_c * (CHUNK_PAGES * 64)
-    c1 = gl.minimum(c0 + CHUNK_PAGES * 64, max_len)
-    LJ: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-    o_j = gl.arange(0, 4, layout=LJ)
-    m_j = o_j < NEXT_N
-    lens = gl.load(context_lens + i_b * NEXT_N + o_j, mask=m_j, other=0)
-    reach = gl.max(lens, axis=0)
-    n_pages = gl.cdiv(gl.maximum(gl.minimum(c1, reach) - c0, 0), 64)
-    q_b = q + i_b * stride_qb
-    p_bt = block_table + i_b * stride_bt
-    page0 = i_c * CHUNK_PAGES
-    if CHECK:
-        ok = _checks(q_b, stride_qn, stride_qh, lens, m_j, p_bt, page0, n_pages, i_c, flag, hi, last_page, code0,
-                     NEXT_N, CHUNK_PAGES)
-        n_pages = gl.where(ok, n_pages, 0)
-    out_b = out + i_b * NEXT_N * stride_o
-    fill0 = c0 + n_pages * 64
-
-    q_smem = gl.allocate_shared_memory(gl.float8e4nv, [NEXT_N, 64, D], tile_layout())
+    """A persistent CTA: items t = program_id, program_id + grid, ... of the B * n_chunks (request, chunk of
+    CHUNK_PAGES pages) items, so the producer streams the next item's pages while the consumers finish
+    this one's (one CTA's start-up per SM, not per item)."""
+    n_items = B * n_chunks
+    q_smem = gl.allocate_shared_memory(gl.float8e4nv, [2 * NEXT_N, 64, D], tile_layout())
     k_smem = gl.allocate_shared_memory(gl.float8e4nv, [NBUF, 64, D], tile_layout())
     s_smem = gl.allocate_shared_memory(gl.float32, [NBUF, 2, 32], scale_layout())
     ready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
     free = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NBUF):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(free.index(i), count=1)
-    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(2):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(q_free.index(i), count=2)   # both consumers
     fence_async_shared()
-
-    w_b = w + i_b * NEXT_N * stride_w
-    lens_b = context_lens + i_b * NEXT_N
     gl.warp_specialize([
-        (_consumer, (0, q_b, w_b, lens_b, out_b, stride_qn, stride_qh, stride_w, stride_o, c0, c1, n_pages,
-                     q_smem, k_smem, s_smem, ready, free, q_bar, NBUF, NEXT_N, NEW)),
-        (_consumer, (1, q_b, w_b, lens_b, out_b, stride_qn, stride_qh, stride_w, stride_o, c0, c1, n_pages,
-                     q_smem, k_smem, s_smem, ready, free, q_bar, NBUF, NEXT_N, NEW)),
-        (_producer, (key_desc, sc_desc, p_bt, page0, n_pages, out_b, stride_o, fill0, c1, k_smem, s_smem, ready,
-                     free, NBUF, NEXT_N, NEW)),
+        (_consumer, (0, w, context_lens, out, stride_w, stride_o, max_len, B, n_chunks, n_items, q_smem, k_smem,
+                     s_smem, ready, free, q_ready, q_free, NBUF, NEXT_N, CHUNK_PAGES, DP, NEW)),
+        (_consumer, (1, w, context_lens, out, stride_w, stride_o, max_len, B, n_chunks, n_items, q_smem, k_smem,
+                     s_smem, ready, free, q_ready, q_free, NBUF, NEXT_N, CHUNK_PAGES, DP, NEW)),
+        (_producer, (q_desc, key_desc, sc_desc, context_lens, block_table, stride_bt, out, stride_o, max_len, B,
+                     n_chunks, n_items, q_smem, k_smem, s_smem, ready, free, q_ready, q_free, NBUF, NEXT_N,
+                     CHUNK_PAGES, DP)),
     ], [4, 1], [REGS_C, REGS_P])
 
 
@@ -320,44 +320,52 @@ NBUF_DEFAULT = 8   # pages in flight a CTA: ~66 KB of keys, enough to cover DRAM
 
 
 def launch_config(B: int, n: int, max_len: int, device: torch.device, chunk_pages: int | None = None,
-                  nbuf: int = NBUF_DEFAULT) -> dict:
-    """Chunk and register budget of a launch. n <= 2: two CTAs an SM (maxnreg 112: 9 warps x 2 x 112 x 32
-    <= 64 K registers), so one CTA's start-up (lengths, Q, first pages) overlaps the other's stream; n 3-4: one
-    CTA an SM (each row's accumulator is 32 registers a thread). Chunks: about 8 (n <= 2) or 4 CTAs an SM,
-    8 .. 64 pages."""
-    two = n <= 2
+                  nbuf: int = NBUF_DEFAULT, ctas_per_sm: int | None = None, pages_in_flight: int | None = None) -> dict:
+    """Chunk, pipeline depth and register budget of a launch.
+
+    A CTA is 12 warps (the producer's warp is padded to a warpgroup, which setmaxnreg works in): 168
+    registers at launch give one CTA an SM, redistributed as 232 for each consumer and 40 for the
+    producer; 80 give two CTAs an SM (96 a consumer: n = 1 only), so one CTA's start-up (lengths, Q, first
+    pages) overlaps the other's stream. ``pages_in_flight`` (DP): pages a consumer keeps in flight, DP * n
+    accumulators of 32 registers (at most 4). Chunks: about 8 CTAs an SM, 8 .. 64 pages."""
+    ctas = ctas_per_sm or (2 if n == 1 else 1)
+    dp = pages_in_flight or (4 // n if ctas == 1 else 2 // n) or 1   # n = 3: one page
+    if ctas not in (1, 2) or dp * n > 4 or dp < 1:
+        raise ValueError(f"ctas_per_sm 1 or 2 and pages_in_flight * n <= 4 (got {ctas}, {dp} x {n})")
     if chunk_pages is None:
-        per_sm = 8 if two else 4
-        cols = B * max(max_len, 1) // (per_sm * num_sms(device))
+        cols = B * max(max_len, 1) // (8 * num_sms(device))
         chunk_pages = min(max(prev_pow2(max(cols // PAGE_SIZE, 1)), 8), 64)
     if chunk_pages < 1 or chunk_pages & (chunk_pages - 1):
         raise ValueError(f"chunk_pages: a power of two >= 1 (got {chunk_pages})")
-    return dict(CHUNK_PAGES=chunk_pages, NBUF=nbuf, REGS_C=120 if two else 240, REGS_P=40,
-                maxnreg=112 if two else 224, num_warps=4)
+    return dict(CHUNK_PAGES=chunk_pages, NBUF=nbuf, DP=dp, REGS_C=96 if ctas == 2 else 232, REGS_P=40,
+                maxnreg=80 if ctas == 2 else 168, num_warps=4, ctas=ctas)
 
 
-def _descs(cache_u8: torch.Tensor):
-    """The two TMA descriptors of an indexer cache ``[P, 8448] uint8`` (see the kernel's arguments)."""
+def _descs(q_fp8: torch.Tensor, cache_u8: torch.Tensor):
+    """The three TMA descriptors of a call (see the kernel's arguments): q must be contiguous."""
     P = cache_u8.shape[0]
+    qs = q_fp8.view(-1, D.value)
     keys = cache_u8.view(torch.float8_e4m3fn).view(P * PAGE_ROWS, D.value)
     scales = cache_u8.view(torch.float32).view(P * PAGE_ROWS, 32)
-    return (TensorDescriptor.from_tensor(keys, [64, D.value], tile_layout()),
+    return (TensorDescriptor.from_tensor(qs, [64, D.value], tile_layout()),
+            TensorDescriptor.from_tensor(keys, [64, D.value], tile_layout()),
             TensorDescriptor.from_tensor(scales, [2, 32], scale_layout()))
 
 
-def kernel_args(q_fp8, cache_u8, weights, context_lens, block_table, max_len, out, flag=None, hi=0, code0=0,
-                check=False, **config) -> tuple[tuple, dict]:
-    """(grid, kwargs) of one launch of :func:`indexer_paged_ws_kernel` (also the probe's sm_90 compile check)."""
+def kernel_args(q_fp8, cache_u8, weights, context_lens, block_table, max_len, out, max_ctas: int | None = None,
+                **config) -> tuple[tuple, dict]:
+    """(grid, kwargs) of one launch of :func:`indexer_paged_ws_kernel` (also the probe's sm_90 compile check);
+    ``max_ctas`` caps the persistent grid (tests: several items a CTA)."""
     B, n = q_fp8.shape[:2]
     cfg = launch_config(B, n, max_len, q_fp8.device, **config)
-    key_desc, sc_desc = _descs(cache_u8)
-    grid = (cdiv(max_len, 64 * cfg["CHUNK_PAGES"]), B)
+    ctas = cfg.pop("ctas")
+    q_desc, key_desc, sc_desc = _descs(q_fp8, cache_u8)
+    n_chunks = cdiv(max_len, 64 * cfg["CHUNK_PAGES"])
+    grid = (max(1, min(B * n_chunks, ctas * num_sms(q_fp8.device), max_ctas or B * n_chunks)),)
     return grid, dict(
-        q=q_fp8, key_desc=key_desc, sc_desc=sc_desc, w=weights, context_lens=context_lens, block_table=block_table,
-        out=out, max_len=max_len, stride_qb=q_fp8.stride(0), stride_qn=q_fp8.stride(1), stride_qh=q_fp8.stride(2),
-        stride_w=weights.stride(0), stride_bt=block_table.stride(0), stride_o=out.stride(0),
-        flag=context_lens if flag is None else flag, hi=hi, last_page=cache_u8.shape[0] - 1, code0=code0,
-        NEXT_N=n, CHECK=check, NEW=NEW_API, **cfg)
+        q_desc=q_desc, key_desc=key_desc, sc_desc=sc_desc, w=weights, context_lens=context_lens,
+        block_table=block_table, out=out, max_len=max_len, B=B, n_chunks=n_chunks, stride_w=weights.stride(0),
+        stride_bt=block_table.stride(0), stride_o=out.stride(0), NEXT_N=n, NEW=NEW_API, **cfg)
 
 
 def unsupported(q_fp8: torch.Tensor, index_cache: torch.Tensor) -> str | None:
