@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 D, H = 128, 64
 
 
-def compile_only(ns=(1, 2, 3, 4)) -> int:
+def compile_only(ns=(1, 2, 3, 4), extra: dict | None = None) -> int:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -55,7 +55,10 @@ def compile_only(ns=(1, 2, 3, 4)) -> int:
             out = torch.empty(B * n, max_len)
             flag = torch.empty(1, dtype=torch.int64)
             G.num_sms = lambda dev: 132   # noqa: E731 - no GPU here
-            _, kw = G.kernel_args(q, cache, w, ctx, bt, max_len, out, chunk_pages=16)
+            try:
+                _, kw = G.kernel_args(q, cache, w, ctx, bt, max_len, out, **{"chunk_pages": 16, **(extra or {})})
+            except ValueError:
+                continue
             opts = {k: kw.pop(k) for k in ("num_warps", "maxnreg")}
             sig, attrs, consts = {}, {}, {}
             for i, name in enumerate(fn.arg_names):
@@ -129,6 +132,21 @@ def _check(out, ref):
     return inf_ok, err
 
 
+def run_profile(n: int, variant: dict) -> int:
+    """One case (B 64, ctx ~32K, next_n n), the Gluon kernel launched 3 times (for ncu: no checks, no peers)."""
+    from bench_indexer import _paged_case
+
+    from flashdsa.ops.indexer import gluon as G
+    c = _paged_case(64, n, 32768)
+    a = (c["q_fp8"], c["cache"], c["w"], c["ctx"], c["bt"], c["max_len"])
+    out = torch.empty(64 * n, c["max_len"], device="cuda")
+    grid, kw = G.kernel_args(*a, out, **variant)
+    for _ in range(3):
+        G.indexer_paged_ws_kernel[grid](**kw)
+    torch.cuda.synchronize()
+    return 0
+
+
 def run_gpu(args) -> int:
     from flashdsa.ops.indexer import gluon as G
     from flashdsa.ops.indexer import paged as KP
@@ -139,11 +157,15 @@ def run_gpu(args) -> int:
     # correctness: lengths 0, 1, 63, 64, 65, 200, 1000 with 1-page chunks (many CTAs, fills) and the default
     for n in (1, 2, 3, 4):
         for cp, extra in ((1, {"max_ctas": 3}), (2, {}), (None, {}), (1, {"ctas_per_sm": 1, "max_ctas": 2}),
-                          (2, {"pages_in_flight": 1, "max_ctas": 5})):
+                          (2, {"pages_in_flight": 1, "max_ctas": 5}), (1, {"consumers": 3, "max_ctas": 2}),
+                          (2, {"joint": True, "max_ctas": 3})):
             lens = [0, 1, 63, 64, 65, 200, 1000, 777][: 8]
             q, cache, w, ctx, bt, max_len = _small_case(len(lens), n, lens, seed=n)
             out = torch.full((len(lens) * n, max_len), float("nan"), device="cuda")
-            grid, kw = G.kernel_args(q, cache, w, ctx, bt, max_len, out, chunk_pages=cp, **extra)
+            try:
+                grid, kw = G.kernel_args(q, cache, w, ctx, bt, max_len, out, chunk_pages=cp, **extra)
+            except ValueError:
+                continue
             G.indexer_paged_ws_kernel[grid](**kw)
             torch.cuda.synchronize()
             ref = reference.indexer_logits_paged(q, cache, w, ctx, bt, max_len)
@@ -174,7 +196,7 @@ def run_gpu(args) -> int:
         seen = set()
         for v in variants:
             try:
-                resolved = G.launch_config(B, n, c["max_len"], "cuda", **v)
+                resolved = G.launch_config(B, n, c["max_len"], torch.device("cuda"), **v)
             except ValueError:
                 continue
             if str(resolved) in seen:
@@ -182,11 +204,16 @@ def run_gpu(args) -> int:
             seen.add(str(resolved))
             out = torch.full_like(ref, float("nan"))
             grid, kw = G.kernel_args(*a, out, **v)
-            G.indexer_paged_ws_kernel[grid](**kw)
-            torch.cuda.synchronize()
+            try:
+                G.indexer_paged_ws_kernel[grid](**kw)
+                torch.cuda.synchronize()
+            except Exception as e:  # noqa: BLE001 - a variant that does not compile loses its row
+                print(f"{v}: FAILED {type(e).__name__}: {str(e).splitlines()[-1][:300]}", flush=True)
+                continue
             inf_ok, err = _check(out, ref)
             t = _graph_time(lambda: G.indexer_paged_ws_kernel[grid](**kw))
-            cfg = f"cp{kw['CHUNK_PAGES']} dp{kw['DP']} c{resolved['ctas']}"
+            cfg = f"cp{kw['CHUNK_PAGES']} dp{kw['DP']} c{resolved['ctas']} nc{kw['NC']}" + " j" * kw["JOINT"] \
+                + f" d{kw['DIAG']}" * bool(kw["DIAG"])
             r = dict(kind="time", B=B, n=n, ctx=avg, cfg=cfg, inf_ok=inf_ok, err_vs_triton=err,
                      gluon_us=t, triton_us=t_tri, deepgemm_us=t_dg)
             rows.append(r)
@@ -196,10 +223,10 @@ def run_gpu(args) -> int:
         torch.cuda.empty_cache()
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "gluon_indexer_probe.json").write_text(json.dumps(rows, indent=1))
-    print("\ncase             | config       | gluon us | triton us | DeepGEMM us | gluon/DG | gluon/triton | ok")
+    print("\ncase             | config               | gluon us | triton us | DeepGEMM us | gluon/DG | gluon/triton | ok")
     for r in table:
         g_, t_, d_ = r["gluon_us"], r["triton_us"], r["deepgemm_us"]
-        print(f"B{r['B']} n{r['n']} ctx~{r['ctx'] // 1024}K".ljust(17) + f"| {r['cfg']:12} | {g_:8.1f} | "
+        print(f"B{r['B']} n{r['n']} ctx~{r['ctx'] // 1024}K".ljust(17) + f"| {r['cfg']:20} | {g_:8.1f} | "
               f"{t_:9.1f} | " + (f"{d_:11.1f} | {g_ / d_:8.3f}" if d_ else f"{'-':>11} | {'-':>8}")
               + f" | {g_ / t_:12.3f} | {r['inf_ok'] and r['err_vs_triton'] < 1e-3}")
     print("correctness:", "all ok" if ok_all else "FAILURES")
@@ -209,13 +236,20 @@ def run_gpu(args) -> int:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--compile-only", action="store_true")
+    ap.add_argument("--profile", type=int, default=0, help="next_n: only launch that case 3 times (for ncu)")
+    ap.add_argument("--profile-variant", default="{}", help="launch_config overrides of --profile (JSON)")
     ap.add_argument("--cases", default="quick", choices=["quick", "full"])
     ap.add_argument("--variants", default='{"chunk_pages": 16};{"chunk_pages": 8};{"ctas_per_sm": 1};'
                     '{"ctas_per_sm": 1, "pages_in_flight": 2};{"pages_in_flight": 1}',
                     help="launch_config overrides to time next to the default, JSON objects separated by ';'")
     args = ap.parse_args()
     if args.compile_only:
-        return compile_only()
+        for v in [{}] + [json.loads(x) for x in args.variants.split(";") if x]:
+            print("==", v)
+            compile_only(extra=v)
+        return 0
+    if args.profile:
+        return run_profile(args.profile, json.loads(args.profile_variant))
     if not torch.cuda.is_available():
         print("needs a CUDA GPU (or --compile-only)")
         return 1

@@ -89,7 +89,7 @@ def _scales(buf, NEW: gl.constexpr):
 
 @gluon.jit
 def _item(t, B, n_chunks, context_lens, max_len, NEXT_N: gl.constexpr, CHUNK_PAGES: gl.constexpr,
-          DP: gl.constexpr):
+          DP: gl.constexpr, NC: gl.constexpr):
     """Work item t -> (request b, its first column c0, the chunk end c1, pages to score, pages padded to whole
     rounds of both consumers). Chunk-major order: every request's first chunk (never empty) comes first."""
     b = t % B
@@ -100,14 +100,14 @@ def _item(t, B, n_chunks, context_lens, max_len, NEXT_N: gl.constexpr, CHUNK_PAG
     for j in gl.static_range(1, NEXT_N):
         reach = gl.maximum(reach, gl.load(p_len + j))
     n_pages = gl.cdiv(gl.maximum(gl.minimum(c1, reach) - c0, 0), 64)
-    n_pad = gl.cdiv(n_pages, 2 * DP) * (2 * DP)
+    n_pad = gl.cdiv(n_pages, NC * DP) * (NC * DP)
     return b, c0, c1, n_pages, n_pad
 
 
 @gluon.jit
 def _producer(q_desc, key_desc, sc_desc, context_lens, block_table, stride_bt, out, stride_o, max_len, B, n_chunks,
               n_items, q_smem, k_smem, s_smem, ready, free, q_ready, q_free, NBUF: gl.constexpr,
-              NEXT_N: gl.constexpr, CHUNK_PAGES: gl.constexpr, DP: gl.constexpr):
+              NEXT_N: gl.constexpr, CHUNK_PAGES: gl.constexpr, DP: gl.constexpr, NC: gl.constexpr):
     """For each of the CTA's items: the request's queries (n TMA copies into the item's Q buffer), then its
     pages (page ids four ahead, one TMA copy of the keys and one of the scales per page, padding pages read
     page 0), then -inf at the columns past the rows' reach."""
@@ -117,7 +117,7 @@ def _producer(q_desc, key_desc, sc_desc, context_lens, block_table, stride_bt, o
     g = 0    # pages issued so far (buffer g % NBUF)
     it = 0   # non-empty items so far (Q buffer it % 2)
     for t in range(gl.program_id(0), n_items, gl.num_programs(0)):
-        b, c0, c1, n_pages, n_pad = _item(t, B, n_chunks, context_lens, max_len, NEXT_N, CHUNK_PAGES, DP)
+        b, c0, c1, n_pages, n_pad = _item(t, B, n_chunks, context_lens, max_len, NEXT_N, CHUNK_PAGES, DP, NC)
         if n_pages > 0:
             qb = it % 2
             mbarrier.wait(q_free.index(qb), ((it // 2) & 1) ^ 1)   # a fresh barrier's previous phase is done
@@ -174,36 +174,44 @@ def _row(g: gl.constexpr, w0, w1, w2, w3, l0, l1, l2, l3):
 
 
 @gluon.jit
-def _issue(g0, i, g: gl.constexpr, q_smem, q0, k_smem, ready, zero, NBUF: gl.constexpr):
+def _issue(g0, i, g: gl.constexpr, q_smem, q0, k_smem, ready, zero, NBUF: gl.constexpr, DIAG: gl.constexpr = 0):
     """Draft row g's chain on the item's page i (global page g0 + i; row 0 first waits for the page)."""
     s = (g0 + i) % NBUF
     if g == 0:
         mbarrier.wait(ready.index(s), ((g0 + i) // NBUF) & 1)
-    return warpgroup_mma(k_smem.index(s), q_smem.index(q0 + g).permute((1, 0)), zero, use_acc=False, is_async=True)
+    if DIAG == 2:
+        acc = zero
+    else:
+        acc = warpgroup_mma(k_smem.index(s), q_smem.index(q0 + g).permute((1, 0)), zero, use_acc=False, is_async=True)
+    return acc
 
 
 @gluon.jit
 def _finish(U: gl.constexpr, acc, g0, i0, G: gl.constexpr, S: gl.constexpr, c0, lim_end, s_smem, free, o_n,
-            w0, w1, w2, w3, l0, l1, l2, l3, out_b, stride_o, NBUF: gl.constexpr, NEW: gl.constexpr):
+            w0, w1, w2, w3, l0, l1, l2, l3, out_b, stride_o, NBUF: gl.constexpr, NEW: gl.constexpr,
+            DIAG: gl.constexpr, NC: gl.constexpr, WAIT: gl.constexpr):
     """Accumulator U = d * G + g of a round whose first page is i0: wait for its chain (the oldest of the
     S - U still in flight), free the page after its last row, store the row's logits."""
     d: gl.constexpr = U // G
     g: gl.constexpr = U % G
-    i = i0 + 2 * d
+    i = i0 + NC * d
     s = (g0 + i) % NBUF
     sc = _scales(s_smem.index(s), NEW)
-    acc = warpgroup_mma_wait(S - 1 - U, deps=(acc,))
+    if DIAG < 2 and WAIT:
+        acc = warpgroup_mma_wait(S - 1 - U, deps=(acc,))
     if g == G - 1:
         mbarrier.arrive(free.index(s), count=1)
-    t0 = c0 + i * 64
-    w, ln = _row(g, w0, w1, w2, w3, l0, l1, l2, l3)
-    _row_out(acc, w, sc, ln - t0, out_b + g * stride_o + t0, lim_end - t0, o_n)
+    if DIAG == 0:
+        t0 = c0 + i * 64
+        w, ln = _row(g, w0, w1, w2, w3, l0, l1, l2, l3)
+        _row_out(acc, w, sc, ln - t0, out_b + g * stride_o + t0, lim_end - t0, o_n)
 
 
 @gluon.jit
 def _consumer(WG: gl.constexpr, w, context_lens, out, stride_w, stride_o, max_len, B, n_chunks, n_items,
               q_smem, k_smem, s_smem, ready, free, q_ready, q_free, NBUF: gl.constexpr, NEXT_N: gl.constexpr,
-              CHUNK_PAGES: gl.constexpr, DP: gl.constexpr, NEW: gl.constexpr):
+              CHUNK_PAGES: gl.constexpr, DP: gl.constexpr, NEW: gl.constexpr, DIAG: gl.constexpr,
+              NC: gl.constexpr, JOINT: gl.constexpr):
     """Consumer WG on each of the CTA's items: pages WG, WG + 2, ... in rounds of DP pages: the round's
     S = DP * n chains issued together, then finished one by one as they complete (``_finish``), so the
     tensor cores run the rest of the round's chains (and the other consumer's) during each epilogue.
@@ -220,7 +228,7 @@ def _consumer(WG: gl.constexpr, w, context_lens, out, stride_w, stride_o, max_le
     g0 = 0   # pages of earlier items (the producer's global page count at this item's start)
     it = 0
     for t in range(gl.program_id(0), n_items, gl.num_programs(0)):
-        b, c0, c1, n_pages, n_pad = _item(t, B, n_chunks, context_lens, max_len, NEXT_N, CHUNK_PAGES, DP)
+        b, c0, c1, n_pages, n_pad = _item(t, B, n_chunks, context_lens, max_len, NEXT_N, CHUNK_PAGES, DP, NC)
         if n_pages > 0:
             row0 = b.to(gl.int64) * NEXT_N
             w_b = w + row0 * stride_w
@@ -242,29 +250,40 @@ def _consumer(WG: gl.constexpr, w, context_lens, out, stride_w, stride_o, max_le
             qb = it % 2
             mbarrier.wait(q_ready.index(qb), (it // 2) & 1)
             q0 = qb * NEXT_N
-            for r in range(n_pad // (2 * DP)):
-                i0 = WG + 2 * DP * r
-                a0 = _issue(g0, i0, 0, q_smem, q0, k_smem, ready, zero, NBUF)
+            for r in range(n_pad // (NC * DP)):
+                i0 = WG + NC * DP * r
+                a0 = _issue(g0, i0, 0, q_smem, q0, k_smem, ready, zero, NBUF, DIAG)
                 a1 = a0
                 a2 = a0
                 a3 = a0
                 if S > 1:
-                    a1 = _issue(g0, i0 + 2 * (1 // G), 1 % G, q_smem, q0, k_smem, ready, zero, NBUF)
+                    a1 = _issue(g0, i0 + NC * (1 // G), 1 % G, q_smem, q0, k_smem, ready, zero, NBUF, DIAG)
                 if S > 2:
-                    a2 = _issue(g0, i0 + 2 * (2 // G), 2 % G, q_smem, q0, k_smem, ready, zero, NBUF)
+                    a2 = _issue(g0, i0 + NC * (2 // G), 2 % G, q_smem, q0, k_smem, ready, zero, NBUF, DIAG)
                 if S > 3:
-                    a3 = _issue(g0, i0 + 2 * (3 // G), 3 % G, q_smem, q0, k_smem, ready, zero, NBUF)
+                    a3 = _issue(g0, i0 + NC * (3 // G), 3 % G, q_smem, q0, k_smem, ready, zero, NBUF, DIAG)
+                if JOINT and DIAG < 2:
+                    # every chain of the round first, then the rows' epilogues together (more independent
+                    # work for the scheduler than one row at a time)
+                    if S == 1:
+                        a0 = warpgroup_mma_wait(0, deps=(a0,))
+                    elif S == 2:
+                        a0, a1 = warpgroup_mma_wait(0, deps=(a0, a1))
+                    elif S == 3:
+                        a0, a1, a2 = warpgroup_mma_wait(0, deps=(a0, a1, a2))
+                    else:
+                        a0, a1, a2, a3 = warpgroup_mma_wait(0, deps=(a0, a1, a2, a3))
                 _finish(0, a0, g0, i0, G, S, c0, lim_end, s_smem, free, o_n, w0, w1, w2, w3, l0, l1, l2, l3,
-                        out_b, stride_o, NBUF, NEW)
+                        out_b, stride_o, NBUF, NEW, DIAG, NC, not JOINT)
                 if S > 1:
                     _finish(1, a1, g0, i0, G, S, c0, lim_end, s_smem, free, o_n, w0, w1, w2, w3, l0, l1, l2, l3,
-                            out_b, stride_o, NBUF, NEW)
+                            out_b, stride_o, NBUF, NEW, DIAG, NC, not JOINT)
                 if S > 2:
                     _finish(2, a2, g0, i0, G, S, c0, lim_end, s_smem, free, o_n, w0, w1, w2, w3, l0, l1, l2, l3,
-                            out_b, stride_o, NBUF, NEW)
+                            out_b, stride_o, NBUF, NEW, DIAG, NC, not JOINT)
                 if S > 3:
                     _finish(3, a3, g0, i0, G, S, c0, lim_end, s_smem, free, o_n, w0, w1, w2, w3, l0, l1, l2, l3,
-                            out_b, stride_o, NBUF, NEW)
+                            out_b, stride_o, NBUF, NEW, DIAG, NC, not JOINT)
             mbarrier.arrive(q_free.index(qb), count=1)
             it += 1
         g0 += n_pad
@@ -283,7 +302,8 @@ def indexer_paged_ws_kernel(
     out,           # [B * NEXT_N, max_len] f32, unit stride last
     max_len, B, n_chunks, stride_w, stride_bt, stride_o,
     NEXT_N: gl.constexpr, CHUNK_PAGES: gl.constexpr, NBUF: gl.constexpr, DP: gl.constexpr, REGS_C: gl.constexpr,
-    REGS_P: gl.constexpr, NEW: gl.constexpr,
+    REGS_P: gl.constexpr, NEW: gl.constexpr, NC: gl.constexpr = 2, JOINT: gl.constexpr = 0,
+    DIAG: gl.constexpr = 0,
 ):
     """A persistent CTA: items t = program_id, program_id + grid, ... of the B * n_chunks (request, chunk of
     CHUNK_PAGES pages) items, so the producer streams the next item's pages while the consumers finish
@@ -301,17 +321,30 @@ def indexer_paged_ws_kernel(
         mbarrier.init(free.index(i), count=1)
     for i in gl.static_range(2):
         mbarrier.init(q_ready.index(i), count=1)
-        mbarrier.init(q_free.index(i), count=2)   # both consumers
+        mbarrier.init(q_free.index(i), count=NC)   # every consumer
     fence_async_shared()
-    gl.warp_specialize([
-        (_consumer, (0, w, context_lens, out, stride_w, stride_o, max_len, B, n_chunks, n_items, q_smem, k_smem,
-                     s_smem, ready, free, q_ready, q_free, NBUF, NEXT_N, CHUNK_PAGES, DP, NEW)),
-        (_consumer, (1, w, context_lens, out, stride_w, stride_o, max_len, B, n_chunks, n_items, q_smem, k_smem,
-                     s_smem, ready, free, q_ready, q_free, NBUF, NEXT_N, CHUNK_PAGES, DP, NEW)),
-        (_producer, (q_desc, key_desc, sc_desc, context_lens, block_table, stride_bt, out, stride_o, max_len, B,
-                     n_chunks, n_items, q_smem, k_smem, s_smem, ready, free, q_ready, q_free, NBUF, NEXT_N,
-                     CHUNK_PAGES, DP)),
-    ], [4, 1], [REGS_C, REGS_P])
+    if NC == 2:
+        gl.warp_specialize([
+            (_consumer, (0, w, context_lens, out, stride_w, stride_o, max_len, B, n_chunks, n_items, q_smem, k_smem,
+                         s_smem, ready, free, q_ready, q_free, NBUF, NEXT_N, CHUNK_PAGES, DP, NEW, DIAG, NC, JOINT)),
+            (_consumer, (1, w, context_lens, out, stride_w, stride_o, max_len, B, n_chunks, n_items, q_smem, k_smem,
+                         s_smem, ready, free, q_ready, q_free, NBUF, NEXT_N, CHUNK_PAGES, DP, NEW, DIAG, NC, JOINT)),
+            (_producer, (q_desc, key_desc, sc_desc, context_lens, block_table, stride_bt, out, stride_o, max_len, B,
+                         n_chunks, n_items, q_smem, k_smem, s_smem, ready, free, q_ready, q_free, NBUF, NEXT_N,
+                         CHUNK_PAGES, DP, NC)),
+        ], [4, 1], [REGS_C, REGS_P])
+    else:
+        gl.warp_specialize([
+            (_consumer, (0, w, context_lens, out, stride_w, stride_o, max_len, B, n_chunks, n_items, q_smem, k_smem,
+                         s_smem, ready, free, q_ready, q_free, NBUF, NEXT_N, CHUNK_PAGES, DP, NEW, DIAG, NC, JOINT)),
+            (_consumer, (1, w, context_lens, out, stride_w, stride_o, max_len, B, n_chunks, n_items, q_smem, k_smem,
+                         s_smem, ready, free, q_ready, q_free, NBUF, NEXT_N, CHUNK_PAGES, DP, NEW, DIAG, NC, JOINT)),
+            (_consumer, (2, w, context_lens, out, stride_w, stride_o, max_len, B, n_chunks, n_items, q_smem, k_smem,
+                         s_smem, ready, free, q_ready, q_free, NBUF, NEXT_N, CHUNK_PAGES, DP, NEW, DIAG, NC, JOINT)),
+            (_producer, (q_desc, key_desc, sc_desc, context_lens, block_table, stride_bt, out, stride_o, max_len, B,
+                         n_chunks, n_items, q_smem, k_smem, s_smem, ready, free, q_ready, q_free, NBUF, NEXT_N,
+                         CHUNK_PAGES, DP, NC)),
+        ], [4, 4, 1], [REGS_C, REGS_C, REGS_P])
 
 
 # ---- launcher ----------------------------------------------------------------------------------------------
@@ -320,25 +353,36 @@ NBUF_DEFAULT = 8   # pages in flight a CTA: ~66 KB of keys, enough to cover DRAM
 
 
 def launch_config(B: int, n: int, max_len: int, device: torch.device, chunk_pages: int | None = None,
-                  nbuf: int = NBUF_DEFAULT, ctas_per_sm: int | None = None, pages_in_flight: int | None = None) -> dict:
+                  nbuf: int = NBUF_DEFAULT, ctas_per_sm: int | None = None, pages_in_flight: int | None = None,
+                  consumers: int = 2, joint: bool = False, diag: int = 0) -> dict:
     """Chunk, pipeline depth and register budget of a launch.
 
-    A CTA is 12 warps (the producer's warp is padded to a warpgroup, which setmaxnreg works in): 168
-    registers at launch give one CTA an SM, redistributed as 232 for each consumer and 40 for the
-    producer; 80 give two CTAs an SM (96 a consumer: n = 1 only), so one CTA's start-up (lengths, Q, first
-    pages) overlaps the other's stream. ``pages_in_flight`` (DP): pages a consumer keeps in flight, DP * n
-    accumulators of 32 registers (at most 4). Chunks: about 8 CTAs an SM, 8 .. 64 pages."""
-    ctas = ctas_per_sm or (2 if n == 1 else 1)
+    A CTA is 4 (consumers + 1) warps (the producer's warp is padded to a warpgroup, which setmaxnreg works
+    in). Two consumers: 168 registers at launch give one CTA an SM, redistributed as 232 a consumer and 40
+    for the producer; 80 give two CTAs an SM (96 a consumer: n = 1 only), so one CTA's start-up overlaps
+    the other's stream. Three consumers (n <= 2): 128 at launch, 152 a consumer. ``pages_in_flight`` (DP):
+    pages a consumer issues per round, DP * n accumulators of 32 registers (at most 4). ``joint``: a
+    round's rows finished together after all its chains. Chunks: about 8 CTAs an SM, 8 .. 64 pages, a
+    multiple of consumers x DP."""
+    ctas = ctas_per_sm or (2 if n == 1 and consumers == 2 else 1)
     dp = pages_in_flight or (4 // n if ctas == 1 else 2 // n) or 1   # n = 3: one page
-    if ctas not in (1, 2) or dp * n > 4 or dp < 1:
-        raise ValueError(f"ctas_per_sm 1 or 2 and pages_in_flight * n <= 4 (got {ctas}, {dp} x {n})")
+    if consumers == 3:
+        dp = pages_in_flight or max(1, 2 // n)
+    if ctas not in (1, 2) or dp * n > 4 or dp < 1 or consumers not in (2, 3) or (consumers == 3 and
+                                                                               (ctas == 2 or n > 2)):
+        raise ValueError(f"ctas_per_sm 1 or 2, pages_in_flight * n <= 4, consumers 2 or 3 (3: n <= 2, one CTA an SM)"
+                         f" (got {ctas}, {dp} x {n}, {consumers})")
     if chunk_pages is None:
         cols = B * max(max_len, 1) // (8 * num_sms(device))
         chunk_pages = min(max(prev_pow2(max(cols // PAGE_SIZE, 1)), 8), 64)
-    if chunk_pages < 1 or chunk_pages & (chunk_pages - 1):
-        raise ValueError(f"chunk_pages: a power of two >= 1 (got {chunk_pages})")
-    return dict(CHUNK_PAGES=chunk_pages, NBUF=nbuf, DP=dp, REGS_C=96 if ctas == 2 else 232, REGS_P=40,
-                maxnreg=80 if ctas == 2 else 168, num_warps=4, ctas=ctas)
+        if consumers == 3:
+            chunk_pages = chunk_pages // 4 * 3 if chunk_pages >= 16 else 12
+    if chunk_pages < 1:
+        raise ValueError(f"chunk_pages: >= 1 (got {chunk_pages})")
+    regs = dict(REGS_C=152, REGS_P=40, maxnreg=128) if consumers == 3 else \
+        dict(REGS_C=96, REGS_P=40, maxnreg=80) if ctas == 2 else dict(REGS_C=232, REGS_P=40, maxnreg=168)
+    return dict(CHUNK_PAGES=chunk_pages, NBUF=nbuf, DP=dp, NC=consumers, JOINT=int(joint), num_warps=4, ctas=ctas,
+                DIAG=diag, **regs)
 
 
 def _descs(q_fp8: torch.Tensor, cache_u8: torch.Tensor):
