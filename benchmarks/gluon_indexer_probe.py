@@ -33,67 +33,37 @@ D, H = 128, 64
 
 
 def compile_only(ns=(1, 2, 3, 4), extra: dict | None = None) -> int:
+    """Compile for sm_90 (no GPU) and report what ptxas made of it."""
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import mangle_type
 
     from flashdsa.ops.indexer import gluon as G
     bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     print(f"triton {triton.__version__} ({triton.__file__})")
-    tys = {torch.float32: "*fp32", torch.int32: "*i32", torch.uint8: "*u8", torch.float8_e4m3fn: "*fp8e4nv",
-           torch.int64: "*i64"}
-    fn = G.indexer_paged_ws_kernel
     for n in ns:
-        for check in (False,):
-            B, P, max_len = 4, 64, 4096
-            q = torch.empty(B, n, H, D, dtype=torch.float8_e4m3fn)
-            cache = torch.empty(P, 8448, dtype=torch.uint8)
-            w = torch.empty(B * n, H)
-            ctx = torch.empty(B, n, dtype=torch.int32)
-            bt = torch.empty(B, max_len // 64, dtype=torch.int32)
-            out = torch.empty(B * n, max_len)
-            flag = torch.empty(1, dtype=torch.int64)
-            G.num_sms = lambda dev: 132   # noqa: E731 - no GPU here
-            try:
-                _, kw = G.kernel_args(q, cache, w, ctx, bt, max_len, out, **{"chunk_pages": 16, **(extra or {})})
-            except ValueError:
-                continue
-            opts = {k: kw.pop(k) for k in ("num_warps", "maxnreg")}
-            sig, attrs, consts = {}, {}, {}
-            for i, name in enumerate(fn.arg_names):
-                val = kw[name]
-                if name.isupper():
-                    sig[name], consts[name] = "constexpr", val.value if hasattr(val, "value") else val
-                elif isinstance(val, torch.Tensor):
-                    sig[name], attrs[(i,)] = tys[val.dtype], [["tt.divisibility", 16]]
-                elif isinstance(val, G.TensorDescriptor):
-                    sig[name] = mangle_type(val)
-                else:
-                    sig[name] = "i32"
-            try:
-                k = triton.compile(GluonASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                                   options=opts)
-            except Exception as e:  # noqa: BLE001
-                print(f"n{n} check {check}: FAILED {type(e).__name__}: " + " | ".join(str(e).splitlines()[-3:])[-800:] + " | cause: " + repr(e.__cause__)[-700:] + " | " + repr(getattr(e.__cause__, "__cause__", None))[-700:])
-                continue
-            with tempfile.TemporaryDirectory() as d:
-                (Path(d) / "k.ptx").write_text(k.asm["ptx"])
-                (Path(d) / "k.cubin").write_bytes(k.asm["cubin"])
-                ptxas = subprocess.run([str(bin_dir / "ptxas"), "-arch=sm_90a", "-v", str(Path(d) / "k.ptx"), "-o",
-                                        str(Path(d) / "k2.cubin")], capture_output=True, text=True).stderr
-                sass = subprocess.run([str(bin_dir / "nvdisasm"), "-c", str(Path(d) / "k.cubin")],
-                                      capture_output=True, text=True).stdout
-            if os.environ.get("SASS_DIR"):
-                Path(os.environ["SASS_DIR"]).mkdir(parents=True, exist_ok=True)
-                (Path(os.environ["SASS_DIR"]) / f"n{n}-{int(check)}.sass").write_text(sass)
-                (Path(os.environ["SASS_DIR"]) / f"n{n}-{int(check)}.ptx").write_text(k.asm["ptx"])
-            notes = [ln.split(": ", 1)[-1] for ln in ptxas.splitlines() if "C75" in ln]
-            spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", ptxas)
-            regs = re.findall(r"setmaxnreg[.]\w+[.]sync[.]aligned[.]u32\s+(\d+)", k.asm["ptx"])
-            print(f"n{n} check {check}: shared {k.metadata.shared} B, setmaxnreg {regs}, "
-                  f"spill st/ld {spill.groups() if spill else '?'} B, HGMMA {sass.count('HGMMA')}, "
-                  f"DEPBAR {len(re.findall(r'WARPGROUP.DEPBAR', sass))}, notes {notes or 'none'}")
+        try:
+            k = G.compile_sm90(n, **(extra or {}))
+        except ValueError:
+            continue
+        except Exception as e:  # noqa: BLE001
+            print(f"n{n}: FAILED {type(e).__name__}: " + " | ".join(str(e).splitlines()[-3:])[-800:])
+            continue
+        with tempfile.TemporaryDirectory() as d:
+            (Path(d) / "k.ptx").write_text(k.asm["ptx"])
+            (Path(d) / "k.cubin").write_bytes(k.asm["cubin"])
+            ptxas = subprocess.run([str(bin_dir / "ptxas"), "-arch=sm_90a", "-v", str(Path(d) / "k.ptx"), "-o",
+                                    str(Path(d) / "k2.cubin")], capture_output=True, text=True).stderr
+            sass = subprocess.run([str(bin_dir / "nvdisasm"), "-c", str(Path(d) / "k.cubin")],
+                                  capture_output=True, text=True).stdout
+        if os.environ.get("SASS_DIR"):
+            Path(os.environ["SASS_DIR"]).mkdir(parents=True, exist_ok=True)
+            (Path(os.environ["SASS_DIR"]) / f"n{n}.sass").write_text(sass)
+            (Path(os.environ["SASS_DIR"]) / f"n{n}.ptx").write_text(k.asm["ptx"])
+        notes = [ln.split(": ", 1)[-1] for ln in ptxas.splitlines() if "C75" in ln]
+        spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", ptxas)
+        regs = re.findall(r"setmaxnreg[.]\w+[.]sync[.]aligned[.]u32\s+(\d+)", k.asm["ptx"])
+        print(f"n{n}: shared {k.metadata.shared} B, setmaxnreg {regs}, spill st/ld {spill.groups() if spill else '?'} B,"
+              f" QGMMA {sass.count('QGMMA')}, DEPBAR {len(re.findall(r'WARPGROUP.DEPBAR', sass))}, "
+              f"BAR.SYNC {sass.count('BAR.SYNC')}, notes {notes or 'none'}")
     return 0
 
 
@@ -157,8 +127,7 @@ def run_gpu(args) -> int:
     # correctness: lengths 0, 1, 63, 64, 65, 200, 1000 with 1-page chunks (many CTAs, fills) and the default
     for n in (1, 2, 3, 4):
         for cp, extra in ((1, {"max_ctas": 3}), (2, {}), (None, {}), (1, {"ctas_per_sm": 1, "max_ctas": 2}),
-                          (2, {"pages_in_flight": 1, "max_ctas": 5}), (1, {"consumers": 3, "max_ctas": 2}),
-                          (2, {"joint": True, "max_ctas": 3})):
+                          (2, {"pages_in_flight": 1, "max_ctas": 5}), (2, {"joint": True, "max_ctas": 3})):
             lens = [0, 1, 63, 64, 65, 200, 1000, 777][: 8]
             q, cache, w, ctx, bt, max_len = _small_case(len(lens), n, lens, seed=n)
             out = torch.full((len(lens) * n, max_len), float("nan"), device="cuda")

@@ -1,34 +1,56 @@
 """Paged indexer logits (decode, MTP verify) as a warp-specialised Gluon kernel for Hopper (sm_90), after
-DeepGEMM's sm90 paged MQA-logits schedule: one TMA warp feeding math warpgroups that each own a page
-(issue #17). ``flashdsa.ops.indexer_logits_paged`` runs it by default where it applies (:func:`unsupported`
-says where not: then the Triton kernels of ``paged.py`` run; ``backend=`` forces either). The interpreter
-cannot run Gluon, so CI covers the Triton path and ``-m gpu`` tests this one;
-``benchmarks/gluon_indexer_probe.py`` checks it against the reference and times it next to DeepGEMM and our
-Triton kernel (``--compile-only``: compiles it for sm_90 without a GPU).
+DeepGEMM's sm90 paged MQA-logits schedule: a TMA warp feeding math warpgroups that each own a page (issue
+#17, item 1). EXPERIMENTAL: correct, but not faster than ``paged.py``'s Triton TMA kernel at next_n >= 2
+(measured below), so ``flashdsa.ops.indexer_logits_paged`` does not dispatch to it; call
+:func:`indexer_logits_paged_gluon`. The interpreter cannot run Gluon: ``-m gpu`` tests it
+(tests/ops/test_indexer_gluon.py), CI compiles it for sm_90; ``benchmarks/gluon_indexer_probe.py`` checks it
+against the reference and times it next to DeepGEMM and the Triton kernel (``--compile-only``: no GPU).
 
 Math: ``reference.py``: ``logit[t, s] = k_scale[s] * sum_h w[t, h] * relu(q[t, h] . k[s])``, -inf at and past
-each row's length. The dot of a page is ``S = K [64 keys, 128] . Q_j^T [128, 64 heads]`` (fp8 wgmma, fp32
-accumulator), keys on M as in ``paged.py`` (README.md: the head sum then stays inside a thread and its quad).
+each row's length. A page's dot per draft row is ``S = K [64 keys, 128] . Q_j^T [128, 64 heads]`` (fp8 wgmma
+m64n64k32, fp32 accumulator; Hopper's fp8 accumulation keeps less than fp32: ~2e-4 of the largest logit, as
+for the Triton kernel), keys on M as in ``paged.py`` (README.md: the head sum stays inside a thread and its
+quad). No atomics, a fixed reduction order: the same input and launch give the same bits.
 
-One CTA owns request b and the output columns [c * CHUNK, (c + 1) * CHUNK), for all n draft rows, with three
-partitions (``gl.warp_specialize``):
+A persistent CTA walks items (request b, chunk of ``CHUNK_PAGES`` pages; every request's first chunk first)
+with three partitions (``gl.warp_specialize``, 12 warps: the producer's warp is padded to a warpgroup):
 
-* **producer** (worker, 1 warp): the page ids four pages ahead (scalar loads in flight while it waits), then
-  per page one TMA copy of its [64, 128] e4m3 keys (rows 66 p .. 66 p + 63 of the cache viewed as
-  [66 P, 128]) and one of its 64 fp32 scales (row pair 66 p + 64 of the cache viewed as [66 P, 32] fp32)
-  into one of ``NBUF`` buffers (mbarriers ``ready`` / ``free``); after its last page it fills the columns
-  past the rows' reach with -inf.
-* **consumers 0 and 1** (the default partition and a worker, 4 warps each): consumer c takes pages c, c + 2,
-  ...: it issues one async m64n64k32 wgmma chain per draft row, then finishes the rows one by one as their
-  chains complete (``warpgroup_mma_wait(n - 1 - j)``): relu, times the row's head gates, sum over the 64
-  heads, times the key scales, -inf at and past the row's length, stored straight from the accumulator's
-  layout. While one consumer runs this epilogue the other's wgmma runs: the overlap Triton cannot schedule
-  (it waits for each dot before its epilogue).
+* **producer** (worker, 1 warp, 40 registers): per item, the request's n query tiles by TMA into one of two
+  Q buffers (``q_ready`` / ``q_free``, skipped for items with nothing to score); then per page the page id
+  (scalar loads four pages ahead), one TMA copy of its [64, 128] e4m3 keys (rows 66 p .. 66 p + 63 of the
+  cache viewed as [66 P, 128]) and one of its 64 fp32 scales (rows 66 p + 64, 65 of the cache viewed as
+  [66 P, 32] fp32) into one of ``NBUF`` buffers (``ready`` / ``free``); pages padding the item to whole
+  rounds read page 0 and are never stored; finally -inf at the item's columns past the rows' reach.
+* **consumers 0 and 1** (the default partition and a worker, 4 warps each): consumer c takes the item's
+  pages c, c + 2, ... in rounds of ``DP`` pages: the round's DP x n chains are issued together, then each
+  row is finished as its chain completes (``warpgroup_mma_wait(S - 1 - u)``): relu, times the row's gates,
+  sum over the 64 heads, times the key scales, -inf at and past the row's length, stored straight from
+  the accumulator's layout. Every chain completes within its round: a chain left in flight across the
+  loop's back edge (a rolling pipeline) makes ptxas serialise every wgmma (C7514), whatever the waits.
 
-Q (n x [64, 128] e4m3) is loaded by consumer 0 into shared memory once per CTA (``q_bar``). The default
-mode's device value checks (lengths in [0, hi], the chunk's page ids in [0, P - 1], NaN codes in q, the same
-error words as ``paged.py``) run before the partitions fork; a CTA with a bad value reads no key and writes
--inf. No atomics, a fixed reduction order: the same input gives the same bits.
+Measured on the H200 (2026-12-02, Triton 3.6, CUDA-graph replay, B 64, ctx ~U(0.7, 1.3) x 32K, same runs as
+the Triton kernel and DeepGEMM; ``benchmarks/gluon_indexer_probe.py``):
+
+| next_n | this kernel, chunks of 32 / 16 / 8 pages (2-3 runs) | first version (a CTA per item, chunks 32 / 16 / 64) | Triton TMA kernel | DeepGEMM |
+|---|---|---|---|---|
+| 1 | 79.2-80.5 / 76.9-83.2 / 77.4 | 76.1 / 75.8 / 78.1 | 79.4-80.6 | 73.1-74.1 |
+| 2 | 107.1-109.0 / 99.9-103.3 / 103.7 | 101.8 / 119.9 / 95.7 | 93.6-97.8 | 77.5-77.8 |
+| 3 | 146.6-151.2 / 137.8-142.5 / 134.7 | 130.4 / 150.8 / 124.0 | 128.8-132.5 | - |
+| 4 | 207.0-211.9 / 195.0-196.9 / 195.4 | 199.8 / 222.7 / 193.4 | 179.6-180.6 | - |
+
+What bounds it: the CUDA-core epilogue, not the tensor cores and not memory. With the epilogue left out
+(``diag=1``: wgmma chains only) every next_n runs in 72-78 us, and with the wgmma left out too (``diag=2``:
+the producer's stream alone) 69-77 us: the memory stream is at DeepGEMM's speed and all four rows' fp8
+dots fit under it. Each draft row's epilogue adds ~31 us at this shape (n 2: +30, n 4: +125), about 4x its
+issue-bound minimum (32 FMNMX + 30 FFMA a thread per row and page, already contracted). Nsight Compute
+(n 2): issue slots 36 %, tensor pipe 35 %, DRAM 45 %, 0.71 eligible warps a scheduler; the top stall is
+``barrier`` (the partition-wide ``bar.sync`` Triton places before each mbarrier wait / arrive, 3 a page),
+then long scoreboard and ``wait``. Tried and not better: a persistent grid (the first version launched a
+CTA per item: n 1 76, n 2 96-102), 12 / 16 buffers, chunks of 8 / 16 / 32 / 64 pages, one page in flight
+a consumer instead of two, all a round's rows finished together (``joint``: n 1 79.2 vs 80.1). A third
+consumer warpgroup (n <= 2) hung at B 64 and was removed. Next: fewer warps waiting at partition barriers
+(more consumer warps for latency, or the epilogue's head sum on the tensor cores: relu(S) as a tf32 A
+operand against a [64 heads, 8] gate tile, the heads permuted to match the accumulator's registers).
 """
 
 from __future__ import annotations
@@ -41,7 +63,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from flashdsa.cache.layouts import INDEX_KEY_BYTES, INDEX_PAGE_BYTES, PAGE_SIZE
-from flashdsa.ops._launch import KernelLauncher, aligned, capability
+from flashdsa.ops._launch import capability
 from flashdsa.ops._triton_utils import cdiv, num_sms, prev_pow2
 
 PAGE_ROWS = INDEX_PAGE_BYTES // (INDEX_KEY_BYTES // PAGE_SIZE)  # 66 rows of 128 B a page: 64 keys, 2 of scales
@@ -323,28 +345,15 @@ def indexer_paged_ws_kernel(
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(q_free.index(i), count=NC)   # every consumer
     fence_async_shared()
-    if NC == 2:
-        gl.warp_specialize([
-            (_consumer, (0, w, context_lens, out, stride_w, stride_o, max_len, B, n_chunks, n_items, q_smem, k_smem,
-                         s_smem, ready, free, q_ready, q_free, NBUF, NEXT_N, CHUNK_PAGES, DP, NEW, DIAG, NC, JOINT)),
-            (_consumer, (1, w, context_lens, out, stride_w, stride_o, max_len, B, n_chunks, n_items, q_smem, k_smem,
-                         s_smem, ready, free, q_ready, q_free, NBUF, NEXT_N, CHUNK_PAGES, DP, NEW, DIAG, NC, JOINT)),
-            (_producer, (q_desc, key_desc, sc_desc, context_lens, block_table, stride_bt, out, stride_o, max_len, B,
-                         n_chunks, n_items, q_smem, k_smem, s_smem, ready, free, q_ready, q_free, NBUF, NEXT_N,
-                         CHUNK_PAGES, DP, NC)),
-        ], [4, 1], [REGS_C, REGS_P])
-    else:
-        gl.warp_specialize([
-            (_consumer, (0, w, context_lens, out, stride_w, stride_o, max_len, B, n_chunks, n_items, q_smem, k_smem,
-                         s_smem, ready, free, q_ready, q_free, NBUF, NEXT_N, CHUNK_PAGES, DP, NEW, DIAG, NC, JOINT)),
-            (_consumer, (1, w, context_lens, out, stride_w, stride_o, max_len, B, n_chunks, n_items, q_smem, k_smem,
-                         s_smem, ready, free, q_ready, q_free, NBUF, NEXT_N, CHUNK_PAGES, DP, NEW, DIAG, NC, JOINT)),
-            (_consumer, (2, w, context_lens, out, stride_w, stride_o, max_len, B, n_chunks, n_items, q_smem, k_smem,
-                         s_smem, ready, free, q_ready, q_free, NBUF, NEXT_N, CHUNK_PAGES, DP, NEW, DIAG, NC, JOINT)),
-            (_producer, (q_desc, key_desc, sc_desc, context_lens, block_table, stride_bt, out, stride_o, max_len, B,
-                         n_chunks, n_items, q_smem, k_smem, s_smem, ready, free, q_ready, q_free, NBUF, NEXT_N,
-                         CHUNK_PAGES, DP, NC)),
-        ], [4, 4, 1], [REGS_C, REGS_C, REGS_P])
+    gl.warp_specialize([
+        (_consumer, (0, w, context_lens, out, stride_w, stride_o, max_len, B, n_chunks, n_items, q_smem, k_smem,
+                     s_smem, ready, free, q_ready, q_free, NBUF, NEXT_N, CHUNK_PAGES, DP, NEW, DIAG, NC, JOINT)),
+        (_consumer, (1, w, context_lens, out, stride_w, stride_o, max_len, B, n_chunks, n_items, q_smem, k_smem,
+                     s_smem, ready, free, q_ready, q_free, NBUF, NEXT_N, CHUNK_PAGES, DP, NEW, DIAG, NC, JOINT)),
+        (_producer, (q_desc, key_desc, sc_desc, context_lens, block_table, stride_bt, out, stride_o, max_len, B,
+                     n_chunks, n_items, q_smem, k_smem, s_smem, ready, free, q_ready, q_free, NBUF, NEXT_N,
+                     CHUNK_PAGES, DP, NC)),
+    ], [4, 1], [REGS_C, REGS_P])
 
 
 # ---- launcher ----------------------------------------------------------------------------------------------
@@ -354,34 +363,27 @@ NBUF_DEFAULT = 8   # pages in flight a CTA: ~66 KB of keys, enough to cover DRAM
 
 def launch_config(B: int, n: int, max_len: int, device: torch.device, chunk_pages: int | None = None,
                   nbuf: int = NBUF_DEFAULT, ctas_per_sm: int | None = None, pages_in_flight: int | None = None,
-                  consumers: int = 2, joint: bool = False, diag: int = 0) -> dict:
+                  joint: bool = False, diag: int = 0) -> dict:
     """Chunk, pipeline depth and register budget of a launch.
 
-    A CTA is 4 (consumers + 1) warps (the producer's warp is padded to a warpgroup, which setmaxnreg works
-    in). Two consumers: 168 registers at launch give one CTA an SM, redistributed as 232 a consumer and 40
-    for the producer; 80 give two CTAs an SM (96 a consumer: n = 1 only), so one CTA's start-up overlaps
-    the other's stream. Three consumers (n <= 2): 128 at launch, 152 a consumer. ``pages_in_flight`` (DP):
+    A CTA is 12 warps (the producer's warp is padded to a warpgroup, which setmaxnreg works in): 168
+    registers at launch give one CTA an SM, redistributed as 232 a consumer and 40 for the producer; 80 give
+    two CTAs an SM (96 a consumer: n = 1 only), so one CTA's start-up overlaps the other's stream. A third
+    consumer warpgroup (n <= 2, 128 registers at launch) hung at B 64 on the H200 (2026-12-02) and was
+    removed. ``pages_in_flight`` (DP):
     pages a consumer issues per round, DP * n accumulators of 32 registers (at most 4). ``joint``: a
-    round's rows finished together after all its chains. Chunks: about 8 CTAs an SM, 8 .. 64 pages, a
-    multiple of consumers x DP."""
-    ctas = ctas_per_sm or (2 if n == 1 and consumers == 2 else 1)
+    round's rows finished together after all its chains. Chunks: about 8 CTAs an SM, 8 .. 64 pages."""
+    ctas = ctas_per_sm or (2 if n == 1 else 1)
     dp = pages_in_flight or (4 // n if ctas == 1 else 2 // n) or 1   # n = 3: one page
-    if consumers == 3:
-        dp = pages_in_flight or max(1, 2 // n)
-    if ctas not in (1, 2) or dp * n > 4 or dp < 1 or consumers not in (2, 3) or (consumers == 3 and
-                                                                               (ctas == 2 or n > 2)):
-        raise ValueError(f"ctas_per_sm 1 or 2, pages_in_flight * n <= 4, consumers 2 or 3 (3: n <= 2, one CTA an SM)"
-                         f" (got {ctas}, {dp} x {n}, {consumers})")
+    if ctas not in (1, 2) or dp * n > 4 or dp < 1:
+        raise ValueError(f"ctas_per_sm 1 or 2, pages_in_flight * n <= 4 (got {ctas}, {dp} x {n})")
     if chunk_pages is None:
         cols = B * max(max_len, 1) // (8 * num_sms(device))
         chunk_pages = min(max(prev_pow2(max(cols // PAGE_SIZE, 1)), 8), 64)
-        if consumers == 3:
-            chunk_pages = chunk_pages // 4 * 3 if chunk_pages >= 16 else 12
     if chunk_pages < 1:
         raise ValueError(f"chunk_pages: >= 1 (got {chunk_pages})")
-    regs = dict(REGS_C=152, REGS_P=40, maxnreg=128) if consumers == 3 else \
-        dict(REGS_C=96, REGS_P=40, maxnreg=80) if ctas == 2 else dict(REGS_C=232, REGS_P=40, maxnreg=168)
-    return dict(CHUNK_PAGES=chunk_pages, NBUF=nbuf, DP=dp, NC=consumers, JOINT=int(joint), num_warps=4, ctas=ctas,
+    regs = dict(REGS_C=96, REGS_P=40, maxnreg=80) if ctas == 2 else dict(REGS_C=232, REGS_P=40, maxnreg=168)
+    return dict(CHUNK_PAGES=chunk_pages, NBUF=nbuf, DP=dp, NC=2, JOINT=int(joint), num_warps=4, ctas=ctas,
                 DIAG=diag, **regs)
 
 
@@ -428,3 +430,89 @@ def unsupported(q_fp8: torch.Tensor, index_cache: torch.Tensor) -> str | None:
     if index_cache.data_ptr() % 16 or not index_cache.is_contiguous() or not 0 < P * PAGE_ROWS < 2 ** 31:
         return "a contiguous 16-byte aligned cache of 1 .. 2^31 / 66 pages"
     return None
+
+
+def indexer_logits_paged_gluon(q_fp8: torch.Tensor, index_cache: torch.Tensor, weights: torch.Tensor,
+                               context_lens: torch.Tensor, block_table: torch.Tensor, max_context_len: int,
+                               out: torch.Tensor | None = None, **config) -> torch.Tensor:
+    """Paged indexer logits by this kernel (experimental: see the module docstring). No value checks: the
+    caller's lengths must lie in [0, min(max_context_len, 64 * maxp)] and the reachable page ids in [0, P).
+
+    Args:
+        q_fp8:        ``[B, n, 64, 128] float8_e4m3fn``, contiguous, 1 <= n <= 4.
+        index_cache:  ``[P, 8448] uint8`` pages (64 x 128 e4m3 keys, then 64 fp32 scales), contiguous.
+        weights:      ``[B * n, 64] float32``, unit stride last.
+        context_lens: ``[B, n] int32``, contiguous.
+        block_table:  ``[B, maxp] int32``, unit stride last.
+        max_context_len: output width.
+        out:          optional ``[B * n, max_context_len] float32`` destination, unit stride last.
+        config:       :func:`launch_config` overrides (and ``max_ctas``).
+
+    Returns:
+        ``[B * n, max_context_len] float32``: logits below each row's length, -inf from it on.
+    """
+    B, n = q_fp8.shape[:2]
+    why = unsupported(q_fp8, index_cache)
+    if why:
+        raise ValueError(f"q_fp8 / index_cache: this kernel needs {why}")
+    if q_fp8.dtype != torch.float8_e4m3fn or not q_fp8.is_contiguous() or q_fp8.shape[-1] != D.value:
+        raise ValueError(f"q_fp8: expected a contiguous [B, n, 64, 128] float8_e4m3fn tensor, got {q_fp8.dtype} "
+                         f"{tuple(q_fp8.shape)} with strides {q_fp8.stride()}")
+    if weights.shape != (B * n, HEADS.value) or weights.dtype != torch.float32 or weights.stride(-1) != 1:
+        raise ValueError(f"weights: expected [{B * n}, 64] float32 with unit stride last, got {weights.dtype} "
+                         f"{tuple(weights.shape)}")
+    if context_lens.shape != (B, n) or context_lens.dtype != torch.int32 or not context_lens.is_contiguous():
+        raise ValueError(f"context_lens: expected a contiguous [{B}, {n}] int32 tensor, got {context_lens.dtype} "
+                         f"{tuple(context_lens.shape)}")
+    if block_table.dim() != 2 or block_table.shape[0] != B or block_table.dtype != torch.int32 \
+            or block_table.stride(-1) != 1:
+        raise ValueError(f"block_table: expected [{B}, maxp] int32 with unit stride last, got {block_table.dtype} "
+                         f"{tuple(block_table.shape)}")
+    if out is None:
+        out = torch.empty(B * n, max_context_len, dtype=torch.float32, device=q_fp8.device)
+    elif out.shape != (B * n, max_context_len) or out.dtype != torch.float32 or out.stride(-1) != 1:
+        raise ValueError(f"out: expected [{B * n}, {max_context_len}] float32 with unit stride last, got "
+                         f"{out.dtype} {tuple(out.shape)}")
+    if out.numel() == 0:
+        return out
+    grid, kw = kernel_args(q_fp8, index_cache, weights, context_lens, block_table, max_context_len, out, **config)
+    indexer_paged_ws_kernel[grid](**kw)
+    return out
+
+
+def compile_sm90(n: int, **config):
+    """Compile the kernel for sm_90 for next_n ``n`` (any host: no GPU needed) and return Triton's compiled
+    kernel (``asm["ptx"]``, ``asm["cubin"]``, ``metadata.shared``): the CI check and the probe's
+    ``--compile-only``."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    import flashdsa.ops.indexer.gluon as mod
+    B, P, max_len = 4, 64, 4096
+    q = torch.empty(B, n, HEADS.value, D.value, dtype=torch.float8_e4m3fn)
+    cache = torch.empty(P, INDEX_PAGE_BYTES, dtype=torch.uint8)
+    args = (torch.empty(B * n, HEADS.value), torch.empty(B, n, dtype=torch.int32),
+            torch.empty(B, max_len // 64, dtype=torch.int32), max_len, torch.empty(B * n, max_len))
+    config.setdefault("chunk_pages", 16)
+    sms, mod.num_sms = mod.num_sms, (lambda dev: 132)   # the H200's count; no GPU to ask
+    try:
+        _, kw = kernel_args(q, cache, args[0], args[1], args[2], args[3], args[4], **config)
+    finally:
+        mod.num_sms = sms
+    opts = {k: kw.pop(k) for k in ("num_warps", "maxnreg")}
+    tys = {torch.float32: "*fp32", torch.int32: "*i32"}
+    fn = indexer_paged_ws_kernel
+    sig, consts, attrs = {}, {}, {}
+    for i, name in enumerate(fn.arg_names):
+        val = kw[name]
+        if name.isupper():
+            sig[name], consts[name] = "constexpr", getattr(val, "value", val)
+        elif isinstance(val, torch.Tensor):   # the launcher specialises 16-byte aligned pointers
+            sig[name], attrs[(i,)] = tys[val.dtype], [["tt.divisibility", 16]]
+        elif isinstance(val, TensorDescriptor):
+            sig[name] = mangle_type(val)
+        else:
+            sig[name] = "i32"
+    return triton.compile(GluonASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32), options=opts)

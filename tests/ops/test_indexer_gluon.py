@@ -1,0 +1,115 @@
+"""The experimental Gluon paged indexer (``ops/indexer/gluon.py``, sm_90; not dispatched by the public op).
+
+Triton's interpreter cannot run Gluon, so its numerics are tested on an sm_90 GPU (``-m gpu``): the fp32
+reference on the same fp8 inputs, NaN-poisoned outputs, junk (NaN) keys and scales past every length and junk
+page ids past each request's pages, lengths 0 / 1 / 64 / 65 / 700 / 2049 / 3000, next_n 1..4, several items a
+persistent CTA, and each launch knob. Tolerance as for the compiled Triton kernel (test_indexer_triton.py):
+Hopper's fp8 wgmma accumulates in less than fp32 (~2e-4 of the largest logit measured), so 1e-3 of it
+elementwise and a cosine diff of 1e-6, with the exact -inf pattern. On the CPU: the kernel compiles for sm_90
+through Triton's code generator and ptxas, without ptxas serialising its wgmma; the config and argument errors.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from test_indexer_triton import _bits, _check, _paged_inputs
+
+from flashdsa.ops import indexer_logits_paged
+from flashdsa.testing.inputs import poison
+
+SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+needs_sm90 = pytest.mark.skipif(not SM90, reason="the Gluon kernel needs an sm_90 GPU")
+
+SEQ_LENS = [3000, 1, 64, 65, 700, 0, 2049]
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+@pytest.mark.parametrize("config", [
+    {}, {"chunk_pages": 1, "max_ctas": 3}, {"chunk_pages": 2, "ctas_per_sm": 1}, {"pages_in_flight": 1},
+    {"joint": True, "chunk_pages": 4, "max_ctas": 2},
+], ids=["default", "one-page-items-3-ctas", "one-cta-an-sm", "one-page-in-flight", "joint"])
+def test_gluon_paged_matches_reference(n, config):
+    from flashdsa.ops.indexer.gluon import indexer_logits_paged_gluon
+    q, cache, w, ctx, bt, width = _paged_inputs(SEQ_LENS, n, 64, None, 77, seed=n * 7 + 64, device="cuda")
+    q = q.contiguous()
+    out = indexer_logits_paged_gluon(q, cache, w, ctx, bt, width, out=poison((q.shape[0] * n, width), device="cuda"),
+                                     **config)
+    ref = indexer_logits_paged(*(t.cpu() for t in (q, cache, w, ctx, bt)), width, backend="torch")
+    _check(out.cpu(), ref, rel=1e-3, max_cos_diff=1e-6)
+    again = indexer_logits_paged_gluon(q, cache, w, ctx, bt, width, **config)
+    assert torch.equal(_bits(out), _bits(again))
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_gluon_paged_rejects_what_it_cannot_run():
+    from flashdsa.ops.indexer.gluon import indexer_logits_paged_gluon
+    q, cache, w, ctx, bt, width = _paged_inputs([100, 200], 2, 64, None, 7, seed=1, device="cuda")
+    with pytest.raises(ValueError, match="q_fp8"):
+        indexer_logits_paged_gluon(q.transpose(2, 3).contiguous().transpose(2, 3), cache, w, ctx, bt, width)
+    with pytest.raises(ValueError, match="heads"):
+        indexer_logits_paged_gluon(q[:, :, :32].contiguous(), cache, w[:, :32], ctx, bt, width)
+    with pytest.raises(ValueError, match="out"):
+        indexer_logits_paged_gluon(q, cache, w, ctx, bt, width, out=torch.empty(4, width + 1, device="cuda"))
+
+
+def test_gluon_paged_rejects_cpu_tensors():
+    pytest.importorskip("triton.experimental.gluon")
+    from flashdsa.ops.indexer.gluon import indexer_logits_paged_gluon
+    q, cache, w, ctx, bt, width = _paged_inputs([100, 200], 1, 64, None, 7, seed=1)
+    with pytest.raises(ValueError, match="sm_90"):
+        indexer_logits_paged_gluon(q, cache, w, ctx, bt, width)
+
+
+def test_launch_config_errors_and_defaults():
+    pytest.importorskip("triton.experimental.gluon")
+    from flashdsa.ops.indexer.gluon import launch_config
+    cpu = torch.device("cpu")
+    with pytest.raises(ValueError, match="pages_in_flight"):
+        launch_config(64, 4, 32768, cpu, pages_in_flight=2)
+    with pytest.raises(ValueError, match="ctas_per_sm"):
+        launch_config(64, 1, 32768, cpu, ctas_per_sm=3)
+    with pytest.raises(ValueError, match="chunk_pages"):
+        launch_config(64, 1, 32768, cpu, chunk_pages=0)
+    one = launch_config(64, 1, 32768, cpu)
+    assert (one["ctas"], one["DP"], one["maxnreg"]) == (2, 2, 80)    # n = 1: two CTAs an SM
+    for n, dp in ((2, 2), (3, 1), (4, 1)):
+        c = launch_config(64, n, 32768, cpu)
+        assert (c["ctas"], c["DP"], c["maxnreg"]) == (1, dp, 168) and c["DP"] * n <= 4
+        assert 8 <= c["CHUNK_PAGES"] <= 64
+
+
+_COMPILE_SCRIPT = r'''
+import pathlib, subprocess, tempfile, triton
+from flashdsa.ops.indexer import gluon as G
+ptxas = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+for n, cfg in ((1, {}), (2, {}), (3, {}), (4, {}), (2, {"joint": True}), (1, {"ctas_per_sm": 1})):
+    k = G.compile_sm90(n, **cfg)
+    assert k.asm["cubin"] and "setmaxnreg" in k.asm["ptx"], (n, cfg)
+    with tempfile.TemporaryDirectory() as d:
+        (pathlib.Path(d) / "k.ptx").write_text(k.asm["ptx"])
+        notes = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(pathlib.Path(d) / "k.ptx"), "-o",
+                                str(pathlib.Path(d) / "k.cubin")], capture_output=True, text=True).stderr
+    assert "C7514" not in notes and "C7515" not in notes, (n, cfg, notes[-2000:])
+print("compiled")
+'''
+
+
+def test_gluon_kernel_compiles_for_hopper():
+    """Every next_n and the knobs compile for sm_90 through Triton's code generator and ptxas without a GPU,
+    and ptxas does not serialise the wgmma chains (the C7514 note a chain in flight across the loop's back
+    edge causes)."""
+    pytest.importorskip("triton.experimental.gluon")
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    r = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "compiled" in r.stdout, r.stderr[-3000:]
