@@ -1,14 +1,16 @@
 """The Gluon paged indexer (``flashdsa/ops/indexer/gluon.py``, issue #17) on the H200: checked against the
 reference, then timed (CUDA-graph replay) next to our Triton kernel and DeepGEMM in the same run.
 
-    PYTHONPATH=. python benchmarks/gluon_indexer_probe.py [--cases quick|full] [--chunk-pages 16,32]
+    PYTHONPATH=. python benchmarks/gluon_indexer_probe.py [--cases quick|full] [--variants '{"chunk_pages": 16};...']
     PYTHONPATH=/path/to/triton-3.6:. python benchmarks/gluon_indexer_probe.py --compile-only   # no GPU
+    ncu ... python benchmarks/gluon_indexer_probe.py --profile 2 [--profile-variant '{...}']
 
-Correctness first, on small ragged batches (lengths 0, 1, 63, 64, 65, several chunks, junk in the block
-table past each row's reach, NaN-poisoned outputs): the exact -inf pattern, max |err| relative to the
-row's largest logit, and the device checks (a bad page id / length sets the error word). Then the timed
-cases: B 64, ctx ~U(0.7, 1.3) x 8K / 32K, next_n 1..4, with ours (Triton default), DeepGEMM (n <= 2) and
-each ``--chunk-pages`` setting. JSON: $OUT/gluon_indexer_probe.json when $OUT is set.
+Correctness first, on small ragged batches (lengths 0, 1, 63, 64, 65, several chunks and several items a
+CTA, junk in the block table past each row's reach, NaN-poisoned outputs): the exact -inf pattern and max
+|err| relative to the largest logit (<= 1e-3: Hopper's fp8 accumulation). Then the timed
+cases: B 64, ctx ~U(0.7, 1.3) x 32K (``--cases full``: also 8K and B 128), next_n 1..4, with ours (Triton
+default), DeepGEMM (n <= 2), the Gluon default and each ``--variants`` launch_config override (``diag`` 1 / 2
+time the kernel without its epilogue / without its wgmma: wrong results, timed only). JSON: $OUT/gluon_indexer_probe.json when $OUT is set.
 --compile-only compiles every next_n for sm_90 with the Triton on the path and prints shared memory,
 setmaxnreg budgets, ptxas spills and HGMMA / DEPBAR counts.
 """

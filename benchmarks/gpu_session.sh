@@ -8,7 +8,9 @@
 # every variant of gluon.py's fp8 decode and gluon_bf16.py's prefill / bf16 decode checked against the
 # reference and timed next to FlashMLA, and the bf16 kernel's fixed cost per CTA; about 4 min), ncu (Nsight
 # Compute sections of our Gluon sparse-MLA kernels and FlashMLA's, decode and prefill: $OUT/ncu*.txt; and our
-# kernels' per-SASS-instruction counters, summarised by benchmarks/ncu_sass_top.py: $OUT/ncu-sass*.txt).
+# kernels' per-SASS-instruction counters, summarised by benchmarks/ncu_sass_top.py: $OUT/ncu-sass*.txt),
+# gluon-indexer (the experimental Gluon paged indexer checked and timed next to the Triton kernel and DeepGEMM,
+# with the launch variants in GLUON_INDEXER_VARIANTS; under a minute).
 # BENCH_ARGS go to every bench.
 # Wheels in .anchors/ are installed over the image's packages: put a transformers >= 5.23 wheel there for
 # the hf stage and test_hf (the H200 image had 5.17 on 2026-12-01).
@@ -33,6 +35,9 @@ for stage in "$@"; do
              2>&1 | tee "$OUT/gluon_fp8.log" | tail -8
            timeout 200 python3 benchmarks/gluon_prefill_probe.py --child-timeout 60 2>&1 | tee "$OUT/gluon_bf16.log" | tail -22
            timeout 100 python3 benchmarks/gluon_prefill_fixed.py 2>&1 | tee "$OUT/gluon_fixed.log" | tail -6 ;;
+    gluon-indexer)
+           timeout 280 python3 benchmarks/gluon_indexer_probe.py ${GLUON_INDEXER_VARIANTS:+--variants "$GLUON_INDEXER_VARIANTS"} \
+             2>&1 | tee "$OUT/gluon_indexer.log" | tail -22 ;;
     ncu)   for mode in "" --prefill; do
              timeout 150 ncu --kernel-name regex:'ws_kernel|mla|sparse' --launch-count 12 --section SpeedOfLight \
                --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \
