@@ -21,9 +21,7 @@ import argparse
 import json
 import os
 import re
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -37,9 +35,9 @@ D, H = 128, 64
 def compile_only(ns=(1, 2, 3, 4), extra: dict | None = None) -> int:
     """Compile for sm_90 (no GPU) and report what ptxas made of it."""
     import triton
+    from sass_report import ptxas_and_sass
 
     from flashdsa.ops.indexer import gluon as G
-    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     print(f"triton {triton.__version__} ({triton.__file__})")
     for n in ns:
         try:
@@ -49,13 +47,7 @@ def compile_only(ns=(1, 2, 3, 4), extra: dict | None = None) -> int:
         except Exception as e:  # noqa: BLE001
             print(f"n{n}: FAILED {type(e).__name__}: " + " | ".join(str(e).splitlines()[-3:])[-800:])
             continue
-        with tempfile.TemporaryDirectory() as d:
-            (Path(d) / "k.ptx").write_text(k.asm["ptx"])
-            (Path(d) / "k.cubin").write_bytes(k.asm["cubin"])
-            ptxas = subprocess.run([str(bin_dir / "ptxas"), "-arch=sm_90a", "-v", str(Path(d) / "k.ptx"), "-o",
-                                    str(Path(d) / "k2.cubin")], capture_output=True, text=True).stderr
-            sass = subprocess.run([str(bin_dir / "nvdisasm"), "-c", str(Path(d) / "k.cubin")],
-                                  capture_output=True, text=True).stdout
+        ptxas, sass = ptxas_and_sass(k)
         if os.environ.get("SASS_DIR"):
             Path(os.environ["SASS_DIR"]).mkdir(parents=True, exist_ok=True)
             (Path(os.environ["SASS_DIR"]) / f"n{n}.sass").write_text(sass)

@@ -363,8 +363,8 @@ def compile_only(variants: list[str], sass_dir: str | None = None) -> int:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
+    from sass_report import ptxas_and_sass
     from flashdsa.ops.sparse_mla import gluon as G
-    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     print(f"triton {triton.__version__} ({triton.__file__})")
     tys = {torch.float32: "*fp32", torch.int32: "*i32", torch.uint8: "*u8", torch.bfloat16: "*bf16"}
     q = torch.empty(2, 1, 128, 576, dtype=torch.bfloat16)
@@ -393,13 +393,7 @@ def compile_only(variants: list[str], sass_dir: str | None = None) -> int:
         except Exception as e:  # noqa: BLE001
             print(f"{v}: FAILED {e!r}"[:2000])
             continue
-        with tempfile.TemporaryDirectory() as d:
-            (Path(d) / "k.ptx").write_text(k.asm["ptx"])
-            (Path(d) / "k.cubin").write_bytes(k.asm["cubin"])
-            ptxas = subprocess.run([str(bin_dir / "ptxas"), "-arch=sm_90a", "-v", str(Path(d) / "k.ptx"), "-o",
-                                    str(Path(d) / "k2.cubin")], capture_output=True, text=True).stderr
-            sass = subprocess.run([str(bin_dir / "nvdisasm"), "-c", str(Path(d) / "k.cubin")], capture_output=True,
-                                  text=True).stdout
+        ptxas, sass = ptxas_and_sass(k)
         if sass_dir:
             Path(sass_dir).mkdir(parents=True, exist_ok=True)
             (Path(sass_dir) / f"{v}.sass").write_text(sass)

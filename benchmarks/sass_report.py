@@ -63,6 +63,18 @@ def compile_sm90(kernel, args: dict, constexprs: dict, num_warps: int, maxnreg: 
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
 
 
+def ptxas_and_sass(k) -> tuple[str, str]:
+    """``ptxas -v``'s report of a compiled kernel's PTX (registers, spills, the C75xx notes) and its SASS."""
+    with tempfile.TemporaryDirectory() as d:
+        (Path(d) / "k.ptx").write_text(k.asm["ptx"])
+        (Path(d) / "k.cubin").write_bytes(k.asm["cubin"])
+        ptxas = subprocess.run([str(_BIN / "ptxas"), "-arch=sm_90a", "-v", str(Path(d) / "k.ptx"), "-o",
+                                str(Path(d) / "k2.cubin")], capture_output=True, text=True).stderr
+        sass = subprocess.run([str(_BIN / "nvdisasm"), "-c", str(Path(d) / "k.cubin")], capture_output=True,
+                              text=True).stdout
+    return ptxas, sass
+
+
 def report(name: str, k, sass_path: str | None = None) -> dict:
     ptx = k.asm["ptx"]
     with tempfile.TemporaryDirectory() as d:

@@ -590,10 +590,9 @@ print("compiled")
 '''
 
 
-def test_kernels_compile_for_hopper_and_ampere():
-    """The default launch shapes compile for sm_90 (fp8 wgmma; the TMA paged kernel with its inline-PTX
-    store) and sm_80 (fp16 upcast) through Triton's real code generator and ptxas, without a GPU (the
-    interpreter never compiles anything)."""
+def compile_without_interpreter(script: str) -> None:
+    """Run ``script`` in a child Python without ``TRITON_INTERPRET`` (the interpreter never compiles
+    anything), the repository on its path; it must print "compiled"."""
     import os
     import subprocess
     import sys
@@ -601,5 +600,11 @@ def test_kernels_compile_for_hopper_and_ampere():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    r = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "compiled" in r.stdout, r.stderr[-3000:]
+
+
+def test_kernels_compile_for_hopper_and_ampere():
+    """The default launch shapes compile for sm_90 (fp8 wgmma; the TMA paged kernel with its inline-PTX
+    store) and sm_80 (fp16 upcast) through Triton's real code generator and ptxas, without a GPU."""
+    compile_without_interpreter(_COMPILE_SCRIPT)
