@@ -415,10 +415,10 @@ def kernel_args(q_fp8, cache_u8, weights, context_lens, block_table, max_len, ou
 
 
 def unsupported(q_fp8: torch.Tensor, index_cache: torch.Tensor) -> str | None:
-    """Why this kernel cannot run a (validated) ``indexer_logits_paged`` call, or None when it can: an sm_90
-    GPU, 64 heads (DeepSeek-V3.2's indexer; other head counts run the Triton kernels), 1 <= next_n <= 4 (one
-    m64n64 accumulator per draft row; MTP verify with more drafts runs the Triton kernels), a 16-byte aligned
-    contiguous cache of fewer than 2^31 / 66 pages (TMA's int32 row coordinates)."""
+    """Why this kernel cannot run an ``indexer_logits_paged`` call, or None when it can: an sm_90 GPU, 64 heads
+    (DeepSeek-V3.2's indexer), 1 <= next_n <= 4 (one m64n64 accumulator per draft row, at most 4 in flight),
+    a 16-byte aligned contiguous cache of fewer than 2^31 / 66 pages (TMA's int32 row coordinates). The
+    public op does not dispatch here (module docstring); :func:`indexer_logits_paged_gluon` asks this first."""
     B, n, H, _ = q_fp8.shape
     if H != HEADS.value:
         return f"{HEADS.value} heads (got {H})"
