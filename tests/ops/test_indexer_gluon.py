@@ -29,8 +29,8 @@ SEQ_LENS = [3000, 1, 64, 65, 700, 0, 2049]
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
 @pytest.mark.parametrize("config", [
     {}, {"chunk_pages": 1, "max_ctas": 3}, {"chunk_pages": 2, "ctas_per_sm": 1}, {"pages_in_flight": 1},
-    {"joint": True, "chunk_pages": 4, "max_ctas": 2},
-], ids=["default", "one-page-items-3-ctas", "one-cta-an-sm", "one-page-in-flight", "joint"])
+    {"joint": True, "chunk_pages": 4, "max_ctas": 2}, {"scales_gmem": True, "chunk_pages": 2, "max_ctas": 3},
+], ids=["default", "one-page-items-3-ctas", "one-cta-an-sm", "one-page-in-flight", "joint", "scales-gmem"])
 def test_gluon_paged_matches_reference(n, config):
     from flashdsa.ops.indexer.gluon import indexer_logits_paged_gluon
     q, cache, w, ctx, bt, width = _paged_inputs(SEQ_LENS, n, 64, None, 77, seed=n * 7 + 64, device="cuda")
@@ -86,7 +86,8 @@ _COMPILE_SCRIPT = r'''
 import pathlib, subprocess, tempfile, triton
 from flashdsa.ops.indexer import gluon as G
 ptxas = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-for n, cfg in ((1, {}), (2, {}), (3, {}), (4, {}), (2, {"joint": True}), (1, {"ctas_per_sm": 1})):
+for n, cfg in ((1, {}), (2, {}), (3, {}), (4, {}), (2, {"joint": True}), (1, {"ctas_per_sm": 1}),
+               (2, {"scales_gmem": True})):
     k = G.compile_sm90(n, **cfg)
     assert k.asm["cubin"] and "setmaxnreg" in k.asm["ptx"], (n, cfg)
     with tempfile.TemporaryDirectory() as d:

@@ -48,7 +48,9 @@ issue-bound minimum (32 FMNMX + 30 FFMA a thread per row and page, already contr
 then long scoreboard and ``wait``. Tried and not better: a persistent grid (the first version launched a
 CTA per item: n 1 76, n 2 96-102), 12 / 16 buffers, chunks of 8 / 16 / 32 / 64 pages, one page in flight
 a consumer instead of two, all a round's rows finished together (``joint``: n 1 79.2 vs 80.1). A third
-consumer warpgroup (n <= 2) hung at B 64 and was removed. Next: fewer warps waiting at partition barriers
+consumer warpgroup (n <= 2) hung at B 64 and was removed. Prepared, compiled, not yet run: ``scales_gmem``
+(each page's scales loaded by the consumers from global memory a round ahead: no scale TMA, no shared
+read and the partition barrier Triton puts before it, one of ~5 a round at n 2). Next: fewer warps waiting at partition barriers
 (more consumer warps for latency, or the epilogue's head sum on the tensor cores: relu(S) as a tf32 A
 operand against a [64 heads, 8] gate tile, the heads permuted to match the accumulator's registers).
 """
@@ -67,6 +69,8 @@ from flashdsa.ops._launch import capability
 from flashdsa.ops._triton_utils import cdiv, num_sms, prev_pow2
 
 PAGE_ROWS = INDEX_PAGE_BYTES // (INDEX_KEY_BYTES // PAGE_SIZE)  # 66 rows of 128 B a page: 64 keys, 2 of scales
+INDEX_PAGE_WORDS = gl.constexpr(INDEX_PAGE_BYTES // 4)   # a page in fp32 words, its scales from word 2048
+INDEX_KEY_WORDS = gl.constexpr(INDEX_KEY_BYTES // 4)
 D = gl.constexpr(128)
 HEADS = gl.constexpr(64)   # the N side of one row's wgmma: the Gluon path takes H == 64 (DeepSeek-V3.2's indexer)
 # Triton 3.7 renamed TMA's copy (async_copy_global_to_shared -> async_load) and memdesc._reinterpret; the
@@ -129,7 +133,8 @@ def _item(t, B, n_chunks, context_lens, max_len, NEXT_N: gl.constexpr, CHUNK_PAG
 @gluon.jit
 def _producer(q_desc, key_desc, sc_desc, context_lens, block_table, stride_bt, out, stride_o, max_len, B, n_chunks,
               n_items, q_smem, k_smem, s_smem, ready, free, q_ready, q_free, NBUF: gl.constexpr,
-              NEXT_N: gl.constexpr, CHUNK_PAGES: gl.constexpr, DP: gl.constexpr, NC: gl.constexpr):
+              NEXT_N: gl.constexpr, CHUNK_PAGES: gl.constexpr, DP: gl.constexpr, NC: gl.constexpr,
+              SG: gl.constexpr):
     """For each of the CTA's items: the request's queries (n TMA copies into the item's Q buffer), then its
     pages (page ids four ahead, one TMA copy of the keys and one of the scales per page, padding pages read
     page 0), then -inf at the columns past the rows' reach."""
@@ -157,10 +162,14 @@ def _producer(q_desc, key_desc, sc_desc, context_lens, block_table, stride_bt, o
             s = g % NBUF
             mbarrier.wait(free.index(s), ((g // NBUF) & 1) ^ 1)
             bar = ready.index(s)
-            mbarrier.expect(bar, 64 * D + 64 * 4)
             r = pa * 66
-            _tma_copy(key_desc, [r, 0], bar, k_smem.index(s))
-            _tma_copy(sc_desc, [r + 64, 0], bar, s_smem.index(s))
+            if SG:   # the consumers load the scales themselves
+                mbarrier.expect(bar, 64 * D)
+                _tma_copy(key_desc, [r, 0], bar, k_smem.index(s))
+            else:
+                mbarrier.expect(bar, 64 * D + 64 * 4)
+                _tma_copy(key_desc, [r, 0], bar, k_smem.index(s))
+                _tma_copy(sc_desc, [r + 64, 0], bar, s_smem.index(s))
             pa = pb
             pb = pc
             pc = pd
@@ -209,16 +218,40 @@ def _issue(g0, i, g: gl.constexpr, q_smem, q0, k_smem, ready, zero, NBUF: gl.con
 
 
 @gluon.jit
+def _gscales(scales, p_bt, i, n_pages, o_n):
+    """The 64 scales of the item's page i from global memory (``scales``: the cache as fp32 words; a page past
+    ``n_pages`` reads page 0's, never stored), in the accumulator's key-row layout of ``o_n``."""
+    pid = gl.load(p_bt + i, mask=i < n_pages, other=0)
+    return gl.load(scales + pid.to(gl.int64) * INDEX_PAGE_WORDS + INDEX_KEY_WORDS + o_n)
+
+
+@gluon.jit
+def _pick(d: gl.constexpr, s0, s1, s2, s3):
+    if d == 0:
+        return s0
+    elif d == 1:
+        return s1
+    elif d == 2:
+        return s2
+    else:
+        return s3
+
+
+@gluon.jit
 def _finish(U: gl.constexpr, acc, g0, i0, G: gl.constexpr, S: gl.constexpr, c0, lim_end, s_smem, free, o_n,
             w0, w1, w2, w3, l0, l1, l2, l3, out_b, stride_o, NBUF: gl.constexpr, NEW: gl.constexpr,
-            DIAG: gl.constexpr, NC: gl.constexpr, WAIT: gl.constexpr):
+            DIAG: gl.constexpr, NC: gl.constexpr, WAIT: gl.constexpr, SG: gl.constexpr, s0, s1, s2, s3):
     """Accumulator U = d * G + g of a round whose first page is i0: wait for its chain (the oldest of the
-    S - U still in flight), free the page after its last row, store the row's logits."""
+    S - U still in flight), free the page after its last row, store the row's logits. Scales: from the
+    page's shared buffer, or (``SG``) ``s_d``, loaded from global memory a round earlier."""
     d: gl.constexpr = U // G
     g: gl.constexpr = U % G
     i = i0 + NC * d
     s = (g0 + i) % NBUF
-    sc = _scales(s_smem.index(s), NEW)
+    if SG:
+        sc = _pick(d, s0, s1, s2, s3)
+    else:
+        sc = _scales(s_smem.index(s), NEW)
     if DIAG < 2 and WAIT:
         acc = warpgroup_mma_wait(S - 1 - U, deps=(acc,))
     if g == G - 1:
@@ -233,7 +266,7 @@ def _finish(U: gl.constexpr, acc, g0, i0, G: gl.constexpr, S: gl.constexpr, c0, 
 def _consumer(WG: gl.constexpr, w, context_lens, out, stride_w, stride_o, max_len, B, n_chunks, n_items,
               q_smem, k_smem, s_smem, ready, free, q_ready, q_free, NBUF: gl.constexpr, NEXT_N: gl.constexpr,
               CHUNK_PAGES: gl.constexpr, DP: gl.constexpr, NEW: gl.constexpr, DIAG: gl.constexpr,
-              NC: gl.constexpr, JOINT: gl.constexpr):
+              NC: gl.constexpr, JOINT: gl.constexpr, SG: gl.constexpr, scales, block_table, stride_bt):
     """Consumer WG on each of the CTA's items: pages WG, WG + 2, ... in rounds of DP pages: the round's
     S = DP * n chains issued together, then finished one by one as they complete (``_finish``), so the
     tensor cores run the rest of the round's chains (and the other consumer's) during each epilogue.
@@ -272,8 +305,35 @@ def _consumer(WG: gl.constexpr, w, context_lens, out, stride_w, stride_o, max_le
             qb = it % 2
             mbarrier.wait(q_ready.index(qb), (it // 2) & 1)
             q0 = qb * NEXT_N
+            # SG: the scales of round 0's pages now, then each round those of the next (loads in flight
+            # across the loop's back edge, unlike wgmma chains); else unused
+            s0 = gl.zeros([64], gl.float32, LN)
+            s1 = s0
+            s2 = s0
+            s3 = s0
+            p_bt = block_table + b.to(gl.int64) * stride_bt + c0 // 64
+            if SG:
+                s0 = _gscales(scales, p_bt, WG, n_pages, o_n)
+                if DP > 1:
+                    s1 = _gscales(scales, p_bt, WG + NC, n_pages, o_n)
+                if DP > 2:
+                    s2 = _gscales(scales, p_bt, WG + 2 * NC, n_pages, o_n)
+                if DP > 3:
+                    s3 = _gscales(scales, p_bt, WG + 3 * NC, n_pages, o_n)
             for r in range(n_pad // (NC * DP)):
                 i0 = WG + NC * DP * r
+                n0 = s0
+                n1 = s1
+                n2 = s2
+                n3 = s3
+                if SG:
+                    n0 = _gscales(scales, p_bt, i0 + NC * DP, n_pages, o_n)
+                    if DP > 1:
+                        n1 = _gscales(scales, p_bt, i0 + NC * DP + NC, n_pages, o_n)
+                    if DP > 2:
+                        n2 = _gscales(scales, p_bt, i0 + NC * DP + 2 * NC, n_pages, o_n)
+                    if DP > 3:
+                        n3 = _gscales(scales, p_bt, i0 + NC * DP + 3 * NC, n_pages, o_n)
                 a0 = _issue(g0, i0, 0, q_smem, q0, k_smem, ready, zero, NBUF, DIAG)
                 a1 = a0
                 a2 = a0
@@ -296,16 +356,20 @@ def _consumer(WG: gl.constexpr, w, context_lens, out, stride_w, stride_o, max_le
                     else:
                         a0, a1, a2, a3 = warpgroup_mma_wait(0, deps=(a0, a1, a2, a3))
                 _finish(0, a0, g0, i0, G, S, c0, lim_end, s_smem, free, o_n, w0, w1, w2, w3, l0, l1, l2, l3,
-                        out_b, stride_o, NBUF, NEW, DIAG, NC, not JOINT)
+                        out_b, stride_o, NBUF, NEW, DIAG, NC, not JOINT, SG, s0, s1, s2, s3)
                 if S > 1:
                     _finish(1, a1, g0, i0, G, S, c0, lim_end, s_smem, free, o_n, w0, w1, w2, w3, l0, l1, l2, l3,
-                            out_b, stride_o, NBUF, NEW, DIAG, NC, not JOINT)
+                            out_b, stride_o, NBUF, NEW, DIAG, NC, not JOINT, SG, s0, s1, s2, s3)
                 if S > 2:
                     _finish(2, a2, g0, i0, G, S, c0, lim_end, s_smem, free, o_n, w0, w1, w2, w3, l0, l1, l2, l3,
-                            out_b, stride_o, NBUF, NEW, DIAG, NC, not JOINT)
+                            out_b, stride_o, NBUF, NEW, DIAG, NC, not JOINT, SG, s0, s1, s2, s3)
                 if S > 3:
                     _finish(3, a3, g0, i0, G, S, c0, lim_end, s_smem, free, o_n, w0, w1, w2, w3, l0, l1, l2, l3,
-                            out_b, stride_o, NBUF, NEW, DIAG, NC, not JOINT)
+                            out_b, stride_o, NBUF, NEW, DIAG, NC, not JOINT, SG, s0, s1, s2, s3)
+                s0 = n0
+                s1 = n1
+                s2 = n2
+                s3 = n3
             mbarrier.arrive(q_free.index(qb), count=1)
             it += 1
         g0 += n_pad
@@ -322,10 +386,11 @@ def indexer_paged_ws_kernel(
     context_lens,  # [B, NEXT_N] i32, contiguous
     block_table,   # [B, maxp] i32, unit stride last
     out,           # [B * NEXT_N, max_len] f32, unit stride last
+    scales,        # the cache as fp32 words (SG: the consumers read the scales from it)
     max_len, B, n_chunks, stride_w, stride_bt, stride_o,
     NEXT_N: gl.constexpr, CHUNK_PAGES: gl.constexpr, NBUF: gl.constexpr, DP: gl.constexpr, REGS_C: gl.constexpr,
     REGS_P: gl.constexpr, NEW: gl.constexpr, NC: gl.constexpr = 2, JOINT: gl.constexpr = 0,
-    DIAG: gl.constexpr = 0,
+    SG: gl.constexpr = 0, DIAG: gl.constexpr = 0,
 ):
     """A persistent CTA: items t = program_id, program_id + grid, ... of the B * n_chunks (request, chunk of
     CHUNK_PAGES pages) items, so the producer streams the next item's pages while the consumers finish
@@ -347,12 +412,14 @@ def indexer_paged_ws_kernel(
     fence_async_shared()
     gl.warp_specialize([
         (_consumer, (0, w, context_lens, out, stride_w, stride_o, max_len, B, n_chunks, n_items, q_smem, k_smem,
-                     s_smem, ready, free, q_ready, q_free, NBUF, NEXT_N, CHUNK_PAGES, DP, NEW, DIAG, NC, JOINT)),
+                     s_smem, ready, free, q_ready, q_free, NBUF, NEXT_N, CHUNK_PAGES, DP, NEW, DIAG, NC, JOINT, SG,
+                         scales, block_table, stride_bt)),
         (_consumer, (1, w, context_lens, out, stride_w, stride_o, max_len, B, n_chunks, n_items, q_smem, k_smem,
-                     s_smem, ready, free, q_ready, q_free, NBUF, NEXT_N, CHUNK_PAGES, DP, NEW, DIAG, NC, JOINT)),
+                     s_smem, ready, free, q_ready, q_free, NBUF, NEXT_N, CHUNK_PAGES, DP, NEW, DIAG, NC, JOINT, SG,
+                         scales, block_table, stride_bt)),
         (_producer, (q_desc, key_desc, sc_desc, context_lens, block_table, stride_bt, out, stride_o, max_len, B,
                      n_chunks, n_items, q_smem, k_smem, s_smem, ready, free, q_ready, q_free, NBUF, NEXT_N,
-                     CHUNK_PAGES, DP, NC)),
+                     CHUNK_PAGES, DP, NC, SG)),
     ], [4, 1], [REGS_C, REGS_P])
 
 
@@ -363,7 +430,7 @@ NBUF_DEFAULT = 8   # pages in flight a CTA: ~66 KB of keys, enough to cover DRAM
 
 def launch_config(B: int, n: int, max_len: int, device: torch.device, chunk_pages: int | None = None,
                   nbuf: int = NBUF_DEFAULT, ctas_per_sm: int | None = None, pages_in_flight: int | None = None,
-                  joint: bool = False, diag: int = 0) -> dict:
+                  joint: bool = False, scales_gmem: bool = False, diag: int = 0) -> dict:
     """Chunk, pipeline depth and register budget of a launch.
 
     A CTA is 12 warps (the producer's warp is padded to a warpgroup, which setmaxnreg works in): 168
@@ -372,7 +439,9 @@ def launch_config(B: int, n: int, max_len: int, device: torch.device, chunk_page
     consumer warpgroup (n <= 2, 128 registers at launch) hung at B 64 on the H200 (2026-12-02) and was
     removed. ``pages_in_flight`` (DP):
     pages a consumer issues per round, DP * n accumulators of 32 registers (at most 4). ``joint``: a
-    round's rows finished together after all its chains. Chunks: about 8 CTAs an SM, 8 .. 64 pages."""
+    round's rows finished together after all its chains. ``scales_gmem``: the consumers load each page's
+    scales from global memory a round ahead instead of the producer's TMA copy into shared memory (no shared
+    read, so no partition barrier before it; prepared 2026-12-02, compiled, not yet run). Chunks: about 8 CTAs an SM, 8 .. 64 pages."""
     ctas = ctas_per_sm or (2 if n == 1 else 1)
     dp = pages_in_flight or (4 // n if ctas == 1 else 2 // n) or 1   # n = 3: one page
     if ctas not in (1, 2) or dp * n > 4 or dp < 1:
@@ -383,8 +452,8 @@ def launch_config(B: int, n: int, max_len: int, device: torch.device, chunk_page
     if chunk_pages < 1:
         raise ValueError(f"chunk_pages: >= 1 (got {chunk_pages})")
     regs = dict(REGS_C=96, REGS_P=40, maxnreg=80) if ctas == 2 else dict(REGS_C=232, REGS_P=40, maxnreg=168)
-    return dict(CHUNK_PAGES=chunk_pages, NBUF=nbuf, DP=dp, NC=2, JOINT=int(joint), num_warps=4, ctas=ctas,
-                DIAG=diag, **regs)
+    return dict(CHUNK_PAGES=chunk_pages, NBUF=nbuf, DP=dp, NC=2, JOINT=int(joint), SG=int(scales_gmem), num_warps=4,
+                ctas=ctas, DIAG=diag, **regs)
 
 
 def _descs(q_fp8: torch.Tensor, cache_u8: torch.Tensor):
@@ -410,7 +479,8 @@ def kernel_args(q_fp8, cache_u8, weights, context_lens, block_table, max_len, ou
     grid = (max(1, min(B * n_chunks, ctas * num_sms(q_fp8.device), max_ctas or B * n_chunks)),)
     return grid, dict(
         q_desc=q_desc, key_desc=key_desc, sc_desc=sc_desc, w=weights, context_lens=context_lens,
-        block_table=block_table, out=out, max_len=max_len, B=B, n_chunks=n_chunks, stride_w=weights.stride(0),
+        block_table=block_table, out=out, scales=cache_u8.view(torch.float32), max_len=max_len, B=B,
+        n_chunks=n_chunks, stride_w=weights.stride(0),
         stride_bt=block_table.stride(0), stride_o=out.stride(0), NEXT_N=n, NEW=NEW_API, **cfg)
 
 
