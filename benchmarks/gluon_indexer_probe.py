@@ -120,8 +120,9 @@ def run_gpu(args) -> int:
     # correctness: lengths 0, 1, 63, 64, 65, 200, 1000 with 1-page chunks (many CTAs, fills) and the default
     for n in (1, 2, 3, 4):
         for cp, extra in ((1, {"max_ctas": 3}), (2, {}), (None, {}), (1, {"ctas_per_sm": 1, "max_ctas": 2}),
-                          (2, {"pages_in_flight": 1, "max_ctas": 5}), (2, {"joint": True, "max_ctas": 3})):
-            lens = [0, 1, 63, 64, 65, 200, 1000, 777][: 8]
+                          (2, {"pages_in_flight": 1, "max_ctas": 5}), (2, {"joint": True, "max_ctas": 3}),
+                          (2, {"scales_gmem": True, "max_ctas": 3})):
+            lens = [0, 1, 63, 64, 65, 200, 1000, 777]
             q, cache, w, ctx, bt, max_len = _small_case(len(lens), n, lens, seed=n)
             out = torch.full((len(lens) * n, max_len), float("nan"), device="cuda")
             try:

@@ -72,6 +72,7 @@ PAGE_ROWS = INDEX_PAGE_BYTES // (INDEX_KEY_BYTES // PAGE_SIZE)  # 66 rows of 128
 INDEX_PAGE_WORDS = gl.constexpr(INDEX_PAGE_BYTES // 4)   # a page in fp32 words, its scales from word 2048
 INDEX_KEY_WORDS = gl.constexpr(INDEX_KEY_BYTES // 4)
 D = gl.constexpr(128)
+NC = gl.constexpr(2)       # consumer warpgroups (a third hung at B 64 on the H200: module docstring)
 HEADS = gl.constexpr(64)   # the N side of one row's wgmma: the Gluon path takes H == 64 (DeepSeek-V3.2's indexer)
 # Triton 3.7 renamed TMA's copy (async_copy_global_to_shared -> async_load) and memdesc._reinterpret; the
 # copy is picked here because Triton resolves every global attribute a kernel names when it hashes the kernel
@@ -114,8 +115,7 @@ def _scales(buf, NEW: gl.constexpr):
 # ---- partitions ----------------------------------------------------------------------------------------------
 
 @gluon.jit
-def _item(t, B, n_chunks, context_lens, max_len, NEXT_N: gl.constexpr, CHUNK_PAGES: gl.constexpr,
-          DP: gl.constexpr, NC: gl.constexpr):
+def _item(t, B, context_lens, max_len, NEXT_N: gl.constexpr, CHUNK_PAGES: gl.constexpr, DP: gl.constexpr):
     """Work item t -> (request b, its first column c0, the chunk end c1, pages to score, pages padded to whole
     rounds of both consumers). Chunk-major order: every request's first chunk (never empty) comes first."""
     b = t % B
@@ -131,10 +131,9 @@ def _item(t, B, n_chunks, context_lens, max_len, NEXT_N: gl.constexpr, CHUNK_PAG
 
 
 @gluon.jit
-def _producer(q_desc, key_desc, sc_desc, context_lens, block_table, stride_bt, out, stride_o, max_len, B, n_chunks,
-              n_items, q_smem, k_smem, s_smem, ready, free, q_ready, q_free, NBUF: gl.constexpr,
-              NEXT_N: gl.constexpr, CHUNK_PAGES: gl.constexpr, DP: gl.constexpr, NC: gl.constexpr,
-              SG: gl.constexpr):
+def _producer(q_desc, key_desc, sc_desc, context_lens, block_table, stride_bt, out, stride_o, max_len, B, n_items,
+              q_smem, k_smem, s_smem, ready, free, q_ready, q_free, NBUF: gl.constexpr, NEXT_N: gl.constexpr,
+              CHUNK_PAGES: gl.constexpr, DP: gl.constexpr, SG: gl.constexpr):
     """For each of the CTA's items: the request's queries (n TMA copies into the item's Q buffer), then its
     pages (page ids four ahead, one TMA copy of the keys and one of the scales per page, padding pages read
     page 0), then -inf at the columns past the rows' reach."""
@@ -144,7 +143,7 @@ def _producer(q_desc, key_desc, sc_desc, context_lens, block_table, stride_bt, o
     g = 0    # pages issued so far (buffer g % NBUF)
     it = 0   # non-empty items so far (Q buffer it % 2)
     for t in range(gl.program_id(0), n_items, gl.num_programs(0)):
-        b, c0, c1, n_pages, n_pad = _item(t, B, n_chunks, context_lens, max_len, NEXT_N, CHUNK_PAGES, DP, NC)
+        b, c0, c1, n_pages, n_pad = _item(t, B, context_lens, max_len, NEXT_N, CHUNK_PAGES, DP)
         if n_pages > 0:
             qb = it % 2
             mbarrier.wait(q_free.index(qb), ((it // 2) & 1) ^ 1)   # a fresh barrier's previous phase is done
@@ -163,12 +162,9 @@ def _producer(q_desc, key_desc, sc_desc, context_lens, block_table, stride_bt, o
             mbarrier.wait(free.index(s), ((g // NBUF) & 1) ^ 1)
             bar = ready.index(s)
             r = pa * 66
-            if SG:   # the consumers load the scales themselves
-                mbarrier.expect(bar, 64 * D)
-                _tma_copy(key_desc, [r, 0], bar, k_smem.index(s))
-            else:
-                mbarrier.expect(bar, 64 * D + 64 * 4)
-                _tma_copy(key_desc, [r, 0], bar, k_smem.index(s))
+            mbarrier.expect(bar, 64 * D + 64 * 4 * (1 - SG))   # SG: the consumers load the scales themselves
+            _tma_copy(key_desc, [r, 0], bar, k_smem.index(s))
+            if not SG:
                 _tma_copy(sc_desc, [r + 64, 0], bar, s_smem.index(s))
             pa = pb
             pb = pc
@@ -189,19 +185,6 @@ def _row_out(acc, w, sc, len_rel, p_out, lim, o_n):
     s = gl.sum(x, axis=1) * sc   # k_scale > 0 leaves the relu and the head sum: one multiply per key
     s = gl.where(o_n < len_rel, s, float("-inf"))
     gl.store(p_out + o_n, s, mask=o_n < lim)
-
-
-@gluon.jit
-def _row(g: gl.constexpr, w0, w1, w2, w3, l0, l1, l2, l3):
-    """Draft row g's gates and length (a static pick: the rows are separate registers)."""
-    if g == 0:
-        return w0, l0
-    elif g == 1:
-        return w1, l1
-    elif g == 2:
-        return w2, l2
-    else:
-        return w3, l3
 
 
 @gluon.jit
@@ -226,7 +209,24 @@ def _gscales(scales, p_bt, i, n_pages, o_n):
 
 
 @gluon.jit
+def _round_scales(scales, p_bt, i0, n_pages, o_n, dummy, DP: gl.constexpr):
+    """:func:`_gscales` of a consumer's DP pages i0, i0 + NC, ... of one round (``dummy`` for the rest)."""
+    s0 = _gscales(scales, p_bt, i0, n_pages, o_n)
+    s1 = dummy
+    s2 = dummy
+    s3 = dummy
+    if DP > 1:
+        s1 = _gscales(scales, p_bt, i0 + NC, n_pages, o_n)
+    if DP > 2:
+        s2 = _gscales(scales, p_bt, i0 + 2 * NC, n_pages, o_n)
+    if DP > 3:
+        s3 = _gscales(scales, p_bt, i0 + 3 * NC, n_pages, o_n)
+    return s0, s1, s2, s3
+
+
+@gluon.jit
 def _pick(d: gl.constexpr, s0, s1, s2, s3):
+    """s_d (a static pick: per-row and per-page values live in separate registers)."""
     if d == 0:
         return s0
     elif d == 1:
@@ -240,7 +240,7 @@ def _pick(d: gl.constexpr, s0, s1, s2, s3):
 @gluon.jit
 def _finish(U: gl.constexpr, acc, g0, i0, G: gl.constexpr, S: gl.constexpr, c0, lim_end, s_smem, free, o_n,
             w0, w1, w2, w3, l0, l1, l2, l3, out_b, stride_o, NBUF: gl.constexpr, NEW: gl.constexpr,
-            DIAG: gl.constexpr, NC: gl.constexpr, WAIT: gl.constexpr, SG: gl.constexpr, s0, s1, s2, s3):
+            DIAG: gl.constexpr, WAIT: gl.constexpr, SG: gl.constexpr, s0, s1, s2, s3):
     """Accumulator U = d * G + g of a round whose first page is i0: wait for its chain (the oldest of the
     S - U still in flight), free the page after its last row, store the row's logits. Scales: from the
     page's shared buffer, or (``SG``) ``s_d``, loaded from global memory a round earlier."""
@@ -258,15 +258,16 @@ def _finish(U: gl.constexpr, acc, g0, i0, G: gl.constexpr, S: gl.constexpr, c0, 
         mbarrier.arrive(free.index(s), count=1)
     if DIAG == 0:
         t0 = c0 + i * 64
-        w, ln = _row(g, w0, w1, w2, w3, l0, l1, l2, l3)
+        w = _pick(g, w0, w1, w2, w3)
+        ln = _pick(g, l0, l1, l2, l3)
         _row_out(acc, w, sc, ln - t0, out_b + g * stride_o + t0, lim_end - t0, o_n)
 
 
 @gluon.jit
-def _consumer(WG: gl.constexpr, w, context_lens, out, stride_w, stride_o, max_len, B, n_chunks, n_items,
+def _consumer(WG: gl.constexpr, w, context_lens, out, stride_w, stride_o, max_len, B, n_items,
               q_smem, k_smem, s_smem, ready, free, q_ready, q_free, NBUF: gl.constexpr, NEXT_N: gl.constexpr,
               CHUNK_PAGES: gl.constexpr, DP: gl.constexpr, NEW: gl.constexpr, DIAG: gl.constexpr,
-              NC: gl.constexpr, JOINT: gl.constexpr, SG: gl.constexpr, scales, block_table, stride_bt):
+              JOINT: gl.constexpr, SG: gl.constexpr, scales, block_table, stride_bt):
     """Consumer WG on each of the CTA's items: pages WG, WG + 2, ... in rounds of DP pages: the round's
     S = DP * n chains issued together, then finished one by one as they complete (``_finish``), so the
     tensor cores run the rest of the round's chains (and the other consumer's) during each epilogue.
@@ -283,7 +284,7 @@ def _consumer(WG: gl.constexpr, w, context_lens, out, stride_w, stride_o, max_le
     g0 = 0   # pages of earlier items (the producer's global page count at this item's start)
     it = 0
     for t in range(gl.program_id(0), n_items, gl.num_programs(0)):
-        b, c0, c1, n_pages, n_pad = _item(t, B, n_chunks, context_lens, max_len, NEXT_N, CHUNK_PAGES, DP, NC)
+        b, c0, c1, n_pages, n_pad = _item(t, B, context_lens, max_len, NEXT_N, CHUNK_PAGES, DP)
         if n_pages > 0:
             row0 = b.to(gl.int64) * NEXT_N
             w_b = w + row0 * stride_w
@@ -313,27 +314,15 @@ def _consumer(WG: gl.constexpr, w, context_lens, out, stride_w, stride_o, max_le
             s3 = s0
             p_bt = block_table + b.to(gl.int64) * stride_bt + c0 // 64
             if SG:
-                s0 = _gscales(scales, p_bt, WG, n_pages, o_n)
-                if DP > 1:
-                    s1 = _gscales(scales, p_bt, WG + NC, n_pages, o_n)
-                if DP > 2:
-                    s2 = _gscales(scales, p_bt, WG + 2 * NC, n_pages, o_n)
-                if DP > 3:
-                    s3 = _gscales(scales, p_bt, WG + 3 * NC, n_pages, o_n)
+                s0, s1, s2, s3 = _round_scales(scales, p_bt, WG, n_pages, o_n, s0, DP)
             for r in range(n_pad // (NC * DP)):
                 i0 = WG + NC * DP * r
                 n0 = s0
                 n1 = s1
                 n2 = s2
                 n3 = s3
-                if SG:
-                    n0 = _gscales(scales, p_bt, i0 + NC * DP, n_pages, o_n)
-                    if DP > 1:
-                        n1 = _gscales(scales, p_bt, i0 + NC * DP + NC, n_pages, o_n)
-                    if DP > 2:
-                        n2 = _gscales(scales, p_bt, i0 + NC * DP + 2 * NC, n_pages, o_n)
-                    if DP > 3:
-                        n3 = _gscales(scales, p_bt, i0 + NC * DP + 3 * NC, n_pages, o_n)
+                if SG:   # the next round's, in flight during this one
+                    n0, n1, n2, n3 = _round_scales(scales, p_bt, i0 + NC * DP, n_pages, o_n, s0, DP)
                 a0 = _issue(g0, i0, 0, q_smem, q0, k_smem, ready, zero, NBUF, DIAG)
                 a1 = a0
                 a2 = a0
@@ -356,16 +345,16 @@ def _consumer(WG: gl.constexpr, w, context_lens, out, stride_w, stride_o, max_le
                     else:
                         a0, a1, a2, a3 = warpgroup_mma_wait(0, deps=(a0, a1, a2, a3))
                 _finish(0, a0, g0, i0, G, S, c0, lim_end, s_smem, free, o_n, w0, w1, w2, w3, l0, l1, l2, l3,
-                        out_b, stride_o, NBUF, NEW, DIAG, NC, not JOINT, SG, s0, s1, s2, s3)
+                        out_b, stride_o, NBUF, NEW, DIAG, not JOINT, SG, s0, s1, s2, s3)
                 if S > 1:
                     _finish(1, a1, g0, i0, G, S, c0, lim_end, s_smem, free, o_n, w0, w1, w2, w3, l0, l1, l2, l3,
-                            out_b, stride_o, NBUF, NEW, DIAG, NC, not JOINT, SG, s0, s1, s2, s3)
+                            out_b, stride_o, NBUF, NEW, DIAG, not JOINT, SG, s0, s1, s2, s3)
                 if S > 2:
                     _finish(2, a2, g0, i0, G, S, c0, lim_end, s_smem, free, o_n, w0, w1, w2, w3, l0, l1, l2, l3,
-                            out_b, stride_o, NBUF, NEW, DIAG, NC, not JOINT, SG, s0, s1, s2, s3)
+                            out_b, stride_o, NBUF, NEW, DIAG, not JOINT, SG, s0, s1, s2, s3)
                 if S > 3:
                     _finish(3, a3, g0, i0, G, S, c0, lim_end, s_smem, free, o_n, w0, w1, w2, w3, l0, l1, l2, l3,
-                            out_b, stride_o, NBUF, NEW, DIAG, NC, not JOINT, SG, s0, s1, s2, s3)
+                            out_b, stride_o, NBUF, NEW, DIAG, not JOINT, SG, s0, s1, s2, s3)
                 s0 = n0
                 s1 = n1
                 s2 = n2
@@ -389,7 +378,7 @@ def indexer_paged_ws_kernel(
     scales,        # the cache as fp32 words (SG: the consumers read the scales from it)
     max_len, B, n_chunks, stride_w, stride_bt, stride_o,
     NEXT_N: gl.constexpr, CHUNK_PAGES: gl.constexpr, NBUF: gl.constexpr, DP: gl.constexpr, REGS_C: gl.constexpr,
-    REGS_P: gl.constexpr, NEW: gl.constexpr, NC: gl.constexpr = 2, JOINT: gl.constexpr = 0,
+    REGS_P: gl.constexpr, NEW: gl.constexpr, JOINT: gl.constexpr = 0,
     SG: gl.constexpr = 0, DIAG: gl.constexpr = 0,
 ):
     """A persistent CTA: items t = program_id, program_id + grid, ... of the B * n_chunks (request, chunk of
@@ -411,15 +400,15 @@ def indexer_paged_ws_kernel(
         mbarrier.init(q_free.index(i), count=NC)   # every consumer
     fence_async_shared()
     gl.warp_specialize([
-        (_consumer, (0, w, context_lens, out, stride_w, stride_o, max_len, B, n_chunks, n_items, q_smem, k_smem,
-                     s_smem, ready, free, q_ready, q_free, NBUF, NEXT_N, CHUNK_PAGES, DP, NEW, DIAG, NC, JOINT, SG,
+        (_consumer, (0, w, context_lens, out, stride_w, stride_o, max_len, B, n_items, q_smem, k_smem,
+                     s_smem, ready, free, q_ready, q_free, NBUF, NEXT_N, CHUNK_PAGES, DP, NEW, DIAG, JOINT, SG,
                          scales, block_table, stride_bt)),
-        (_consumer, (1, w, context_lens, out, stride_w, stride_o, max_len, B, n_chunks, n_items, q_smem, k_smem,
-                     s_smem, ready, free, q_ready, q_free, NBUF, NEXT_N, CHUNK_PAGES, DP, NEW, DIAG, NC, JOINT, SG,
+        (_consumer, (1, w, context_lens, out, stride_w, stride_o, max_len, B, n_items, q_smem, k_smem,
+                     s_smem, ready, free, q_ready, q_free, NBUF, NEXT_N, CHUNK_PAGES, DP, NEW, DIAG, JOINT, SG,
                          scales, block_table, stride_bt)),
         (_producer, (q_desc, key_desc, sc_desc, context_lens, block_table, stride_bt, out, stride_o, max_len, B,
-                     n_chunks, n_items, q_smem, k_smem, s_smem, ready, free, q_ready, q_free, NBUF, NEXT_N,
-                     CHUNK_PAGES, DP, NC, SG)),
+                     n_items, q_smem, k_smem, s_smem, ready, free, q_ready, q_free, NBUF, NEXT_N, CHUNK_PAGES, DP,
+                     SG)),
     ], [4, 1], [REGS_C, REGS_P])
 
 
@@ -452,7 +441,7 @@ def launch_config(B: int, n: int, max_len: int, device: torch.device, chunk_page
     if chunk_pages < 1:
         raise ValueError(f"chunk_pages: >= 1 (got {chunk_pages})")
     regs = dict(REGS_C=96, REGS_P=40, maxnreg=80) if ctas == 2 else dict(REGS_C=232, REGS_P=40, maxnreg=168)
-    return dict(CHUNK_PAGES=chunk_pages, NBUF=nbuf, DP=dp, NC=2, JOINT=int(joint), SG=int(scales_gmem), num_warps=4,
+    return dict(CHUNK_PAGES=chunk_pages, NBUF=nbuf, DP=dp, JOINT=int(joint), SG=int(scales_gmem), num_warps=4,
                 ctas=ctas, DIAG=diag, **regs)
 
 
@@ -559,18 +548,13 @@ def compile_sm90(n: int, **config):
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
-    import flashdsa.ops.indexer.gluon as mod
     B, P, max_len = 4, 64, 4096
     q = torch.empty(B, n, HEADS.value, D.value, dtype=torch.float8_e4m3fn)
     cache = torch.empty(P, INDEX_PAGE_BYTES, dtype=torch.uint8)
     args = (torch.empty(B * n, HEADS.value), torch.empty(B, n, dtype=torch.int32),
             torch.empty(B, max_len // 64, dtype=torch.int32), max_len, torch.empty(B * n, max_len))
-    config.setdefault("chunk_pages", 16)
-    sms, mod.num_sms = mod.num_sms, (lambda dev: 132)   # the H200's count; no GPU to ask
-    try:
-        _, kw = kernel_args(q, cache, args[0], args[1], args[2], args[3], args[4], **config)
-    finally:
-        mod.num_sms = sms
+    config.setdefault("chunk_pages", 16)   # the H200's default at B 64 ctx 32K (a CPU has no SM count to ask)
+    _, kw = kernel_args(q, cache, *args, **config)
     opts = {k: kw.pop(k) for k in ("num_warps", "maxnreg")}
     tys = {torch.float32: "*fp32", torch.int32: "*i32"}
     fn = indexer_paged_ws_kernel
