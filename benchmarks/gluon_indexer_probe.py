@@ -2,7 +2,7 @@
 reference, then timed (CUDA-graph replay) next to our Triton kernel and DeepGEMM in the same run.
 
     PYTHONPATH=. python benchmarks/gluon_indexer_probe.py [--cases quick|full] [--variants '{"chunk_pages": 16};...']
-    PYTHONPATH=/path/to/triton-3.6:. python benchmarks/gluon_indexer_probe.py --compile-only   # no GPU
+    PYTHONPATH=/path/to/triton-3.6:. python benchmarks/gluon_indexer_probe.py --compile-only [--sass-dir D]   # no GPU
     ncu ... python benchmarks/gluon_indexer_probe.py --profile 2 [--profile-variant '{...}']
 
 Correctness first, on small ragged batches (lengths 0, 1, 63, 64, 65, several chunks and several items a
@@ -32,8 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 D, H = 128, 64
 
 
-def compile_only(ns=(1, 2, 3, 4), extra: dict | None = None) -> int:
-    """Compile for sm_90 (no GPU) and report what ptxas made of it."""
+def compile_only(ns=(1, 2, 3, 4), extra: dict | None = None, sass_dir: str | None = None) -> int:
+    """Compile for sm_90 (no GPU) and report what ptxas made of it (``sass_dir``: also write each next_n's SASS
+    and PTX there)."""
     import triton
     from sass_report import ptxas_and_sass
 
@@ -48,10 +49,10 @@ def compile_only(ns=(1, 2, 3, 4), extra: dict | None = None) -> int:
             print(f"n{n}: FAILED {type(e).__name__}: " + " | ".join(str(e).splitlines()[-3:])[-800:])
             continue
         ptxas, sass = ptxas_and_sass(k)
-        if os.environ.get("SASS_DIR"):
-            Path(os.environ["SASS_DIR"]).mkdir(parents=True, exist_ok=True)
-            (Path(os.environ["SASS_DIR"]) / f"n{n}.sass").write_text(sass)
-            (Path(os.environ["SASS_DIR"]) / f"n{n}.ptx").write_text(k.asm["ptx"])
+        if sass_dir:
+            Path(sass_dir).mkdir(parents=True, exist_ok=True)
+            (Path(sass_dir) / f"n{n}.sass").write_text(sass)
+            (Path(sass_dir) / f"n{n}.ptx").write_text(k.asm["ptx"])
         notes = [ln.split(": ", 1)[-1] for ln in ptxas.splitlines() if "C75" in ln]
         spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", ptxas)
         regs = re.findall(r"setmaxnreg[.]\w+[.]sync[.]aligned[.]u32\s+(\d+)", k.asm["ptx"])
@@ -201,6 +202,8 @@ def run_gpu(args) -> int:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--compile-only", action="store_true")
+    ap.add_argument("--sass-dir", default=None, help="with --compile-only: write the SASS / PTX here (the last "
+                    "variant's, when several)")
     ap.add_argument("--profile", type=int, default=0, help="next_n: only launch that case 3 times (for ncu)")
     ap.add_argument("--profile-variant", default="{}", help="launch_config overrides of --profile (JSON)")
     ap.add_argument("--cases", default="quick", choices=["quick", "full"])
@@ -211,7 +214,7 @@ def main() -> int:
     if args.compile_only:
         for v in [{}] + [json.loads(x) for x in args.variants.split(";") if x]:
             print("==", v)
-            compile_only(extra=v)
+            compile_only(extra=v, sass_dir=args.sass_dir)
         return 0
     if args.profile:
         return run_profile(args.profile, json.loads(args.profile_variant))
