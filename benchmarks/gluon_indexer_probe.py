@@ -122,7 +122,8 @@ def run_gpu(args) -> int:
     for n in (1, 2, 3, 4):
         for cp, extra in ((1, {"max_ctas": 3}), (2, {}), (None, {}), (1, {"ctas_per_sm": 1, "max_ctas": 2}),
                           (2, {"pages_in_flight": 1, "max_ctas": 5}), (2, {"joint": True, "max_ctas": 3}),
-                          (2, {"scales_gmem": True, "max_ctas": 3})):
+                          (2, {"scales_gmem": True, "max_ctas": 3}), (2, {"consumers": 4, "max_ctas": 3}),
+                          (1, {"consumers": 4, "max_ctas": 2})):
             lens = [0, 1, 63, 64, 65, 200, 1000, 777]
             q, cache, w, ctx, bt, max_len = _small_case(len(lens), n, lens, seed=n)
             out = torch.full((len(lens) * n, max_len), float("nan"), device="cuda")
@@ -178,7 +179,8 @@ def run_gpu(args) -> int:
                 continue
             inf_ok, err = _check(out, ref)
             t = _graph_time(lambda: G.indexer_paged_ws_kernel[grid](**kw))
-            cfg = f"cp{kw['CHUNK_PAGES']} dp{kw['DP']} c{resolved['ctas']} nc{kw['NC']}" + " j" * kw["JOINT"] \
+            cfg = f"cp{kw['CHUNK_PAGES']} dp{kw['DP']} c{resolved['ctas']} nc{kw['NC']} b{kw['NBUF']}" \
+                + " sg" * kw["SG"] + " j" * kw["JOINT"] \
                 + f" d{kw['DIAG']}" * bool(kw["DIAG"])
             r = dict(kind="time", B=B, n=n, ctx=avg, cfg=cfg, inf_ok=inf_ok, err_vs_triton=err,
                      gluon_us=t, triton_us=t_tri, deepgemm_us=t_dg)
@@ -189,10 +191,10 @@ def run_gpu(args) -> int:
         torch.cuda.empty_cache()
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "gluon_indexer_probe.json").write_text(json.dumps(rows, indent=1))
-    print("\ncase             | config               | gluon us | triton us | DeepGEMM us | gluon/DG | gluon/triton | ok")
+    print("\ncase             | config                       | gluon us | triton us | DeepGEMM us | gluon/DG | gluon/triton | ok")
     for r in table:
         g_, t_, d_ = r["gluon_us"], r["triton_us"], r["deepgemm_us"]
-        print(f"B{r['B']} n{r['n']} ctx~{r['ctx'] // 1024}K".ljust(17) + f"| {r['cfg']:20} | {g_:8.1f} | "
+        print(f"B{r['B']} n{r['n']} ctx~{r['ctx'] // 1024}K".ljust(17) + f"| {r['cfg']:28} | {g_:8.1f} | "
               f"{t_:9.1f} | " + (f"{d_:11.1f} | {g_ / d_:8.3f}" if d_ else f"{'-':>11} | {'-':>8}")
               + f" | {g_ / t_:12.3f} | {r['inf_ok'] and r['err_vs_triton'] < 1e-3}")
     print("correctness:", "all ok" if ok_all else "FAILURES")

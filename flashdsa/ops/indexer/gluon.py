@@ -50,9 +50,29 @@ CTA per item: n 1 76, n 2 96-102), 12 / 16 buffers, chunks of 8 / 16 / 32 / 64 p
 a consumer instead of two, all a round's rows finished together (``joint``: n 1 79.2 vs 80.1). A third
 consumer warpgroup (n <= 2) hung at B 64 and was removed. Prepared, compiled, not yet run: ``scales_gmem``
 (each page's scales loaded by the consumers from global memory a round ahead: no scale TMA, no shared
-read and the partition barrier Triton puts before it, one of ~5 a round at n 2). Next: fewer warps waiting at partition barriers
-(more consumer warps for latency, or the epilogue's head sum on the tensor cores: relu(S) as a tf32 A
-operand against a [64 heads, 8] gate tile, the heads permuted to match the accumulator's registers).
+read and the partition barrier Triton puts before it, one of ~5 a round at n 2).
+
+Measured on 2026-12-02 (fourth session, same probe, two runs; Triton kernel 76.7-80.1 / 95.3-96.2 / 131.4-132.4
+/ 179.9-180.6 us, DeepGEMM 73.2-74.2 / 78.0-78.4 at n 1 / 2 / 3 / 4):
+
+* ``scales_gmem``: slower (n 1 79.8, n 2 112.2, n 3 153.3, n 4 216.0 against the default's 79.2 / 108.5 /
+  151.0 / 207.3). ``joint`` at n 2-4: 108.5 / 154.7 / 210.6 (no gain).
+* ``consumers=4`` (n <= 2), DeepGEMM's shape: four consumer warpgroups at 112 registers (20 warps at 96
+  fill the register file), one page in flight each, and a producer warp per consumer, each filling its
+  consumer's own ring of NBUF / 4 buffers (``SPLIT``: no consumer waits behind another's page). n 2: 104.2 /
+  103.2 us (8 / 16 buffers) against the default's 108.3, still 1.08x the Triton kernel and 1.32x DeepGEMM;
+  n 1: 81.0 / 82.3 against 78.7. With one producer warp for all four: 109.5-111.8 at n 2; one producer warp
+  a consumer with two consumers: no gain at any n. Nsight Compute (n 2, SourceCounters): the ~24 % of stall
+  samples at ``NOP`` after a ``BAR.SYNC`` are idle warps at the partitions' exit (the producer group's
+  padding), not a cost; with one producer for four consumers the consumers' waits for a page were 20 % of
+  the samples and the producer's loop (~60 instructions a page, sharing its scheduler with four consumer
+  warps) the reason; in the epilogue, FMNMX / FFMA / SHFL / FADD carry ``dispatch`` and ``selected`` stalls
+  (issue-bound), and the QGMMA issue ``mio`` stalls.
+
+Next: fewer epilogue instructions a key, e.g. the head sum on the tensor cores (relu(S) as a tf32 A
+operand against a [64 heads, 8] gate tile, the heads permuted so that the accumulator's registers are the A
+fragment: 8 m64n8k8 wgmma a row instead of 32 FFMA + shuffles, at tf32's 2^-11 rounding of each term), or
+one m64n128k32 chain for both rows of n 2 as DeepGEMM issues (the keys read from shared memory once).
 """
 
 from __future__ import annotations
@@ -72,7 +92,6 @@ PAGE_ROWS = INDEX_PAGE_BYTES // (INDEX_KEY_BYTES // PAGE_SIZE)  # 66 rows of 128
 INDEX_PAGE_WORDS = gl.constexpr(INDEX_PAGE_BYTES // 4)   # a page in fp32 words, its scales from word 2048
 INDEX_KEY_WORDS = gl.constexpr(INDEX_KEY_BYTES // 4)
 D = gl.constexpr(128)
-NC = gl.constexpr(2)       # consumer warpgroups (a third hung at B 64 on the H200: module docstring)
 HEADS = gl.constexpr(64)   # the N side of one row's wgmma: the Gluon path takes H == 64 (DeepSeek-V3.2's indexer)
 # Triton 3.7 renamed TMA's copy (async_copy_global_to_shared -> async_load) and memdesc._reinterpret; the
 # copy is picked here because Triton resolves every global attribute a kernel names when it hashes the kernel
@@ -115,7 +134,8 @@ def _scales(buf, NEW: gl.constexpr):
 # ---- partitions ----------------------------------------------------------------------------------------------
 
 @gluon.jit
-def _item(t, B, context_lens, max_len, NEXT_N: gl.constexpr, CHUNK_PAGES: gl.constexpr, DP: gl.constexpr):
+def _item(t, B, context_lens, max_len, NEXT_N: gl.constexpr, CHUNK_PAGES: gl.constexpr, DP: gl.constexpr,
+          NC: gl.constexpr):
     """Work item t -> (request b, its first column c0, the chunk end c1, pages to score, pages padded to whole
     rounds of both consumers). Chunk-major order: every request's first chunk (never empty) comes first."""
     b = t % B
@@ -131,20 +151,36 @@ def _item(t, B, context_lens, max_len, NEXT_N: gl.constexpr, CHUNK_PAGES: gl.con
 
 
 @gluon.jit
+def _slot(gi, NBUF: gl.constexpr, NC: gl.constexpr, SPLIT: gl.constexpr):
+    """(buffer, phase) of the CTA's page number ``gi`` (pages of earlier items + the page's index in its item).
+    One ring of NBUF buffers in page order, or (``SPLIT``) a ring of NBUF / NC a consumer: consumer c takes
+    the pages c, c + NC, ... (every item's page count is padded to a multiple of NC, so gi % NC == c)."""
+    if SPLIT:
+        NBP: gl.constexpr = NBUF // NC
+        k = gi // NC
+        return (gi % NC) * NBP + k % NBP, (k // NBP) & 1
+    else:
+        return gi % NBUF, (gi // NBUF) & 1
+
+
+@gluon.jit
 def _producer(q_desc, key_desc, sc_desc, context_lens, block_table, stride_bt, out, stride_o, max_len, B, n_items,
               q_smem, k_smem, s_smem, ready, free, q_ready, q_free, NBUF: gl.constexpr, NEXT_N: gl.constexpr,
-              CHUNK_PAGES: gl.constexpr, DP: gl.constexpr, SG: gl.constexpr):
+              CHUNK_PAGES: gl.constexpr, DP: gl.constexpr, SG: gl.constexpr, NC: gl.constexpr,
+              SPLIT: gl.constexpr = 0, PR: gl.constexpr = 0):
     """For each of the CTA's items: the request's queries (n TMA copies into the item's Q buffer), then its
     pages (page ids four ahead, one TMA copy of the keys and one of the scales per page, padding pages read
-    page 0), then -inf at the columns past the rows' reach."""
+    page 0), then -inf at the columns past the rows' reach. ``SPLIT``: one producer warp a consumer (this one
+    feeds consumer ``PR``: its pages only, into its ring); producer 0 also loads Q and writes the -inf."""
     LF: gl.constexpr = gl.BlockedLayout([4], [32], [1], [0])
+    ST: gl.constexpr = NC if SPLIT else 1       # this producer's pages: PR, PR + ST, ...
     o_f = gl.arange(0, 128, layout=LF)
     ninf = gl.full([128], float("-inf"), gl.float32, LF)
-    g = 0    # pages issued so far (buffer g % NBUF)
+    g0 = 0   # pages of earlier items
     it = 0   # non-empty items so far (Q buffer it % 2)
     for t in range(gl.program_id(0), n_items, gl.num_programs(0)):
-        b, c0, c1, n_pages, n_pad = _item(t, B, context_lens, max_len, NEXT_N, CHUNK_PAGES, DP)
-        if n_pages > 0:
+        b, c0, c1, n_pages, n_pad = _item(t, B, context_lens, max_len, NEXT_N, CHUNK_PAGES, DP, NC)
+        if PR == 0 and n_pages > 0:
             qb = it % 2
             mbarrier.wait(q_free.index(qb), ((it // 2) & 1) ^ 1)   # a fresh barrier's previous phase is done
             mbarrier.expect(q_ready.index(qb), NEXT_N * 64 * D)
@@ -152,14 +188,14 @@ def _producer(q_desc, key_desc, sc_desc, context_lens, block_table, stride_bt, o
                 _tma_copy(q_desc, [(b * NEXT_N + j) * 64, 0], q_ready.index(qb), q_smem.index(qb * NEXT_N + j))
             it += 1
         p_bt = block_table + b.to(gl.int64) * stride_bt + c0 // 64
-        pa = gl.load(p_bt, mask=n_pages > 0, other=0)
-        pb = gl.load(p_bt + 1, mask=n_pages > 1, other=0)
-        pc = gl.load(p_bt + 2, mask=n_pages > 2, other=0)
-        pd = gl.load(p_bt + 3, mask=n_pages > 3, other=0)
-        for i in range(n_pad):
-            pn = gl.load(p_bt + i + 4, mask=i + 4 < n_pages, other=0)
-            s = g % NBUF
-            mbarrier.wait(free.index(s), ((g // NBUF) & 1) ^ 1)
+        pa = gl.load(p_bt + PR, mask=PR < n_pages, other=0)
+        pb = gl.load(p_bt + PR + ST, mask=PR + ST < n_pages, other=0)
+        pc = gl.load(p_bt + PR + 2 * ST, mask=PR + 2 * ST < n_pages, other=0)
+        pd = gl.load(p_bt + PR + 3 * ST, mask=PR + 3 * ST < n_pages, other=0)
+        for i in range(PR, n_pad, ST):
+            pn = gl.load(p_bt + i + 4 * ST, mask=i + 4 * ST < n_pages, other=0)
+            s, ph = _slot(g0 + i, NBUF, NC, SPLIT)
+            mbarrier.wait(free.index(s), ph ^ 1)
             bar = ready.index(s)
             r = pa * 66
             mbarrier.expect(bar, 64 * D + 64 * 4 * (1 - SG))   # SG: the consumers load the scales themselves
@@ -170,11 +206,12 @@ def _producer(q_desc, key_desc, sc_desc, context_lens, block_table, stride_bt, o
             pb = pc
             pc = pd
             pd = pn
-            g += 1
-        out_b = out + b.to(gl.int64) * NEXT_N * stride_o
-        for j in gl.static_range(NEXT_N):
-            for f in range(c0 + n_pages * 64, c1, 128):
-                gl.store(out_b + j * stride_o + f + o_f, ninf, mask=f + o_f < c1)
+        g0 += n_pad
+        if PR == 0:
+            out_b = out + b.to(gl.int64) * NEXT_N * stride_o
+            for j in gl.static_range(NEXT_N):
+                for f in range(c0 + n_pages * 64, c1, 128):
+                    gl.store(out_b + j * stride_o + f + o_f, ninf, mask=f + o_f < c1)
 
 
 @gluon.jit
@@ -188,11 +225,12 @@ def _row_out(acc, w, sc, len_rel, p_out, lim, o_n):
 
 
 @gluon.jit
-def _issue(g0, i, g: gl.constexpr, q_smem, q0, k_smem, ready, zero, NBUF: gl.constexpr, DIAG: gl.constexpr = 0):
-    """Draft row g's chain on the item's page i (global page g0 + i; row 0 first waits for the page)."""
-    s = (g0 + i) % NBUF
+def _issue(g0, i, g: gl.constexpr, q_smem, q0, k_smem, ready, zero, NBUF: gl.constexpr, DIAG: gl.constexpr,
+           NC: gl.constexpr, SPLIT: gl.constexpr):
+    """Draft row g's chain on the item's page i (the CTA's page g0 + i; row 0 first waits for the page)."""
+    s, ph = _slot(g0 + i, NBUF, NC, SPLIT)
     if g == 0:
-        mbarrier.wait(ready.index(s), ((g0 + i) // NBUF) & 1)
+        mbarrier.wait(ready.index(s), ph)
     if DIAG == 2:
         acc = zero
     else:
@@ -209,7 +247,7 @@ def _gscales(scales, p_bt, i, n_pages, o_n):
 
 
 @gluon.jit
-def _round_scales(scales, p_bt, i0, n_pages, o_n, dummy, DP: gl.constexpr):
+def _round_scales(scales, p_bt, i0, n_pages, o_n, dummy, DP: gl.constexpr, NC: gl.constexpr):
     """:func:`_gscales` of a consumer's DP pages i0, i0 + NC, ... of one round (``dummy`` for the rest)."""
     s0 = _gscales(scales, p_bt, i0, n_pages, o_n)
     s1 = dummy
@@ -240,14 +278,15 @@ def _pick(d: gl.constexpr, s0, s1, s2, s3):
 @gluon.jit
 def _finish(U: gl.constexpr, acc, g0, i0, G: gl.constexpr, S: gl.constexpr, c0, lim_end, s_smem, free, o_n,
             w0, w1, w2, w3, l0, l1, l2, l3, out_b, stride_o, NBUF: gl.constexpr, NEW: gl.constexpr,
-            DIAG: gl.constexpr, WAIT: gl.constexpr, SG: gl.constexpr, s0, s1, s2, s3):
+            DIAG: gl.constexpr, WAIT: gl.constexpr, SG: gl.constexpr, s0, s1, s2, s3, NC: gl.constexpr,
+            SPLIT: gl.constexpr):
     """Accumulator U = d * G + g of a round whose first page is i0: wait for its chain (the oldest of the
     S - U still in flight), free the page after its last row, store the row's logits. Scales: from the
     page's shared buffer, or (``SG``) ``s_d``, loaded from global memory a round earlier."""
     d: gl.constexpr = U // G
     g: gl.constexpr = U % G
     i = i0 + NC * d
-    s = (g0 + i) % NBUF
+    s, _ = _slot(g0 + i, NBUF, NC, SPLIT)
     if SG:
         sc = _pick(d, s0, s1, s2, s3)
     else:
@@ -267,7 +306,8 @@ def _finish(U: gl.constexpr, acc, g0, i0, G: gl.constexpr, S: gl.constexpr, c0, 
 def _consumer(WG: gl.constexpr, w, context_lens, out, stride_w, stride_o, max_len, B, n_items,
               q_smem, k_smem, s_smem, ready, free, q_ready, q_free, NBUF: gl.constexpr, NEXT_N: gl.constexpr,
               CHUNK_PAGES: gl.constexpr, DP: gl.constexpr, NEW: gl.constexpr, DIAG: gl.constexpr,
-              JOINT: gl.constexpr, SG: gl.constexpr, scales, block_table, stride_bt):
+              JOINT: gl.constexpr, SG: gl.constexpr, scales, block_table, stride_bt, NC: gl.constexpr,
+              SPLIT: gl.constexpr):
     """Consumer WG on each of the CTA's items: pages WG, WG + 2, ... in rounds of DP pages: the round's
     S = DP * n chains issued together, then finished one by one as they complete (``_finish``), so the
     tensor cores run the rest of the round's chains (and the other consumer's) during each epilogue.
@@ -284,7 +324,7 @@ def _consumer(WG: gl.constexpr, w, context_lens, out, stride_w, stride_o, max_le
     g0 = 0   # pages of earlier items (the producer's global page count at this item's start)
     it = 0
     for t in range(gl.program_id(0), n_items, gl.num_programs(0)):
-        b, c0, c1, n_pages, n_pad = _item(t, B, context_lens, max_len, NEXT_N, CHUNK_PAGES, DP)
+        b, c0, c1, n_pages, n_pad = _item(t, B, context_lens, max_len, NEXT_N, CHUNK_PAGES, DP, NC)
         if n_pages > 0:
             row0 = b.to(gl.int64) * NEXT_N
             w_b = w + row0 * stride_w
@@ -314,7 +354,7 @@ def _consumer(WG: gl.constexpr, w, context_lens, out, stride_w, stride_o, max_le
             s3 = s0
             p_bt = block_table + b.to(gl.int64) * stride_bt + c0 // 64
             if SG:
-                s0, s1, s2, s3 = _round_scales(scales, p_bt, WG, n_pages, o_n, s0, DP)
+                s0, s1, s2, s3 = _round_scales(scales, p_bt, WG, n_pages, o_n, s0, DP, NC)
             for r in range(n_pad // (NC * DP)):
                 i0 = WG + NC * DP * r
                 n0 = s0
@@ -322,17 +362,17 @@ def _consumer(WG: gl.constexpr, w, context_lens, out, stride_w, stride_o, max_le
                 n2 = s2
                 n3 = s3
                 if SG:   # the next round's, in flight during this one
-                    n0, n1, n2, n3 = _round_scales(scales, p_bt, i0 + NC * DP, n_pages, o_n, s0, DP)
-                a0 = _issue(g0, i0, 0, q_smem, q0, k_smem, ready, zero, NBUF, DIAG)
+                    n0, n1, n2, n3 = _round_scales(scales, p_bt, i0 + NC * DP, n_pages, o_n, s0, DP, NC)
+                a0 = _issue(g0, i0, 0, q_smem, q0, k_smem, ready, zero, NBUF, DIAG, NC, SPLIT)
                 a1 = a0
                 a2 = a0
                 a3 = a0
                 if S > 1:
-                    a1 = _issue(g0, i0 + NC * (1 // G), 1 % G, q_smem, q0, k_smem, ready, zero, NBUF, DIAG)
+                    a1 = _issue(g0, i0 + NC * (1 // G), 1 % G, q_smem, q0, k_smem, ready, zero, NBUF, DIAG, NC, SPLIT)
                 if S > 2:
-                    a2 = _issue(g0, i0 + NC * (2 // G), 2 % G, q_smem, q0, k_smem, ready, zero, NBUF, DIAG)
+                    a2 = _issue(g0, i0 + NC * (2 // G), 2 % G, q_smem, q0, k_smem, ready, zero, NBUF, DIAG, NC, SPLIT)
                 if S > 3:
-                    a3 = _issue(g0, i0 + NC * (3 // G), 3 % G, q_smem, q0, k_smem, ready, zero, NBUF, DIAG)
+                    a3 = _issue(g0, i0 + NC * (3 // G), 3 % G, q_smem, q0, k_smem, ready, zero, NBUF, DIAG, NC, SPLIT)
                 if JOINT and DIAG < 2:
                     # every chain of the round first, then the rows' epilogues together (more independent
                     # work for the scheduler than one row at a time)
@@ -345,16 +385,16 @@ def _consumer(WG: gl.constexpr, w, context_lens, out, stride_w, stride_o, max_le
                     else:
                         a0, a1, a2, a3 = warpgroup_mma_wait(0, deps=(a0, a1, a2, a3))
                 _finish(0, a0, g0, i0, G, S, c0, lim_end, s_smem, free, o_n, w0, w1, w2, w3, l0, l1, l2, l3,
-                        out_b, stride_o, NBUF, NEW, DIAG, not JOINT, SG, s0, s1, s2, s3)
+                        out_b, stride_o, NBUF, NEW, DIAG, not JOINT, SG, s0, s1, s2, s3, NC, SPLIT)
                 if S > 1:
                     _finish(1, a1, g0, i0, G, S, c0, lim_end, s_smem, free, o_n, w0, w1, w2, w3, l0, l1, l2, l3,
-                            out_b, stride_o, NBUF, NEW, DIAG, not JOINT, SG, s0, s1, s2, s3)
+                            out_b, stride_o, NBUF, NEW, DIAG, not JOINT, SG, s0, s1, s2, s3, NC, SPLIT)
                 if S > 2:
                     _finish(2, a2, g0, i0, G, S, c0, lim_end, s_smem, free, o_n, w0, w1, w2, w3, l0, l1, l2, l3,
-                            out_b, stride_o, NBUF, NEW, DIAG, not JOINT, SG, s0, s1, s2, s3)
+                            out_b, stride_o, NBUF, NEW, DIAG, not JOINT, SG, s0, s1, s2, s3, NC, SPLIT)
                 if S > 3:
                     _finish(3, a3, g0, i0, G, S, c0, lim_end, s_smem, free, o_n, w0, w1, w2, w3, l0, l1, l2, l3,
-                            out_b, stride_o, NBUF, NEW, DIAG, not JOINT, SG, s0, s1, s2, s3)
+                            out_b, stride_o, NBUF, NEW, DIAG, not JOINT, SG, s0, s1, s2, s3, NC, SPLIT)
                 s0 = n0
                 s1 = n1
                 s2 = n2
@@ -379,7 +419,7 @@ def indexer_paged_ws_kernel(
     max_len, B, n_chunks, stride_w, stride_bt, stride_o,
     NEXT_N: gl.constexpr, CHUNK_PAGES: gl.constexpr, NBUF: gl.constexpr, DP: gl.constexpr, REGS_C: gl.constexpr,
     REGS_P: gl.constexpr, NEW: gl.constexpr, JOINT: gl.constexpr = 0,
-    SG: gl.constexpr = 0, DIAG: gl.constexpr = 0,
+    SG: gl.constexpr = 0, DIAG: gl.constexpr = 0, NC: gl.constexpr = 2, SPLIT: gl.constexpr = 0,
 ):
     """A persistent CTA: items t = program_id, program_id + grid, ... of the B * n_chunks (request, chunk of
     CHUNK_PAGES pages) items, so the producer streams the next item's pages while the consumers finish
@@ -399,17 +439,48 @@ def indexer_paged_ws_kernel(
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(q_free.index(i), count=NC)   # every consumer
     fence_async_shared()
-    gl.warp_specialize([
-        (_consumer, (0, w, context_lens, out, stride_w, stride_o, max_len, B, n_items, q_smem, k_smem,
-                     s_smem, ready, free, q_ready, q_free, NBUF, NEXT_N, CHUNK_PAGES, DP, NEW, DIAG, JOINT, SG,
-                         scales, block_table, stride_bt)),
-        (_consumer, (1, w, context_lens, out, stride_w, stride_o, max_len, B, n_items, q_smem, k_smem,
-                     s_smem, ready, free, q_ready, q_free, NBUF, NEXT_N, CHUNK_PAGES, DP, NEW, DIAG, JOINT, SG,
-                         scales, block_table, stride_bt)),
-        (_producer, (q_desc, key_desc, sc_desc, context_lens, block_table, stride_bt, out, stride_o, max_len, B,
-                     n_items, q_smem, k_smem, s_smem, ready, free, q_ready, q_free, NBUF, NEXT_N, CHUNK_PAGES, DP,
-                     SG)),
-    ], [4, 1], [REGS_C, REGS_P])
+    # The argument tuples are written out: a tuple held in a variable loses its constexprs. Two consumers and
+    # one producer warp, or four consumers (DeepGEMM's count of math warpgroups: 16 warps of epilogue hiding
+    # each other's latency) and a producer warp each (SPLIT), as DeepGEMM has a TMA warp per math warpgroup.
+    if NC == 2:
+        gl.warp_specialize([
+            (_consumer, (0, w, context_lens, out, stride_w, stride_o, max_len, B, n_items, q_smem, k_smem, s_smem,
+                         ready, free, q_ready, q_free, NBUF, NEXT_N, CHUNK_PAGES, DP, NEW, DIAG, JOINT, SG, scales,
+                         block_table, stride_bt, NC, SPLIT)),
+            (_consumer, (1, w, context_lens, out, stride_w, stride_o, max_len, B, n_items, q_smem, k_smem, s_smem,
+                         ready, free, q_ready, q_free, NBUF, NEXT_N, CHUNK_PAGES, DP, NEW, DIAG, JOINT, SG, scales,
+                         block_table, stride_bt, NC, SPLIT)),
+            (_producer, (q_desc, key_desc, sc_desc, context_lens, block_table, stride_bt, out, stride_o, max_len, B,
+                         n_items, q_smem, k_smem, s_smem, ready, free, q_ready, q_free, NBUF, NEXT_N, CHUNK_PAGES, DP,
+                         SG, NC, SPLIT, 0))],
+                           [4, 1], [REGS_C, REGS_P])
+    else:
+        gl.warp_specialize([
+            (_consumer, (0, w, context_lens, out, stride_w, stride_o, max_len, B, n_items, q_smem, k_smem, s_smem,
+                         ready, free, q_ready, q_free, NBUF, NEXT_N, CHUNK_PAGES, DP, NEW, DIAG, JOINT, SG, scales,
+                         block_table, stride_bt, NC, SPLIT)),
+            (_consumer, (1, w, context_lens, out, stride_w, stride_o, max_len, B, n_items, q_smem, k_smem, s_smem,
+                         ready, free, q_ready, q_free, NBUF, NEXT_N, CHUNK_PAGES, DP, NEW, DIAG, JOINT, SG, scales,
+                         block_table, stride_bt, NC, SPLIT)),
+            (_consumer, (2, w, context_lens, out, stride_w, stride_o, max_len, B, n_items, q_smem, k_smem, s_smem,
+                         ready, free, q_ready, q_free, NBUF, NEXT_N, CHUNK_PAGES, DP, NEW, DIAG, JOINT, SG, scales,
+                         block_table, stride_bt, NC, SPLIT)),
+            (_consumer, (3, w, context_lens, out, stride_w, stride_o, max_len, B, n_items, q_smem, k_smem, s_smem,
+                         ready, free, q_ready, q_free, NBUF, NEXT_N, CHUNK_PAGES, DP, NEW, DIAG, JOINT, SG, scales,
+                         block_table, stride_bt, NC, SPLIT)),
+            (_producer, (q_desc, key_desc, sc_desc, context_lens, block_table, stride_bt, out, stride_o, max_len, B,
+                         n_items, q_smem, k_smem, s_smem, ready, free, q_ready, q_free, NBUF, NEXT_N, CHUNK_PAGES, DP,
+                         SG, NC, SPLIT, 0)),
+            (_producer, (q_desc, key_desc, sc_desc, context_lens, block_table, stride_bt, out, stride_o, max_len, B,
+                         n_items, q_smem, k_smem, s_smem, ready, free, q_ready, q_free, NBUF, NEXT_N, CHUNK_PAGES, DP,
+                         SG, NC, SPLIT, 1)),
+            (_producer, (q_desc, key_desc, sc_desc, context_lens, block_table, stride_bt, out, stride_o, max_len, B,
+                         n_items, q_smem, k_smem, s_smem, ready, free, q_ready, q_free, NBUF, NEXT_N, CHUNK_PAGES, DP,
+                         SG, NC, SPLIT, 2)),
+            (_producer, (q_desc, key_desc, sc_desc, context_lens, block_table, stride_bt, out, stride_o, max_len, B,
+                         n_items, q_smem, k_smem, s_smem, ready, free, q_ready, q_free, NBUF, NEXT_N, CHUNK_PAGES, DP,
+                         SG, NC, SPLIT, 3))],
+                           [4, 4, 4, 1, 1, 1, 1], [REGS_C, REGS_C, REGS_C, REGS_P, REGS_P, REGS_P, REGS_P])
 
 
 # ---- launcher ----------------------------------------------------------------------------------------------
@@ -419,7 +490,7 @@ NBUF_DEFAULT = 8   # pages in flight a CTA: ~66 KB of keys, enough to cover DRAM
 
 def launch_config(B: int, n: int, max_len: int, device: torch.device, chunk_pages: int | None = None,
                   nbuf: int = NBUF_DEFAULT, ctas_per_sm: int | None = None, pages_in_flight: int | None = None,
-                  joint: bool = False, scales_gmem: bool = False, diag: int = 0) -> dict:
+                  joint: bool = False, scales_gmem: bool = False, consumers: int = 2, diag: int = 0) -> dict:
     """Chunk, pipeline depth and register budget of a launch.
 
     A CTA is 12 warps (the producer's warp is padded to a warpgroup, which setmaxnreg works in): 168
@@ -430,9 +501,24 @@ def launch_config(B: int, n: int, max_len: int, device: torch.device, chunk_page
     pages a consumer issues per round, DP * n accumulators of 32 registers (at most 4). ``joint``: a
     round's rows finished together after all its chains. ``scales_gmem``: the consumers load each page's
     scales from global memory a round ahead instead of the producer's TMA copy into shared memory (no shared
-    read, so no partition barrier before it; prepared 2026-12-02, compiled, not yet run). Chunks: about 8 CTAs an SM, 8 .. 64 pages."""
-    ctas = ctas_per_sm or (2 if n == 1 else 1)
-    dp = pages_in_flight or (4 // n if ctas == 1 else 2 // n) or 1   # n = 3: one page
+    read, so no partition barrier before it; slower, measured). ``consumers=4`` (next_n <= 2): four consumer
+    warpgroups, one page in flight each, a producer warp and a ring of nbuf / 4 buffers each (module
+    docstring). Chunks: about 8 CTAs an SM, 8 .. 64 pages."""
+    if consumers not in (2, 4):
+        raise ValueError(f"consumers: 2 or 4 (got {consumers})")
+    if consumers == 4 and nbuf % 4:
+        raise ValueError(f"nbuf: a multiple of 4 with consumers=4 (a ring a consumer; got {nbuf})")
+    if consumers == 4:
+        # 20 warps (the producer's padded to a warpgroup) at 96 registers fill the register file; setmaxnreg
+        # then gives 112 a consumer and 32 to the producer (an increase the pool cannot cover blocks for ever):
+        # room for two accumulators, i.e. one page of n <= 2 in flight a consumer
+        ctas, dp = 1, 1
+        if (ctas_per_sm or 1) != 1 or (pages_in_flight or 1) != 1 or n > 2:
+            raise ValueError(f"consumers=4 takes next_n <= 2, one CTA an SM, one page in flight (got n {n}, "
+                             f"ctas_per_sm {ctas_per_sm}, pages_in_flight {pages_in_flight})")
+    else:
+        ctas = ctas_per_sm or (2 if n == 1 else 1)
+        dp = pages_in_flight or (4 // n if ctas == 1 else 2 // n) or 1   # n = 3: one page
     if ctas not in (1, 2) or dp * n > 4 or dp < 1:
         raise ValueError(f"ctas_per_sm 1 or 2, pages_in_flight * n <= 4 (got {ctas}, {dp} x {n})")
     if chunk_pages is None:
@@ -440,9 +526,14 @@ def launch_config(B: int, n: int, max_len: int, device: torch.device, chunk_page
         chunk_pages = min(max(prev_pow2(max(cols // PAGE_SIZE, 1)), 8), 64)
     if chunk_pages < 1:
         raise ValueError(f"chunk_pages: >= 1 (got {chunk_pages})")
-    regs = dict(REGS_C=96, REGS_P=40, maxnreg=80) if ctas == 2 else dict(REGS_C=232, REGS_P=40, maxnreg=168)
+    if consumers == 4:
+        regs = dict(REGS_C=112, REGS_P=32, maxnreg=96)
+    elif ctas == 2:
+        regs = dict(REGS_C=96, REGS_P=40, maxnreg=80)
+    else:
+        regs = dict(REGS_C=232, REGS_P=40, maxnreg=168)
     return dict(CHUNK_PAGES=chunk_pages, NBUF=nbuf, DP=dp, JOINT=int(joint), SG=int(scales_gmem), num_warps=4,
-                ctas=ctas, DIAG=diag, **regs)
+                ctas=ctas, DIAG=diag, NC=consumers, SPLIT=int(consumers == 4), **regs)
 
 
 def _descs(q_fp8: torch.Tensor, cache_u8: torch.Tensor):
