@@ -123,7 +123,8 @@ def run_gpu(args) -> int:
         for cp, extra in ((1, {"max_ctas": 3}), (2, {}), (None, {}), (1, {"ctas_per_sm": 1, "max_ctas": 2}),
                           (2, {"pages_in_flight": 1, "max_ctas": 5}), (2, {"joint": True, "max_ctas": 3}),
                           (2, {"scales_gmem": True, "max_ctas": 3}), (2, {"consumers": 4, "max_ctas": 3}),
-                          (1, {"consumers": 4, "max_ctas": 2})):
+                          (1, {"consumers": 4, "max_ctas": 2}), (2, {"consumers": 4, "wide": True, "max_ctas": 3}),
+                          (1, {"wide": True, "max_ctas": 3}), (2, {"wide": True, "nbuf": 16})):
             lens = [0, 1, 63, 64, 65, 200, 1000, 777]
             q, cache, w, ctx, bt, max_len = _small_case(len(lens), n, lens, seed=n)
             out = torch.full((len(lens) * n, max_len), float("nan"), device="cuda")
@@ -180,7 +181,7 @@ def run_gpu(args) -> int:
             inf_ok, err = _check(out, ref)
             t = _graph_time(lambda: G.indexer_paged_ws_kernel[grid](**kw))
             cfg = f"cp{kw['CHUNK_PAGES']} dp{kw['DP']} c{resolved['ctas']} nc{kw['NC']} b{kw['NBUF']}" \
-                + " sg" * kw["SG"] + " j" * kw["JOINT"] \
+                + " wide" * kw["WIDE"] + " sg" * kw["SG"] + " j" * kw["JOINT"] \
                 + f" d{kw['DIAG']}" * bool(kw["DIAG"])
             r = dict(kind="time", B=B, n=n, ctx=avg, cfg=cfg, inf_ok=inf_ok, err_vs_triton=err,
                      gluon_us=t, triton_us=t_tri, deepgemm_us=t_dg)

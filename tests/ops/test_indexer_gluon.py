@@ -29,14 +29,18 @@ SEQ_LENS = [3000, 1, 64, 65, 700, 0, 2049]
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
 @pytest.mark.parametrize("config", [
     {}, {"chunk_pages": 1, "max_ctas": 3}, {"chunk_pages": 2, "ctas_per_sm": 1}, {"pages_in_flight": 1},
-    {"joint": True, "chunk_pages": 4, "max_ctas": 2}, {"scales_gmem": True, "chunk_pages": 2, "max_ctas": 3},
+    {"joint": True, "wide": False, "chunk_pages": 4, "max_ctas": 2}, {"scales_gmem": True, "chunk_pages": 2, "max_ctas": 3},
     {"consumers": 4}, {"consumers": 4, "chunk_pages": 1, "max_ctas": 3}, {"consumers": 4, "nbuf": 16},
+    {"consumers": 4, "wide": True}, {"consumers": 4, "wide": True, "scales_gmem": True, "chunk_pages": 2},
+    {"wide": True}, {"wide": True, "nbuf": 16, "chunk_pages": 1, "max_ctas": 3}, {"wide": False},
+    {"wide": False, "consumers": 2, "nbuf": 8, "chunk_pages": 2, "max_ctas": 3},
 ], ids=["default", "one-page-items-3-ctas", "one-cta-an-sm", "one-page-in-flight", "joint", "scales-gmem",
-        "four-consumers", "four-consumers-one-page-items", "four-consumers-16-buffers"])
+        "four-consumers", "four-consumers-one-page-items", "four-consumers-16-buffers", "four-consumers-wide",
+        "four-consumers-wide-scales-gmem", "wide", "wide-one-page-items", "rounds", "rounds-small-items"])
 def test_gluon_paged_matches_reference(n, config):
     from flashdsa.ops.indexer.gluon import indexer_logits_paged_gluon
-    if config.get("consumers") == 4 and n > 2:
-        pytest.skip("four consumers take next_n <= 2 (registers)")
+    if config.get("consumers") == 4 and n > 2 or config.get("wide") and n < 2:
+        pytest.skip("four consumers take next_n <= 2 (registers), the paired chains next_n >= 2")
     q, cache, w, ctx, bt, width = _paged_inputs(SEQ_LENS, n, 64, None, 77, seed=n * 7 + 64, device="cuda")
     q = q.contiguous()
     out = indexer_logits_paged_gluon(q, cache, w, ctx, bt, width, out=poison((q.shape[0] * n, width), device="cuda"),
@@ -86,24 +90,33 @@ def test_launch_config_errors_and_defaults():
         launch_config(64, 1, 32768, cpu, consumers=4, ctas_per_sm=2)
     with pytest.raises(ValueError, match="nbuf"):
         launch_config(64, 1, 32768, cpu, consumers=4, nbuf=6)
+    with pytest.raises(ValueError, match="wide"):
+        launch_config(64, 1, 32768, cpu, consumers=4, wide=True)
     four = launch_config(64, 2, 32768, cpu, consumers=4)
     # 20 warps x 96 registers = the whole register file; setmaxnreg's split must not ask for more
     assert (four["ctas"], four["DP"], four["NC"]) == (1, 1, 4)
     assert 4 * 128 * four["REGS_C"] + 128 * four["REGS_P"] <= 20 * 32 * four["maxnreg"] <= 65536
     one = launch_config(64, 1, 32768, cpu)
-    assert (one["ctas"], one["DP"], one["maxnreg"]) == (2, 2, 80)    # n = 1: two CTAs an SM
-    for n, dp in ((2, 2), (3, 1), (4, 1)):
+    assert (one["ctas"], one["DP"], one["maxnreg"], one["WIDE"], one["NBUF"]) == (2, 2, 80, 0, 8)   # two CTAs an SM
+    two = launch_config(64, 2, 32768, cpu)
+    assert (two["NC"], two["WIDE"], two["SPLIT"], two["NBUF"], two["maxnreg"]) == (4, 1, 1, 16, 96)
+    for n in (3, 4):
         c = launch_config(64, n, 32768, cpu)
-        assert (c["ctas"], c["DP"], c["maxnreg"]) == (1, dp, 168) and c["DP"] * n <= 4
+        assert (c["ctas"], c["DP"], c["NC"], c["WIDE"], c["NBUF"], c["maxnreg"]) == (1, 1, 2, 1, 16, 168)
         assert 8 <= c["CHUNK_PAGES"] <= 64
+    for n, dp in ((2, 2), (3, 1), (4, 1)):   # the round-based path
+        c = launch_config(64, n, 32768, cpu, wide=False)
+        assert (c["ctas"], c["DP"], c["NC"], c["maxnreg"]) == (1, dp, 2, 168) and c["DP"] * n <= 4
 
 
 _COMPILE_SCRIPT = r'''
 import pathlib, subprocess, tempfile, triton
 from flashdsa.ops.indexer import gluon as G
 ptxas = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-for n, cfg in ((1, {}), (2, {}), (3, {}), (4, {}), (2, {"joint": True}), (1, {"ctas_per_sm": 1}),
-               (2, {"scales_gmem": True}), (1, {"consumers": 4}), (2, {"consumers": 4, "nbuf": 16})):
+for n, cfg in ((1, {}), (2, {}), (3, {}), (4, {}), (2, {"joint": True, "wide": False}), (4, {"wide": False}),
+               (1, {"ctas_per_sm": 1}),
+               (2, {"scales_gmem": True}), (1, {"consumers": 4}), (2, {"consumers": 4, "nbuf": 16}),
+               (2, {"consumers": 4, "wide": True}), (3, {"wide": True}), (4, {"wide": True})):
     k = G.compile_sm90(n, **cfg)
     assert k.asm["cubin"] and "setmaxnreg" in k.asm["ptx"], (n, cfg)
     with tempfile.TemporaryDirectory() as d:

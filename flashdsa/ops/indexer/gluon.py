@@ -1,7 +1,8 @@
 """Paged indexer logits (decode, MTP verify) as a warp-specialised Gluon kernel for Hopper (sm_90), after
 DeepGEMM's sm90 paged MQA-logits schedule: a TMA warp feeding math warpgroups that each own a page (issue
-#17, item 1). EXPERIMENTAL: correct, but not faster than ``paged.py``'s Triton TMA kernel at next_n >= 2
-(measured below), so ``flashdsa.ops.indexer_logits_paged`` does not dispatch to it; call
+#17, item 1). EXPERIMENTAL: correct; faster than ``paged.py``'s Triton TMA kernel at next_n 4 (0.90x), on
+par at 2 and 3, 0.93-1.03x at 1 (measured below). ``flashdsa.ops.indexer_logits_paged`` does not dispatch to
+it yet (no in-kernel value checks, a host cost not measured, three TMA descriptors built a call); call
 :func:`indexer_logits_paged_gluon`. The interpreter cannot run Gluon: ``-m gpu`` tests it
 (tests/ops/test_indexer_gluon.py), CI compiles it for sm_90; ``benchmarks/gluon_indexer_probe.py`` checks it
 against the reference and times it next to DeepGEMM and the Triton kernel (``--compile-only``: no GPU).
@@ -13,7 +14,7 @@ for the Triton kernel), keys on M as in ``paged.py`` (README.md: the head sum st
 quad). No atomics, a fixed reduction order: the same input and launch give the same bits.
 
 A persistent CTA walks items (request b, chunk of ``CHUNK_PAGES`` pages; every request's first chunk first)
-with three partitions (``gl.warp_specialize``, 12 warps: the producer's warp is padded to a warpgroup):
+with warp-specialised partitions (``gl.warp_specialize``; the defaults per next_n in :func:`launch_config`):
 
 * **producer** (worker, 1 warp, 40 registers): per item, the request's n query tiles by TMA into one of two
   Q buffers (``q_ready`` / ``q_free``, skipped for items with nothing to score); then per page the page id
@@ -27,6 +28,13 @@ with three partitions (``gl.warp_specialize``, 12 warps: the producer's warp is 
   sum over the 64 heads, times the key scales, -inf at and past the row's length, stored straight from
   the accumulator's layout. Every chain completes within its round: a chain left in flight across the
   loop's back edge (a rolling pipeline) makes ptxas serialise every wgmma (C7514), whatever the waits.
+* **paired chains** (``WIDE``, the default at next_n >= 2): a consumer takes one page at a time and issues
+  the draft rows in pairs, ``S = K . [Q_0; Q_1]^T`` as one m64n128k32 chain as DeepGEMM does (the keys read
+  from shared memory once for two rows; rows 2 / 3 a second chain), then splits the pair's [64, 128]
+  accumulator into the rows' [64, 64] ones (a relabelling of registers, checked trivial at compile time).
+* **four consumers** (``consumers=4``, the default at next_n 2): DeepGEMM's four math warpgroups at 112
+  registers (20 warps at 96 fill the register file), one page in flight each, and a producer warp per
+  consumer filling its own ring of NBUF / 4 buffers (``SPLIT``).
 
 Measured on the H200 (2026-12-02, Triton 3.6, CUDA-graph replay, B 64, ctx ~U(0.7, 1.3) x 32K, same runs as
 the Triton kernel and DeepGEMM; ``benchmarks/gluon_indexer_probe.py``):
@@ -69,10 +77,21 @@ Measured on 2026-12-02 (fourth session, same probe, two runs; Triton kernel 76.7
   warps) the reason; in the epilogue, FMNMX / FFMA / SHFL / FADD carry ``dispatch`` and ``selected`` stalls
   (issue-bound), and the QGMMA issue ``mio`` stalls.
 
+* Paired chains (``wide``), same day, two runs (16 buffers; chunks of 32 / 16 pages): n 2 with four
+  consumers 97.0 (8 buffers) / 94.1 / 93.2 and 99.6 / 95.2 against the Triton kernel's 93.7 / 96.0; n 3 with
+  two consumers 141.5-143.3 / 133.5 against 132.0-132.4; n 4 171.4-173.5 / 161.4 against 180.6-182.0
+  (0.89x). Two consumers at n 2: 104.3-111.4 (no gain there).
+* The defaults then (third run, ``--cases full``, B 64 ctx ~32K unless said; Triton kernel / DeepGEMM in
+  the same run): n 1 chunks of 8 pages 75.2 us (32: 77.0) vs 74.9 / 72.3; 8K 23.1 vs 24.9 / 21.1; B 128
+  147.3 (64: 155.9) vs 153.2 / 140.7. n 2 96.5 vs 93.4 / 78.3 (1.23x DeepGEMM; 8K 30.1 vs 29.6 / 23.9).
+  n 3 130.8 vs 130.2 (1.36x our n 2). n 4 161.9 vs 180.6 (0.90x). The bars of #17 (n 1 <= 1.0x DeepGEMM,
+  n 2 <= 1.05x, n 3 <= 1.2x our n 2, n 4 <= 130 us) are not met.
+
 Next: fewer epilogue instructions a key, e.g. the head sum on the tensor cores (relu(S) as a tf32 A
 operand against a [64 heads, 8] gate tile, the heads permuted so that the accumulator's registers are the A
-fragment: 8 m64n8k8 wgmma a row instead of 32 FFMA + shuffles, at tf32's 2^-11 rounding of each term), or
-one m64n128k32 chain for both rows of n 2 as DeepGEMM issues (the keys read from shared memory once).
+fragment: 8 m64n8k8 wgmma a row instead of 32 FFMA + shuffles, at tf32's 2^-11 rounding of each term).
+Dispatching n 4 (and n 3) here needs the Triton kernel's in-kernel value checks, cached descriptors and a
+host-cost measurement first.
 """
 
 from __future__ import annotations
@@ -114,6 +133,26 @@ def tile_layout():
 
 
 @gluon.constexpr_function
+def wide_layout():
+    # next_n 2's two query tiles read as one [128, 128] B operand (WIDE): the same 128-B swizzle, whose pattern
+    # repeats every 8 rows, so two consecutive [64, 128] tiles are one [128, 128] tile
+    return gl.NVMMASharedLayout.get_default_for([128, 128], gl.float8e4nv)
+
+
+@gluon.constexpr_function
+def wide_acc_layout():
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32])
+
+
+@gluon.jit
+def _reinterpret(buf, dtype: gl.constexpr, shape: gl.constexpr, layout: gl.constexpr, NEW: gl.constexpr):
+    if NEW:
+        return buf.reinterpret(dtype, shape, layout)
+    else:
+        return buf._reinterpret(dtype, shape, layout)
+
+
+@gluon.constexpr_function
 def scale_layout():
     # a page's 64 scales as TMA writes them: [2, 32] fp32, unswizzled, i.e. 64 words in order
     return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
@@ -124,11 +163,7 @@ def _scales(buf, NEW: gl.constexpr):
     """A page's [2, 32] fp32 scale tile read as its 64 scales, one a key row of the accumulator."""
     layout: gl.constexpr = gl.SliceLayout(1, acc_layout())
     flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-    if NEW:
-        v = buf.reinterpret(gl.float32, [64], flat)
-    else:
-        v = buf._reinterpret(gl.float32, [64], flat)
-    return v.load(layout)
+    return _reinterpret(buf, gl.float32, [64], flat, NEW).load(layout)
 
 
 # ---- partitions ----------------------------------------------------------------------------------------------
@@ -173,6 +208,7 @@ def _producer(q_desc, key_desc, sc_desc, context_lens, block_table, stride_bt, o
     page 0), then -inf at the columns past the rows' reach. ``SPLIT``: one producer warp a consumer (this one
     feeds consumer ``PR``: its pages only, into its ring); producer 0 also loads Q and writes the -inf."""
     LF: gl.constexpr = gl.BlockedLayout([4], [32], [1], [0])
+    QS: gl.constexpr = NEXT_N + NEXT_N % 2   # Q tiles a buffer (the kernel's q_smem)
     ST: gl.constexpr = NC if SPLIT else 1       # this producer's pages: PR, PR + ST, ...
     o_f = gl.arange(0, 128, layout=LF)
     ninf = gl.full([128], float("-inf"), gl.float32, LF)
@@ -185,7 +221,7 @@ def _producer(q_desc, key_desc, sc_desc, context_lens, block_table, stride_bt, o
             mbarrier.wait(q_free.index(qb), ((it // 2) & 1) ^ 1)   # a fresh barrier's previous phase is done
             mbarrier.expect(q_ready.index(qb), NEXT_N * 64 * D)
             for j in gl.static_range(NEXT_N):
-                _tma_copy(q_desc, [(b * NEXT_N + j) * 64, 0], q_ready.index(qb), q_smem.index(qb * NEXT_N + j))
+                _tma_copy(q_desc, [(b * NEXT_N + j) * 64, 0], q_ready.index(qb), q_smem.index(qb * QS + j))
             it += 1
         p_bt = block_table + b.to(gl.int64) * stride_bt + c0 // 64
         pa = gl.load(p_bt + PR, mask=PR < n_pages, other=0)
@@ -303,11 +339,69 @@ def _finish(U: gl.constexpr, acc, g0, i0, G: gl.constexpr, S: gl.constexpr, c0, 
 
 
 @gluon.jit
+def _pair_rows(acc):
+    """A pair of rows' [64 keys, 128] accumulator split into each row's [64 keys, 64 heads] one: a relabelling
+    of registers (``assert_trivial`` fails the compile if it ever were not)."""
+    L: gl.constexpr = acc_layout()
+    a0, a1 = gl.split(gl.permute(gl.reshape(acc, [64, 2, 64]), (0, 2, 1)))
+    return gl.convert_layout(a0, L, assert_trivial=True), gl.convert_layout(a1, L, assert_trivial=True)
+
+
+@gluon.jit
+def _wide_page(g0, i, q_smem, qb, k_smem, s_smem, ready, free, zero, zero_w, c0, lim_end, o_n, w0, w1, w2, w3,
+               l0, l1, l2, l3, out_b, stride_o, NBUF: gl.constexpr, NC: gl.constexpr, SPLIT: gl.constexpr,
+               NEW: gl.constexpr, SG: gl.constexpr, sg, NEXT_N: gl.constexpr):
+    """The item's page i with the draft rows in PAIRS, as DeepGEMM issues next_n 2: S [64 keys, 128] =
+    K . [Q_0; Q_1]^T as one m64n128k32 chain (the keys read from shared memory once for both rows), rows 2 and
+    3 as a second chain (row 2 alone at next_n 3); the pair's accumulator is then split into the rows' own."""
+    s, ph = _slot(g0 + i, NBUF, NC, SPLIT)
+    # the Q buffers as one [2 n 64, 128] tile: two consecutive [64, 128] tiles are one [128, 128] tile
+    # (a Q buffer holds QS = next_n rounded up to even tiles, so every pair starts a [128, 128] tile)
+    QS: gl.constexpr = NEXT_N + NEXT_N % 2
+    q_pairs = _reinterpret(q_smem, gl.float8e4nv, [QS, 128, D], wide_layout(), NEW)
+    mbarrier.wait(ready.index(s), ph)
+    acc = warpgroup_mma(k_smem.index(s), q_pairs.index(qb * (QS // 2)).permute((1, 0)), zero_w, use_acc=False,
+                        is_async=True)
+    if NEXT_N == 3:
+        acc2 = warpgroup_mma(k_smem.index(s), q_smem.index(qb * QS + 2).permute((1, 0)), zero, use_acc=False,
+                             is_async=True)
+    if NEXT_N == 4:
+        acc2 = warpgroup_mma(k_smem.index(s), q_pairs.index(qb * 2 + 1).permute((1, 0)), zero_w, use_acc=False,
+                             is_async=True)
+    if SG:
+        sc = sg
+    else:
+        sc = _scales(s_smem.index(s), NEW)
+    t0 = c0 + i * 64
+    p_out = out_b + t0
+    lim = lim_end - t0
+    if NEXT_N == 2:
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        mbarrier.arrive(free.index(s), count=1)
+        a0, a1 = _pair_rows(acc)
+        _row_out(a0, w0, sc, l0 - t0, p_out, lim, o_n)
+        _row_out(a1, w1, sc, l1 - t0, p_out + stride_o, lim, o_n)
+    else:
+        acc = warpgroup_mma_wait(1, deps=(acc,))   # rows 0 and 1 while the second chain runs
+        a0, a1 = _pair_rows(acc)
+        _row_out(a0, w0, sc, l0 - t0, p_out, lim, o_n)
+        _row_out(a1, w1, sc, l1 - t0, p_out + stride_o, lim, o_n)
+        acc2 = warpgroup_mma_wait(0, deps=(acc2,))
+        mbarrier.arrive(free.index(s), count=1)
+        if NEXT_N == 3:
+            _row_out(acc2, w2, sc, l2 - t0, p_out + 2 * stride_o, lim, o_n)
+        else:
+            a2, a3 = _pair_rows(acc2)
+            _row_out(a2, w2, sc, l2 - t0, p_out + 2 * stride_o, lim, o_n)
+            _row_out(a3, w3, sc, l3 - t0, p_out + 3 * stride_o, lim, o_n)
+
+
+@gluon.jit
 def _consumer(WG: gl.constexpr, w, context_lens, out, stride_w, stride_o, max_len, B, n_items,
               q_smem, k_smem, s_smem, ready, free, q_ready, q_free, NBUF: gl.constexpr, NEXT_N: gl.constexpr,
               CHUNK_PAGES: gl.constexpr, DP: gl.constexpr, NEW: gl.constexpr, DIAG: gl.constexpr,
               JOINT: gl.constexpr, SG: gl.constexpr, scales, block_table, stride_bt, NC: gl.constexpr,
-              SPLIT: gl.constexpr):
+              SPLIT: gl.constexpr, WIDE: gl.constexpr):
     """Consumer WG on each of the CTA's items: pages WG, WG + 2, ... in rounds of DP pages: the round's
     S = DP * n chains issued together, then finished one by one as they complete (``_finish``), so the
     tensor cores run the rest of the round's chains (and the other consumer's) during each epilogue.
@@ -318,9 +412,11 @@ def _consumer(WG: gl.constexpr, w, context_lens, out, stride_w, stride_o, max_le
     LH: gl.constexpr = gl.SliceLayout(0, L)
     S: gl.constexpr = DP * NEXT_N
     G: gl.constexpr = NEXT_N
+    QS: gl.constexpr = NEXT_N + NEXT_N % 2   # Q tiles a buffer (the kernel's q_smem)
     o_n = gl.arange(0, 64, layout=LN)
     o_h = gl.arange(0, HEADS, layout=LH)
     zero = gl.zeros([64, HEADS], gl.float32, L)
+    zero_w = gl.zeros([64, 128], gl.float32, wide_acc_layout())
     g0 = 0   # pages of earlier items (the producer's global page count at this item's start)
     it = 0
     for t in range(gl.program_id(0), n_items, gl.num_programs(0)):
@@ -345,7 +441,7 @@ def _consumer(WG: gl.constexpr, w, context_lens, out, stride_w, stride_o, max_le
             lim_end = gl.minimum(c1, c0 + n_pages * 64)   # below it the consumers store, from it the producer
             qb = it % 2
             mbarrier.wait(q_ready.index(qb), (it // 2) & 1)
-            q0 = qb * NEXT_N
+            q0 = qb * QS
             # SG: the scales of round 0's pages now, then each round those of the next (loads in flight
             # across the loop's back edge, unlike wgmma chains); else unused
             s0 = gl.zeros([64], gl.float32, LN)
@@ -355,50 +451,60 @@ def _consumer(WG: gl.constexpr, w, context_lens, out, stride_w, stride_o, max_le
             p_bt = block_table + b.to(gl.int64) * stride_bt + c0 // 64
             if SG:
                 s0, s1, s2, s3 = _round_scales(scales, p_bt, WG, n_pages, o_n, s0, DP, NC)
-            for r in range(n_pad // (NC * DP)):
-                i0 = WG + NC * DP * r
-                n0 = s0
-                n1 = s1
-                n2 = s2
-                n3 = s3
-                if SG:   # the next round's, in flight during this one
-                    n0, n1, n2, n3 = _round_scales(scales, p_bt, i0 + NC * DP, n_pages, o_n, s0, DP, NC)
-                a0 = _issue(g0, i0, 0, q_smem, q0, k_smem, ready, zero, NBUF, DIAG, NC, SPLIT)
-                a1 = a0
-                a2 = a0
-                a3 = a0
-                if S > 1:
-                    a1 = _issue(g0, i0 + NC * (1 // G), 1 % G, q_smem, q0, k_smem, ready, zero, NBUF, DIAG, NC, SPLIT)
-                if S > 2:
-                    a2 = _issue(g0, i0 + NC * (2 // G), 2 % G, q_smem, q0, k_smem, ready, zero, NBUF, DIAG, NC, SPLIT)
-                if S > 3:
-                    a3 = _issue(g0, i0 + NC * (3 // G), 3 % G, q_smem, q0, k_smem, ready, zero, NBUF, DIAG, NC, SPLIT)
-                if JOINT and DIAG < 2:
-                    # every chain of the round first, then the rows' epilogues together (more independent
-                    # work for the scheduler than one row at a time)
-                    if S == 1:
-                        a0 = warpgroup_mma_wait(0, deps=(a0,))
-                    elif S == 2:
-                        a0, a1 = warpgroup_mma_wait(0, deps=(a0, a1))
-                    elif S == 3:
-                        a0, a1, a2 = warpgroup_mma_wait(0, deps=(a0, a1, a2))
-                    else:
-                        a0, a1, a2, a3 = warpgroup_mma_wait(0, deps=(a0, a1, a2, a3))
-                _finish(0, a0, g0, i0, G, S, c0, lim_end, s_smem, free, o_n, w0, w1, w2, w3, l0, l1, l2, l3,
-                        out_b, stride_o, NBUF, NEW, DIAG, not JOINT, SG, s0, s1, s2, s3, NC, SPLIT)
-                if S > 1:
-                    _finish(1, a1, g0, i0, G, S, c0, lim_end, s_smem, free, o_n, w0, w1, w2, w3, l0, l1, l2, l3,
+            if WIDE:
+                for r in range(n_pad // NC):
+                    n0 = s0
+                    if SG:   # the next page's scales, in flight during this one
+                        n0 = _gscales(scales, p_bt, WG + NC * (r + 1), n_pages, o_n)
+                    _wide_page(g0, WG + NC * r, q_smem, qb, k_smem, s_smem, ready, free, zero, zero_w, c0, lim_end,
+                               o_n, w0, w1, w2, w3, l0, l1, l2, l3, out_b, stride_o, NBUF, NC, SPLIT, NEW, SG, s0,
+                               NEXT_N)
+                    s0 = n0
+            else:
+                for r in range(n_pad // (NC * DP)):
+                    i0 = WG + NC * DP * r
+                    n0 = s0
+                    n1 = s1
+                    n2 = s2
+                    n3 = s3
+                    if SG:   # the next round's, in flight during this one
+                        n0, n1, n2, n3 = _round_scales(scales, p_bt, i0 + NC * DP, n_pages, o_n, s0, DP, NC)
+                    a0 = _issue(g0, i0, 0, q_smem, q0, k_smem, ready, zero, NBUF, DIAG, NC, SPLIT)
+                    a1 = a0
+                    a2 = a0
+                    a3 = a0
+                    if S > 1:
+                        a1 = _issue(g0, i0 + NC * (1 // G), 1 % G, q_smem, q0, k_smem, ready, zero, NBUF, DIAG, NC, SPLIT)
+                    if S > 2:
+                        a2 = _issue(g0, i0 + NC * (2 // G), 2 % G, q_smem, q0, k_smem, ready, zero, NBUF, DIAG, NC, SPLIT)
+                    if S > 3:
+                        a3 = _issue(g0, i0 + NC * (3 // G), 3 % G, q_smem, q0, k_smem, ready, zero, NBUF, DIAG, NC, SPLIT)
+                    if JOINT and DIAG < 2:
+                        # every chain of the round first, then the rows' epilogues together (more independent
+                        # work for the scheduler than one row at a time)
+                        if S == 1:
+                            a0 = warpgroup_mma_wait(0, deps=(a0,))
+                        elif S == 2:
+                            a0, a1 = warpgroup_mma_wait(0, deps=(a0, a1))
+                        elif S == 3:
+                            a0, a1, a2 = warpgroup_mma_wait(0, deps=(a0, a1, a2))
+                        else:
+                            a0, a1, a2, a3 = warpgroup_mma_wait(0, deps=(a0, a1, a2, a3))
+                    _finish(0, a0, g0, i0, G, S, c0, lim_end, s_smem, free, o_n, w0, w1, w2, w3, l0, l1, l2, l3,
                             out_b, stride_o, NBUF, NEW, DIAG, not JOINT, SG, s0, s1, s2, s3, NC, SPLIT)
-                if S > 2:
-                    _finish(2, a2, g0, i0, G, S, c0, lim_end, s_smem, free, o_n, w0, w1, w2, w3, l0, l1, l2, l3,
-                            out_b, stride_o, NBUF, NEW, DIAG, not JOINT, SG, s0, s1, s2, s3, NC, SPLIT)
-                if S > 3:
-                    _finish(3, a3, g0, i0, G, S, c0, lim_end, s_smem, free, o_n, w0, w1, w2, w3, l0, l1, l2, l3,
-                            out_b, stride_o, NBUF, NEW, DIAG, not JOINT, SG, s0, s1, s2, s3, NC, SPLIT)
-                s0 = n0
-                s1 = n1
-                s2 = n2
-                s3 = n3
+                    if S > 1:
+                        _finish(1, a1, g0, i0, G, S, c0, lim_end, s_smem, free, o_n, w0, w1, w2, w3, l0, l1, l2, l3,
+                                out_b, stride_o, NBUF, NEW, DIAG, not JOINT, SG, s0, s1, s2, s3, NC, SPLIT)
+                    if S > 2:
+                        _finish(2, a2, g0, i0, G, S, c0, lim_end, s_smem, free, o_n, w0, w1, w2, w3, l0, l1, l2, l3,
+                                out_b, stride_o, NBUF, NEW, DIAG, not JOINT, SG, s0, s1, s2, s3, NC, SPLIT)
+                    if S > 3:
+                        _finish(3, a3, g0, i0, G, S, c0, lim_end, s_smem, free, o_n, w0, w1, w2, w3, l0, l1, l2, l3,
+                                out_b, stride_o, NBUF, NEW, DIAG, not JOINT, SG, s0, s1, s2, s3, NC, SPLIT)
+                    s0 = n0
+                    s1 = n1
+                    s2 = n2
+                    s3 = n3
             mbarrier.arrive(q_free.index(qb), count=1)
             it += 1
         g0 += n_pad
@@ -420,12 +526,14 @@ def indexer_paged_ws_kernel(
     NEXT_N: gl.constexpr, CHUNK_PAGES: gl.constexpr, NBUF: gl.constexpr, DP: gl.constexpr, REGS_C: gl.constexpr,
     REGS_P: gl.constexpr, NEW: gl.constexpr, JOINT: gl.constexpr = 0,
     SG: gl.constexpr = 0, DIAG: gl.constexpr = 0, NC: gl.constexpr = 2, SPLIT: gl.constexpr = 0,
+    WIDE: gl.constexpr = 0,
 ):
     """A persistent CTA: items t = program_id, program_id + grid, ... of the B * n_chunks (request, chunk of
     CHUNK_PAGES pages) items, so the producer streams the next item's pages while the consumers finish
     this one's (one CTA's start-up per SM, not per item)."""
     n_items = B * n_chunks
-    q_smem = gl.allocate_shared_memory(gl.float8e4nv, [2 * NEXT_N, 64, D], tile_layout())
+    QS: gl.constexpr = NEXT_N + NEXT_N % 2   # Q tiles a buffer, even: the paired chains (WIDE) read two as one
+    q_smem = gl.allocate_shared_memory(gl.float8e4nv, [2 * QS, 64, D], tile_layout())
     k_smem = gl.allocate_shared_memory(gl.float8e4nv, [NBUF, 64, D], tile_layout())
     s_smem = gl.allocate_shared_memory(gl.float32, [NBUF, 2, 32], scale_layout())
     ready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
@@ -446,10 +554,10 @@ def indexer_paged_ws_kernel(
         gl.warp_specialize([
             (_consumer, (0, w, context_lens, out, stride_w, stride_o, max_len, B, n_items, q_smem, k_smem, s_smem,
                          ready, free, q_ready, q_free, NBUF, NEXT_N, CHUNK_PAGES, DP, NEW, DIAG, JOINT, SG, scales,
-                         block_table, stride_bt, NC, SPLIT)),
+                         block_table, stride_bt, NC, SPLIT, WIDE)),
             (_consumer, (1, w, context_lens, out, stride_w, stride_o, max_len, B, n_items, q_smem, k_smem, s_smem,
                          ready, free, q_ready, q_free, NBUF, NEXT_N, CHUNK_PAGES, DP, NEW, DIAG, JOINT, SG, scales,
-                         block_table, stride_bt, NC, SPLIT)),
+                         block_table, stride_bt, NC, SPLIT, WIDE)),
             (_producer, (q_desc, key_desc, sc_desc, context_lens, block_table, stride_bt, out, stride_o, max_len, B,
                          n_items, q_smem, k_smem, s_smem, ready, free, q_ready, q_free, NBUF, NEXT_N, CHUNK_PAGES, DP,
                          SG, NC, SPLIT, 0))],
@@ -458,16 +566,16 @@ def indexer_paged_ws_kernel(
         gl.warp_specialize([
             (_consumer, (0, w, context_lens, out, stride_w, stride_o, max_len, B, n_items, q_smem, k_smem, s_smem,
                          ready, free, q_ready, q_free, NBUF, NEXT_N, CHUNK_PAGES, DP, NEW, DIAG, JOINT, SG, scales,
-                         block_table, stride_bt, NC, SPLIT)),
+                         block_table, stride_bt, NC, SPLIT, WIDE)),
             (_consumer, (1, w, context_lens, out, stride_w, stride_o, max_len, B, n_items, q_smem, k_smem, s_smem,
                          ready, free, q_ready, q_free, NBUF, NEXT_N, CHUNK_PAGES, DP, NEW, DIAG, JOINT, SG, scales,
-                         block_table, stride_bt, NC, SPLIT)),
+                         block_table, stride_bt, NC, SPLIT, WIDE)),
             (_consumer, (2, w, context_lens, out, stride_w, stride_o, max_len, B, n_items, q_smem, k_smem, s_smem,
                          ready, free, q_ready, q_free, NBUF, NEXT_N, CHUNK_PAGES, DP, NEW, DIAG, JOINT, SG, scales,
-                         block_table, stride_bt, NC, SPLIT)),
+                         block_table, stride_bt, NC, SPLIT, WIDE)),
             (_consumer, (3, w, context_lens, out, stride_w, stride_o, max_len, B, n_items, q_smem, k_smem, s_smem,
                          ready, free, q_ready, q_free, NBUF, NEXT_N, CHUNK_PAGES, DP, NEW, DIAG, JOINT, SG, scales,
-                         block_table, stride_bt, NC, SPLIT)),
+                         block_table, stride_bt, NC, SPLIT, WIDE)),
             (_producer, (q_desc, key_desc, sc_desc, context_lens, block_table, stride_bt, out, stride_o, max_len, B,
                          n_items, q_smem, k_smem, s_smem, ready, free, q_ready, q_free, NBUF, NEXT_N, CHUNK_PAGES, DP,
                          SG, NC, SPLIT, 0)),
@@ -489,23 +597,33 @@ NBUF_DEFAULT = 8   # pages in flight a CTA: ~66 KB of keys, enough to cover DRAM
 
 
 def launch_config(B: int, n: int, max_len: int, device: torch.device, chunk_pages: int | None = None,
-                  nbuf: int = NBUF_DEFAULT, ctas_per_sm: int | None = None, pages_in_flight: int | None = None,
-                  joint: bool = False, scales_gmem: bool = False, consumers: int = 2, diag: int = 0) -> dict:
-    """Chunk, pipeline depth and register budget of a launch.
+                  nbuf: int | None = None, ctas_per_sm: int | None = None, pages_in_flight: int | None = None,
+                  joint: bool = False, scales_gmem: bool = False, consumers: int | None = None,
+                  wide: bool | None = None, diag: int = 0) -> dict:
+    """Chunk, pipeline depth and register budget of a launch. Defaults (measured, module docstring): next_n 1
+    two consumers, two CTAs an SM, 8 buffers, chunks of 8 pages; next_n 2 four consumers with the paired chain (``wide``), 16
+    buffers; next_n 3 / 4 two consumers with the paired chains, 16 buffers.
 
     A CTA is 12 warps (the producer's warp is padded to a warpgroup, which setmaxnreg works in): 168
     registers at launch give one CTA an SM, redistributed as 232 a consumer and 40 for the producer; 80 give
-    two CTAs an SM (96 a consumer: n = 1 only), so one CTA's start-up overlaps the other's stream. A third
-    consumer warpgroup (n <= 2, 128 registers at launch) hung at B 64 on the H200 (2026-12-02) and was
-    removed. ``pages_in_flight`` (DP):
-    pages a consumer issues per round, DP * n accumulators of 32 registers (at most 4). ``joint``: a
-    round's rows finished together after all its chains. ``scales_gmem``: the consumers load each page's
-    scales from global memory a round ahead instead of the producer's TMA copy into shared memory (no shared
-    read, so no partition barrier before it; slower, measured). ``consumers=4`` (next_n <= 2): four consumer
-    warpgroups, one page in flight each, a producer warp and a ring of nbuf / 4 buffers each (module
-    docstring). Chunks: about 8 CTAs an SM, 8 .. 64 pages."""
+    two CTAs an SM (96 a consumer: n = 1 only), so one CTA's start-up overlaps the other's stream.
+    ``pages_in_flight`` (DP): pages a consumer issues per round, DP * n accumulators of 32 registers (at most
+    4). ``joint``: a round's rows finished together after all its chains. ``scales_gmem``: the consumers load
+    each page's scales from global memory a round ahead instead of the producer's TMA copy into shared memory
+    (slower, measured). ``consumers=4`` (next_n <= 2): four consumer warpgroups, one page in flight each, a
+    producer warp and a ring of nbuf / 4 buffers each. ``wide`` (next_n >= 2): the draft rows' chains in
+    pairs (m64n128k32), one page in flight a consumer. Chunks (next_n >= 2): about 16 items an SM, 8 .. 64
+    pages."""
+    if wide is None:
+        wide = n >= 2 and not diag
+    if consumers is None:
+        consumers = 4 if n == 2 and wide else 2
+    if nbuf is None:
+        nbuf = 16 if wide else NBUF_DEFAULT
     if consumers not in (2, 4):
         raise ValueError(f"consumers: 2 or 4 (got {consumers})")
+    if wide and (n < 2 or diag):
+        raise ValueError(f"wide: next_n >= 2, no diag (got n {n}, diag {diag})")
     if consumers == 4 and nbuf % 4:
         raise ValueError(f"nbuf: a multiple of 4 with consumers=4 (a ring a consumer; got {nbuf})")
     if consumers == 4:
@@ -516,13 +634,20 @@ def launch_config(B: int, n: int, max_len: int, device: torch.device, chunk_page
         if (ctas_per_sm or 1) != 1 or (pages_in_flight or 1) != 1 or n > 2:
             raise ValueError(f"consumers=4 takes next_n <= 2, one CTA an SM, one page in flight (got n {n}, "
                              f"ctas_per_sm {ctas_per_sm}, pages_in_flight {pages_in_flight})")
+    elif wide:   # the pairs' chains: one page in flight a consumer, 1 CTA an SM (up to 128 accumulator registers)
+        ctas, dp = 1, 1
+        if (ctas_per_sm or 1) != 1 or (pages_in_flight or 1) != 1:
+            raise ValueError(f"wide takes one CTA an SM and one page in flight (got ctas_per_sm {ctas_per_sm}, "
+                             f"pages_in_flight {pages_in_flight})")
     else:
         ctas = ctas_per_sm or (2 if n == 1 else 1)
         dp = pages_in_flight or (4 // n if ctas == 1 else 2 // n) or 1   # n = 3: one page
     if ctas not in (1, 2) or dp * n > 4 or dp < 1:
         raise ValueError(f"ctas_per_sm 1 or 2, pages_in_flight * n <= 4 (got {ctas}, {dp} x {n})")
-    if chunk_pages is None:
-        cols = B * max(max_len, 1) // (8 * num_sms(device))
+    if chunk_pages is None and n == 1:
+        chunk_pages = 8   # measured best at B 64 8K / 32K and B 128 32K (75.2 vs 77.0 us with 32 at B 64 32K)
+    elif chunk_pages is None:
+        cols = B * max(max_len, 1) // (16 * num_sms(device))
         chunk_pages = min(max(prev_pow2(max(cols // PAGE_SIZE, 1)), 8), 64)
     if chunk_pages < 1:
         raise ValueError(f"chunk_pages: >= 1 (got {chunk_pages})")
@@ -533,7 +658,7 @@ def launch_config(B: int, n: int, max_len: int, device: torch.device, chunk_page
     else:
         regs = dict(REGS_C=232, REGS_P=40, maxnreg=168)
     return dict(CHUNK_PAGES=chunk_pages, NBUF=nbuf, DP=dp, JOINT=int(joint), SG=int(scales_gmem), num_warps=4,
-                ctas=ctas, DIAG=diag, NC=consumers, SPLIT=int(consumers == 4), **regs)
+                ctas=ctas, DIAG=diag, NC=consumers, SPLIT=int(consumers == 4), WIDE=int(wide), **regs)
 
 
 def _descs(q_fp8: torch.Tensor, cache_u8: torch.Tensor):
