@@ -199,14 +199,14 @@ def _slot(gi, NBUF: gl.constexpr, NC: gl.constexpr, SPLIT: gl.constexpr):
 
 
 @gluon.jit
-def _producer(q_desc, key_desc, sc_desc, context_lens, block_table, stride_bt, out, stride_o, max_len, B, n_items,
-              q_smem, k_smem, s_smem, ready, free, q_ready, q_free, NBUF: gl.constexpr, NEXT_N: gl.constexpr,
-              CHUNK_PAGES: gl.constexpr, DP: gl.constexpr, SG: gl.constexpr, NC: gl.constexpr,
-              SPLIT: gl.constexpr = 0, PR: gl.constexpr = 0):
+def _producer(rp, NBUF: gl.constexpr, NEXT_N: gl.constexpr, CHUNK_PAGES: gl.constexpr, DP: gl.constexpr,
+              SG: gl.constexpr, NC: gl.constexpr, SPLIT: gl.constexpr, PR: gl.constexpr):
     """For each of the CTA's items: the request's queries (n TMA copies into the item's Q buffer), then its
     pages (page ids four ahead, one TMA copy of the keys and one of the scales per page, padding pages read
     page 0), then -inf at the columns past the rows' reach. ``SPLIT``: one producer warp a consumer (this one
     feeds consumer ``PR``: its pages only, into its ring); producer 0 also loads Q and writes the -inf."""
+    (q_desc, key_desc, sc_desc, context_lens, block_table, stride_bt, out, stride_o, max_len, B, n_items, q_smem,
+     k_smem, s_smem, ready, free, q_ready, q_free) = rp   # the kernel's shared arguments
     LF: gl.constexpr = gl.BlockedLayout([4], [32], [1], [0])
     QS: gl.constexpr = NEXT_N + NEXT_N % 2   # Q tiles a buffer (the kernel's q_smem)
     ST: gl.constexpr = NC if SPLIT else 1       # this producer's pages: PR, PR + ST, ...
@@ -397,16 +397,16 @@ def _wide_page(g0, i, q_smem, qb, k_smem, s_smem, ready, free, zero, zero_w, c0,
 
 
 @gluon.jit
-def _consumer(WG: gl.constexpr, w, context_lens, out, stride_w, stride_o, max_len, B, n_items,
-              q_smem, k_smem, s_smem, ready, free, q_ready, q_free, NBUF: gl.constexpr, NEXT_N: gl.constexpr,
-              CHUNK_PAGES: gl.constexpr, DP: gl.constexpr, NEW: gl.constexpr, DIAG: gl.constexpr,
-              JOINT: gl.constexpr, SG: gl.constexpr, scales, block_table, stride_bt, NC: gl.constexpr,
-              SPLIT: gl.constexpr, WIDE: gl.constexpr):
+def _consumer(WG: gl.constexpr, rc, NBUF: gl.constexpr, NEXT_N: gl.constexpr, CHUNK_PAGES: gl.constexpr,
+              DP: gl.constexpr, NEW: gl.constexpr, DIAG: gl.constexpr, JOINT: gl.constexpr, SG: gl.constexpr,
+              NC: gl.constexpr, SPLIT: gl.constexpr, WIDE: gl.constexpr):
     """Consumer WG on each of the CTA's items: pages WG, WG + 2, ... in rounds of DP pages: the round's
     S = DP * n chains issued together, then finished one by one as they complete (``_finish``), so the
     tensor cores run the rest of the round's chains (and the other consumer's) during each epilogue.
     Every chain completes within its round (ptxas serialises wgmma whose accumulators are read while a
     chain issued in an earlier loop iteration may still run: C7514)."""
+    (w, context_lens, out, stride_w, stride_o, max_len, B, n_items, q_smem, k_smem, s_smem, ready, free, q_ready,
+     q_free, scales, block_table, stride_bt) = rc   # the kernel's shared arguments
     L: gl.constexpr = acc_layout()
     LN: gl.constexpr = gl.SliceLayout(1, L)
     LH: gl.constexpr = gl.SliceLayout(0, L)
@@ -547,48 +547,31 @@ def indexer_paged_ws_kernel(
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(q_free.index(i), count=NC)   # every consumer
     fence_async_shared()
-    # The argument tuples are written out: a tuple held in a variable loses its constexprs. Two consumers and
-    # one producer warp, or four consumers (DeepGEMM's count of math warpgroups: 16 warps of epilogue hiding
-    # each other's latency) and a producer warp each (SPLIT), as DeepGEMM has a TMA warp per math warpgroup.
+    # The partitions' runtime arguments travel as two tuples; the constexprs one by one (a tuple held in a
+    # variable loses its constexprs). Two consumers and one producer warp, or four consumers (DeepGEMM's count
+    # of math warpgroups: 16 warps of epilogue hiding each other's latency) and a producer warp each (SPLIT),
+    # as DeepGEMM has a TMA warp per math warpgroup.
+    rc = (w, context_lens, out, stride_w, stride_o, max_len, B, n_items, q_smem, k_smem, s_smem, ready, free,
+          q_ready, q_free, scales, block_table, stride_bt)
+    rp = (q_desc, key_desc, sc_desc, context_lens, block_table, stride_bt, out, stride_o, max_len, B, n_items,
+          q_smem, k_smem, s_smem, ready, free, q_ready, q_free)
     if NC == 2:
         gl.warp_specialize([
-            (_consumer, (0, w, context_lens, out, stride_w, stride_o, max_len, B, n_items, q_smem, k_smem, s_smem,
-                         ready, free, q_ready, q_free, NBUF, NEXT_N, CHUNK_PAGES, DP, NEW, DIAG, JOINT, SG, scales,
-                         block_table, stride_bt, NC, SPLIT, WIDE)),
-            (_consumer, (1, w, context_lens, out, stride_w, stride_o, max_len, B, n_items, q_smem, k_smem, s_smem,
-                         ready, free, q_ready, q_free, NBUF, NEXT_N, CHUNK_PAGES, DP, NEW, DIAG, JOINT, SG, scales,
-                         block_table, stride_bt, NC, SPLIT, WIDE)),
-            (_producer, (q_desc, key_desc, sc_desc, context_lens, block_table, stride_bt, out, stride_o, max_len, B,
-                         n_items, q_smem, k_smem, s_smem, ready, free, q_ready, q_free, NBUF, NEXT_N, CHUNK_PAGES, DP,
-                         SG, NC, SPLIT, 0))],
-                           [4, 1], [REGS_C, REGS_P])
+            (_consumer, (0, rc, NBUF, NEXT_N, CHUNK_PAGES, DP, NEW, DIAG, JOINT, SG, NC, SPLIT, WIDE)),
+            (_consumer, (1, rc, NBUF, NEXT_N, CHUNK_PAGES, DP, NEW, DIAG, JOINT, SG, NC, SPLIT, WIDE)),
+            (_producer, (rp, NBUF, NEXT_N, CHUNK_PAGES, DP, SG, NC, SPLIT, 0))],
+            [4, 1], [REGS_C, REGS_P])
     else:
         gl.warp_specialize([
-            (_consumer, (0, w, context_lens, out, stride_w, stride_o, max_len, B, n_items, q_smem, k_smem, s_smem,
-                         ready, free, q_ready, q_free, NBUF, NEXT_N, CHUNK_PAGES, DP, NEW, DIAG, JOINT, SG, scales,
-                         block_table, stride_bt, NC, SPLIT, WIDE)),
-            (_consumer, (1, w, context_lens, out, stride_w, stride_o, max_len, B, n_items, q_smem, k_smem, s_smem,
-                         ready, free, q_ready, q_free, NBUF, NEXT_N, CHUNK_PAGES, DP, NEW, DIAG, JOINT, SG, scales,
-                         block_table, stride_bt, NC, SPLIT, WIDE)),
-            (_consumer, (2, w, context_lens, out, stride_w, stride_o, max_len, B, n_items, q_smem, k_smem, s_smem,
-                         ready, free, q_ready, q_free, NBUF, NEXT_N, CHUNK_PAGES, DP, NEW, DIAG, JOINT, SG, scales,
-                         block_table, stride_bt, NC, SPLIT, WIDE)),
-            (_consumer, (3, w, context_lens, out, stride_w, stride_o, max_len, B, n_items, q_smem, k_smem, s_smem,
-                         ready, free, q_ready, q_free, NBUF, NEXT_N, CHUNK_PAGES, DP, NEW, DIAG, JOINT, SG, scales,
-                         block_table, stride_bt, NC, SPLIT, WIDE)),
-            (_producer, (q_desc, key_desc, sc_desc, context_lens, block_table, stride_bt, out, stride_o, max_len, B,
-                         n_items, q_smem, k_smem, s_smem, ready, free, q_ready, q_free, NBUF, NEXT_N, CHUNK_PAGES, DP,
-                         SG, NC, SPLIT, 0)),
-            (_producer, (q_desc, key_desc, sc_desc, context_lens, block_table, stride_bt, out, stride_o, max_len, B,
-                         n_items, q_smem, k_smem, s_smem, ready, free, q_ready, q_free, NBUF, NEXT_N, CHUNK_PAGES, DP,
-                         SG, NC, SPLIT, 1)),
-            (_producer, (q_desc, key_desc, sc_desc, context_lens, block_table, stride_bt, out, stride_o, max_len, B,
-                         n_items, q_smem, k_smem, s_smem, ready, free, q_ready, q_free, NBUF, NEXT_N, CHUNK_PAGES, DP,
-                         SG, NC, SPLIT, 2)),
-            (_producer, (q_desc, key_desc, sc_desc, context_lens, block_table, stride_bt, out, stride_o, max_len, B,
-                         n_items, q_smem, k_smem, s_smem, ready, free, q_ready, q_free, NBUF, NEXT_N, CHUNK_PAGES, DP,
-                         SG, NC, SPLIT, 3))],
-                           [4, 4, 4, 1, 1, 1, 1], [REGS_C, REGS_C, REGS_C, REGS_P, REGS_P, REGS_P, REGS_P])
+            (_consumer, (0, rc, NBUF, NEXT_N, CHUNK_PAGES, DP, NEW, DIAG, JOINT, SG, NC, SPLIT, WIDE)),
+            (_consumer, (1, rc, NBUF, NEXT_N, CHUNK_PAGES, DP, NEW, DIAG, JOINT, SG, NC, SPLIT, WIDE)),
+            (_consumer, (2, rc, NBUF, NEXT_N, CHUNK_PAGES, DP, NEW, DIAG, JOINT, SG, NC, SPLIT, WIDE)),
+            (_consumer, (3, rc, NBUF, NEXT_N, CHUNK_PAGES, DP, NEW, DIAG, JOINT, SG, NC, SPLIT, WIDE)),
+            (_producer, (rp, NBUF, NEXT_N, CHUNK_PAGES, DP, SG, NC, SPLIT, 0)),
+            (_producer, (rp, NBUF, NEXT_N, CHUNK_PAGES, DP, SG, NC, SPLIT, 1)),
+            (_producer, (rp, NBUF, NEXT_N, CHUNK_PAGES, DP, SG, NC, SPLIT, 2)),
+            (_producer, (rp, NBUF, NEXT_N, CHUNK_PAGES, DP, SG, NC, SPLIT, 3))],
+            [4, 4, 4, 1, 1, 1, 1], [REGS_C, REGS_C, REGS_C, REGS_P, REGS_P, REGS_P, REGS_P])
 
 
 # ---- launcher ----------------------------------------------------------------------------------------------
