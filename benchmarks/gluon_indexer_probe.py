@@ -202,6 +202,32 @@ def run_gpu(args) -> int:
     return 0 if ok_all else 1
 
 
+def run_host(calls: int = 100) -> int:
+    """Host µs of one plain call (the GPU kept busy, ``bench_host.HostTimer``) of the Gluon kernel's entry, the
+    public op (the Triton kernel, default checks) and DeepGEMM, B 64 ctx ~32K, next_n 1 / 2 / 4: what
+    dispatching to the Gluon kernel would cost an eager caller."""
+    from bench_host import HostTimer
+    from bench_indexer import _paged_case
+
+    from flashdsa import ops
+    from flashdsa.ops.indexer import gluon as G
+    from flashdsa.testing.peers import deepgemm_paged, import_deep_gemm
+    timer = HostTimer("cuda", calls)
+    dg, _ = import_deep_gemm()
+    print("\nhost us a plain call | gluon entry | ops.indexer_logits_paged (Triton, checks on) | DeepGEMM")
+    for n in (1, 2, 4):
+        c = _paged_case(64, n, 32768)
+        a = (c["q_fp8"], c["cache"], c["w"], c["ctx"], c["bt"], c["max_len"])
+        fns = {"gluon": lambda: G.indexer_logits_paged_gluon(*a),
+               "ours": lambda: ops.indexer_logits_paged(*a)}
+        if dg is not None and n <= 2:
+            fns["deepgemm"] = deepgemm_paged(*a)
+        r = timer.interleaved(fns)
+        cell = {k: f"{v[0]:.1f}" + ("" if v[1] else " (GPU idle: not host-bound)") for k, v in r.items()}
+        print(f"B64 n{n} ctx~32K | {cell['gluon']} | {cell['ours']} | {cell.get('deepgemm', '-')}", flush=True)
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--compile-only", action="store_true")
@@ -210,6 +236,7 @@ def main() -> int:
     ap.add_argument("--profile", type=int, default=0, help="next_n: only launch that case 3 times (for ncu)")
     ap.add_argument("--profile-variant", default="{}", help="launch_config overrides of --profile (JSON)")
     ap.add_argument("--cases", default="quick", choices=["quick", "full"])
+    ap.add_argument("--host", action="store_true", help="only the host cost of plain calls (bench_host's timer)")
     ap.add_argument("--variants", default='{"chunk_pages": 16};{"chunk_pages": 8};{"ctas_per_sm": 1};'
                     '{"ctas_per_sm": 1, "pages_in_flight": 2};{"pages_in_flight": 1}',
                     help="launch_config overrides to time next to the default, JSON objects separated by ';'")
@@ -224,7 +251,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("needs a CUDA GPU (or --compile-only)")
         return 1
-    return run_gpu(args)
+    return run_host() if args.host else run_gpu(args)
 
 
 if __name__ == "__main__":

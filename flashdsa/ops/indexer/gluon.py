@@ -2,7 +2,9 @@
 DeepGEMM's sm90 paged MQA-logits schedule: a TMA warp feeding math warpgroups that each own a page (issue
 #17, item 1). EXPERIMENTAL: correct; faster than ``paged.py``'s Triton TMA kernel at next_n 4 (0.90x), on
 par at 2 and 3, 0.93-1.03x at 1 (measured below). ``flashdsa.ops.indexer_logits_paged`` does not dispatch to
-it yet (no in-kernel value checks, a host cost not measured, three TMA descriptors built a call); call
+it yet: it has no in-kernel value checks, and a plain call of its entry costs 126-144 us of host time against
+the public op's 24-26 (``gluon_indexer_probe.py --host``, H200, 2026-12-02: Triton's JIT launch with three
+TMA descriptors built a call; ``_launch.py``'s plans would take that off); call
 :func:`indexer_logits_paged_gluon`. The interpreter cannot run Gluon: ``-m gpu`` tests it
 (tests/ops/test_indexer_gluon.py), CI compiles it for sm_90; ``benchmarks/gluon_indexer_probe.py`` checks it
 against the reference and times it next to DeepGEMM and the Triton kernel (``--compile-only``: no GPU).
@@ -90,8 +92,8 @@ Measured on 2026-12-02 (fourth session, same probe, two runs; Triton kernel 76.7
 Next: fewer epilogue instructions a key, e.g. the head sum on the tensor cores (relu(S) as a tf32 A
 operand against a [64 heads, 8] gate tile, the heads permuted so that the accumulator's registers are the A
 fragment: 8 m64n8k8 wgmma a row instead of 32 FFMA + shuffles, at tf32's 2^-11 rounding of each term).
-Dispatching n 4 (and n 3) here needs the Triton kernel's in-kernel value checks, cached descriptors and a
-host-cost measurement first.
+Dispatching n 4 (and n 3) here needs the Triton kernel's in-kernel value checks and a launch plan with
+cached descriptors first (host cost above).
 """
 
 from __future__ import annotations
