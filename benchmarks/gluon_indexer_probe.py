@@ -124,9 +124,7 @@ def run_gpu(args) -> int:
                           (2, {"pages_in_flight": 1, "max_ctas": 5}), (2, {"joint": True, "max_ctas": 3}),
                           (2, {"scales_gmem": True, "max_ctas": 3}), (2, {"consumers": 4, "max_ctas": 3}),
                           (1, {"consumers": 4, "max_ctas": 2}), (2, {"consumers": 4, "wide": True, "max_ctas": 3}),
-                          (1, {"wide": True, "max_ctas": 3}), (2, {"wide": True, "nbuf": 16}),
-                          (2, {"tc_sum": True, "max_ctas": 3}), (None, {"tc_sum": True}),
-                          (2, {"tc_sum": True, "consumers": 2, "scales_gmem": True})):
+                          (1, {"wide": True, "max_ctas": 3}), (2, {"wide": True, "nbuf": 16})):
             lens = [0, 1, 63, 64, 65, 200, 1000, 777]
             q, cache, w, ctx, bt, max_len = _small_case(len(lens), n, lens, seed=n)
             out = torch.full((len(lens) * n, max_len), float("nan"), device="cuda")
@@ -139,13 +137,6 @@ def run_gpu(args) -> int:
             ref = reference.indexer_logits_paged(q, cache, w, ctx, bt, max_len)
             inf_ok, err = _check(out, ref)
             ok = inf_ok and err < 1e-3   # Hopper's fp8 wgmma accumulates in less than fp32 (~2e-4)
-            if extra.get("tc_sum"):   # tf32 head sum: the bound derived in gluon._tc_page, on top
-                mag = reference.indexer_logits_paged(q, cache, w.abs(), ctx, bt, max_len)
-                fin = torch.isfinite(ref)
-                bound = 1e-3 * ref[fin].abs().max() + 1.5 * 2 ** -10 * mag[fin]
-                excess = float(((out - ref)[fin].abs() / bound).max()) if fin.any() else 0.0
-                ok = inf_ok and excess <= 1.0
-                err = excess   # printed as the fraction of the bound used
             ok_all &= ok
             print(f"check n{n} chunk_pages {cp} {extra}: -inf pattern {inf_ok}, max rel err {err:.2e} {'ok' if ok else 'FAIL'}",
                   flush=True)
@@ -190,7 +181,7 @@ def run_gpu(args) -> int:
             inf_ok, err = _check(out, ref)
             t = _graph_time(lambda: G.indexer_paged_ws_kernel[grid](**kw))
             cfg = f"cp{kw['CHUNK_PAGES']} dp{kw['DP']} c{resolved['ctas']} nc{kw['NC']} b{kw['NBUF']}" \
-                + " wide" * kw["WIDE"] + " tc" * kw["TC"] + " sg" * kw["SG"] + " j" * kw["JOINT"] \
+                + " wide" * kw["WIDE"] + " sg" * kw["SG"] + " j" * kw["JOINT"] \
                 + f" d{kw['DIAG']}" * bool(kw["DIAG"])
             r = dict(kind="time", B=B, n=n, ctx=avg, cfg=cfg, inf_ok=inf_ok, err_vs_triton=err,
                      gluon_us=t, triton_us=t_tri, deepgemm_us=t_dg)

@@ -89,11 +89,18 @@ Measured on 2026-12-02 (fourth session, same probe, two runs; Triton kernel 76.7
   n 3 130.8 vs 130.2 (1.36x our n 2). n 4 161.9 vs 180.6 (0.90x). The bars of #17 (n 1 <= 1.0x DeepGEMM,
   n 2 <= 1.05x, n 3 <= 1.2x our n 2, n 4 <= 130 us) are not met.
 
-Next: fewer epilogue instructions a key, e.g. the head sum on the tensor cores (relu(S) as a tf32 A
-operand against a [64 heads, 8] gate tile, the heads permuted so that the accumulator's registers are the A
-fragment: 8 m64n8k8 wgmma a row instead of 32 FFMA + shuffles, at tf32's 2^-11 rounding of each term).
-Dispatching n 4 (and n 3) here needs the Triton kernel's in-kernel value checks and a launch plan with
-cached descriptors first (host cost above).
+* The head sum on the tensor cores (``tc_sum``, commit fbec43c, removed after): each pair's relu(S) [64 keys,
+  128] as the register A operand of tf32 m64n8k8 wgmma against per-pair gate tiles (columns permuted so the
+  accumulator's registers are the A fragment: no data moved, checked at compile time), chained into one
+  [64 keys, 8] accumulator whose column j is row j's sum. No FFMA or shuffle left in the epilogue, only the
+  relu; error within 18-21 % of its derived bound (tf32: 1.5 * 2^-10 * k_scale * sum_h |w_h| relu(s_h)).
+  Slower: n 2 101.3 us against the paired default's 95.5, n 4 179.2 against 161.1 (one run; the 64 serial
+  HGMMA.64x8x8 a page cost more than the FFMAs they replace).
+
+Next: the epilogue is what is left between this kernel and DeepGEMM (78.6 us at n 2); its instructions are
+already few, so the schedule around them (fewer partition barriers, Triton 3.9's 20 against 3.6's 37
+``BAR.SYNC``). Dispatching n 4 (and n 3) here needs the Triton kernel's in-kernel value checks and a launch
+plan with cached descriptors first (host cost above).
 """
 
 from __future__ import annotations
@@ -146,45 +153,6 @@ def wide_acc_layout():
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32])
 
 
-@gluon.constexpr_function
-def sum_layout():
-    # TC: the head sums' accumulator [64 keys, 8 columns] (column j: draft row j), tf32 m64n8k8
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 8])
-
-
-@gluon.constexpr_function
-def gate_layout():
-    # TC: a pair's gate tile [8 columns, 128 (row in pair, head)] fp32, K-major as tf32 wgmma needs its B
-    return gl.NVMMASharedLayout.get_default_for([8, 128], gl.float32)
-
-
-@gluon.jit
-def _tf32_perm(x, R: gl.constexpr, C: gl.constexpr):
-    """Columns 8 blk + 2 t + b of ``x [R, C]`` moved to 8 blk + 4 b + t: on a wgmma accumulator this is the
-    register order of a tf32 A fragment (thread t holds k = t and t + 4 of each block of 8), so relu(S) feeds
-    the head-sum wgmma without moving data; the gate tiles get the same permutation."""
-    return gl.reshape(gl.permute(gl.reshape(x, [R, C // 8, 4, 2]), (0, 1, 3, 2)), [R, C])
-
-
-@gluon.jit
-def _gate_tiles(g_smem, g0_tile: gl.constexpr, w_b, stride_w, NEXT_N: gl.constexpr):
-    """TC: the request's gate tiles, one a pair of draft rows: tile p [8, 128] holds row 2 p's gates at
-    column 2 p (its 64 heads) and row 2 p + 1's at column 2 p + 1, zero elsewhere, so that chaining every
-    pair's relu(S) [64 keys, 128] . tile^T into one accumulator leaves row j's head sum in its column j.
-    Rounded to tf32 (nearest), columns permuted as the A fragment (:func:`_tf32_perm`)."""
-    GL: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0])
-    o_c = gl.arange(0, 8, gl.SliceLayout(1, GL))
-    o_k = gl.arange(0, 128, gl.SliceLayout(0, GL))
-    for p in gl.static_range(NEXT_N // 2):
-        row = 2 * p + o_k // 64
-        wv = gl.load(w_b + row[None, :] * stride_w + (o_k % 64)[None, :] + 0 * o_c[:, None])
-        g = gl.where(o_c[:, None] == row[None, :], wv, 0.0)
-        bits = g.to(gl.int32, bitcast=True)
-        g = ((bits + 0x1000) & -8192).to(gl.float32, bitcast=True)
-        g_smem.index(g0_tile + p).store(_tf32_perm(g, 8, 128))
-    fence_async_shared()
-
-
 @gluon.jit
 def _reinterpret(buf, dtype: gl.constexpr, shape: gl.constexpr, layout: gl.constexpr, NEW: gl.constexpr):
     if NEW:
@@ -200,8 +168,9 @@ def scale_layout():
 
 
 @gluon.jit
-def _scales(buf, NEW: gl.constexpr, layout: gl.constexpr):
-    """A page's [2, 32] fp32 scale tile read as its 64 scales in ``layout`` (an accumulator's key rows)."""
+def _scales(buf, NEW: gl.constexpr):
+    """A page's [2, 32] fp32 scale tile read as its 64 scales, one a key row of the accumulator."""
+    layout: gl.constexpr = gl.SliceLayout(1, acc_layout())
     flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     return _reinterpret(buf, gl.float32, [64], flat, NEW).load(layout)
 
@@ -366,7 +335,7 @@ def _finish(U: gl.constexpr, acc, g0, i0, G: gl.constexpr, S: gl.constexpr, c0, 
     if SG:
         sc = _pick(d, s0, s1, s2, s3)
     else:
-        sc = _scales(s_smem.index(s), NEW, gl.SliceLayout(1, acc_layout()))
+        sc = _scales(s_smem.index(s), NEW)
     if DIAG < 2 and WAIT:
         acc = warpgroup_mma_wait(S - 1 - U, deps=(acc,))
     if g == G - 1:
@@ -411,7 +380,7 @@ def _wide_page(g0, i, q_smem, qb, k_smem, s_smem, ready, free, zero, zero_w, c0,
     if SG:
         sc = sg
     else:
-        sc = _scales(s_smem.index(s), NEW, gl.SliceLayout(1, acc_layout()))
+        sc = _scales(s_smem.index(s), NEW)
     t0 = c0 + i * 64
     p_out = out_b + t0
     lim = lim_end - t0
@@ -437,62 +406,16 @@ def _wide_page(g0, i, q_smem, qb, k_smem, s_smem, ready, free, zero, zero_w, c0,
 
 
 @gluon.jit
-def _tc_page(g0, i, q_smem, qb, k_smem, s_smem, ready, free, zero_w, g_smem, gt0, c0, lim_end, l0, l1, l2, l3, out_b,
-             stride_o, NBUF: gl.constexpr, NC: gl.constexpr, SPLIT: gl.constexpr, NEW: gl.constexpr,
-             SG: gl.constexpr, sg, NEXT_N: gl.constexpr):
-    """TC (next_n 2 / 4): :func:`_wide_page` with the head sum on the tensor cores. Each pair's relu(S)
-    [64 keys, 128] is the register A operand of tf32 m64n8k8 wgmma against the pair's gate tile
-    (:func:`_gate_tiles`), chained into one [64 keys, 8] accumulator whose column j is draft row j's head
-    sum: 16 wgmma a pair instead of 64 FFMA and the quad shuffles a thread. tf32 keeps 10 mantissa bits:
-    relu(S) is truncated (the tensor cores ignore the low 13 bits), the gates rounded; each term is off by
-    less than 2^-10 + 2^-11 of itself, so a logit by less than 1.5 * 2^-10 * k_scale * sum_h |w_h| relu(s_h)."""
-    M8: gl.constexpr = sum_layout()
-    A8: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=M8, k_width=1)
-    s, ph = _slot(g0 + i, NBUF, NC, SPLIT)
-    q_pairs = _reinterpret(q_smem, gl.float8e4nv, [NEXT_N, 128, D], wide_layout(), NEW)
-    mbarrier.wait(ready.index(s), ph)
-    acc = warpgroup_mma(k_smem.index(s), q_pairs.index(qb * (NEXT_N // 2)).permute((1, 0)), zero_w, use_acc=False,
-                        is_async=True)
-    if NEXT_N == 4:
-        acc2 = warpgroup_mma(k_smem.index(s), q_pairs.index(qb * 2 + 1).permute((1, 0)), zero_w, use_acc=False,
-                             is_async=True)
-    if SG:
-        sc = gl.convert_layout(sg, gl.SliceLayout(1, M8))
-    else:
-        sc = _scales(s_smem.index(s), NEW, gl.SliceLayout(1, M8))
-    if NEXT_N == 4:
-        acc = warpgroup_mma_wait(1, deps=(acc,))
-    else:
-        acc = warpgroup_mma_wait(0, deps=(acc,))
-    a = gl.convert_layout(_tf32_perm(gl.maximum(acc, 0.0), 64, 128), A8, assert_trivial=True)
-    h = warpgroup_mma(a, g_smem.index(gt0).permute((1, 0)), gl.zeros([64, 8], gl.float32, M8), use_acc=False,
-                      is_async=True)
-    if NEXT_N == 4:
-        acc2 = warpgroup_mma_wait(1, deps=(acc2,))
-        a2 = gl.convert_layout(_tf32_perm(gl.maximum(acc2, 0.0), 64, 128), A8, assert_trivial=True)
-        h = warpgroup_mma(a2, g_smem.index(gt0 + 1).permute((1, 0)), h, is_async=True)
-    h = warpgroup_mma_wait(0, deps=(h,))
-    mbarrier.arrive(free.index(s), count=1)
-    o_n = gl.arange(0, 64, gl.SliceLayout(1, M8))
-    o_c = gl.arange(0, 8, gl.SliceLayout(0, M8))
-    t0 = c0 + i * 64
-    ln = gl.where(o_c == 0, l0, gl.where(o_c == 1, l1, gl.where(o_c == 2, l2, l3))) - t0
-    v = gl.where(o_n[:, None] < ln[None, :], h * sc[:, None], float("-inf"))
-    gl.store(out_b + t0 + o_c[None, :].to(gl.int64) * stride_o + o_n[:, None], v,
-             mask=(o_c[None, :] < NEXT_N) & (o_n[:, None] < lim_end - t0))
-
-
-@gluon.jit
 def _consumer(WG: gl.constexpr, rc, NBUF: gl.constexpr, NEXT_N: gl.constexpr, CHUNK_PAGES: gl.constexpr,
               DP: gl.constexpr, NEW: gl.constexpr, DIAG: gl.constexpr, JOINT: gl.constexpr, SG: gl.constexpr,
-              NC: gl.constexpr, SPLIT: gl.constexpr, WIDE: gl.constexpr, TC: gl.constexpr):
+              NC: gl.constexpr, SPLIT: gl.constexpr, WIDE: gl.constexpr):
     """Consumer WG on each of the CTA's items: pages WG, WG + 2, ... in rounds of DP pages: the round's
     S = DP * n chains issued together, then finished one by one as they complete (``_finish``), so the
     tensor cores run the rest of the round's chains (and the other consumer's) during each epilogue.
     Every chain completes within its round (ptxas serialises wgmma whose accumulators are read while a
     chain issued in an earlier loop iteration may still run: C7514)."""
     (w, context_lens, out, stride_w, stride_o, max_len, B, n_items, q_smem, k_smem, s_smem, ready, free, q_ready,
-     q_free, scales, block_table, stride_bt, g_smem) = rc   # the kernel's shared arguments
+     q_free, scales, block_table, stride_bt) = rc   # the kernel's shared arguments
     L: gl.constexpr = acc_layout()
     LN: gl.constexpr = gl.SliceLayout(1, L)
     LH: gl.constexpr = gl.SliceLayout(0, L)
@@ -537,17 +460,7 @@ def _consumer(WG: gl.constexpr, rc, NBUF: gl.constexpr, NEXT_N: gl.constexpr, CH
             p_bt = block_table + b.to(gl.int64) * stride_bt + c0 // 64
             if SG:
                 s0, s1, s2, s3 = _round_scales(scales, p_bt, WG, n_pages, o_n, s0, DP, NC)
-            if TC:
-                _gate_tiles(g_smem, WG * (NEXT_N // 2), w_b, stride_w, NEXT_N)
-                for r in range(n_pad // NC):
-                    n0 = s0
-                    if SG:   # the next page's scales, in flight during this one
-                        n0 = _gscales(scales, p_bt, WG + NC * (r + 1), n_pages, o_n)
-                    _tc_page(g0, WG + NC * r, q_smem, qb, k_smem, s_smem, ready, free, zero_w, g_smem,
-                             WG * (NEXT_N // 2), c0, lim_end, l0, l1, l2, l3, out_b, stride_o, NBUF, NC, SPLIT, NEW,
-                             SG, s0, NEXT_N)
-                    s0 = n0
-            elif WIDE:
+            if WIDE:
                 for r in range(n_pad // NC):
                     n0 = s0
                     if SG:   # the next page's scales, in flight during this one
@@ -622,7 +535,7 @@ def indexer_paged_ws_kernel(
     NEXT_N: gl.constexpr, CHUNK_PAGES: gl.constexpr, NBUF: gl.constexpr, DP: gl.constexpr, REGS_C: gl.constexpr,
     REGS_P: gl.constexpr, NEW: gl.constexpr, JOINT: gl.constexpr = 0,
     SG: gl.constexpr = 0, DIAG: gl.constexpr = 0, NC: gl.constexpr = 2, SPLIT: gl.constexpr = 0,
-    WIDE: gl.constexpr = 0, TC: gl.constexpr = 0,
+    WIDE: gl.constexpr = 0,
 ):
     """A persistent CTA: items t = program_id, program_id + grid, ... of the B * n_chunks (request, chunk of
     CHUNK_PAGES pages) items, so the producer streams the next item's pages while the consumers finish
@@ -647,26 +560,22 @@ def indexer_paged_ws_kernel(
     # variable loses its constexprs). Two consumers and one producer warp, or four consumers (DeepGEMM's count
     # of math warpgroups: 16 warps of epilogue hiding each other's latency) and a producer warp each (SPLIT),
     # as DeepGEMM has a TMA warp per math warpgroup.
-    if TC:   # the gate tiles, one a pair of draft rows and consumer
-        g_smem = gl.allocate_shared_memory(gl.float32, [NC * (NEXT_N // 2), 8, 128], gate_layout())
-    else:
-        g_smem = gl.allocate_shared_memory(gl.float32, [1, 8, 128], gate_layout())
     rc = (w, context_lens, out, stride_w, stride_o, max_len, B, n_items, q_smem, k_smem, s_smem, ready, free,
-          q_ready, q_free, scales, block_table, stride_bt, g_smem)
+          q_ready, q_free, scales, block_table, stride_bt)
     rp = (q_desc, key_desc, sc_desc, context_lens, block_table, stride_bt, out, stride_o, max_len, B, n_items,
           q_smem, k_smem, s_smem, ready, free, q_ready, q_free)
     if NC == 2:
         gl.warp_specialize([
-            (_consumer, (0, rc, NBUF, NEXT_N, CHUNK_PAGES, DP, NEW, DIAG, JOINT, SG, NC, SPLIT, WIDE, TC)),
-            (_consumer, (1, rc, NBUF, NEXT_N, CHUNK_PAGES, DP, NEW, DIAG, JOINT, SG, NC, SPLIT, WIDE, TC)),
+            (_consumer, (0, rc, NBUF, NEXT_N, CHUNK_PAGES, DP, NEW, DIAG, JOINT, SG, NC, SPLIT, WIDE)),
+            (_consumer, (1, rc, NBUF, NEXT_N, CHUNK_PAGES, DP, NEW, DIAG, JOINT, SG, NC, SPLIT, WIDE)),
             (_producer, (rp, NBUF, NEXT_N, CHUNK_PAGES, DP, SG, NC, SPLIT, 0))],
             [4, 1], [REGS_C, REGS_P])
     else:
         gl.warp_specialize([
-            (_consumer, (0, rc, NBUF, NEXT_N, CHUNK_PAGES, DP, NEW, DIAG, JOINT, SG, NC, SPLIT, WIDE, TC)),
-            (_consumer, (1, rc, NBUF, NEXT_N, CHUNK_PAGES, DP, NEW, DIAG, JOINT, SG, NC, SPLIT, WIDE, TC)),
-            (_consumer, (2, rc, NBUF, NEXT_N, CHUNK_PAGES, DP, NEW, DIAG, JOINT, SG, NC, SPLIT, WIDE, TC)),
-            (_consumer, (3, rc, NBUF, NEXT_N, CHUNK_PAGES, DP, NEW, DIAG, JOINT, SG, NC, SPLIT, WIDE, TC)),
+            (_consumer, (0, rc, NBUF, NEXT_N, CHUNK_PAGES, DP, NEW, DIAG, JOINT, SG, NC, SPLIT, WIDE)),
+            (_consumer, (1, rc, NBUF, NEXT_N, CHUNK_PAGES, DP, NEW, DIAG, JOINT, SG, NC, SPLIT, WIDE)),
+            (_consumer, (2, rc, NBUF, NEXT_N, CHUNK_PAGES, DP, NEW, DIAG, JOINT, SG, NC, SPLIT, WIDE)),
+            (_consumer, (3, rc, NBUF, NEXT_N, CHUNK_PAGES, DP, NEW, DIAG, JOINT, SG, NC, SPLIT, WIDE)),
             (_producer, (rp, NBUF, NEXT_N, CHUNK_PAGES, DP, SG, NC, SPLIT, 0)),
             (_producer, (rp, NBUF, NEXT_N, CHUNK_PAGES, DP, SG, NC, SPLIT, 1)),
             (_producer, (rp, NBUF, NEXT_N, CHUNK_PAGES, DP, SG, NC, SPLIT, 2)),
@@ -682,7 +591,7 @@ NBUF_DEFAULT = 8   # pages in flight a CTA: ~66 KB of keys, enough to cover DRAM
 def launch_config(B: int, n: int, max_len: int, device: torch.device, chunk_pages: int | None = None,
                   nbuf: int | None = None, ctas_per_sm: int | None = None, pages_in_flight: int | None = None,
                   joint: bool = False, scales_gmem: bool = False, consumers: int | None = None,
-                  wide: bool | None = None, tc_sum: bool = False, diag: int = 0) -> dict:
+                  wide: bool | None = None, diag: int = 0) -> dict:
     """Chunk, pipeline depth and register budget of a launch. Defaults (measured, module docstring): next_n 1
     two consumers, two CTAs an SM, 8 buffers, chunks of 8 pages; next_n 2 four consumers with the paired chain (``wide``), 16
     buffers; next_n 3 / 4 two consumers with the paired chains, 16 buffers.
@@ -705,8 +614,6 @@ def launch_config(B: int, n: int, max_len: int, device: torch.device, chunk_page
         nbuf = 16 if wide else NBUF_DEFAULT
     if consumers not in (2, 4):
         raise ValueError(f"consumers: 2 or 4 (got {consumers})")
-    if tc_sum and (n not in (2, 4) or wide is False or diag):
-        raise ValueError(f"tc_sum: next_n 2 or 4 with the paired chains, no diag (got n {n}, wide {wide}, diag {diag})")
     if wide and (n < 2 or diag):
         raise ValueError(f"wide: next_n >= 2, no diag (got n {n}, diag {diag})")
     if consumers == 4 and nbuf % 4:
@@ -743,7 +650,7 @@ def launch_config(B: int, n: int, max_len: int, device: torch.device, chunk_page
     else:
         regs = dict(REGS_C=232, REGS_P=40, maxnreg=168)
     return dict(CHUNK_PAGES=chunk_pages, NBUF=nbuf, DP=dp, JOINT=int(joint), SG=int(scales_gmem), num_warps=4,
-                ctas=ctas, DIAG=diag, NC=consumers, SPLIT=int(consumers == 4), WIDE=int(wide), TC=int(tc_sum), **regs)
+                ctas=ctas, DIAG=diag, NC=consumers, SPLIT=int(consumers == 4), WIDE=int(wide), **regs)
 
 
 def _descs(q_fp8: torch.Tensor, cache_u8: torch.Tensor):
