@@ -1,7 +1,7 @@
 """Paged indexer logits (decode, MTP verify) as a warp-specialised Gluon kernel for Hopper (sm_90), after
 DeepGEMM's sm90 paged MQA-logits schedule: a TMA warp feeding math warpgroups that each own a page (issue
 #17, item 1). EXPERIMENTAL: correct; faster than ``paged.py``'s Triton TMA kernel at next_n 4 (0.90x), on
-par at 2 and 3, 0.93-1.03x at 1 (measured below). ``flashdsa.ops.indexer_logits_paged`` does not dispatch to
+par at 2 and 3, 0.93-1.00x at 1 (measured below). ``flashdsa.ops.indexer_logits_paged`` does not dispatch to
 it yet: it has no in-kernel value checks, and a plain call of its entry costs 126-144 us of host time against
 the public op's 24-26 (``gluon_indexer_probe.py --host``, H200, 2026-12-02: Triton's JIT launch with three
 TMA descriptors built a call; ``_launch.py``'s plans would take that off); call
