@@ -115,8 +115,9 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from flashdsa.cache.layouts import INDEX_KEY_BYTES, INDEX_PAGE_BYTES, PAGE_SIZE
 from flashdsa.ops._launch import capability
 from flashdsa.ops._triton_utils import cdiv, num_sms, prev_pow2
+from flashdsa.ops.indexer.paged import PAGE_ROWS
 
-PAGE_ROWS = INDEX_PAGE_BYTES // (INDEX_KEY_BYTES // PAGE_SIZE)  # 66 rows of 128 B a page: 64 keys, 2 of scales
+ROWS = gl.constexpr(PAGE_ROWS)   # 66 rows of 128 B a page (the TMA kernel's cache view): 64 keys, 2 of scales
 INDEX_PAGE_WORDS = gl.constexpr(INDEX_PAGE_BYTES // 4)   # a page in fp32 words, its scales from word 2048
 INDEX_KEY_WORDS = gl.constexpr(INDEX_KEY_BYTES // 4)
 D = gl.constexpr(128)
@@ -242,7 +243,7 @@ def _producer(rp, NBUF: gl.constexpr, NEXT_N: gl.constexpr, CHUNK_PAGES: gl.cons
             s, ph = _slot(g0 + i, NBUF, NC, SPLIT)
             mbarrier.wait(free.index(s), ph ^ 1)
             bar = ready.index(s)
-            r = pa * 66
+            r = pa * ROWS
             mbarrier.expect(bar, 64 * D + 64 * 4 * (1 - SG))   # SG: the consumers load the scales themselves
             _tma_copy(key_desc, [r, 0], bar, k_smem.index(s))
             if not SG:
