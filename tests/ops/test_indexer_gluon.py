@@ -107,6 +107,12 @@ def test_launch_config_errors_and_defaults():
     for n, dp in ((2, 2), (3, 1), (4, 1)):   # the round-based path
         c = launch_config(64, n, 32768, cpu, wide=False)
         assert (c["ctas"], c["DP"], c["NC"], c["maxnreg"]) == (1, dp, 2, 168) and c["DP"] * n <= 4
+    # that path's own knobs select it (the paired chains would ignore joint and refuse the others)
+    for kw in ({"joint": True}, {"pages_in_flight": 2}, {"ctas_per_sm": 2, "pages_in_flight": 1}):
+        c = launch_config(64, 2, 32768, cpu, **kw)
+        assert (c["WIDE"], c["NC"], c["JOINT"]) == (0, 2, int("joint" in kw))
+    with pytest.raises(ValueError, match="wide"):
+        launch_config(64, 3, 32768, cpu, wide=True, pages_in_flight=2)
 
 
 _COMPILE_SCRIPT = r'''

@@ -595,7 +595,8 @@ def launch_config(B: int, n: int, max_len: int, device: torch.device, chunk_page
                   wide: bool | None = None, diag: int = 0) -> dict:
     """Chunk, pipeline depth and register budget of a launch. Defaults (measured, module docstring): next_n 1
     two consumers, two CTAs an SM, 8 buffers, chunks of 8 pages; next_n 2 four consumers with the paired chain (``wide``), 16
-    buffers; next_n 3 / 4 two consumers with the paired chains, 16 buffers.
+    buffers; next_n 3 / 4 two consumers with the paired chains, 16 buffers. ``joint``, ``pages_in_flight`` > 1
+    or ``ctas_per_sm`` 2 select the round-based path (``wide`` False) unless ``wide`` is given.
 
     A CTA is 12 warps (the producer's warp is padded to a warpgroup, which setmaxnreg works in): 168
     registers at launch give one CTA an SM, redistributed as 232 a consumer and 40 for the producer; 80 give
@@ -608,7 +609,9 @@ def launch_config(B: int, n: int, max_len: int, device: torch.device, chunk_page
     pairs (m64n128k32), one page in flight a consumer. Chunks (next_n >= 2): about 16 items an SM, 8 .. 64
     pages."""
     if wide is None:
-        wide = n >= 2 and not diag
+        # the round-based path's own knobs (a round's rows finished together, several pages in flight, two
+        # CTAs an SM) ask for that path: the paired chains would ignore or refuse them
+        wide = n >= 2 and not diag and not joint and (pages_in_flight or 1) == 1 and (ctas_per_sm or 1) == 1
     if consumers is None:
         consumers = 4 if n == 2 and wide else 2
     if nbuf is None:
