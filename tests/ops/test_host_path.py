@@ -185,6 +185,53 @@ def test_device_checks_pass_good_inputs_unchanged(case, device_checks, monkeypat
         assert torch.equal(g.view(torch.uint8) if g.dtype == FP8 else g, w.view(torch.uint8) if w.dtype == FP8 else w)
 
 
+def test_topk_repeated_call_skips_only_what_it_already_checked(device_checks, monkeypatch):
+    """top-k's fast path: a call whose host-known facts (types, dtypes, shapes, strides, devices, the ints,
+    the check mode) equal an earlier checked call's launches without the argument checks, with the same
+    bits and the same device checks; a call differing in any of them is checked again (and refused where
+    wrong), and a call whose metadata had to be made contiguous is never remembered."""
+    from flashdsa.ops import topk
+    monkeypatch.setattr(topk, "_FAST", {})
+    checked = []
+    real = topk.check_tensor
+    monkeypatch.setattr(topk, "check_tensor", lambda name, *a, **k: checked.append(name) or real(name, *a, **k))
+    want = ops.topk_transform(**_topk(), backend="torch")
+
+    def call(**change):
+        checked.clear()
+        return ops.topk_transform(**dict(_topk(), **change), backend="triton")
+
+    for first in (True, False):
+        assert torch.equal(call(), want) and bool(checked) == first
+    assert len(topk._FAST) == 1
+    for change, error in [(dict(lengths=_i32(0, 8, 65).long()), "lengths: expected dtype torch.int32"),
+                          (dict(lengths=_i32(0, 8)), "lengths: expected shape [3]"),
+                          (dict(topk=True), "topk: expected an int >= 1"),
+                          (dict(page_size=64.0), "page_size: expected an int >= 1"),
+                          (dict(row_starts=_i32(7, 0, 30).view(3, 1)), "row_starts: expected shape [3]"),
+                          (dict(logits=_topk()["logits"].t().contiguous().t()), "logits: expected unit stride")]:
+        with pytest.raises(ValueError, match=f"^{re.escape(error)}"):
+            call(**change)
+        assert checked
+    strided = _i32(0, -1, 8, -1, 65, -1)[::2]
+    for _ in range(2):
+        assert torch.equal(call(lengths=strided), want) and checked
+    assert len(topk._FAST) == 1
+    # the device checks run on the fast path too: a bad value is still reported
+    call(lengths=_i32(0, 8, 101))
+    assert not checked
+    with pytest.raises(ValueError, match="^lengths: expected values <= .*, got 101 .found by the device check"):
+        ops.check_errors()
+    # another check mode is another key: "sync" checks on the host, at once
+    monkeypatch.setattr(_checks, "_MODE", "sync")
+    with pytest.raises(ValueError, match="^lengths: expected values <= 100"):
+        call(lengths=_i32(0, 8, 101))
+    monkeypatch.setattr(_checks, "_MODE", "off")
+    for first in (True, False):
+        assert torch.equal(call(), want) and bool(checked) == first
+    assert len(topk._FAST) == 2
+
+
 @pytest.mark.parametrize("case", ["paged-lens-past-width", "topk-lengths-past-L", "ragged-ke-past-N", "quant-nan-x"])
 def test_sync_mode_raises_before_any_kernel(case, monkeypatch):
     """"sync": the host checks, an immediate ValueError, as today's default on CPU tensors."""
@@ -397,7 +444,7 @@ def test_topk_scratch_is_kept_per_stream_for_eager_calls(kind, monkeypatch):
     monkeypatch.setattr(launch, "_SCRATCH", {})
     used = []
     real = launch.scratch_buffer
-    monkeypatch.setattr(launch, "scratch_buffer", lambda dev, n: used.append(real(dev, n)) or used[-1])
+    monkeypatch.setattr(launch, "scratch_buffer", lambda dev, n, capturing=None: used.append(real(dev, n, capturing)) or used[-1])
     g = torch.Generator().manual_seed(3)
 
     def call(rows, fn=None):
@@ -605,7 +652,7 @@ def test_gpu_cached_scratch_equals_fresh_scratch(R, L, monkeypatch):
     from flashdsa.testing.timing import capture_graph
     used = []
     real = launch.scratch_buffer
-    monkeypatch.setattr(launch, "scratch_buffer", lambda dev, n: used.append(real(dev, n)) or used[-1])
+    monkeypatch.setattr(launch, "scratch_buffer", lambda dev, n, capturing=None: used.append(real(dev, n, capturing)) or used[-1])
     g = torch.Generator(device="cuda").manual_seed(R)
     logits = torch.randn(R, L, generator=g, device="cuda")
     lengths = torch.randint(0, L + 1, (R,), generator=g, device="cuda", dtype=torch.int32)

@@ -9,6 +9,7 @@ import torch
 
 from flashdsa._library import op
 from flashdsa.cache.layouts import PAGE_SIZE
+from flashdsa import _checks
 from flashdsa.ops._common import (DEVICE, HOST, check_int, check_range, check_tensor, check_translation,
                                   check_translation_values, dense, pick_backend, raise_deferred,
                                   value_check_mode)
@@ -18,7 +19,7 @@ _module = functools.cache(importlib.import_module)
 
 
 def _triton_topk(logits, lengths, topk, page_table, row_starts, out_offsets, page_size, check=False):
-    return _module("flashdsa.ops.topk.launch").topk_transform(logits, lengths, topk, page_table, row_starts,
+    return _launch().topk_transform(logits, lengths, topk, page_table, row_starts,
                                                              out_offsets, page_size, check=check)
 
 
@@ -69,6 +70,20 @@ def topk_transform(logits: torch.Tensor, lengths: torch.Tensor, topk: int = 2048
         (a row with fewer than topk candidates returns all of them).
     """
     raise_deferred()
+    # Fast path: a call whose every host-known fact (types, dtypes, shapes, strides, devices, the ints, the
+    # logits' alignment, the check mode) equals an earlier call's that passed the checks below and ran the
+    # Triton kernel passes them again: launch at once (the checks and the dispatch cost ~6 us a call).
+    try:
+        mode, capturing = _mode(lengths)
+        key = (type(logits), logits.dtype, logits.shape, logits.stride(), logits.device, not logits.data_ptr() & 15,
+               type(lengths), lengths.dtype, lengths.shape, lengths.stride(), lengths.device,
+               _meta(page_table), _meta(row_starts), _meta(out_offsets), type(topk), topk, type(page_size),
+               page_size, backend, mode)
+        entry = _FAST.get(key)
+    except (AttributeError, TypeError):  # not tensors, or unhashable: the checks below say what is wrong
+        entry = key = None
+    if entry is not None:
+        return _launch().run(entry, logits, lengths, page_table, row_starts, out_offsets, capturing=capturing)
     check_tensor("logits", logits, dtype=torch.float32, ndim=2, contiguous_last=True)
     R, L = logits.shape
     dev = logits.device
@@ -78,15 +93,50 @@ def topk_transform(logits: torch.Tensor, lengths: torch.Tensor, topk: int = 2048
     if row_starts is not None:
         check_tensor("row_starts", row_starts, dtype=torch.int32, shape=(R,), device=dev)
     check_translation(R, dev, page_table, out_offsets)
-    lengths, page_table, row_starts, out_offsets = dense(lengths, page_table, row_starts, out_offsets)
+    given = (lengths, page_table, row_starts, out_offsets)
+    lengths, page_table, row_starts, out_offsets = dense(*given)
     impl = pick_backend(backend, _IMPLS, dev, "topk_transform")
     mode = value_check_mode(lengths, impl is _triton_topk)
     if mode is HOST:
         _check_values(L, lengths, page_table, row_starts, out_offsets, page_size)
+    elif impl is _triton_topk and R and key is not None and all(
+            a is b for a, b in zip(given, (lengths, page_table, row_starts, out_offsets))):
+        # remembered only where nothing was made contiguous (the key fixes the strides, so a later call with
+        # this key needs no copy either)
+        entry = _launch().launch_entry(logits, topk, page_table, row_starts, out_offsets, page_size,
+                                       check=mode is DEVICE)
+        if len(_FAST) >= 256:
+            _FAST.pop(next(iter(_FAST)))
+        _FAST[key] = entry
+        return _launch().run(entry, logits, lengths, page_table, row_starts, out_offsets)
     elif mode is DEVICE:
         # checked by the kernel itself, row by row, before it reads anything through the row's values
         return impl(logits, lengths, topk, page_table, row_starts, out_offsets, page_size, check=True)
     return impl(logits, lengths, topk, page_table, row_starts, out_offsets, page_size)
+
+
+# call signature (see the fast path) -> launch entry
+_FAST: dict = {}
+
+
+def _launch():
+    return _module("flashdsa.ops.topk.launch")
+
+
+def _meta(t):
+    """The host-known facts of an optional tensor argument, for the fast path's key."""
+    return None if t is None else (type(t), t.dtype, t.shape, t.stride(), t.device)
+
+
+def _mode(lengths) -> tuple:
+    """``(value_check_mode(lengths, True), capturing)`` in one pass: whether the current stream is being
+    captured is asked once for both the mode and the launcher's scratch."""
+    if _checks._MODE == "off" or _checks._TRUSTED.get():
+        return None, lengths.is_cuda and torch.cuda.is_current_stream_capturing()
+    if lengths.is_cuda:
+        capturing = torch.cuda.is_current_stream_capturing()
+        return (None if capturing else DEVICE if _checks._MODE == "device" else HOST), capturing
+    return value_check_mode(lengths, True), False
 
 
 def _check_values(L, lengths, page_table, row_starts, out_offsets, page_size) -> None:

@@ -22,7 +22,7 @@ from flashdsa._checks import error_flag, is_cuda
 from flashdsa._library import in_registered_op
 from flashdsa.ops._common import INT32_MAX
 from flashdsa.ops._device_checks import TOPK_CODE0
-from flashdsa.ops._launch import KernelLauncher, aligned
+from flashdsa.ops._launch import KernelLauncher
 from flashdsa.ops._triton_utils import cdiv, interpreting, next_pow2, num_sms, prev_pow2
 from flashdsa.ops.topk.fused import topk_fused_kernel
 from flashdsa.ops.topk.split import arrive_counters, stream_key, topk_split_kernel
@@ -193,10 +193,12 @@ SCRATCH_CACHE_MAX = 64 << 20  # bytes: decode shapes need 3-9 MiB; a larger scra
 _SCRATCH: dict = {}
 
 
-def scratch_buffer(dev: torch.device, nbytes: int) -> torch.Tensor:
-    """``[>= nbytes] uint8`` scratch for one launch on ``dev``'s current stream (see ``_SCRATCH``)."""
-    if (not CACHED_SCRATCH or nbytes > SCRATCH_CACHE_MAX or in_registered_op()
-            or is_cuda(dev) and torch.cuda.is_current_stream_capturing()):
+def scratch_buffer(dev: torch.device, nbytes: int, capturing: bool | None = None) -> torch.Tensor:
+    """``[>= nbytes] uint8`` scratch for one launch on ``dev``'s current stream (see ``_SCRATCH``).
+    ``capturing``: whether that stream is being captured into a CUDA graph (None: asked here)."""
+    if capturing is None:
+        capturing = is_cuda(dev) and torch.cuda.is_current_stream_capturing()
+    if not CACHED_SCRATCH or nbytes > SCRATCH_CACHE_MAX or capturing or in_registered_op():
         return torch.empty(nbytes, dtype=torch.uint8, device=dev)
     key = stream_key(dev)
     buf = _SCRATCH.get(key)
@@ -258,6 +260,25 @@ def _launch_shape(key, logits, K, page_table, row_starts, out_offsets, page_size
     return hit
 
 
+def launch_key(logits, K, page_table, row_starts, out_offsets, page_size, config, check) -> tuple:
+    """The key of a launch's shape (``_SHAPES``) and plan: every value the kernel specialises on but the
+    pointers, and the logits' 16-byte alignment (the other pointers are checked per call)."""
+    return (logits.device, *logits.shape, logits.stride()[0], K, config, page_size, row_starts is not None,
+            out_offsets is not None, None if page_table is None else (*page_table.shape, page_table.stride()[0]),
+            not logits.data_ptr() & 15, check)
+
+
+def launch_entry(logits, K, page_table, row_starts, out_offsets, page_size, config=None, check=False) -> tuple:
+    """``(key, launch, flag)``: what :func:`run` needs for a call of these shapes, worked out once per key
+    (``flag``: the error word the device checks write, None without them). The public op keeps it per call
+    signature (its fast path), so a repeated eager call skips both the argument checks and this lookup."""
+    key = launch_key(logits, K, page_table, row_starts, out_offsets, page_size, config, check)
+    hit = _SHAPES.get(key)
+    if hit is None:
+        hit = _launch_shape(key, logits, K, page_table, row_starts, out_offsets, page_size, config, check)
+    return key, hit, error_flag(logits.device) if check else None
+
+
 def topk_transform(logits, lengths, topk, page_table, row_starts, out_offsets, page_size, *,
                    out: torch.Tensor | None = None, config: TopkConfig | None = None, check: bool = False) -> torch.Tensor:
     """Launcher; arguments as in :func:`flashdsa.ops.topk.topk_transform` (shapes validated).
@@ -271,35 +292,39 @@ def topk_transform(logits, lengths, topk, page_table, row_starts, out_offsets, p
     buffer kept per stream for eager calls (:func:`scratch_buffer`), and the kernel is launched from a plan
     (``ops/_launch.py``) when the pointers are aligned.
     """
-    R, L = logits.shape
-    dev = logits.device
-    K = int(topk)
-    if out is None:
-        out = torch.empty(R, K, dtype=torch.int32, device=dev)  # sizes as arguments, not a tuple: 0.5 us less to parse
-    if R == 0:
-        return out
-    lptr = logits.data_ptr()
-    key = (dev, R, L, logits.stride()[0], K, config, page_size, row_starts is not None, out_offsets is not None,
-           None if page_table is None else (*page_table.shape, page_table.stride()[0]), not lptr & 15, check)
-    hit = _SHAPES.get(key)
-    if hit is None:
-        hit = _launch_shape(key, logits, K, page_table, row_starts, out_offsets, page_size, config, check)
+    if logits.shape[0] == 0:
+        return torch.empty(0, int(topk), dtype=torch.int32, device=logits.device) if out is None else out
+    entry = launch_entry(logits, int(topk), page_table, row_starts, out_offsets, page_size, config, check)
+    return run(entry, logits, lengths, page_table, row_starts, out_offsets, out)
+
+
+def run(entry: tuple, logits, lengths, page_table, row_starts, out_offsets, out=None,
+        capturing: bool | None = None) -> torch.Tensor:
+    """Launch ``entry`` (:func:`launch_entry` of these arguments' shapes, R >= 1) and return ``out`` (a new
+    ``[R, K] int32`` when None). ``capturing``: whether the current stream is being captured, when the
+    caller already asked (None: ask here)."""
+    key, hit, flag = entry
     cfg, grid, consts, scratch, nbytes = hit
+    dev = key[0]
+    if out is None:
+        out = torch.empty(consts["R"], consts["K"], dtype=torch.int32, device=dev)  # sizes as arguments: 0.5 us less
     split = cfg.kind == "split"
-    buf = scratch_buffer(dev, nbytes)
+    buf = scratch_buffer(dev, nbytes, capturing)
     base = buf.data_ptr()
     len_ptr = lengths.data_ptr()
     table = page_table if page_table is not None else lengths
     offsets = out_offsets if out_offsets is not None else lengths
     starts = row_starts if row_starts is not None else lengths
-    flag = error_flag(dev) if check else lengths  # unused (compiled out) without checks: any pointer
+    if flag is None:
+        flag = lengths  # unused (compiled out) without checks: any pointer
     # the pointers in the kernel's order (scratch pieces: offsets into buf)
-    user = (lptr, len_ptr, starts.data_ptr(), offsets.data_ptr(), table.data_ptr(), out.data_ptr())
-    if not aligned(*user):
+    user = (lp := logits.data_ptr(), len_ptr, sp := starts.data_ptr(), op := offsets.data_ptr(),
+            tp := table.data_ptr(), outp := out.data_ptr())
+    if (lp | len_ptr | sp | op | tp | outp) & 15:  # ops/_launch.aligned, inline
         key = None  # no plan: Triton's launch (our own buffers are allocator-aligned, pieces 256-B apart)
     pieces = [base + off for _, off, _, _ in scratch]
     if split:
-        arrive = arrive_counters(dev, R, cfg.cached_counters)
+        arrive = arrive_counters(dev, consts["R"], cfg.cached_counters)
         scr, sscr, counts, *rest = pieces
         # uscr, wscr, then sampscr: a piece when the sample streams, else unused (any int32 pointer)
         ptrs = (*user, scr, sscr, counts, arrive.data_ptr(), *rest, *(() if cfg.sample_stream else (len_ptr,)),
