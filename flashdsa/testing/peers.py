@@ -127,3 +127,18 @@ def fast_topk(scores: torch.Tensor, lengths: torch.Tensor, k: int) -> tuple[Call
     and the ``[R, k] int32`` buffer of positions (untranslated) it writes."""
     out = torch.empty(scores.shape[0], k, dtype=torch.int32, device=scores.device)
     return (lambda: torch.ops.sgl_kernel.fast_topk(scores, out, lengths, None)), out
+
+
+def fast_topk_v2(scores: torch.Tensor, lengths: torch.Tensor, k: int) -> Callable[[], torch.Tensor]:
+    """sgl-kernel's fast_topk as its Python entry ``sgl_kernel.fast_topk_v2`` calls it: the same checks
+    (k 2048, 2-D scores) and a new ``[R, k] int32`` output per call, then the op. The pinned build ships the
+    op library without its Python package, so the entry is restated here; it is the form a serving engine
+    calls, and the one to compare an op that allocates its own output with (host cost)."""
+    op = torch.ops.sgl_kernel.fast_topk
+
+    def call():
+        assert k == 2048 and scores.dim() == 2
+        out = scores.new_empty((scores.size(0), k), dtype=torch.int32)
+        op(scores, out, lengths, None)
+        return out
+    return call
