@@ -15,6 +15,10 @@ Cases (``--quick`` keeps those marked Q; the sweeps feed the plot):
     layer       one V3.2 decode step of one layer the way flashdsa.engine runs it (paged indexer -> top-k
                 with slot translation -> sparse decode), B 64 at context 8K and 32K Q, split into indexer /
                 top-k / attention / whole step; the step's peer is DeepGEMM + fast_topk + FlashMLA in a row
+    host        host µs of one plain (eager) call of each public op at the V3.2 decode shapes, B 64, context
+                8K and 32K Q, with the GPU kept busy so only the launch path counts, and the plain-call decode
+                step against its CUDA-graph replay (flashdsa.testing.host_cost; issue #18's targets as PASS /
+                FAIL lines, which do not change the exit code)      peers: DeepGEMM, fast_topk_v2, FlashMLA
 
 Inputs are random (never zeros), built on the device in our byte layouts (flashdsa.testing.inputs): DeepGEMM
 reads our indexer pages viewed ``[P, 64, 1, 132]``, FlashMLA our 656-B pages viewed ``[P, 64, 1, 656]``.
@@ -54,7 +58,8 @@ from flashdsa.testing.inputs import (CHUNK_PAGES, decode_slots, index_cache, mla
 from flashdsa.testing.peers import peer_status
 from flashdsa.testing.timing import do_bench_us, time_us
 
-OPS = ("indexer", "topk", "sparse_mla", "layer")
+OPS = ("indexer", "topk", "sparse_mla", "layer", "host")
+HOST_CTX = (8 * 1024, 32 * 1024)  # the host cost's contexts (--quick: the last)
 K = 1024
 SM_SCALE = 576 ** -0.5
 LOGITS_COS, ATTN_COS, LSE_ABS = 1e-6, 1e-5, 1e-3  # ours vs the torch reference (see the module docstring)
@@ -776,6 +781,9 @@ def run_bench(ops: str | tuple[str, ...] = OPS, quick: bool = False, json_path: 
         width = max(len(c.name) for c in todo) if todo else 0
         for c in todo:
             say(f"    {c.op:<11}{c.name:<{width}}  vs {peers_of(c)}")
+        if "host" in ops:
+            say(f"    {'host':<11}host us per plain call of each op, contexts "
+                f"{', '.join(_ctx_name(c) for c in _host_ctx(quick))}  vs DeepGEMM, fast_topk_v2, FlashMLA")
         say("  cannot measure on CPU: kernel times, the card's copy bandwidth and matmul rates (the roofline),")
         say("  the peers' times (DeepGEMM, FlashMLA and fast_topk are CUDA kernels).")
         say("  peers importable here: " + "; ".join(f"{n}: {'yes' if s['ok'] else 'no (' + s['why'] + ')'}"
@@ -814,14 +822,23 @@ def run_bench(ops: str | tuple[str, ...] = OPS, quick: bool = False, json_path: 
         if timed:
             torch.cuda.empty_cache()
     progress.close()
+    if "host" in ops:
+        report["host"] = _host(dev, timed, quick, status, say)
     ok = all(r["check"].get("ok") for r in rows)
     report.update(measured=timed, rows=rows, ok=ok, seconds=round(time.time() - t0, 1))
 
     if timed:
-        say(format_table(rows))
-        say("ours/peer < 1: ours faster. GB/s, TFLOP/s: ours, valid work only. roof_us: max(bytes / copy, "
-            "FLOPs / matmul rate) at the measured ceilings. Times: median of do_bench" +
-            (" over a CUDA-graph replay." if graph else ", plain calls."))
+        if rows:
+            say(format_table(rows))
+            say("ours/peer < 1: ours faster. GB/s, TFLOP/s: ours, valid work only. roof_us: max(bytes / copy, "
+                "FLOPs / matmul rate) at the measured ceilings. Times: median of do_bench" +
+                (" over a CUDA-graph replay." if graph else ", plain calls."))
+        if "host" in ops:
+            say("host cost of plain calls (us of host time a call, best of 9 batches, GPU kept busy; ours with the "
+                "default value checks):")
+            say(report["host"]["table"])
+            for v in report["host"]["verdicts"]:
+                say(f"{'PASS' if v['ok'] else 'FAIL'}  {v['text']}")
     else:
         say(format_table(rows, timed=False))
         n_ok = sum(bool(r["check"].get("ok")) for r in rows)
@@ -838,6 +855,24 @@ def run_bench(ops: str | tuple[str, ...] = OPS, quick: bool = False, json_path: 
         else:
             say("no plot: matplotlib does not import (pip install 'flashdsa[bench]')")
     return 0 if ok else 1
+
+
+def _host_ctx(quick: bool) -> tuple[int, ...]:
+    return HOST_CTX[-1:] if quick else HOST_CTX
+
+
+def _host(dev: torch.device, timed: bool, quick: bool, status: dict, say) -> dict:
+    """The ``host`` op: flashdsa.testing.host_cost on the GPU; nothing under --cpu-check (host times of the
+    interpreter mean nothing, and every op's correctness is the other cases' business)."""
+    if not timed:
+        say("host: nothing to check on the CPU (host times only; benchmarks/bench_host.py --smoke runs the path)")
+        return {"measured": False}
+    from flashdsa.testing import host_cost
+    say(f"host: timing plain calls at contexts {', '.join(_ctx_name(c) for c in _host_ctx(quick))} ...")
+    rows, verdicts = host_cost.measure("cuda", _host_ctx(quick), dg=status["DeepGEMM"]["ok"],
+                                       sgl=status["fast_topk"]["ok"] and status["FlashMLA"]["ok"])
+    return {"measured": True, "rows": rows, "table": host_cost.table(rows),
+            "verdicts": [{"text": t, "ok": ok} for t, ok in verdicts]}
 
 
 def _version() -> str:

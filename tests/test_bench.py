@@ -49,7 +49,7 @@ def test_cases_cover_spec_shapes_and_quick_is_a_subset():
         assert want in names, want
     quick = B.cases(quick=True)
     assert {c.name for c in quick} < names
-    assert {c.op for c in quick} == set(B.OPS)
+    assert {c.op for c in quick} == set(B.OPS) - {"host"}  # host: no cases, flashdsa.testing.host_cost
     for sweep in B.PLOT_SWEEPS:  # the plot needs several context points in both modes
         assert len([c for c in quick if c.sweep == sweep]) >= 3
         assert all("ctx" in c.params for c in full if c.sweep == sweep)
@@ -84,6 +84,13 @@ def test_cpu_says_what_it_would_measure_and_exits_0(capsys, tmp_path):
 
 
 @cpu_only
+def test_cpu_lists_the_host_cost_it_would_measure(capsys):
+    rc, out, _ = run_cli(["bench", "--quick", "--ops", "host"], capsys)
+    assert rc == 0 and "no CUDA" in out
+    assert "host us per plain call of each op, contexts 32K  vs DeepGEMM, fast_topk_v2, FlashMLA" in out
+
+
+@cpu_only
 def test_cpu_check_quick_runs_every_op_and_reports_ok(capsys, tmp_path):
     path = tmp_path / "check.json"
     rc, out, _ = run_cli(["bench", "--cpu-check", "--quick", "--json", str(path), "--plot", str(tmp_path / "p.png")],
@@ -96,7 +103,8 @@ def test_cpu_check_quick_runs_every_op_and_reports_ok(capsys, tmp_path):
     report = json.loads(path.read_text())
     assert report["ok"] is True and report["measured"] is False and report["ceilings"] is None
     assert report["device"]["name"] == "cpu"
-    assert {r["op"] for r in report["rows"]} == set(B.OPS)
+    assert {r["op"] for r in report["rows"]} == set(B.OPS) - {"host"}
+    assert report["host"] == {"measured": False} and "host: nothing to check on the CPU" in out
     for r in report["rows"]:
         assert r["check"]["ok"] is True and "ours_us" not in r
     stages = [r["case"].split(": ")[-1] for r in report["rows"] if r["op"] == "layer"]
