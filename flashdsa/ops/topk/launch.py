@@ -268,15 +268,28 @@ def launch_key(logits, K, page_table, row_starts, out_offsets, page_size, config
             not logits.data_ptr() & 15, check)
 
 
-def launch_entry(logits, K, page_table, row_starts, out_offsets, page_size, config=None, check=False) -> tuple:
-    """``(key, launch, flag)``: what :func:`run` needs for a call of these shapes, worked out once per key
-    (``flag``: the error word the device checks write, None without them). The public op keeps it per call
-    signature (its fast path), so a repeated eager call skips both the argument checks and this lookup."""
+class Entry(NamedTuple):
+    """What :func:`run` needs for a call of given shapes (:func:`launch_entry`), unpacked once."""
+    key: tuple                 # the launch key (``_SHAPES``, the plans)
+    launch: _Launch
+    dev: torch.device
+    rows: int                  # R
+    k: int                     # K
+    split: bool
+    offsets: tuple             # the scratch pieces' byte offsets, in the kernel's argument order
+    flag: torch.Tensor | None  # the error word of the device checks (None: no checks)
+
+
+def launch_entry(logits, K, page_table, row_starts, out_offsets, page_size, config=None, check=False) -> Entry:
+    """What :func:`run` needs for a call of these shapes, worked out once per key. The public op keeps it
+    per call signature (its fast path), so a repeated eager call skips both the argument checks and this
+    lookup."""
     key = launch_key(logits, K, page_table, row_starts, out_offsets, page_size, config, check)
     hit = _SHAPES.get(key)
     if hit is None:
         hit = _launch_shape(key, logits, K, page_table, row_starts, out_offsets, page_size, config, check)
-    return key, hit, error_flag(logits.device) if check else None
+    return Entry(key, hit, logits.device, logits.shape[0], K, hit.cfg.kind == "split",
+                 tuple(off for _, off, _, _ in hit.scratch), error_flag(logits.device) if check else None)
 
 
 def topk_transform(logits, lengths, topk, page_table, row_starts, out_offsets, page_size, *,
@@ -298,18 +311,15 @@ def topk_transform(logits, lengths, topk, page_table, row_starts, out_offsets, p
     return run(entry, logits, lengths, page_table, row_starts, out_offsets, out)
 
 
-def run(entry: tuple, logits, lengths, page_table, row_starts, out_offsets, out=None,
+def run(entry: Entry, logits, lengths, page_table, row_starts, out_offsets, out=None,
         capturing: bool | None = None) -> torch.Tensor:
     """Launch ``entry`` (:func:`launch_entry` of these arguments' shapes, R >= 1) and return ``out`` (a new
     ``[R, K] int32`` when None). ``capturing``: whether the current stream is being captured, when the
     caller already asked (None: ask here)."""
-    key, hit, flag = entry
-    cfg, grid, consts, scratch, nbytes = hit
-    dev = key[0]
+    key, hit, dev, R, K, split, offs, flag = entry
     if out is None:
-        out = torch.empty(consts["R"], consts["K"], dtype=torch.int32, device=dev)  # sizes as arguments: 0.5 us less
-    split = cfg.kind == "split"
-    buf = scratch_buffer(dev, nbytes, capturing)
+        out = torch.empty(R, K, dtype=torch.int32, device=dev)  # sizes as arguments, not a tuple: 0.5 us less
+    buf = scratch_buffer(dev, hit.nbytes, capturing)
     base = buf.data_ptr()
     len_ptr = lengths.data_ptr()
     table = page_table if page_table is not None else lengths
@@ -317,31 +327,33 @@ def run(entry: tuple, logits, lengths, page_table, row_starts, out_offsets, out=
     starts = row_starts if row_starts is not None else lengths
     if flag is None:
         flag = lengths  # unused (compiled out) without checks: any pointer
-    # the pointers in the kernel's order (scratch pieces: offsets into buf)
+    # the pointers in the kernel's order (scratch pieces: offsets into the scratch buffer)
     user = (lp := logits.data_ptr(), len_ptr, sp := starts.data_ptr(), op := offsets.data_ptr(),
             tp := table.data_ptr(), outp := out.data_ptr())
     if (lp | len_ptr | sp | op | tp | outp) & 15:  # ops/_launch.aligned, inline
         key = None  # no plan: Triton's launch (our own buffers are allocator-aligned, pieces 256-B apart)
-    pieces = [base + off for _, off, _, _ in scratch]
     if split:
-        arrive = arrive_counters(dev, consts["R"], cfg.cached_counters)
-        scr, sscr, counts, *rest = pieces
+        cfg = hit.cfg
+        arrive = arrive_counters(dev, R, cfg.cached_counters)
+        scr, sscr, counts, *rest = [base + o for o in offs]
         # uscr, wscr, then sampscr: a piece when the sample streams, else unused (any int32 pointer)
         ptrs = (*user, scr, sscr, counts, arrive.data_ptr(), *rest, *(() if cfg.sample_stream else (len_ptr,)),
                 flag.data_ptr())
+        launcher = _SPLIT
     else:
         arrive = None
-        ptrs = (*user, *pieces, flag.data_ptr())
+        ptrs = (*user, *[base + o for o in offs], flag.data_ptr())
+        launcher = _FUSED
 
     def build():
-        kw = dict(consts, logits=logits, lengths=lengths, row_starts=starts, out_offsets=offsets, table=table, out=out,
-                  flag=flag)
-        for name, off, n, dtype in scratch:
+        kw = dict(hit.consts, logits=logits, lengths=lengths, row_starts=starts, out_offsets=offsets, table=table,
+                  out=out, flag=flag)
+        for name, off, n, dtype in hit.scratch:
             kw[name] = buf[off:off + n].view(dtype)
         if split:
             kw["arrive"] = arrive
             kw.setdefault("sampscr", lengths)
-        return grid, kw
+        return hit.grid, kw
 
-    (_SPLIT if split else _FUSED)(key, ptrs, build)
+    launcher(key, ptrs, build)
     return out
