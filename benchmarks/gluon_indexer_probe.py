@@ -203,28 +203,33 @@ def run_gpu(args) -> int:
 
 
 def run_host(calls: int = 100) -> int:
-    """Host µs of one plain call (the GPU kept busy, ``bench_host.HostTimer``) of the Gluon kernel's entry, the
-    public op (the Triton kernel, default checks) and DeepGEMM, B 64 ctx ~32K, next_n 1 / 2 / 4: what
-    dispatching to the Gluon kernel would cost an eager caller."""
-    from bench_host import HostTimer
+    """Host µs of one plain call (the GPU kept busy, ``host_cost.HostTimer``), B 64 ctx ~32K, next_n 1 / 2 / 4:
+    the Gluon kernel's own entry (a JIT launch with new descriptors), the public op with the default (device)
+    checks (the Triton kernel), the public op with checks off (from next_n 4 on: the Gluon kernel from a
+    plan), the same forced to Triton, and DeepGEMM."""
     from bench_indexer import _paged_case
 
     from flashdsa import ops
     from flashdsa.ops.indexer import gluon as G
+    from flashdsa.testing.host_cost import HostTimer
     from flashdsa.testing.peers import deepgemm_paged, import_deep_gemm
     timer = HostTimer("cuda", calls)
     dg, _ = import_deep_gemm()
-    print("\nhost us a plain call | gluon entry | ops.indexer_logits_paged (Triton, checks on) | DeepGEMM")
+    cols = ("gluon entry", "op, checks on", "op, checks off", "op, triton, checks off", "deepgemm")
+    print("\nhost us a plain call | " + " | ".join(cols))
     for n in (1, 2, 4):
         c = _paged_case(64, n, 32768)
         a = (c["q_fp8"], c["cache"], c["w"], c["ctx"], c["bt"], c["max_len"])
-        fns = {"gluon": lambda: G.indexer_logits_paged_gluon(*a),
-               "ours": lambda: ops.indexer_logits_paged(*a)}
+        fns = {"gluon entry": lambda: G.indexer_logits_paged_gluon(*a),
+               "op, checks on": lambda: ops.indexer_logits_paged(*a),
+               "op, checks off": lambda: ops.indexer_logits_paged(*a),
+               "op, triton, checks off": lambda: ops.indexer_logits_paged(*a, backend="triton")}
         if dg is not None and n <= 2:
             fns["deepgemm"] = deepgemm_paged(*a)
-        r = timer.interleaved(fns)
+        r = timer.interleaved(fns, before=lambda key: ops.set_value_checks(key != "op, checks on"))
+        ops.set_value_checks(True)
         cell = {k: f"{v[0]:.1f}" + ("" if v[1] else " (GPU idle: not host-bound)") for k, v in r.items()}
-        print(f"B64 n{n} ctx~32K | {cell['gluon']} | {cell['ours']} | {cell.get('deepgemm', '-')}", flush=True)
+        print(f"B64 n{n} ctx~32K | " + " | ".join(cell.get(k, "-") for k in cols), flush=True)
     return 0
 
 

@@ -1,4 +1,5 @@
-"""The experimental Gluon paged indexer (``ops/indexer/gluon.py``, sm_90; not dispatched by the public op).
+"""The Gluon paged indexer (``ops/indexer/gluon.py``, sm_90; the public op's kernel from next_n 4 on for calls
+without device value checks, and with ``backend="gluon"``).
 
 Triton's interpreter cannot run Gluon, so its numerics are tested on an sm_90 GPU (``-m gpu``): the fp32
 reference on the same fp8 inputs, NaN-poisoned outputs, junk (NaN) keys and scales past every length and junk
@@ -62,6 +63,87 @@ def test_gluon_paged_rejects_what_it_cannot_run():
         indexer_logits_paged_gluon(q[:, :, :32].contiguous(), cache, w[:, :32], ctx, bt, width)
     with pytest.raises(ValueError, match="out"):
         indexer_logits_paged_gluon(q, cache, w, ctx, bt, width, out=torch.empty(4, width + 1, device="cuda"))
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("checks", ["off", "sync"])
+def test_public_op_dispatches_next_n_4_to_gluon_from_a_verified_plan(checks, monkeypatch):
+    """The public op at next_n 4 without device checks runs the Gluon kernel from a plan whose grid and
+    arguments (the cached descriptors encoded) equal Triton's own binding (``_launch.VERIFY``); the logits
+    match the reference as the kernel's own test asks, bitwise repeatably, and the value checks of "sync"
+    still raise before any kernel runs."""
+    from flashdsa import _checks, ops
+    from flashdsa.ops import _launch, indexer
+    from flashdsa.ops.indexer import gluon
+    monkeypatch.setattr(_checks, "_MODE", checks)
+    monkeypatch.setattr(_launch, "VERIFY", True)
+    monkeypatch.setattr(gluon._PLANNED, "plans", {})
+    q, cache, w, ctx, bt, width = _paged_inputs(SEQ_LENS, 4, 64, None, 77, seed=11, device="cuda")
+    q = q.contiguous()
+    ref = indexer_logits_paged(*(t.cpu() for t in (q, cache, w, ctx, bt)), width, backend="torch")
+    outs = [indexer_logits_paged(q, cache, w, ctx, bt, width) for _ in range(3)]
+    assert indexer._GLUON_STATE == {"ran": True, "failed": None} and len(gluon._PLANNED.plans) == 1
+    _check(outs[0].cpu(), ref, rel=1e-3, max_cos_diff=1e-6)
+    assert all(torch.equal(_bits(outs[0]), _bits(o)) for o in outs[1:])
+    if checks == "sync":
+        bad = ctx.clone()
+        bad[1, 0] = width + 1
+        with pytest.raises(ValueError, match="^context_lens: expected values <="):
+            ops.indexer_logits_paged(q, cache, w, bad, bt, width)
+
+
+def test_dispatch_rule(monkeypatch):
+    """The public op's rule, on CPU with the kernels stood in for: Gluon from next_n 4 on where it applies and
+    no device checks are due (checks off, trusted inputs, "sync"), Triton otherwise; ``backend="gluon"``
+    forces it at any next_n it takes (value checks on the host) and refuses a call it cannot run; a Gluon
+    whose first launch fails falls back to Triton with a warning, for good."""
+    from flashdsa import _checks
+    from flashdsa.ops import _common, indexer
+    ran = []
+    monkeypatch.setattr(indexer, "_triton_paged", lambda *a, check=False: ran.append(("triton", check)) or "t")
+    monkeypatch.setattr(indexer._module(indexer._GLUON), "indexer_logits_paged_planned",
+                        lambda *a: ran.append(("gluon",)) or "g")
+    monkeypatch.setitem(indexer._PAGED, "triton", indexer._triton_paged)
+    monkeypatch.setattr(indexer, "pick_backend", lambda b, impls, d, o: _common.pick_backend(b or "triton", impls, d, o))
+    monkeypatch.setattr(indexer, "_GLUON_STATE", {"ran": False, "failed": None})
+    why = {"value": None}
+    real_unsupported = indexer._gluon_paged_unsupported
+    monkeypatch.setattr(indexer, "_gluon_paged_unsupported", lambda q, c: why["value"] or (
+        real_unsupported(q, c) if indexer._GLUON_STATE["failed"] else None))
+    monkeypatch.setattr(_checks, "DEVICE_CHECKS_ON_CPU", True)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+    def call(n, mode, backend=None):
+        monkeypatch.setattr(_checks, "_MODE", mode)
+        ran.clear()
+        q, cache, w, ctx, bt, width = _paged_inputs([100, 200], n, 64, None, 7, seed=n)
+        indexer.indexer_logits_paged(q, cache, w, ctx, bt, width, backend=backend)
+        return ran[0]
+
+    assert call(4, "off") == ("gluon",) and call(4, "sync") == ("gluon",)
+    assert call(4, "device") == ("triton", True) and call(3, "off") == ("triton", False)
+    with _checks.trusted_inputs():
+        assert call(4, "device") == ("gluon",)
+    assert call(2, "device", backend="gluon") == ("gluon",) and call(1, "off", backend="gluon") == ("gluon",)
+    assert call(4, "off", backend="triton") == ("triton", False)
+    why["value"] = "an sm_90 GPU"
+    assert call(4, "off") == ("triton", False)
+    with pytest.raises(ValueError, match="^backend: expected 'gluon' for a call it supports: it needs an sm_90"):
+        call(4, "off", backend="gluon")
+    why["value"] = None
+
+    def broken(*a):
+        raise RuntimeError("no such Gluon op")
+    monkeypatch.setattr(indexer._module(indexer._GLUON), "indexer_logits_paged_planned", broken)
+    with pytest.raises(RuntimeError, match="no such Gluon op"):  # it ran before: a failure now is a real one
+        call(4, "off")
+    indexer._GLUON_STATE["ran"] = False
+    with pytest.warns(RuntimeWarning, match="Gluon kernel failed on this Triton .RuntimeError: no such Gluon op"):
+        assert call(4, "off") == ("triton", False)
+    assert call(4, "off") == ("triton", False)  # no second attempt
+    with pytest.raises(ValueError, match="its first launch failed"):
+        call(4, "off", backend="gluon")
 
 
 def test_gluon_paged_rejects_cpu_tensors():

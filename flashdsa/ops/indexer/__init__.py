@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import warnings
 
 import numpy as np
 import torch
@@ -30,8 +31,45 @@ def _triton_paged(*args, **kwargs):
     return _module("flashdsa.ops.indexer.paged").indexer_logits_paged(*args, **kwargs)
 
 
+# The Gluon paged kernel (sm_90, ``gluon.py``): the default where it applies from this next_n on (measured on
+# the H200: 0.90x the Triton kernel's time at next_n 4, 1.00-1.04x at 1-3), for calls without device value
+# checks (it has none in-kernel: the engine's trusted calls, CUDA-graph capture, checks off or "sync")
+GLUON_PAGED_MIN_NEXT_N = 4
+_GLUON = "flashdsa.ops.indexer.gluon"
+_GLUON_STATE = {"ran": False, "failed": None}  # whether it ran in this process / why its first launch failed
+
+
+def _gluon_paged(q_fp8, index_cache, weights, context_lens, block_table, max_context_len):
+    try:
+        out = _module(_GLUON).indexer_logits_paged_planned(q_fp8, index_cache, weights, context_lens, block_table,
+                                                           max_context_len)
+    except Exception as e:  # noqa: BLE001 - see below
+        if _GLUON_STATE["ran"]:
+            raise
+        # Gluon is experimental in Triton: a version whose API moved fails to compile the kernel (measured with
+        # 3.6, compiled with 3.9). The Triton kernel then runs, for this call and every later one.
+        _GLUON_STATE["failed"] = f"{type(e).__name__}: {e}"
+        warnings.warn(f"indexer_logits_paged: the Gluon kernel failed on this Triton ({_GLUON_STATE['failed']}); "
+                      "using the Triton kernel", RuntimeWarning)
+        return _triton_paged(q_fp8, index_cache, weights, context_lens, block_table, max_context_len)
+    _GLUON_STATE["ran"] = True
+    return out
+
+
+def _gluon_paged_unsupported(q_fp8, index_cache) -> str | None:
+    """Why the Gluon paged kernel cannot run this call (None: it can), also where this Triton has no Gluon or
+    the kernel's first launch failed."""
+    if _GLUON_STATE["failed"] is not None:
+        return f"a Triton whose Gluon compiles it (its first launch failed: {_GLUON_STATE['failed']})"
+    try:
+        kernel = _module(_GLUON)
+    except (ImportError, AttributeError) as e:  # a Triton without triton.experimental.gluon (or another API)
+        return f"Triton's Gluon (import failed: {e})"
+    return kernel.unsupported(q_fp8, index_cache)
+
+
 _RAGGED = {"torch": reference.indexer_logits_ragged, "triton": _triton_ragged}
-_PAGED = {"torch": reference.indexer_logits_paged, "triton": _triton_paged}
+_PAGED = {"torch": reference.indexer_logits_paged, "triton": _triton_paged, "gluon": _gluon_paged}
 
 
 def _check_ragged(q_fp8, k_fp8, k_scale, weights, ks, ke) -> tuple[int, int]:
@@ -117,6 +155,13 @@ def indexer_logits_paged(q_fp8: torch.Tensor, index_cache: torch.Tensor, weights
     value: rows with a bad length (and the rows sharing their kernel program) score -inf, and so do the
     output columns a kernel program would have read through a bad page id.
 
+    Kernels: on an sm_90 GPU, from next_n ``GLUON_PAGED_MIN_NEXT_N`` (4) on, calls without device value
+    checks (the engine's trusted calls, CUDA-graph capture, checks "off" or "sync") run the Gluon kernel
+    (``indexer/gluon.py``, 0.90x the Triton kernel's time at next_n 4 on the H200), every other CUDA call
+    the Triton kernel; ``backend="gluon"`` forces the Gluon kernel (next_n 1-4, 64 heads, contiguous q; its
+    value checks then run on the host: it has no in-kernel ones). The two kernels' logits agree within
+    the fp8 dot's accumulation error, not bit for bit (their head sums run in different orders).
+
     Returns:
         ``[B * n, max_context_len] float32``, ``-inf`` at and past each row's length.
     """
@@ -138,6 +183,13 @@ def indexer_logits_paged(q_fp8: torch.Tensor, index_cache: torch.Tensor, weights
     weights, context_lens, block_table = dense(weights, context_lens, block_table)
     impl = pick_backend(backend, _PAGED, dev, "indexer_logits_paged")
     mode = value_check_mode(context_lens, impl is _triton_paged)
+    if (impl is _triton_paged and backend is None and mode is not DEVICE and n >= GLUON_PAGED_MIN_NEXT_N
+            and _gluon_paged_unsupported(q_fp8, index_cache) is None):
+        impl = _gluon_paged  # the dispatch rule (GLUON_PAGED_MIN_NEXT_N)
+    elif impl is _gluon_paged:
+        why = _gluon_paged_unsupported(q_fp8, index_cache)
+        if why is not None:
+            fail("backend", f"'gluon' for a call it supports: it needs {why}", "'gluon'")
     if mode is HOST:
         check_finite("q_fp8", q_fp8)
         maxp = block_table.shape[1]

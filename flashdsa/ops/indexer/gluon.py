@@ -113,7 +113,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from flashdsa.cache.layouts import INDEX_KEY_BYTES, INDEX_PAGE_BYTES, PAGE_SIZE
-from flashdsa.ops._launch import capability
+from flashdsa.ops._launch import KernelLauncher, aligned, capability
 from flashdsa.ops._triton_utils import cdiv, num_sms, prev_pow2
 from flashdsa.ops.indexer.paged import PAGE_ROWS
 
@@ -688,8 +688,8 @@ def kernel_args(q_fp8, cache_u8, weights, context_lens, block_table, max_len, ou
 def unsupported(q_fp8: torch.Tensor, index_cache: torch.Tensor) -> str | None:
     """Why this kernel cannot run an ``indexer_logits_paged`` call, or None when it can: an sm_90 GPU, 64 heads
     (DeepSeek-V3.2's indexer), 1 <= next_n <= 4 (one m64n64 accumulator per draft row, at most 4 in flight),
-    a 16-byte aligned contiguous cache of fewer than 2^31 / 66 pages (TMA's int32 row coordinates). The
-    public op does not dispatch here (module docstring); :func:`indexer_logits_paged_gluon` asks this first."""
+    a contiguous 16-byte aligned q (read by TMA) and cache of fewer than 2^31 / 66 pages (TMA's int32 row
+    coordinates). ``flashdsa.ops.indexer_logits_paged`` and :func:`indexer_logits_paged_gluon` ask this first."""
     B, n, H, _ = q_fp8.shape
     if H != HEADS.value:
         return f"{HEADS.value} heads (got {H})"
@@ -697,10 +697,74 @@ def unsupported(q_fp8: torch.Tensor, index_cache: torch.Tensor) -> str | None:
         return f"1 <= next_n <= 4 (got {n})"
     if q_fp8.device.type != "cuda" or capability(q_fp8.device) != (9, 0):
         return f"an sm_90 GPU (got {q_fp8.device})"
+    if q_fp8.data_ptr() % 16 or not q_fp8.is_contiguous():
+        return "a contiguous 16-byte aligned q_fp8"
     P = index_cache.shape[0]
     if index_cache.data_ptr() % 16 or not index_cache.is_contiguous() or not 0 < P * PAGE_ROWS < 2 ** 31:
         return "a contiguous 16-byte aligned cache of 1 .. 2^31 / 66 pages"
     return None
+
+
+class _Base:
+    """A cached descriptor's base: an address and a dtype, no reference to the tensor (the launcher reads
+    ``base.data_ptr()`` only), as ``paged._Address``."""
+    __slots__ = ("ptr", "dtype")
+
+    def __init__(self, ptr: int, dtype: torch.dtype):
+        self.ptr, self.dtype = ptr, dtype
+
+    def data_ptr(self) -> int:
+        return self.ptr
+
+
+_DESCS: dict = {}
+
+
+def _cached_desc(ptr: int, dtype: torch.dtype, rows: int, cols: int, block: tuple, layout) -> TensorDescriptor:
+    """The TMA descriptor of ``[rows, cols]`` ``dtype`` at ``ptr``, one object per (address, dtype, shape,
+    block): a planned launch encodes each object once (``_launch._encoded``). A decode loop's q tensors come
+    back at a handful of addresses from the caching allocator, the cache at one."""
+    key = (ptr, dtype, rows, cols, block)
+    desc = _DESCS.get(key)
+    if desc is None:
+        if len(_DESCS) >= 256:
+            _DESCS.pop(next(iter(_DESCS)))
+        desc = _DESCS[key] = TensorDescriptor(_Base(ptr, dtype), [rows, cols], [cols, 1], list(block), layout)
+    return desc
+
+
+_PLANNED = KernelLauncher(indexer_paged_ws_kernel, ("q_desc", "key_desc", "sc_desc", "w", "context_lens",
+                                                    "block_table", "out", "scales"))
+
+
+def indexer_logits_paged_planned(q_fp8: torch.Tensor, index_cache: torch.Tensor, weights: torch.Tensor,
+                                 context_lens: torch.Tensor, block_table: torch.Tensor,
+                                 max_context_len: int) -> torch.Tensor:
+    """The public op's path into this kernel (``flashdsa.ops.indexer_logits_paged``: shapes, dtypes and, per
+    its value-check mode, values already checked; :func:`unsupported` None; ``weights`` / ``context_lens`` /
+    ``block_table`` contiguous), with the default launch. Launched from a plan (``ops/_launch.py``) with the
+    TMA descriptors cached per address: a plain call's host cost is the Triton kernel's, not the 126-144 us of
+    :func:`indexer_logits_paged_gluon`'s JIT launch with three new descriptors."""
+    B, n = q_fp8.shape[:2]
+    out = torch.empty(B * n, max_context_len, dtype=torch.float32, device=q_fp8.device)
+    if out.numel() == 0:
+        return out
+    P = index_cache.shape[0]
+    q_ptr, cache_ptr = q_fp8.data_ptr(), index_cache.data_ptr()
+    ptrs = (weights.data_ptr(), context_lens.data_ptr(), block_table.data_ptr(), out.data_ptr())
+    key = None
+    if aligned(*ptrs):   # Triton specialises on the pointers' 16-byte alignment (q and the cache: checked)
+        key = (q_fp8.device, B, n, max_context_len, P, weights.stride(0), *block_table.shape, block_table.stride(0))
+    f8 = torch.float8_e4m3fn
+    descs = (_cached_desc(q_ptr, f8, B * n * HEADS.value, D.value, (64, D.value), tile_layout()),
+             _cached_desc(cache_ptr, f8, P * PAGE_ROWS, D.value, (64, D.value), tile_layout()),
+             _cached_desc(cache_ptr, torch.float32, P * PAGE_ROWS, 32, (2, 32), scale_layout()))
+
+    def build():
+        return kernel_args(q_fp8, index_cache, weights, context_lens, block_table, max_context_len, out)
+
+    _PLANNED(key, (*descs, *ptrs, cache_ptr), build)
+    return out
 
 
 def indexer_logits_paged_gluon(q_fp8: torch.Tensor, index_cache: torch.Tensor, weights: torch.Tensor,
