@@ -1,11 +1,11 @@
 """Paged indexer logits (decode, MTP verify) as a warp-specialised Gluon kernel for Hopper (sm_90), after
 DeepGEMM's sm90 paged MQA-logits schedule: a TMA warp feeding math warpgroups that each own a page (issue
-#17, item 1). EXPERIMENTAL: correct; faster than ``paged.py``'s Triton TMA kernel at next_n 4 (0.90x), on
-par at 2 and 3, 0.93-1.00x at 1 (measured below). ``flashdsa.ops.indexer_logits_paged`` does not dispatch to
-it yet: it has no in-kernel value checks, and a plain call of its entry costs 126-144 us of host time against
-the public op's 24-26 (``gluon_indexer_probe.py --host``, H200, 2026-12-02: Triton's JIT launch with three
-TMA descriptors built a call; ``_launch.py``'s plans would take that off); call
-:func:`indexer_logits_paged_gluon`. The interpreter cannot run Gluon: ``-m gpu`` tests it
+#17, item 1): faster than ``paged.py``'s Triton TMA kernel at next_n 4 (0.89-0.90x), on par at 2 and 3,
+0.93-1.03x at 1 (measured below). ``flashdsa.ops.indexer_logits_paged`` runs it from next_n 4 on for calls
+without device value checks (its rule and why: that op's docstring and README.md), through
+:func:`indexer_logits_paged_planned` (a launch plan, TMA descriptors cached per address: 28 us of host time
+a plain call against the 126-144 us of a JIT launch with new descriptors); :func:`indexer_logits_paged_gluon`
+takes every launch knob. The interpreter cannot run Gluon: ``-m gpu`` tests it
 (tests/ops/test_indexer_gluon.py), CI compiles it for sm_90; ``benchmarks/gluon_indexer_probe.py`` checks it
 against the reference and times it next to DeepGEMM and the Triton kernel (``--compile-only``: no GPU).
 
@@ -99,8 +99,8 @@ Measured on 2026-12-02 (fourth session, same probe, two runs; Triton kernel 76.7
 
 Next: the epilogue is what is left between this kernel and DeepGEMM (78.6 us at n 2); its instructions are
 already few, so the schedule around them (fewer partition barriers, Triton 3.9's 20 against 3.6's 37
-``BAR.SYNC``). Dispatching n 4 (and n 3) here needs the Triton kernel's in-kernel value checks and a launch
-plan with cached descriptors first (host cost above).
+``BAR.SYNC``). In-kernel value checks (the Triton kernel's deferred errors) would let the default-checked
+calls run it too.
 """
 
 from __future__ import annotations
@@ -770,7 +770,8 @@ def indexer_logits_paged_planned(q_fp8: torch.Tensor, index_cache: torch.Tensor,
 def indexer_logits_paged_gluon(q_fp8: torch.Tensor, index_cache: torch.Tensor, weights: torch.Tensor,
                                context_lens: torch.Tensor, block_table: torch.Tensor, max_context_len: int,
                                out: torch.Tensor | None = None, **config) -> torch.Tensor:
-    """Paged indexer logits by this kernel (experimental: see the module docstring). No value checks: the
+    """Paged indexer logits by this kernel with any launch knob (a JIT launch: the public op's path is
+    :func:`indexer_logits_paged_planned`). No value checks: the
     caller's lengths must lie in [0, min(max_context_len, 64 * maxp)] and the reachable page ids in [0, P).
 
     Args:
