@@ -12,8 +12,8 @@ assert (which would poison the CUDA context), CUDA-graph safe. Two forms:
   :func:`flag_range`, :func:`check_pages`) and each op's error list (codes consecutive from its
   ``*_CODE0``, :func:`first_code`) are used by the op's kernel under its ``CHECK`` constexpr;
 * one small check kernel launched before the op's own on the same stream (``indexer_logits_ragged``, a
-  prefill op whose NaN scan covers the whole key tensor), which hands the op sanitised copies of the
-  metadata.
+  prefill op whose NaN scan covers the whole key tensor; ``indexer_logits_paged`` before its Gluon kernel,
+  which has no in-kernel checks), which hands the op sanitised copies of the metadata.
 
 Each error is one int64 store ``word | (value & 0xFFFFFFFF)`` (``word`` = ``error_word(code)``); the
 codes name the argument as the host checks do.
@@ -127,6 +127,32 @@ def ragged_check_kernel(ks, ke, ks_out, ke_out, flag, T, N, R_BLOCKS, Q_BLOCKS,
         _scan(k, flag, w_k, pid - R_BLOCKS - Q_BLOCKS, nk, k1, k2, k3, kt0, kt1, kt2, kt3, BLOCK)
 
 
+@triton.jit
+def paged_check_kernel(q, context_lens, block_table, ctx_out, flag, hi, last_page, stride_bt, code0,
+                       NEXT_N: tl.constexpr, NP: tl.constexpr, QBYTES: tl.constexpr, BLOCK: tl.constexpr,
+                       BLOCK_P: tl.constexpr, PAGE: tl.constexpr):
+    """Program b: request b's lengths in [0, hi] and the page ids its longest row reaches in [0, last_page]
+    (a bad one flagged, the request's lengths then 0 in ``ctx_out``: nothing is read for it), and its
+    queries (``QBYTES`` contiguous e4m3 bytes) free of NaN codes (flagged only: the kernel's output is
+    invalid then, not out of bounds). Error words ``code0 + i`` in the order of ``PAGED_CHECKS``, the
+    checks of ``indexer/paged.py``'s kernels."""
+    b = tl.program_id(0).to(tl.int64)
+    o_j = tl.arange(0, NP)
+    m_j = o_j < NEXT_N
+    lens = tl.load(context_lens + b * NEXT_N + o_j, mask=m_j, other=0)
+    bad = tl.max(flag_range(flag, lens, m_j, 0, hi, code0).to(tl.int32), axis=0)
+    reach = tl.where(bad == 0, tl.max(tl.where(m_j, lens, 0), axis=0), 0)
+    bad = tl.maximum(bad, check_pages(flag, block_table + b * stride_bt, tl.cdiv(reach, PAGE), last_page, code0 + 2,
+                                      BLOCK_P))
+    tl.store(ctx_out + b * NEXT_N + o_j, tl.where(bad == 0, lens, 0), mask=m_j)
+    nan = tl.zeros([BLOCK], tl.int1)
+    for r in range(0, QBYTES, BLOCK):
+        o = r + tl.arange(0, BLOCK)
+        x = tl.load(q + b * QBYTES + o, mask=o < QBYTES, other=0)
+        nan = nan | ((x & 0x7F) == 0x7F)
+    flag_word(flag, tl.max(nan.to(tl.int32), axis=0) > 0, 0, code0 + 4)
+
+
 # ---- host side ------------------------------------------------------------------------------------------
 
 def _dims4(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
@@ -155,12 +181,13 @@ class _Scan:
         return [self.t.view(torch.uint8), self.n, *self.sizes, *self.strides]
 
 
-_RAGGED = None
+_RAGGED = _PAGED = None
 
 
 def _launchers():
-    global _RAGGED
+    global _RAGGED, _PAGED
     _RAGGED = KernelLauncher(ragged_check_kernel, ("ks", "ke", "ks_out", "ke_out", "flag", "q", "k"))
+    _PAGED = KernelLauncher(paged_check_kernel, ("q", "context_lens", "block_table", "ctx_out", "flag"))
 
 
 _launchers()
@@ -222,6 +249,34 @@ def check_ragged(q_fp8: torch.Tensor, k_fp8: torch.Tensor, ks: torch.Tensor,
     if T or q.n or k.n:
         _RAGGED(key, ptrs, build)
     return ks_out, ke_out
+
+
+def check_paged(q_fp8: torch.Tensor, context_lens: torch.Tensor, block_table: torch.Tensor, max_context_len: int,
+                n_pages: int) -> torch.Tensor:
+    """Device checks of ``indexer_logits_paged`` for a kernel without in-kernel ones (its Gluon kernel): ``q_fp8
+    [B, n, H, 128]`` contiguous, ``context_lens [B, n]`` and ``block_table [B, maxp]`` int32 contiguous, the
+    cache of ``n_pages`` pages. Returns the lengths sanitised (``[B, n] int32``: a request with a bad length
+    or a bad reachable page id gets 0 throughout, so the kernel reads nothing for it and its rows score
+    -inf); the first error goes to the error word, as the Triton kernel's own checks do."""
+    B, n = context_lens.shape
+    out = torch.empty(B, n, dtype=torch.int32, device=context_lens.device)
+    if B == 0:
+        return out
+    flag = error_flag(context_lens.device)
+    maxp = block_table.shape[1]
+    hi = min(max_context_len, maxp * 64)
+    qbytes = q_fp8[0].numel()
+    ptrs = (q_fp8.data_ptr(), context_lens.data_ptr(), block_table.data_ptr(), out.data_ptr(), flag.data_ptr())
+    key = (B, n, qbytes, maxp, block_table.stride(0), hi, n_pages) if aligned(*ptrs) else None
+
+    def build():
+        return (B,), dict(q=q_fp8.view(torch.uint8), context_lens=context_lens, block_table=block_table, ctx_out=out,
+                          flag=flag, hi=hi, last_page=n_pages - 1, stride_bt=block_table.stride(0), code0=PAGED_CODE0,
+                          NEXT_N=n, NP=triton.next_power_of_2(n), QBYTES=qbytes, BLOCK=SCAN_BLOCK, BLOCK_P=256,
+                          PAGE=64)
+
+    _PAGED(key, ptrs, build)
+    return out
 
 
 _RAGGED_WORDS = _words(

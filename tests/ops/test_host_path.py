@@ -172,6 +172,27 @@ def test_device_checks_defer_the_host_error(case, device_checks):
         ops.topk_transform(torch.zeros(1, 4), _i32(4), 2)
 
 
+@pytest.mark.parametrize("case", [c for c in BAD if c.startswith("paged")] + ["paged-good"])
+def test_paged_check_kernel_zeroes_the_bad_request(case, device_checks):
+    """The check kernel run before the Gluon paged kernel (which has none in-kernel): the same deferred
+    error as the Triton kernel's own checks, and the lengths of a request with a bad length or reachable
+    page id zeroed (nothing is read for it); a NaN query is reported and changes no length; good inputs
+    pass unchanged."""
+    from flashdsa.ops import _device_checks
+    a = _paged() if case == "paged-good" else BAD[case][2](_paged())
+    ctx = _device_checks.check_paged(a["q_fp8"].contiguous(), a["context_lens"], a["block_table"], a["max_context_len"],
+                                     a["index_cache"].shape[0])
+    want = a["context_lens"].clone()
+    if case != "paged-good":
+        name, rows = BAD[case][3], BAD[case][4]
+        for r in (rows[0] if isinstance(rows, tuple) else rows):
+            want[r // 2] = 0
+        with pytest.raises(ValueError, match=f"^{re.escape(name)}: expected .* earlier indexer_logits_paged call"):
+            ops.check_errors()
+    ops.check_errors()
+    assert torch.equal(ctx, want)
+
+
 @pytest.mark.parametrize("case", list(GOOD))
 def test_device_checks_pass_good_inputs_unchanged(case, device_checks, monkeypatch):
     """Good inputs: no error, and the same bits as with the host checks."""

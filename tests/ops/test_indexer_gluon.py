@@ -67,12 +67,13 @@ def test_gluon_paged_rejects_what_it_cannot_run():
 
 @pytest.mark.gpu
 @needs_sm90
-@pytest.mark.parametrize("checks", ["off", "sync"])
+@pytest.mark.parametrize("checks", ["off", "sync", "device"])
 def test_public_op_dispatches_next_n_4_to_gluon_from_a_verified_plan(checks, monkeypatch):
-    """The public op at next_n 4 without device checks runs the Gluon kernel from a plan whose grid and
-    arguments (the cached descriptors encoded) equal Triton's own binding (``_launch.VERIFY``); the logits
-    match the reference as the kernel's own test asks, bitwise repeatably, and the value checks of "sync"
-    still raise before any kernel runs."""
+    """The public op at next_n 4 runs the Gluon kernel (after the check kernel in the default mode) from a plan
+    whose grid and arguments (the cached descriptors encoded) equal Triton's own binding (``_launch.VERIFY``);
+    the logits match the reference as the kernel's own test asks, bitwise repeatably and the same in every
+    mode; a bad length raises at once in "sync" and as a deferred error in "device", its request's rows -inf
+    and the other request's untouched."""
     from flashdsa import _checks, ops
     from flashdsa.ops import _launch, indexer
     from flashdsa.ops.indexer import gluon
@@ -86,24 +87,32 @@ def test_public_op_dispatches_next_n_4_to_gluon_from_a_verified_plan(checks, mon
     assert indexer._GLUON_STATE == {"ran": True, "failed": None} and len(gluon._PLANNED.plans) == 1
     _check(outs[0].cpu(), ref, rel=1e-3, max_cos_diff=1e-6)
     assert all(torch.equal(_bits(outs[0]), _bits(o)) for o in outs[1:])
+    monkeypatch.setattr(_checks, "_MODE", "off")
+    assert torch.equal(_bits(outs[0]), _bits(indexer_logits_paged(q, cache, w, ctx, bt, width)))
+    monkeypatch.setattr(_checks, "_MODE", checks)
+    bad = ctx.clone()
+    bad[1, 0] = width + 1
     if checks == "sync":
-        bad = ctx.clone()
-        bad[1, 0] = width + 1
         with pytest.raises(ValueError, match="^context_lens: expected values <="):
             ops.indexer_logits_paged(q, cache, w, bad, bt, width)
+    elif checks == "device":
+        out = ops.indexer_logits_paged(q, cache, w, bad, bt, width)
+        with pytest.raises(ValueError, match="^context_lens: expected values <=.* earlier indexer_logits_paged"):
+            ops.check_errors()
+        assert torch.isneginf(out[4:8]).all() and torch.equal(_bits(out[:4]), _bits(outs[0][:4]))
 
 
 def test_dispatch_rule(monkeypatch):
-    """The public op's rule, on CPU with the kernels stood in for: Gluon from next_n 4 on where it applies and
-    no device checks are due (checks off, trusted inputs, "sync"), Triton otherwise; ``backend="gluon"``
-    forces it at any next_n it takes (value checks on the host) and refuses a call it cannot run; a Gluon
-    whose first launch fails falls back to Triton with a warning, for good."""
+    """The public op's rule, on CPU with the kernels stood in for: Gluon from next_n 4 on where it applies, in
+    every check mode (the default one runs the check kernel first and hands Gluon its sanitised lengths),
+    Triton otherwise; ``backend="gluon"`` forces it at any next_n it takes and refuses a call it cannot run;
+    a Gluon whose first launch fails falls back to Triton with a warning, for good."""
     from flashdsa import _checks
     from flashdsa.ops import _common, indexer
     ran = []
     monkeypatch.setattr(indexer, "_triton_paged", lambda *a, check=False: ran.append(("triton", check)) or "t")
     monkeypatch.setattr(indexer._module(indexer._GLUON), "indexer_logits_paged_planned",
-                        lambda *a: ran.append(("gluon",)) or "g")
+                        lambda *a: ran.append(("gluon", a[3].tolist())) or "g")
     monkeypatch.setitem(indexer._PAGED, "triton", indexer._triton_paged)
     monkeypatch.setattr(indexer, "pick_backend", lambda b, impls, d, o: _common.pick_backend(b or "triton", impls, d, o))
     monkeypatch.setattr(indexer, "_GLUON_STATE", {"ran": False, "failed": None})
@@ -114,17 +123,25 @@ def test_dispatch_rule(monkeypatch):
     monkeypatch.setattr(_checks, "DEVICE_CHECKS_ON_CPU", True)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
 
-    def call(n, mode, backend=None):
+    def call(n, mode, backend=None, bad_len=False):
         monkeypatch.setattr(_checks, "_MODE", mode)
         ran.clear()
         q, cache, w, ctx, bt, width = _paged_inputs([100, 200], n, 64, None, 7, seed=n)
+        if bad_len:
+            ctx[1, 0] = width + 1
         indexer.indexer_logits_paged(q, cache, w, ctx, bt, width, backend=backend)
-        return ran[0]
+        return ran[0][:1] if ran[0][0] == "gluon" else ran[0]
 
-    assert call(4, "off") == ("gluon",) and call(4, "sync") == ("gluon",)
-    assert call(4, "device") == ("triton", True) and call(3, "off") == ("triton", False)
+    assert call(4, "off") == ("gluon",) and call(4, "sync") == ("gluon",) and call(4, "device") == ("gluon",)
+    assert call(3, "off") == ("triton", False) and call(3, "device") == ("triton", True)
     with _checks.trusted_inputs():
         assert call(4, "device") == ("gluon",)
+    # the default mode's check kernel: request 1's bad length zeroes its lengths, the error is deferred
+    call(4, "device", bad_len=True)
+    assert ran[0][1][0] == [97, 98, 99, 100] and ran[0][1][1] == [0, 0, 0, 0]
+    with pytest.raises(ValueError, match="^context_lens: expected values <= min.max_context_len.* got 208 .found by "
+                                         "the device check of an earlier indexer_logits_paged call"):
+        _checks.check_errors()
     assert call(2, "device", backend="gluon") == ("gluon",) and call(1, "off", backend="gluon") == ("gluon",)
     assert call(4, "off", backend="triton") == ("triton", False)
     why["value"] = "an sm_90 GPU"

@@ -32,8 +32,8 @@ def _triton_paged(*args, **kwargs):
 
 
 # The Gluon paged kernel (sm_90, ``gluon.py``): the default where it applies from this next_n on (measured on
-# the H200: 0.90x the Triton kernel's time at next_n 4, 1.00-1.04x at 1-3), for calls without device value
-# checks (it has none in-kernel: the engine's trusted calls, CUDA-graph capture, checks off or "sync")
+# the H200: 0.89-0.90x the Triton kernel's time at next_n 4, 1.00-1.04x at 1-3); it has no in-kernel value
+# checks, so the default (device) mode runs a small check kernel before it (``_device_checks.check_paged``)
 GLUON_PAGED_MIN_NEXT_N = 4
 _GLUON = "flashdsa.ops.indexer.gluon"
 _GLUON_STATE = {"ran": False, "failed": None}  # whether it ran in this process / why its first launch failed
@@ -153,14 +153,16 @@ def indexer_logits_paged(q_fp8: torch.Tensor, index_cache: torch.Tensor, weights
     reachable page ids, q NaN codes): for the Triton kernel on CUDA by the kernel itself (no extra
     launch, no host sync), a deferred ValueError (``flashdsa._checks``); nothing is read through a bad
     value: rows with a bad length (and the rows sharing their kernel program) score -inf, and so do the
-    output columns a kernel program would have read through a bad page id.
+    output columns a kernel program would have read through a bad page id (the Gluon path: the whole
+    request's rows).
 
-    Kernels: on an sm_90 GPU, from next_n ``GLUON_PAGED_MIN_NEXT_N`` (4) on, calls without device value
-    checks (the engine's trusted calls, CUDA-graph capture, checks "off" or "sync") run the Gluon kernel
-    (``indexer/gluon.py``, 0.90x the Triton kernel's time at next_n 4 on the H200), every other CUDA call
-    the Triton kernel; ``backend="gluon"`` forces the Gluon kernel (next_n 1-4, 64 heads, contiguous q; its
-    value checks then run on the host: it has no in-kernel ones). The two kernels' logits agree within
-    the fp8 dot's accumulation error, not bit for bit (their head sums run in different orders).
+    Kernels: on an sm_90 GPU from next_n ``GLUON_PAGED_MIN_NEXT_N`` (4) on, the Gluon kernel
+    (``indexer/gluon.py``, 0.89-0.90x the Triton kernel's time at next_n 4 on the H200; 64 heads, next_n
+    <= 4, contiguous q), every other CUDA call the Triton kernel; ``backend="gluon"`` forces the Gluon
+    kernel (next_n 1-4). The Gluon kernel has no in-kernel value checks: the default mode runs a small
+    check kernel before it (one more launch), which reports the same deferred errors and gives every
+    request with a bad length or reachable page id length 0 (all its rows -inf). The two kernels' logits
+    agree within the fp8 dot's accumulation error, not bit for bit (their head sums run in other orders).
 
     Returns:
         ``[B * n, max_context_len] float32``, ``-inf`` at and past each row's length.
@@ -182,14 +184,14 @@ def indexer_logits_paged(q_fp8: torch.Tensor, index_cache: torch.Tensor, weights
     check_int("max_context_len", max_context_len, 0)
     weights, context_lens, block_table = dense(weights, context_lens, block_table)
     impl = pick_backend(backend, _PAGED, dev, "indexer_logits_paged")
-    mode = value_check_mode(context_lens, impl is _triton_paged)
-    if (impl is _triton_paged and backend is None and mode is not DEVICE and n >= GLUON_PAGED_MIN_NEXT_N
-            and _gluon_paged_unsupported(q_fp8, index_cache) is None):
+    if impl is _triton_paged and backend is None and n >= GLUON_PAGED_MIN_NEXT_N \
+            and _gluon_paged_unsupported(q_fp8, index_cache) is None:
         impl = _gluon_paged  # the dispatch rule (GLUON_PAGED_MIN_NEXT_N)
     elif impl is _gluon_paged:
         why = _gluon_paged_unsupported(q_fp8, index_cache)
         if why is not None:
             fail("backend", f"'gluon' for a call it supports: it needs {why}", "'gluon'")
+    mode = value_check_mode(context_lens, impl is _triton_paged or impl is _gluon_paged)
     if mode is HOST:
         check_finite("q_fp8", q_fp8)
         maxp = block_table.shape[1]
@@ -199,6 +201,11 @@ def indexer_logits_paged(q_fp8: torch.Tensor, index_cache: torch.Tensor, weights
             lens = context_lens.amax(dim=1) if n else torch.zeros(B, dtype=torch.int32, device=dev)
             used = torch.arange(maxp, device=dev)[None, :] * PAGE_SIZE < lens[:, None]
             check_range("block_table", block_table[used], 0, index_cache.shape[0] - 1, what="page ids")
+    elif mode is DEVICE and impl is _gluon_paged:
+        # the Gluon kernel has no in-kernel checks: a check kernel first, which hands it lengths with every
+        # request that has a bad value zeroed (nothing is read for it)
+        context_lens = device_checks().check_paged(q_fp8, context_lens, block_table, max_context_len,
+                                                   index_cache.shape[0])
     elif mode is DEVICE:
         # checked by the kernel itself, request by request, before it reads through the request's values
         return impl(q_fp8, index_cache, weights, context_lens, block_table, max_context_len, check=True)

@@ -1,8 +1,8 @@
 """Paged indexer logits (decode, MTP verify) as a warp-specialised Gluon kernel for Hopper (sm_90), after
 DeepGEMM's sm90 paged MQA-logits schedule: a TMA warp feeding math warpgroups that each own a page (issue
 #17, item 1): faster than ``paged.py``'s Triton TMA kernel at next_n 4 (0.89-0.90x), on par at 2 and 3,
-0.93-1.03x at 1 (measured below). ``flashdsa.ops.indexer_logits_paged`` runs it from next_n 4 on for calls
-without device value checks (its rule and why: that op's docstring and README.md), through
+0.93-1.03x at 1 (measured below). ``flashdsa.ops.indexer_logits_paged`` runs it from next_n 4 on (its rule,
+and the check kernel its default mode launches first: that op's docstring and README.md), through
 :func:`indexer_logits_paged_planned` (a launch plan, TMA descriptors cached per address: 28 us of host time
 a plain call against the 126-144 us of a JIT launch with new descriptors); :func:`indexer_logits_paged_gluon`
 takes every launch knob. The interpreter cannot run Gluon: ``-m gpu`` tests it
@@ -99,8 +99,7 @@ Measured on 2026-12-02 (fourth session, same probe, two runs; Triton kernel 76.7
 
 Next: the epilogue is what is left between this kernel and DeepGEMM (78.6 us at n 2); its instructions are
 already few, so the schedule around them (fewer partition barriers, Triton 3.9's 20 against 3.6's 37
-``BAR.SYNC``). In-kernel value checks (the Triton kernel's deferred errors) would let the default-checked
-calls run it too.
+``BAR.SYNC``). In-kernel value checks would save the default mode's check-kernel launch.
 """
 
 from __future__ import annotations
@@ -741,7 +740,7 @@ def indexer_logits_paged_planned(q_fp8: torch.Tensor, index_cache: torch.Tensor,
                                  context_lens: torch.Tensor, block_table: torch.Tensor,
                                  max_context_len: int) -> torch.Tensor:
     """The public op's path into this kernel (``flashdsa.ops.indexer_logits_paged``: shapes, dtypes and, per
-    its value-check mode, values already checked; :func:`unsupported` None; ``weights`` / ``context_lens`` /
+    its value-check mode, values already checked or sanitised; :func:`unsupported` None; ``weights`` / ``context_lens`` /
     ``block_table`` contiguous), with the default launch. Launched from a plan (``ops/_launch.py``) with the
     TMA descriptors cached per address: a plain call's host cost is the Triton kernel's, not the 126-144 us of
     :func:`indexer_logits_paged_gluon`'s JIT launch with three new descriptors."""
