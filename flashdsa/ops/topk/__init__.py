@@ -7,9 +7,9 @@ import importlib
 
 import torch
 
+from flashdsa import _checks
 from flashdsa._library import op
 from flashdsa.cache.layouts import PAGE_SIZE
-from flashdsa import _checks
 from flashdsa.ops._common import (DEVICE, HOST, check_int, check_range, check_tensor, check_translation,
                                   check_translation_values, dense, pick_backend, raise_deferred,
                                   value_check_mode)
@@ -19,8 +19,8 @@ _module = functools.cache(importlib.import_module)
 
 
 def _triton_topk(logits, lengths, topk, page_table, row_starts, out_offsets, page_size, check=False):
-    return _launch().topk_transform(logits, lengths, topk, page_table, row_starts,
-                                                             out_offsets, page_size, check=check)
+    return _launch().topk_transform(logits, lengths, topk, page_table, row_starts, out_offsets, page_size,
+                                    check=check)
 
 
 _IMPLS = {"torch": reference.topk_transform, "triton": _triton_topk}
@@ -72,7 +72,8 @@ def topk_transform(logits: torch.Tensor, lengths: torch.Tensor, topk: int = 2048
     raise_deferred()
     # Fast path: a call whose every host-known fact (types, dtypes, shapes, strides, devices, the ints, the
     # logits' alignment, the check mode) equals an earlier call's that passed the checks below and ran the
-    # Triton kernel passes them again: launch at once (the checks and the dispatch cost ~6 us a call).
+    # Triton kernel passes them again: launch at once (the checks, dispatch and launch-shape lookup it skips
+    # cost ~4 us of Python a call on a desktop CPU, more on the H200's host).
     try:
         mode, capturing = _mode(lengths)
         key = (type(logits), logits.dtype, logits.shape, logits.stride(), logits.device, not logits.data_ptr() & 15,
