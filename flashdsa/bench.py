@@ -4,6 +4,7 @@ Cases (``--quick`` keeps those marked Q; the sweeps feed the plot):
 
     indexer     paged logits B 64, next_n 1, context ~U(0.7, 1.3) x {4K Q, 8K, 16K Q, 32K Q, 64K Q, 128K}
                 paged logits B 64, next_n 2, context ~32K Q                       peer: DeepGEMM paged
+                paged logits B 64, next_n 4, context ~32K (the Gluon kernel on sm_90)   peer: none
                 ragged logits 4096 x 16384 Q, 8192 x 32768                        peer: DeepGEMM ragged
     topk        top-2048 of [64, 32K] Q, [64, 128K], [4096, 8K], [4096, 32K] Q      peers: fast_topk, torch.topk
     sparse_mla  decode fp8 656, B 64, s_q 1, h_q 128, top-2048, context {4K Q, 16K Q, 32K Q, 64K Q}
@@ -112,6 +113,8 @@ def cases(ops: tuple[str, ...] = OPS, quick: bool = False, tiny: bool = False) -
             out.append(Case("indexer", "paged", f"paged B64 n1 ctx~{_ctx_name(ctx)}", dict(B=64, n=1, ctx=ctx, H=64),
                             sweep="indexer_paged"))
         out.append(Case("indexer", "paged", "paged B64 n2 ctx~32K", dict(B=64, n=2, ctx=32 * K, H=64)))
+        if not quick:  # MTP verify with 4 draft rows: the Gluon kernel's case (DeepGEMM stops at 2)
+            out.append(Case("indexer", "paged", "paged B64 n4 ctx~32K", dict(B=64, n=4, ctx=32 * K, H=64)))
         for T, N in [(4096, 16 * K)] + ([] if quick else [(8192, 32 * K)]):
             out.append(Case("indexer", "ragged", f"ragged {T}x{N}", dict(T=T, N=N, H=64)))
     if "topk" in ops:
@@ -251,7 +254,10 @@ def _setup_paged(p: dict, dev, status) -> list[tuple[str, Bench]]:
     lens = (seq[:, None] - n + 1 + torch.arange(n, device=dev)[None, :]).to(torch.int32)  # verify rows
     max_len = bt.shape[1] * 64
     q, w = randn((B, n, H, 128), g, dev, FP8), randn((B * n, H), g, dev)
-    ours = lambda: ops.indexer_logits_paged(q, cache, w, lens, bt, max_len, backend="triton")  # noqa: E731
+    # the default backend on CUDA (the Gluon kernel from next_n 4 on on sm_90, else Triton: the op's rule); the
+    # Triton kernel on the CPU (interpreted: the CPU default is the torch reference itself)
+    backend = None if q.is_cuda else "triton"
+    ours = lambda: ops.indexer_logits_paged(q, cache, w, lens, bt, max_len, backend=backend)  # noqa: E731
 
     def check():
         sub = rows_subset(B, 4, dev)
