@@ -1,6 +1,7 @@
 """flashdsa.testing's own helpers, where a bug would hide failures elsewhere: a comparison that cannot
 fail, a tie-safe top-k check that accepts a wrong pick, inputs that are not what their layout says, a
-poisoned buffer that is not poisoned, a timing module that needs a GPU to import."""
+poisoned buffer that is not poisoned, a timing module that needs a GPU to import, a host-cost run that
+leaves the value-check setting changed."""
 
 from __future__ import annotations
 
@@ -196,3 +197,24 @@ def test_timing_imports_without_triton_or_cuda():
             "assert not bad, bad; import torch; assert not torch.cuda.is_initialized()")
     root = str(Path(__file__).resolve().parents[1])  # this checkout's flashdsa, not an installed one
     subprocess.run([sys.executable, "-c", code], check=True, cwd=root, env={**os.environ, "PYTHONPATH": root})
+
+
+def test_host_cost_runs_every_call_on_the_cpu():
+    """``flashdsa.testing.host_cost`` (``flashdsa bench --ops host``, bench_host.py) end to end at tiny shapes
+    in the interpreter: every call of ours runs in both check modes and gets a row, the value-check setting
+    is restored, and the table prints them (CPU times mean nothing, so no verdicts)."""
+    from flashdsa import ops
+    from flashdsa._checks import value_check_setting
+    from flashdsa.testing import host_cost
+    ops.set_value_checks("sync")
+    try:
+        rows, verdicts = host_cost.measure("cpu", (200,), calls=1, B=2, H=8, h_q=16, topk=64, backend="triton")
+        assert value_check_setting() == "sync"
+    finally:
+        ops.set_value_checks(True)
+    assert verdicts == []
+    assert [r["call"] for r in rows] == ["indexer_logits_paged", "topk_transform", "topk_transform (page table)",
+                                        "sparse_mla_decode", "indexer_quant (q)", "step"]
+    assert all(r["host_us"] > 0 and r["host_us_checks_off"] > 0 for r in rows)
+    table = host_cost.table(rows)
+    assert all(r["call"] in table for r in rows)
