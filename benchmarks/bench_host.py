@@ -11,7 +11,8 @@ shared host's load moves medians by +-40 % between runs; the best batch is the p
 default value checks (on the device, inside the op's own kernel, no host sync) and with checks off; the
 peers as ``flashdsa.testing.peers`` calls them (their schedule metadata made once, outside the timing);
 top-k's peer is sgl-kernel's Python entry ``fast_topk_v2``, which allocates its output per call as ours
-does (before 2026-12-02 the raw op writing into a buffer made once: still timed, ``ours/raw fast_topk``).
+does (before 2026-12-02 the raw op writing into a buffer made once: still timed, ``ours/raw fast_topk``), and
+``topk_transform(out=)`` into a buffer made once is compared with that raw op.
 Calibration rows: torch.add and an empty Triton kernel with 2 / 12 arguments. The device cost of the
 value checks folded into the paged-logits and top-k kernels: graph-replayed µs with and without them.
 

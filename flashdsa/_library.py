@@ -53,30 +53,45 @@ def _generated(name: str, sig: inspect.Signature, body: str, env: dict) -> Calla
     return ns[name]
 
 
-def op(name: str, fake: Callable, mutates_args: tuple[str, ...] = ()) -> Callable[[Callable], Callable]:
+def op(name: str, fake: Callable, mutates_args: tuple[str, ...] = (), out: str | None = None
+       ) -> Callable[[Callable], Callable]:
     """Register the decorated public function as ``torch.ops.flashdsa.<name>`` with the fake
     implementation ``fake`` (same parameters; returns empty outputs of the right shape, dtype and
-    device, contiguous as the real ones are); the decorated name calls the op only under torch.compile."""
+    device, contiguous as the real ones are); the decorated name calls the op only under torch.compile.
+
+    ``out``: the name of an optional output-buffer parameter (default None) of the public function. A custom
+    op may not return a tensor aliasing an input, so the registered op does not take it: under torch.compile
+    the public function calls the op and copies its result into the buffer (one copy, as an out= of a
+    compiled graph costs anyway); eagerly the function writes into it directly."""
     def register(fn: Callable) -> Callable:
         sig = inspect.signature(fn)
         names = list(sig.parameters)
-        positional = sig.replace(parameters=[p.replace(kind=p.POSITIONAL_OR_KEYWORD) for p in sig.parameters.values()])
-        call_kw = ", ".join(n if sig.parameters[n].kind is not inspect.Parameter.KEYWORD_ONLY else f"{n}={n}"
-                            for n in names)
+        reg_params = [p for p in sig.parameters.values() if p.name != out]
+        reg_names = [p.name for p in reg_params]
+        positional = sig.replace(parameters=[p.replace(kind=p.POSITIONAL_OR_KEYWORD) for p in reg_params])
+
+        def call(ns):
+            return ", ".join(n if sig.parameters[n].kind is not inspect.Parameter.KEYWORD_ONLY else f"{n}={n}"
+                             for n in ns)
+        call_kw, reg_kw = call(names), call(reg_names)
         # the registered implementation and fake: every parameter positional, calling the real ones
         impl = _generated(fn.__name__, positional,
-                          f"_tok = _flashdsa_registered.set(True)\n    try:\n        return _fn({call_kw})\n"
+                          f"_tok = _flashdsa_registered.set(True)\n    try:\n        return _fn({reg_kw})\n"
                           "    finally:\n        _flashdsa_registered.reset(_tok)",
                           {"_fn": fn, "_flashdsa_registered": _REGISTERED})
         impl.__signature__ = positional
-        impl.__annotations__ = dict(fn.__annotations__)
+        impl.__annotations__ = {k: v for k, v in fn.__annotations__.items() if k != out}
         impl.__globals__.update(fn.__globals__)  # for the annotations' names (strings under __future__)
-        fake_impl = _generated(f"{fn.__name__}_fake", positional, f"return _fn({call_kw})", {"_fn": fake})
+        fake_impl = _generated(f"{fn.__name__}_fake", positional, f"return _fn({reg_kw})", {"_fn": fake})
         custom = torch.library.custom_op(f"{NAMESPACE}::{name}", impl, mutates_args=mutates_args)
         custom.register_fake(fake_impl)
         overload = getattr(getattr(torch.ops, NAMESPACE), name).default
-        public = _generated(fn.__name__, sig, f"return _op({', '.join(names)}) if _compiling() else _fn({call_kw})",
-                            {"_op": overload, "_fn": fn, "_compiling": _compiling})
+        if out is None:
+            body = f"return _op({', '.join(reg_names)}) if _compiling() else _fn({call_kw})"
+        else:
+            body = (f"if _compiling():\n        _r = _op({', '.join(reg_names)})\n"
+                    f"        return _r if {out} is None else {out}.copy_(_r)\n    return _fn({call_kw})")
+        public = _generated(fn.__name__, sig, body, {"_op": overload, "_fn": fn, "_compiling": _compiling})
         for attr in ("__module__", "__qualname__", "__doc__", "__annotations__"):
             setattr(public, attr, getattr(fn, attr))
         public.__wrapped__ = fn

@@ -213,8 +213,9 @@ def test_host_cost_runs_every_call_on_the_cpu():
     finally:
         ops.set_value_checks(True)
     assert verdicts == []
-    assert [r["call"] for r in rows] == ["indexer_logits_paged", "topk_transform", "topk_transform (page table)",
-                                        "sparse_mla_decode", "indexer_quant (q)", "step"]
+    assert [r["call"] for r in rows] == ["indexer_logits_paged", "topk_transform", "topk_transform (out=)",
+                                        "topk_transform (page table)", "sparse_mla_decode", "indexer_quant (q)",
+                                        "step"]
     assert all(r["host_us"] > 0 and r["host_us_checks_off"] > 0 for r in rows)
     table = host_cost.table(rows)
     assert all(r["call"] in table for r in rows)

@@ -138,6 +138,11 @@ def our_calls(d: dict) -> dict:
     def topk():
         return ops.topk_transform(d["logits"], d["lengths"], d["topk"], backend=be)
 
+    out = torch.empty(d["B"], d["topk"], dtype=torch.int32, device=d["lengths"].device)
+
+    def topk_out():   # into a buffer made once: the raw fast_topk op's terms
+        return ops.topk_transform(d["logits"], d["lengths"], d["topk"], backend=be, out=out)
+
     def topk_pages():
         return ops.topk_transform(d["logits"], d["lengths"], d["topk"], page_table=d["block_table"], backend=be)
 
@@ -152,10 +157,10 @@ def our_calls(d: dict) -> dict:
         sel = ops.topk_transform(logits, d["lengths"], d["topk"], page_table=d["block_table"], backend=be)
         return ops.sparse_mla_decode(d["q"], d["mla_cache"], sel.view(d["B"], 1, -1), SM_SCALE, backend=be)
 
-    # top-k's peer: sgl-kernel's Python entry, which allocates its output per call as ours does; the raw op
-    # writing into a buffer made once ("fast_topk") is timed too, for the record
+    # top-k's peers: sgl-kernel's Python entry, which allocates its output per call as ours does, and its raw op
+    # writing into a buffer made once, as ours does with out=
     return {"indexer_logits_paged": (paged, "DeepGEMM paged"), "topk_transform": (topk, "fast_topk_v2"),
-            "topk_transform (page table)": (topk_pages, None), "sparse_mla_decode": (decode, "FlashMLA decode"),
+            "topk_transform (out=)": (topk_out, "fast_topk"), "topk_transform (page table)": (topk_pages, None), "sparse_mla_decode": (decode, "FlashMLA decode"),
             "indexer_quant (q)": (quant, None), "step": (step, None)}
 
 

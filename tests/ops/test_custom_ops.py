@@ -193,6 +193,25 @@ def test_compile_fullgraph_equals_eager(name):
     _compiled_vs_eager(name, "cpu", None, "aot_eager")
 
 
+@pytest.mark.parametrize("backend", [None, "triton"])
+def test_topk_out_buffer_eager_and_compiled(backend):
+    """``topk_transform(out=buf)``: eagerly the result is written into ``buf`` and ``buf`` returned; under
+    torch.compile (fullgraph) the registered op's result is copied into it. Both equal the call without
+    ``out`` bit for bit. The registered op has no ``out`` parameter (a custom op may not return an input)."""
+    fn, args, kwargs = CASES["topk_transform-pages"]
+    kwargs = dict(kwargs, backend=backend)
+    want = fn(*_fresh(args), **kwargs)
+    assert [a.name for a in fn.op._schema.arguments if a.name == "out"] == []
+    for compiled in (False, True):
+        buf = torch.full_like(want, -7)
+
+        def f(*a):
+            return fn(*a, **kwargs, out=buf)
+        torch._dynamo.reset()
+        got = (torch.compile(f, fullgraph=True, backend="aot_eager") if compiled else f)(*_fresh(args))
+        assert torch.equal(buf, want) and (compiled or got is buf)
+
+
 def _decode_step(q_paged, index_cache, w, context_lens, block_table, q, mla, backend):
     B, n = context_lens.shape
     logits = ops.indexer_logits_paged(q_paged, index_cache, w, context_lens, block_table, 64 * block_table.shape[1],

@@ -253,6 +253,25 @@ def test_topk_repeated_call_skips_only_what_it_already_checked(device_checks, mo
     assert len(topk._FAST) == 2
 
 
+def test_topk_out_buffer(device_checks, monkeypatch):
+    """``topk_transform(out=buf)`` writes the result into ``buf`` (returned), on the fast path too and with
+    either backend, with the bits of a call without it; a buffer of the wrong dtype, shape, device or
+    layout is a ValueError naming ``out``."""
+    from flashdsa.ops import topk
+    monkeypatch.setattr(topk, "_FAST", {})
+    want = ops.topk_transform(**_topk(), backend="torch")
+    for backend in ("triton", "triton", "torch"):
+        buf = torch.full_like(want, -7)
+        assert ops.topk_transform(**_topk(), backend=backend, out=buf) is buf and torch.equal(buf, want)
+    assert len(topk._FAST) == 1
+    for bad, error in [(torch.empty(3, 8, dtype=torch.int64), "out: expected dtype torch.int32"),
+                       (torch.empty(3, 9, dtype=torch.int32), "out: expected shape [3, 8]"),
+                       (torch.empty(8, 3, dtype=torch.int32).t(), "out: expected a contiguous tensor"),
+                       (torch.empty(3, 8, dtype=torch.int32, device="meta"), "out: expected a tensor on cpu")]:
+        with pytest.raises(ValueError, match=f"^{re.escape(error)}"):
+            ops.topk_transform(**_topk(), backend="triton", out=bad)
+
+
 @pytest.mark.parametrize("case", ["paged-lens-past-width", "topk-lengths-past-L", "ragged-ke-past-N", "quant-nan-x"])
 def test_sync_mode_raises_before_any_kernel(case, monkeypatch):
     """"sync": the host checks, an immediate ValueError, as today's default on CPU tensors."""

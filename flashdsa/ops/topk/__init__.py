@@ -11,16 +11,16 @@ from flashdsa import _checks
 from flashdsa._library import op
 from flashdsa.cache.layouts import PAGE_SIZE
 from flashdsa.ops._common import (DEVICE, HOST, check_int, check_range, check_tensor, check_translation,
-                                  check_translation_values, dense, pick_backend, raise_deferred,
+                                  check_translation_values, dense, fail, pick_backend, raise_deferred,
                                   value_check_mode)
 from flashdsa.ops.topk import reference
 # imported on first use: importing triton is slow and CPU-only users never need it
 _module = functools.cache(importlib.import_module)
 
 
-def _triton_topk(logits, lengths, topk, page_table, row_starts, out_offsets, page_size, check=False):
+def _triton_topk(logits, lengths, topk, page_table, row_starts, out_offsets, page_size, check=False, out=None):
     return _launch().topk_transform(logits, lengths, topk, page_table, row_starts, out_offsets, page_size,
-                                    check=check)
+                                    check=check, out=out)
 
 
 _IMPLS = {"torch": reference.topk_transform, "triton": _triton_topk}
@@ -31,11 +31,11 @@ def _topk_fake(logits, lengths, topk=2048, *, page_table=None, row_starts=None, 
     return logits.new_empty((logits.shape[0], topk), dtype=torch.int32)
 
 
-@op("topk_transform", _topk_fake)
+@op("topk_transform", _topk_fake, out="out")
 def topk_transform(logits: torch.Tensor, lengths: torch.Tensor, topk: int = 2048, *,
                    page_table: torch.Tensor | None = None, row_starts: torch.Tensor | None = None,
                    out_offsets: torch.Tensor | None = None, page_size: int = PAGE_SIZE,
-                   backend: str | None = None) -> torch.Tensor:
+                   backend: str | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Exact top-k of each row's candidates, translated to what the attention reads.
 
     Row r's candidates are ``logits[r, row_starts[r] : row_starts[r] + lengths[r]]`` at row-relative
@@ -59,6 +59,9 @@ def topk_transform(logits: torch.Tensor, lengths: torch.Tensor, topk: int = 2048
         out_offsets: ``[R] int32``; output = ``p + out_offsets[r]`` (ragged prefill: index into the
                      gathered KV). Exclusive with ``page_table``.
         page_size:   tokens per page of ``page_table`` (64; 64 * c with kpool).
+        out:         optional ``[R, topk] int32`` contiguous buffer to write the result into (and return),
+                     e.g. a CUDA-graph engine's static buffer: no allocation a call; it must not overlap
+                     the inputs. Under torch.compile the op's result is copied into it.
 
     The metadata tensors may be strided views (``context_lens[:, 0]``); they are made contiguous first.
     Value checks (the ranges above, the page table's reach and page ids): for the Triton kernel on CUDA
@@ -80,11 +83,13 @@ def topk_transform(logits: torch.Tensor, lengths: torch.Tensor, topk: int = 2048
                type(lengths), lengths.dtype, lengths.shape, lengths.stride(), lengths.device,
                _meta(page_table), _meta(row_starts), _meta(out_offsets), type(topk), topk, type(page_size),
                page_size, backend, mode)
+        if out is not None:
+            key = (key, _meta(out))
         entry = _FAST.get(key)
     except (AttributeError, TypeError):  # not tensors, or unhashable: the checks below say what is wrong
         entry = key = None
     if entry is not None and _IMPLS["triton"] is _triton_topk:  # (tests stand other kernels in there)
-        return _launch().run(entry, logits, lengths, page_table, row_starts, out_offsets, capturing=capturing)
+        return _launch().run(entry, logits, lengths, page_table, row_starts, out_offsets, out, capturing=capturing)
     check_tensor("logits", logits, dtype=torch.float32, ndim=2, contiguous_last=True)
     R, L = logits.shape
     dev = logits.device
@@ -94,6 +99,10 @@ def topk_transform(logits: torch.Tensor, lengths: torch.Tensor, topk: int = 2048
     if row_starts is not None:
         check_tensor("row_starts", row_starts, dtype=torch.int32, shape=(R,), device=dev)
     check_translation(R, dev, page_table, out_offsets)
+    if out is not None:
+        check_tensor("out", out, dtype=torch.int32, shape=(R, topk), device=dev)
+        if not out.is_contiguous():
+            fail("out", "a contiguous tensor", f"strides {out.stride()}")
     given = (lengths, page_table, row_starts, out_offsets)
     lengths, page_table, row_starts, out_offsets = dense(*given)
     impl = pick_backend(backend, _IMPLS, dev, "topk_transform")
@@ -109,11 +118,13 @@ def topk_transform(logits: torch.Tensor, lengths: torch.Tensor, topk: int = 2048
         if len(_FAST) >= 256:
             _FAST.pop(next(iter(_FAST)))
         _FAST[key] = entry
-        return _launch().run(entry, logits, lengths, page_table, row_starts, out_offsets)
-    elif mode is DEVICE:
-        # checked by the kernel itself, row by row, before it reads anything through the row's values
-        return impl(logits, lengths, topk, page_table, row_starts, out_offsets, page_size, check=True)
-    return impl(logits, lengths, topk, page_table, row_starts, out_offsets, page_size)
+        return _launch().run(entry, logits, lengths, page_table, row_starts, out_offsets, out)
+    if impl is _triton_topk:
+        # DEVICE: checked by the kernel itself, row by row, before it reads anything through the row's values
+        return impl(logits, lengths, topk, page_table, row_starts, out_offsets, page_size, check=mode is DEVICE,
+                    out=out)
+    res = impl(logits, lengths, topk, page_table, row_starts, out_offsets, page_size)
+    return res if out is None else out.copy_(res)
 
 
 # call signature (see the fast path) -> launch entry
