@@ -9,6 +9,7 @@ the plain-call decode step against its CUDA-graph replay (issue #18): the measur
 
 from __future__ import annotations
 
+import statistics
 import time
 from types import SimpleNamespace
 
@@ -66,6 +67,9 @@ class HostTimer:
             torch.cuda.synchronize()
         best = {key: float("inf") for key in fns}
         busy = {key: True for key in fns}
+        # every batch's µs per call, for the spread (``batches``): the best is the path's own cost, a spread
+        # that moves the median far from it says something besides the host's load was timed
+        self.batches = {key: [] for key in fns}
         for _ in range(self.reps if self.dev == "cuda" else 1):
             for key, fn in fns.items():
                 if before is not None:
@@ -82,6 +86,7 @@ class HostTimer:
                     busy[key] = busy[key] and not done.query()  # the spin still running: host time only
                     torch.cuda.synchronize()
                 best[key] = min(best[key], dt / self.calls * 1e6)
+                self.batches[key].append(dt / self.calls * 1e6)
         return {key: (best[key], busy[key]) for key in fns}
 
 
@@ -249,6 +254,7 @@ def run_ctx(ctx: int, a, dev: str, timer: HostTimer, dg: bool, sgl: bool, rows: 
     for name, (fn, peer) in ours.items():
         row = dict(ctx=ctx, call=name, side="ours")
         row["host_us"], row["gpu_busy"] = timed[("on", name)]
+        row["host_us_median"] = statistics.median(timer.batches[("on", name)])
         row["host_us_checks_off"] = timed[("off", name)][0]
         if ("fresh-scratch", name) in timed:
             row["host_us_fresh_scratch"] = timed[("fresh-scratch", name)][0]
@@ -306,8 +312,8 @@ def measure(dev: str, ctxs=(8192, 32768), calls: int = 100, B: int = 64, H: int 
     return rows, verdicts
 
 
-COLUMNS = ("ctx", "call", "side", "host_us", "host_us_checks_off", "host_us_fresh_scratch", "peer", "peer_host_us",
-           "ours/peer", "ours/raw fast_topk", "gpu_busy", "step_plain_us", "step_graph_us", "plain/graph",
+COLUMNS = ("ctx", "call", "side", "host_us", "host_us_median", "host_us_checks_off", "host_us_fresh_scratch", "peer",
+           "peer_host_us", "ours/peer", "ours/raw fast_topk", "gpu_busy", "step_plain_us", "step_graph_us", "plain/graph",
            "gpu_us_checks", "gpu_us_no_checks", "checks/none")
 
 
