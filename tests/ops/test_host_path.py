@@ -272,6 +272,57 @@ def test_topk_out_buffer(device_checks, monkeypatch):
             ops.topk_transform(**_topk(), backend="triton", out=bad)
 
 
+def test_sparse_mla_decode_repeated_call_skips_only_what_it_already_checked(monkeypatch):
+    """sparse_mla_decode's fast path: a call whose host-known facts equal an earlier checked call's runs the
+    kernel that call picked without the argument checks, with the same bits; a call differing in any of them
+    is checked again (and refused where wrong); a call whose q was widened or whose indices were made
+    contiguous is never remembered; a kernel stood in later is the one that runs."""
+    from flashdsa.ops import sparse_mla
+    monkeypatch.setattr(sparse_mla, "_FAST", {})
+    checked = []
+    real = sparse_mla.check_tensor
+    monkeypatch.setattr(sparse_mla, "check_tensor", lambda name, *a, **k: checked.append(name) or real(name, *a, **k))
+    g = torch.Generator().manual_seed(6)
+    cache = layouts.encode_mla(torch.randn(128, 576, generator=g), "fp8").view(2, 64, 656)
+    q = torch.randn(2, 1, 16, 576, generator=g).to(torch.bfloat16)
+    idx = torch.randint(-1, 128, (2, 1, 8), generator=g).to(torch.int32)
+    want = ops.sparse_mla_decode(q, cache, idx, SM, backend="torch")
+    sparse_mla._FAST.clear()
+
+    def call(**change):
+        checked.clear()
+        a = dict(q=q, kv_cache=cache, indices=idx, sm_scale=SM, backend="triton")
+        a.update(change)
+        return ops.sparse_mla_decode(**a)
+
+    for first in (True, False):
+        out, lse = call()
+        assert bool(checked) == first
+        assert (out.float() - want[0].float()).abs().max() <= 2 ** -8 * (want[0].float().abs().max() + 1)
+    first_out = out
+    assert torch.equal(call()[0], first_out) and len(sparse_mla._FAST) == 1
+    for change, error in [(dict(indices=idx.long()), "indices: expected dtype torch.int32"),
+                          (dict(q=q.float()), "q: expected dtype torch.bfloat16 with a fp8 cache"),
+                          (dict(sm_scale=-SM), "sm_scale: expected a finite positive number"),
+                          (dict(d_v=0), "d_v: expected an int in 1..512"),
+                          (dict(kv_scale=1.0), "kv_scale: expected None for a 'fp8' cache"),
+                          (dict(indices=idx[:1]), "indices: expected shape [2, 1, *]")]:
+        with pytest.raises(ValueError, match=f"^{re.escape(error)}"):
+            call(**change)
+        assert checked
+    strided = torch.stack([idx, idx], -1)[..., 0]
+    for _ in range(2):
+        assert torch.equal(call(indices=strided)[0], first_out) and checked
+    assert len(sparse_mla._FAST) == 1
+    fp32 = torch.randn(2, 64, 576, generator=g)  # the fp32 cache: a bf16 q is widened each call, never remembered
+    for _ in range(2):
+        call(kv_cache=fp32)
+        assert checked
+    assert len(sparse_mla._FAST) == 1
+    monkeypatch.setitem(sparse_mla._DECODE, "triton", lambda *a: ("stand-in",))
+    assert call() == ("stand-in",)
+
+
 @pytest.mark.parametrize("case", ["paged-lens-past-width", "topk-lengths-past-L", "ragged-ke-past-N", "quant-nan-x"])
 def test_sync_mode_raises_before_any_kernel(case, monkeypatch):
     """"sync": the host checks, an immediate ValueError, as today's default on CPU tensors."""
