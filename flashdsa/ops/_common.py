@@ -15,6 +15,7 @@ from typing import Callable, Iterable
 
 import torch
 
+from flashdsa import _checks as _checks_state
 from flashdsa._checks import (DEVICE, HOST, check_errors, check_finite, check_range, fail,  # noqa: F401 (re-exported)
                               is_cuda, raise_deferred, set_value_checks, value_check_mode, value_checks_enabled)
 
@@ -121,6 +122,23 @@ def pick_backend(backend: str | None, impls: dict[str, Callable], device: torch.
     if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(f"backend: 'triton' needs CUDA tensors (or TRITON_INTERPRET=1 for CPU tensors), got {device}")
     return impls[backend]
+
+
+def facts(t) -> tuple | None:
+    """The host-known facts of a tensor argument (type, dtype, shape, strides, device), for the ops' fast
+    paths: a call whose facts all equal an earlier call's passes the same shape / dtype / device checks."""
+    return None if t is None else (type(t), t.dtype, t.shape, t.stride(), t.device)
+
+
+def check_mode_and_capture(t: torch.Tensor) -> tuple:
+    """``(value_check_mode(t, True), capturing)`` in one pass, for an op whose kernel can check on the device:
+    whether the current stream is being captured is asked once, for the mode and the launcher's scratch."""
+    if _checks_state._MODE == "off" or _checks_state._TRUSTED.get():
+        return None, t.is_cuda and torch.cuda.is_current_stream_capturing()
+    if t.is_cuda:
+        capturing = torch.cuda.is_current_stream_capturing()
+        return (None if capturing else DEVICE if _checks_state._MODE == "device" else HOST), capturing
+    return value_check_mode(t, True), False
 
 
 def device_checks():

@@ -272,6 +272,46 @@ def test_topk_out_buffer(device_checks, monkeypatch):
             ops.topk_transform(**_topk(), backend="triton", out=bad)
 
 
+def test_paged_repeated_call_skips_only_what_it_already_checked(device_checks, monkeypatch):
+    """indexer_logits_paged's fast path: a call whose host-known facts equal an earlier checked call's runs
+    the same kernel with the same device checks and without the argument checks, with the same bits; a call
+    differing in any of them is checked again (and refused where wrong); strided metadata is never
+    remembered; "sync" checks on the host at once."""
+    from flashdsa.ops import indexer
+    monkeypatch.setattr(indexer, "_PAGED_FAST", {})
+    checked = []
+    real = indexer.check_tensor
+    monkeypatch.setattr(indexer, "check_tensor", lambda name, *a, **k: checked.append(name) or real(name, *a, **k))
+
+    def call(**change):
+        checked.clear()
+        return ops.indexer_logits_paged(**dict(_paged(), **change), backend="triton")
+
+    want = call()
+    for _ in range(2):
+        assert torch.equal(call(), want) and not checked
+    assert len(indexer._PAGED_FAST) == 1
+    a = _paged()
+    for change, error in [(dict(context_lens=a["context_lens"].long()), "context_lens: expected dtype torch.int32"),
+                          (dict(weights=a["weights"][:3]), "weights: expected shape [4, 4]"),
+                          (dict(max_context_len=True), "max_context_len: expected an int >= 0"),
+                          (dict(block_table=a["block_table"][:1]), "block_table: expected 2 rows")]:
+        with pytest.raises(ValueError, match=f"^{re.escape(error)}"):
+            call(**change)
+        assert checked
+    strided = torch.stack([a["block_table"], a["block_table"]], -1)[..., 0]
+    for _ in range(2):
+        assert torch.equal(call(block_table=strided), want) and checked
+    assert len(indexer._PAGED_FAST) == 1
+    out = call(**BAD["paged-lens-past-width"][2](_paged()))  # the device checks run on the fast path too
+    assert not checked and _empty_rows("indexer_logits_paged", out, [2, 3])
+    with pytest.raises(ValueError, match="^context_lens: expected values <= .* earlier indexer_logits_paged"):
+        ops.check_errors()
+    monkeypatch.setattr(_checks, "_MODE", "sync")
+    with pytest.raises(ValueError, match="^context_lens: expected values <="):
+        call(**BAD["paged-lens-past-width"][2](_paged()))
+
+
 def test_sparse_mla_decode_repeated_call_skips_only_what_it_already_checked(monkeypatch):
     """sparse_mla_decode's fast path: a call whose host-known facts equal an earlier checked call's runs the
     kernel that call picked without the argument checks, with the same bits; a call differing in any of them

@@ -116,6 +116,7 @@ def test_dispatch_rule(monkeypatch):
     monkeypatch.setitem(indexer._PAGED, "triton", indexer._triton_paged)
     monkeypatch.setattr(indexer, "pick_backend", lambda b, impls, d, o: _common.pick_backend(b or "triton", impls, d, o))
     monkeypatch.setattr(indexer, "_GLUON_STATE", {"ran": False, "failed": None})
+    monkeypatch.setattr(indexer, "_PAGED_FAST", {})
     why = {"value": None}
     real_unsupported = indexer._gluon_paged_unsupported
     monkeypatch.setattr(indexer, "_gluon_paged_unsupported", lambda q, c: why["value"] or (
@@ -145,10 +146,12 @@ def test_dispatch_rule(monkeypatch):
     assert call(2, "device", backend="gluon") == ("gluon",) and call(1, "off", backend="gluon") == ("gluon",)
     assert call(4, "off", backend="triton") == ("triton", False)
     why["value"] = "an sm_90 GPU"
+    indexer._PAGED_FAST.clear()  # (the real reasons are facts of the fast path's key; this stand-in is not)
     assert call(4, "off") == ("triton", False)
     with pytest.raises(ValueError, match="^backend: expected 'gluon' for a call it supports: it needs an sm_90"):
         call(4, "off", backend="gluon")
     why["value"] = None
+    indexer._PAGED_FAST.clear()
 
     def broken(*a):
         raise RuntimeError("no such Gluon op")

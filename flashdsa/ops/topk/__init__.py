@@ -7,12 +7,11 @@ import importlib
 
 import torch
 
-from flashdsa import _checks
 from flashdsa._library import op
 from flashdsa.cache.layouts import PAGE_SIZE
-from flashdsa.ops._common import (DEVICE, HOST, check_int, check_range, check_tensor, check_translation,
-                                  check_translation_values, dense, fail, pick_backend, raise_deferred,
-                                  value_check_mode)
+from flashdsa.ops._common import (DEVICE, HOST, check_int, check_mode_and_capture, check_range, check_tensor,
+                                  check_translation, check_translation_values, dense, facts, fail, pick_backend,
+                                  raise_deferred, value_check_mode)
 from flashdsa.ops.topk import reference
 # imported on first use: importing triton is slow and CPU-only users never need it
 _module = functools.cache(importlib.import_module)
@@ -78,13 +77,13 @@ def topk_transform(logits: torch.Tensor, lengths: torch.Tensor, topk: int = 2048
     # Triton kernel passes them again: launch at once (the checks, dispatch and launch-shape lookup it skips
     # cost ~4 us of Python a call on a desktop CPU, more on the H200's host).
     try:
-        mode, capturing = _mode(lengths)
+        mode, capturing = check_mode_and_capture(lengths)
         key = (type(logits), logits.dtype, logits.shape, logits.stride(), logits.device, not logits.data_ptr() & 15,
                type(lengths), lengths.dtype, lengths.shape, lengths.stride(), lengths.device,
-               _meta(page_table), _meta(row_starts), _meta(out_offsets), type(topk), topk, type(page_size),
+               facts(page_table), facts(row_starts), facts(out_offsets), type(topk), topk, type(page_size),
                page_size, backend, mode)
         if out is not None:
-            key = (key, _meta(out))
+            key = (key, facts(out))
         entry = _FAST.get(key)
     except (AttributeError, TypeError):  # not tensors, or unhashable: the checks below say what is wrong
         entry = key = None
@@ -133,22 +132,6 @@ _FAST: dict = {}
 
 def _launch():
     return _module("flashdsa.ops.topk.launch")
-
-
-def _meta(t):
-    """The host-known facts of an optional tensor argument, for the fast path's key."""
-    return None if t is None else (type(t), t.dtype, t.shape, t.stride(), t.device)
-
-
-def _mode(lengths) -> tuple:
-    """``(value_check_mode(lengths, True), capturing)`` in one pass: whether the current stream is being
-    captured is asked once for both the mode and the launcher's scratch."""
-    if _checks._MODE == "off" or _checks._TRUSTED.get():
-        return None, lengths.is_cuda and torch.cuda.is_current_stream_capturing()
-    if lengths.is_cuda:
-        capturing = torch.cuda.is_current_stream_capturing()
-        return (None if capturing else DEVICE if _checks._MODE == "device" else HOST), capturing
-    return value_check_mode(lengths, True), False
 
 
 def _check_values(L, lengths, page_table, row_starts, out_offsets, page_size) -> None:
