@@ -124,6 +124,15 @@ def pick_backend(backend: str | None, impls: dict[str, Callable], device: torch.
     return impls[backend]
 
 
+def remember(cache: dict, key, value, cap: int):
+    """``cache[key] = value`` with at most ``cap`` entries (the oldest goes first); returns ``value``. The host
+    paths' per-shape caches: a decode loop has a handful of keys, so the bound only stops a runaway."""
+    if len(cache) >= cap:
+        cache.pop(next(iter(cache)))
+    cache[key] = value
+    return value
+
+
 def facts(t) -> tuple | None:
     """The host-known facts of a tensor argument (type, dtype, shape, strides, device), for the ops' fast
     paths: a call whose facts all equal an earlier call's passes the same shape / dtype / device checks."""

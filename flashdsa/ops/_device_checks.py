@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from flashdsa._checks import E4M3_NAN, error_code, error_flag, error_word
+from flashdsa.cache.layouts import PAGE_SIZE
 from flashdsa.ops._common import INT32_MAX
 from flashdsa.ops._launch import KernelLauncher, aligned
 from flashdsa.ops._triton_utils import cdiv
@@ -264,7 +265,7 @@ def check_paged(q_fp8: torch.Tensor, context_lens: torch.Tensor, block_table: to
         return out
     flag = error_flag(context_lens.device)
     maxp = block_table.shape[1]
-    hi = min(max_context_len, maxp * 64)
+    hi = min(max_context_len, maxp * PAGE_SIZE)
     qbytes = q_fp8[0].numel()
     ptrs = (q_fp8.data_ptr(), context_lens.data_ptr(), block_table.data_ptr(), out.data_ptr(), flag.data_ptr())
     key = (B, n, qbytes, maxp, block_table.stride(0), hi, n_pages) if aligned(*ptrs) else None
@@ -273,7 +274,7 @@ def check_paged(q_fp8: torch.Tensor, context_lens: torch.Tensor, block_table: to
         return (B,), dict(q=q_fp8.view(torch.uint8), context_lens=context_lens, block_table=block_table, ctx_out=out,
                           flag=flag, hi=hi, last_page=n_pages - 1, stride_bt=block_table.stride(0), code0=PAGED_CODE0,
                           NEXT_N=n, NP=triton.next_power_of_2(n), QBYTES=qbytes, BLOCK=SCAN_BLOCK, BLOCK_P=256,
-                          PAGE=64)
+                          PAGE=PAGE_SIZE)
 
     _PAGED(key, ptrs, build)
     return out

@@ -32,6 +32,8 @@ from typing import Callable
 import torch
 from triton import knobs
 
+from flashdsa.ops._common import remember
+
 # Plans kept per kernel; a decode loop has a handful of shapes, a new max_context_len every 64 tokens.
 MAX_PLANS = 256
 # Test hooks. VERIFY: before each planned launch, build Triton's own launch too and check that the plan
@@ -142,6 +144,19 @@ def _raw_launch(compiled, nargs: int):
         return None
 
 
+class Address:
+    """A cached tensor descriptor's base: an address and a dtype, no reference to the tensor (the launcher
+    reads ``base.data_ptr()`` only), so a descriptor kept per (address, shape) for planned launches pins no
+    memory."""
+    __slots__ = ("ptr", "dtype")
+
+    def __init__(self, ptr: int, dtype: torch.dtype):
+        self.ptr, self.dtype = ptr, dtype
+
+    def data_ptr(self) -> int:
+        return self.ptr
+
+
 _ENCODED: dict = {}
 
 
@@ -153,11 +168,7 @@ def _encoded(desc, meta) -> list:
     hit = _ENCODED.get(id(desc))
     if hit is not None and hit[0] is desc:
         return hit[1]
-    if len(_ENCODED) >= 256:
-        _ENCODED.pop(next(iter(_ENCODED)))
-    args = _make_tensordesc_arg(desc, meta)
-    _ENCODED[id(desc)] = (desc, args)
-    return args
+    return remember(_ENCODED, id(desc), (desc, _make_tensordesc_arg(desc, meta)), 256)[1]
 
 
 def _make_tensordesc_arg(desc, meta) -> list:
@@ -206,9 +217,7 @@ class KernelLauncher:
         if key is not None and plan is None and not self.refused:
             plan = self._make_plan(compiled, grid, kwargs)
             if plan is not None:
-                if len(self.plans) >= MAX_PLANS:
-                    self.plans.pop(next(iter(self.plans)))
-                self.plans[key] = plan
+                remember(self.plans, key, plan, MAX_PLANS)
         return compiled
 
     def _make_plan(self, compiled, grid, kwargs: dict) -> _Plan | None:

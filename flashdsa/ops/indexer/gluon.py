@@ -112,7 +112,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from flashdsa.cache.layouts import INDEX_KEY_BYTES, INDEX_PAGE_BYTES, PAGE_SIZE
-from flashdsa.ops._launch import KernelLauncher, aligned, capability
+from flashdsa.ops._common import remember
+from flashdsa.ops._launch import Address, KernelLauncher, aligned, capability
 from flashdsa.ops._triton_utils import cdiv, num_sms, prev_pow2
 from flashdsa.ops.indexer.paged import PAGE_ROWS
 
@@ -704,18 +705,6 @@ def unsupported(q_fp8: torch.Tensor, index_cache: torch.Tensor) -> str | None:
     return None
 
 
-class _Base:
-    """A cached descriptor's base: an address and a dtype, no reference to the tensor (the launcher reads
-    ``base.data_ptr()`` only), as ``paged._Address``."""
-    __slots__ = ("ptr", "dtype")
-
-    def __init__(self, ptr: int, dtype: torch.dtype):
-        self.ptr, self.dtype = ptr, dtype
-
-    def data_ptr(self) -> int:
-        return self.ptr
-
-
 _DESCS: dict = {}
 
 
@@ -726,9 +715,8 @@ def _cached_desc(ptr: int, dtype: torch.dtype, rows: int, cols: int, block: tupl
     key = (ptr, dtype, rows, cols, block)
     desc = _DESCS.get(key)
     if desc is None:
-        if len(_DESCS) >= 256:
-            _DESCS.pop(next(iter(_DESCS)))
-        desc = _DESCS[key] = TensorDescriptor(_Base(ptr, dtype), [rows, cols], [cols, 1], list(block), layout)
+        desc = remember(_DESCS, key, TensorDescriptor(Address(ptr, dtype), [rows, cols], [cols, 1], list(block), layout),
+                        256)
     return desc
 
 

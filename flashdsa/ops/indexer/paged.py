@@ -25,7 +25,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from flashdsa._checks import error_flag
 from flashdsa.cache.layouts import INDEX_KEY_BYTES, INDEX_PAGE_BYTES, PAGE_SIZE
 from flashdsa.ops._device_checks import PAGED_CODE0, flag_range, flag_word
-from flashdsa.ops._launch import KernelLauncher, aligned, capability
+from flashdsa.ops._common import remember
+from flashdsa.ops._launch import Address, KernelLauncher, aligned, capability
 from flashdsa.ops._triton_utils import cdiv, interpreting, next_pow2, num_sms, prev_pow2
 from flashdsa.ops.indexer.common import (MAX_DOT_N, e4m3_bits_to_f16, fill_neg_inf, fp8_dot_supported, gated_relu_sum,
                                          logits_buffer)
@@ -543,24 +544,7 @@ def _launch_shape(key, cfg: PagedConfig, q_fp8, index_cache, max_context_len) ->
     options = {"num_warps": shape.num_warps, "num_stages": cfg.num_stages}
     if cfg.max_regs is not None:
         options["maxnreg"] = cfg.max_regs
-    hit = _Launch(tma, fp8_dot, shape, grid, options)
-    if len(_SHAPES) >= 1024:
-        _SHAPES.pop(next(iter(_SHAPES)))
-    _SHAPES[key] = hit
-    return hit
-
-
-class _Address:
-    """A tensor descriptor's base for a cached descriptor: its address and dtype, no reference to the
-    tensor (the launcher reads ``base.data_ptr()`` only)."""
-    __slots__ = ("ptr",)
-    dtype = torch.float8_e4m3fn
-
-    def __init__(self, ptr: int):
-        self.ptr = ptr
-
-    def data_ptr(self) -> int:
-        return self.ptr
+    return remember(_SHAPES, key, _Launch(tma, fp8_dot, shape, grid, options), 1024)
 
 
 def _key_desc(index_cache: torch.Tensor, cached: bool) -> TensorDescriptor:
@@ -573,10 +557,8 @@ def _key_desc(index_cache: torch.Tensor, cached: bool) -> TensorDescriptor:
     ptr = index_cache.data_ptr()
     desc = _DESCS.get((ptr, P))
     if desc is None:
-        if len(_DESCS) >= 64:
-            _DESCS.pop(next(iter(_DESCS)))
-        desc = _DESCS[(ptr, P)] = TensorDescriptor(_Address(ptr), shape=[P * PAGE_ROWS, D], strides=[D, 1],
-                                                    block_shape=[PAGE_SIZE, D])
+        desc = remember(_DESCS, (ptr, P), TensorDescriptor(Address(ptr, torch.float8_e4m3fn), shape=[P * PAGE_ROWS, D],
+                                                           strides=[D, 1], block_shape=[PAGE_SIZE, D]), 64)
     return desc
 
 

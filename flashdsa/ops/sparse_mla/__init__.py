@@ -10,7 +10,7 @@ import torch
 
 from flashdsa._library import op
 from flashdsa.cache.layouts import MLA_DIM, MLA_LATENT, PAGE_SIZE, mla_cache_format
-from flashdsa.ops._common import check_scalar, check_tensor, dense, fail, pick_backend, raise_deferred
+from flashdsa.ops._common import check_scalar, check_tensor, dense, facts, fail, pick_backend, raise_deferred, remember
 from flashdsa.ops.sparse_mla import reference
 
 # imported on first use: importing triton is slow and CPU-only users never need it
@@ -168,10 +168,8 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Te
     # alignment, the scalars, the backend) equals an earlier call's that passed the checks below launches the
     # kernel that call picked (the checks and the dispatch cost ~7 us of Python a call on a desktop CPU)
     try:
-        key = (type(q), q.dtype, q.shape, q.stride(), q.device, type(kv_cache), kv_cache.dtype, kv_cache.shape,
-               kv_cache.stride(), kv_cache.device, kv_cache.data_ptr() & 15, type(indices), indices.dtype,
-               indices.shape, indices.stride(), indices.device, type(sm_scale), sm_scale, type(d_v), d_v,
-               type(kv_scale), kv_scale, backend)
+        key = (facts(q), facts(kv_cache), kv_cache.data_ptr() & 15, facts(indices), type(sm_scale), sm_scale,
+               type(d_v), d_v, type(kv_scale), kv_scale, backend)
         hit = _FAST.get(key)
     except (AttributeError, TypeError):  # not tensors, or unhashable: the checks below say what is wrong
         hit = key = None
@@ -208,9 +206,7 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Te
     # one that ran (a Gluon kernel whose first launch failed fell back to Triton: not remembered)
     if key is not None and name is not None and given[0] is q and given[1] is indices and not (
             impl is _gluon_decode and (_GLUON_BF16 if fmt == "bf16" else _GLUON_FP8) in _GLUON_STATE["failed"]):
-        if len(_FAST) >= 256:
-            _FAST.pop(next(iter(_FAST)))
-        _FAST[key] = (name, impl, float(sm_scale), kv_scale)
+        remember(_FAST, key, (name, impl, float(sm_scale), kv_scale), 256)
     return res
 
 

@@ -14,6 +14,7 @@ import torch
 from triton.runtime.errors import OutOfResources
 
 from flashdsa.cache.layouts import MLA_DIM, PAGE_SIZE, mla_cache_format
+from flashdsa.ops._common import remember
 from flashdsa.ops._launch import KernelLauncher, aligned
 from flashdsa.ops._triton_utils import cdiv, next_pow2, num_sms, upcast_bf16
 from flashdsa.ops.sparse_mla.kernels import (CACHE_FORMATS, sparse_mla_combine_kernel, sparse_mla_fwd_kernel,
@@ -74,9 +75,7 @@ def launch_config(h_q: int, fmt: str, rows: int, topk: int, device: torch.device
     key = (h_q, fmt, rows, topk, device, config, split)
     cfg = _CONFIGS.get(key)
     if cfg is None:
-        if len(_CONFIGS) >= 1024:
-            _CONFIGS.pop(next(iter(_CONFIGS)))
-        cfg = _CONFIGS[key] = default_launch_config(h_q, fmt, rows, topk, device, config, split)
+        cfg = remember(_CONFIGS, key, default_launch_config(h_q, fmt, rows, topk, device, config, split), 1024)
     return cfg
 
 

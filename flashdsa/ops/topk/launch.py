@@ -20,7 +20,7 @@ import torch
 
 from flashdsa._checks import error_flag, is_cuda
 from flashdsa._library import in_registered_op
-from flashdsa.ops._common import INT32_MAX
+from flashdsa.ops._common import INT32_MAX, remember
 from flashdsa.ops._device_checks import TOPK_CODE0
 from flashdsa.ops._launch import KernelLauncher
 from flashdsa.ops._triton_utils import cdiv, interpreting, next_pow2, num_sms, prev_pow2
@@ -253,11 +253,7 @@ def _launch_shape(key, logits, K, page_table, row_starts, out_offsets, page_size
         nbytes = numel * dtype.itemsize
         scratch.append((name, off, nbytes, dtype))
         off += cdiv(max(nbytes, 1), _ALIGN) * _ALIGN
-    hit = _Launch(cfg, grid, consts, tuple(scratch), off)
-    if len(_SHAPES) >= 1024:
-        _SHAPES.pop(next(iter(_SHAPES)))
-    _SHAPES[key] = hit
-    return hit
+    return remember(_SHAPES, key, _Launch(cfg, grid, consts, tuple(scratch), off), 1024)
 
 
 def launch_key(logits, K, page_table, row_starts, out_offsets, page_size, config, check) -> tuple:
