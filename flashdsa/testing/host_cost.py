@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import statistics
 import time
-from types import SimpleNamespace
 
 import torch
 import triton
@@ -227,8 +226,8 @@ def calibration_calls(dev: str) -> dict:
 
 # ---- the run ------------------------------------------------------------------------------------------
 
-def run_ctx(ctx: int, a, dev: str, timer: HostTimer, dg: bool, sgl: bool, rows: list, verdicts: list) -> None:
-    d = decode_inputs(dev, a.B, ctx, a.H, a.h_q, a.topk, a.backend)
+def run_ctx(d: dict, ctx: int, dev: str, timer: HostTimer, dg: bool, sgl: bool, rows: list, verdicts: list) -> None:
+    """Every call at context ``ctx`` on ``d`` (:func:`decode_inputs`), its rows and verdicts appended."""
     ours, theirs = our_calls(d), peer_calls(d, dg, sgl)
     calls = {("peer", name): fn for name, fn in theirs.items()}
     for checks in ("on", "off"):
@@ -298,7 +297,6 @@ def measure(dev: str, ctxs=(8192, 32768), calls: int = 100, B: int = 64, H: int 
     """``(rows, verdicts)``: the calibration calls, then per context every call of ours (default checks and
     checks off) and of the peers (``dg``: DeepGEMM loaded, ``sgl``: sgl-kernel's ops loaded), the device cost
     of the folded checks and the plain step vs its replay. ``dev`` "cpu": the interpreter, times meaningless."""
-    a = SimpleNamespace(B=B, H=H, h_q=h_q, topk=topk, backend=backend)
     timer = timer or HostTimer(dev, calls)
     rows: list[dict] = []
     verdicts: list[tuple[str, bool]] = []
@@ -306,7 +304,7 @@ def measure(dev: str, ctxs=(8192, 32768), calls: int = 100, B: int = 64, H: int 
         for cname, (us, busy) in timer.interleaved(calibration_calls(dev)).items():
             rows.append(dict(ctx="-", call=cname, side="calibration", host_us=us, gpu_busy=busy))
     for ctx in ctxs:
-        run_ctx(ctx, a, dev, timer, dg, sgl, rows, verdicts)
+        run_ctx(decode_inputs(dev, B, ctx, H, h_q, topk, backend), ctx, dev, timer, dg, sgl, rows, verdicts)
         if dev == "cuda":
             torch.cuda.empty_cache()
     return rows, verdicts
