@@ -102,6 +102,18 @@ def value_check_mode(t: torch.Tensor, device_capable: bool) -> str | None:
     return DEVICE if device_capable and DEVICE_CHECKS_ON_CPU and _MODE == "device" else HOST
 
 
+def check_mode_and_capture(t: torch.Tensor) -> tuple:
+    """``(value_check_mode(t, True), capturing)`` in one pass, for the ops' fast paths (their kernels check on
+    the device): whether the current stream is being captured is asked once, for the mode and the launcher's
+    scratch."""
+    if _MODE == "off" or _TRUSTED.get():
+        return None, t.is_cuda and torch.cuda.is_current_stream_capturing()
+    if t.is_cuda:
+        capturing = torch.cuda.is_current_stream_capturing()
+        return (None if capturing else DEVICE if _MODE == "device" else HOST), capturing
+    return value_check_mode(t, True), False
+
+
 def fail(name: str, expected: str, got) -> None:
     raise ValueError(f"{name}: expected {expected}, got {got}")
 

@@ -15,9 +15,9 @@ from typing import Callable, Iterable
 
 import torch
 
-from flashdsa import _checks as _checks_state
-from flashdsa._checks import (DEVICE, HOST, check_errors, check_finite, check_range, fail,  # noqa: F401 (re-exported)
-                              is_cuda, raise_deferred, set_value_checks, value_check_mode, value_checks_enabled)
+from flashdsa._checks import (DEVICE, HOST, check_errors, check_finite, check_mode_and_capture,  # noqa: F401 (re-exported)
+                              check_range, fail, is_cuda, raise_deferred, set_value_checks, value_check_mode,
+                              value_checks_enabled)
 
 BACKENDS = ("torch", "triton", "gluon")  # gluon: the ops that have a Gluon kernel (sparse_mla_decode)
 _Tensor = torch.Tensor
@@ -137,17 +137,6 @@ def facts(t) -> tuple | None:
     """The host-known facts of a tensor argument (type, dtype, shape, strides, device), for the ops' fast
     paths: a call whose facts all equal an earlier call's passes the same shape / dtype / device checks."""
     return None if t is None else (type(t), t.dtype, t.shape, t.stride(), t.device)
-
-
-def check_mode_and_capture(t: torch.Tensor) -> tuple:
-    """``(value_check_mode(t, True), capturing)`` in one pass, for an op whose kernel can check on the device:
-    whether the current stream is being captured is asked once, for the mode and the launcher's scratch."""
-    if _checks_state._MODE == "off" or _checks_state._TRUSTED.get():
-        return None, t.is_cuda and torch.cuda.is_current_stream_capturing()
-    if t.is_cuda:
-        capturing = torch.cuda.is_current_stream_capturing()
-        return (None if capturing else DEVICE if _checks_state._MODE == "device" else HOST), capturing
-    return value_check_mode(t, True), False
 
 
 def device_checks():
