@@ -17,6 +17,7 @@ import torch
 from test_indexer_triton import _bits, _check, _paged_inputs, compile_without_interpreter
 
 from flashdsa.ops import indexer_logits_paged
+from flashdsa.ops._gluon import GluonKernels
 from flashdsa.testing.inputs import poison
 
 SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
@@ -84,7 +85,8 @@ def test_public_op_dispatches_next_n_4_to_gluon_from_a_verified_plan(checks, mon
     q = q.contiguous()
     ref = indexer_logits_paged(*(t.cpu() for t in (q, cache, w, ctx, bt)), width, backend="torch")
     outs = [indexer_logits_paged(q, cache, w, ctx, bt, width) for _ in range(3)]
-    assert indexer._GLUON_STATE == {"ran": True, "failed": None} and len(gluon._PLANNED.plans) == 1
+    assert indexer._GLUONS.ran == {(indexer._GLUON, "indexer_logits_paged_planned")} and not indexer._GLUONS.failed
+    assert len(gluon._PLANNED.plans) == 1
     _check(outs[0].cpu(), ref, rel=1e-3, max_cos_diff=1e-6)
     assert all(torch.equal(_bits(outs[0]), _bits(o)) for o in outs[1:])
     monkeypatch.setattr(_checks, "_MODE", "off")
@@ -115,12 +117,12 @@ def test_dispatch_rule(monkeypatch):
                         lambda *a: ran.append(("gluon", a[3].tolist())) or "g")
     monkeypatch.setitem(indexer._PAGED, "triton", indexer._triton_paged)
     monkeypatch.setattr(indexer, "pick_backend", lambda b, impls, d, o: _common.pick_backend(b or "triton", impls, d, o))
-    monkeypatch.setattr(indexer, "_GLUON_STATE", {"ran": False, "failed": None})
+    monkeypatch.setattr(indexer, "_GLUONS", GluonKernels(indexer._module))
     monkeypatch.setattr(indexer, "_PAGED_FAST", {})
     why = {"value": None}
     real_unsupported = indexer._gluon_paged_unsupported
     monkeypatch.setattr(indexer, "_gluon_paged_unsupported", lambda q, c: why["value"] or (
-        real_unsupported(q, c) if indexer._GLUON_STATE["failed"] else None))
+        real_unsupported(q, c) if indexer._GLUONS.failed else None))
     monkeypatch.setattr(_checks, "DEVICE_CHECKS_ON_CPU", True)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
 
@@ -158,8 +160,8 @@ def test_dispatch_rule(monkeypatch):
     monkeypatch.setattr(indexer._module(indexer._GLUON), "indexer_logits_paged_planned", broken)
     with pytest.raises(RuntimeError, match="no such Gluon op"):  # it ran before: a failure now is a real one
         call(4, "off")
-    indexer._GLUON_STATE["ran"] = False
-    with pytest.warns(RuntimeWarning, match="Gluon kernel failed on this Triton .RuntimeError: no such Gluon op"):
+    indexer._GLUONS.ran.clear()
+    with pytest.warns(RuntimeWarning, match=r"Gluon kernel \(gluon.py\) failed on this Triton .RuntimeError: no such Gluon op"):
         assert call(4, "off") == ("triton", False)
     assert call(4, "off") == ("triton", False)  # no second attempt
     with pytest.raises(ValueError, match="its first launch failed"):

@@ -21,6 +21,7 @@ from test_sparse_mla_triton import LSE_TOL, SM_SCALE, make_cache, make_indices
 
 from flashdsa.cache.layouts import PAGE_SIZE, decode_mla, quantize_mla_656
 from flashdsa.ops import sparse_mla_decode, sparse_mla_prefill
+from flashdsa.ops._gluon import GluonKernels
 from flashdsa.ops.sparse_mla import gluon, gluon_bf16
 from flashdsa.testing.compare import assert_close
 
@@ -280,7 +281,7 @@ def test_failed_first_launch_falls_back_to_triton_once(monkeypatch):
     import types
 
     import flashdsa.ops.sparse_mla as S
-    monkeypatch.setattr(S, "_GLUON_STATE", {"ran": set(), "failed": {}})
+    monkeypatch.setattr(S, "_GLUONS", GluonKernels(lambda name: S._module(name)))
     calls = []
 
     def broken(*args):

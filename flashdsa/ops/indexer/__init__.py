@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import warnings
 
 import numpy as np
 import torch
@@ -16,6 +15,7 @@ from flashdsa.cache.layouts import INDEX_PAGE_BYTES, PAGE_SIZE, check_index_cach
 from flashdsa.ops._common import (DEVICE, HOST, INT32_MAX, check_finite, check_int, check_mode_and_capture, check_range,
                                   check_tensor, dense, device_checks, facts, fail, pick_backend, raise_deferred,
                                   remember, value_check_mode)
+from flashdsa.ops._gluon import GluonKernels
 from flashdsa.ops.indexer import reference
 from flashdsa.ops.topk import topk_transform
 from flashdsa.quant import FP8
@@ -37,36 +37,20 @@ def _triton_paged(*args, **kwargs):
 # checks, so the default (device) mode runs a small check kernel before it (``_device_checks.check_paged``)
 GLUON_PAGED_MIN_NEXT_N = 4
 _GLUON = "flashdsa.ops.indexer.gluon"
-_GLUON_STATE = {"ran": False, "failed": None}  # whether it ran in this process / why its first launch failed
+_GLUONS = GluonKernels(lambda name: _module(name))  # whether it ran, why its first launch failed (ops/_gluon.py)
 
 
 def _gluon_paged(q_fp8, index_cache, weights, context_lens, block_table, max_context_len):
-    try:
-        out = _module(_GLUON).indexer_logits_paged_planned(q_fp8, index_cache, weights, context_lens, block_table,
-                                                           max_context_len)
-    except Exception as e:  # noqa: BLE001 - see below
-        if _GLUON_STATE["ran"]:
-            raise
-        # Gluon is experimental in Triton: a version whose API moved fails to compile the kernel (measured with
-        # 3.6, compiled with 3.9). The Triton kernel then runs, for this call and every later one.
-        _GLUON_STATE["failed"] = f"{type(e).__name__}: {e}"
-        warnings.warn(f"indexer_logits_paged: the Gluon kernel failed on this Triton ({_GLUON_STATE['failed']}); "
-                      "using the Triton kernel", RuntimeWarning)
-        return _triton_paged(q_fp8, index_cache, weights, context_lens, block_table, max_context_len)
-    _GLUON_STATE["ran"] = True
-    return out
+    return _GLUONS.run(_GLUON, "indexer_logits_paged_planned", _triton_paged, q_fp8, index_cache, weights,
+                       context_lens, block_table, max_context_len, op="indexer_logits_paged")
 
 
 def _gluon_paged_unsupported(q_fp8, index_cache) -> str | None:
-    """Why the Gluon paged kernel cannot run this call (None: it can), also where this Triton has no Gluon or
-    the kernel's first launch failed."""
-    if _GLUON_STATE["failed"] is not None:
-        return f"a Triton whose Gluon compiles it (its first launch failed: {_GLUON_STATE['failed']})"
-    try:
-        kernel = _module(_GLUON)
-    except (ImportError, AttributeError) as e:  # a Triton without triton.experimental.gluon (or another API)
-        return f"Triton's Gluon (import failed: {e})"
-    return kernel.unsupported(q_fp8, index_cache)
+    return _GLUONS.unsupported(_GLUON, q_fp8, index_cache)
+
+
+def _gluon_failed() -> bool:
+    return _GLUON in _GLUONS.failed
 
 
 _RAGGED = {"torch": reference.indexer_logits_ragged, "triton": _triton_ragged}
@@ -180,7 +164,7 @@ def indexer_logits_paged(q_fp8: torch.Tensor, index_cache: torch.Tensor, weights
         hit = _PAGED_FAST.get(key)
     except (AttributeError, TypeError):  # not tensors, or unhashable: the checks below say what is wrong
         hit = key = None
-    if hit is not None and _PAGED[hit[0]] is hit[1] and (hit[1] is not _gluon_paged or not _GLUON_STATE["failed"]):
+    if hit is not None and _PAGED[hit[0]] is hit[1] and (hit[1] is not _gluon_paged or not _gluon_failed()):
         return _run_paged(hit[1], mode, q_fp8, index_cache, weights, context_lens, block_table, max_context_len)
     check_tensor("q_fp8", q_fp8, dtype=FP8, ndim=4)
     B, n, H, D = q_fp8.shape
@@ -223,7 +207,7 @@ def indexer_logits_paged(q_fp8: torch.Tensor, index_cache: torch.Tensor, weights
     # whose first launch failed fell back to Triton: not remembered)
     if key is not None and name is not None and all(a is b for a, b in zip(given, (weights, context_lens,
                                                                                  block_table))) \
-            and not (impl is _gluon_paged and _GLUON_STATE["failed"]):
+            and not (impl is _gluon_paged and _gluon_failed()):
         remember(_PAGED_FAST, key, (name, impl), 256)
     return out
 

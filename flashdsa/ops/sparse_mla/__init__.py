@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import functools
 import importlib
-import warnings
 
 import torch
 
 from flashdsa._library import op
 from flashdsa.cache.layouts import MLA_DIM, MLA_LATENT, PAGE_SIZE, mla_cache_format
 from flashdsa.ops._common import check_scalar, check_tensor, dense, facts, fail, pick_backend, raise_deferred, remember
+from flashdsa.ops._gluon import GluonKernels
 from flashdsa.ops.sparse_mla import reference
 
 # imported on first use: importing triton is slow and CPU-only users never need it
@@ -29,23 +29,12 @@ def _triton_prefill(*args, **kwargs):
 # gathered KV and the bf16 paged cache)
 _GLUON_FP8 = "flashdsa.ops.sparse_mla.gluon"
 _GLUON_BF16 = "flashdsa.ops.sparse_mla.gluon_bf16"
-_GLUON_STATE = {"ran": set(), "failed": {}}  # (module, op) that ran in this process / module -> why its first launch failed
+_GLUONS = GluonKernels(lambda name: _module(name))  # which ran, which failed their first launch (ops/_gluon.py)
 
 
 def _run_gluon(mod: str, op_name: str, fallback, *args):
-    try:
-        out = getattr(_module(mod), f"sparse_mla_{op_name}")(*args)
-    except Exception as e:  # noqa: BLE001 - see below
-        if any(m == mod for m, _ in _GLUON_STATE["ran"]):
-            raise
-        # Gluon is experimental in Triton: a version whose API moved fails to compile the kernel (measured
-        # with 3.6; they compile with 3.9). The Triton kernels then run, for this call and every later one.
-        _GLUON_STATE["failed"][mod] = f"{type(e).__name__}: {e}"
-        warnings.warn(f"sparse_mla_{op_name}: the Gluon kernel ({mod.rsplit('.', 1)[1]}.py) failed on this Triton "
-                      f"({_GLUON_STATE['failed'][mod]}); using the Triton kernels", RuntimeWarning)
-        return fallback(*args)
-    _GLUON_STATE["ran"].add((mod, op_name))
-    return out
+    return _GLUONS.run(mod, f"sparse_mla_{op_name}", fallback, *args, op=f"sparse_mla_{op_name}",
+                       fallback_name="Triton kernels")
 
 
 def _gluon_decode(q, kv_cache, indices, sm_scale, d_v, kv_scale):
@@ -60,19 +49,11 @@ def _gluon_prefill(q, kv, indices, sm_scale, d_v):
 def gluon_decode_ran() -> bool:
     """Whether a Gluon decode kernel has run in this process (the default dispatch picks one on sm_90 where it
     applies: README.md), for reports that name the kernels behind their figures."""
-    return any(op_name == "decode" for _, op_name in _GLUON_STATE["ran"])
+    return any(entry == "sparse_mla_decode" for _, entry in _GLUONS.ran)
 
 
 def _gluon_unsupported(mod: str, *args) -> str | None:
-    """Why the Gluon kernel of ``mod`` cannot run this call (None: it can; ``args`` go to its ``unsupported``),
-    also where this Triton has no Gluon or the kernel's first launch failed."""
-    if mod in _GLUON_STATE["failed"]:
-        return f"a Triton whose Gluon compiles it (its first launch failed: {_GLUON_STATE['failed'][mod]})"
-    try:
-        kernel = _module(mod)
-    except (ImportError, AttributeError) as e:  # a Triton without triton.experimental.gluon (or another API)
-        return f"Triton's Gluon (import failed: {e})"
-    return kernel.unsupported(*args)
+    return _GLUONS.unsupported(mod, *args)
 
 
 def _pick(backend, impls, triton_impl, gluon_impl, why_not, dev, name):
@@ -205,7 +186,7 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Te
     # remembered where nothing was converted (q widened, indices made contiguous) and the kernel picked is the
     # one that ran (a Gluon kernel whose first launch failed fell back to Triton: not remembered)
     if key is not None and name is not None and given[0] is q and given[1] is indices and not (
-            impl is _gluon_decode and (_GLUON_BF16 if fmt == "bf16" else _GLUON_FP8) in _GLUON_STATE["failed"]):
+            impl is _gluon_decode and (_GLUON_BF16 if fmt == "bf16" else _GLUON_FP8) in _GLUONS.failed):
         remember(_FAST, key, (name, impl, float(sm_scale), kv_scale), 256)
     return res
 
