@@ -7,6 +7,9 @@ Cases (``--quick`` keeps those marked Q; the sweeps feed the plot):
                 paged logits B 64, next_n 4, context ~32K (the Gluon kernel on sm_90)   peer: none
                 ragged logits 4096 x 16384 Q, 8192 x 32768                        peer: DeepGEMM ragged
     topk        top-2048 of [64, 32K] Q, [64, 128K], [4096, 8K], [4096, 32K] Q      peers: fast_topk, torch.topk
+    selection   decode selection: paged logits -> top-2048 -> physical slots, B 64, next_n 1, context
+                ~U(0.7, 1.3) x {8K Q, 32K Q, 128K}, as one chain (issue #17's bar)
+                                          peer: DeepGEMM paged -> sgl-kernel fast_topk_transform_fused
     sparse_mla  decode fp8 656, B 64, s_q 1, h_q 128, top-2048, context {4K Q, 16K Q, 32K Q, 64K Q}
                 (top-k fixed, so the time is flat in context)                     peer: FlashMLA decode
                 full run also: fp8 B 64 s_q 2 h_q 128 and B 128 s_q 2 h_q 64, and bf16 pages B 64 h_q 128 and
@@ -59,7 +62,7 @@ from flashdsa.testing.inputs import (CHUNK_PAGES, decode_slots, index_cache, mla
 from flashdsa.testing.peers import peer_status
 from flashdsa.testing.timing import do_bench_us, time_us
 
-OPS = ("indexer", "topk", "sparse_mla", "layer", "host")
+OPS = ("indexer", "topk", "selection", "sparse_mla", "layer", "host")
 HOST_CTX = (8 * 1024, 32 * 1024)  # the host cost's contexts (--quick: the last)
 K = 1024
 SM_SCALE = 576 ** -0.5
@@ -104,6 +107,8 @@ def cases(ops: tuple[str, ...] = OPS, quick: bool = False, tiny: bool = False) -
                                 dict(B=2, s_q=1, h=16, topk=64, ctx=256, fmt="bf16")))
             out.append(Case("sparse_mla", "prefill", "prefill bf16 T4 N200 h16 top-64",
                             dict(T=4, N=200, h=16, topk=64)))
+        if "selection" in ops:
+            out.append(Case("selection", "selection", "selection B3 n1 ctx~300 top-64", dict(B=3, ctx=300, H=8, k=64)))
         if "layer" in ops:
             out.append(Case("layer", "layer", "tiny decode B2 ctx 200", dict(preset="tiny", B=2, ctx=200)))
         return out
@@ -122,6 +127,10 @@ def cases(ops: tuple[str, ...] = OPS, quick: bool = False, tiny: bool = False) -
             [(64, 32 * K), (64, 128 * K), (4096, 8 * K), (4096, 32 * K)]
         for R, L in shapes:
             out.append(Case("topk", "topk", f"top-2048 of [{R}, {_ctx_name(L)}]", dict(R=R, L=L, k=2048, pages=False)))
+    if "selection" in ops:
+        for ctx in [8 * K, 32 * K] + ([] if quick else [128 * K]):
+            out.append(Case("selection", "selection", f"selection B64 n1 ctx~{_ctx_name(ctx)}",
+                            dict(B=64, ctx=ctx, H=64)))
     if "sparse_mla" in ops:
         for ctx in sweep:
             out.append(Case("sparse_mla", "decode", f"decode fp8 B64 h128 top-2048 ctx {_ctx_name(ctx)}",
@@ -146,6 +155,8 @@ def peers_of(case: Case) -> str:
         return "none (DeepGEMM: next_n <= 2 on Hopper)"
     if case.kind == "topk":
         return "none (peers do not translate slots)" if case.params["pages"] else "fast_topk, torch.topk"
+    if case.kind == "selection":
+        return "DeepGEMM paged -> fast_topk_transform_fused" if case.params.get("k", 2048) == 2048 else "none (k 2048)"
     return {"paged": "DeepGEMM", "ragged": "DeepGEMM", "decode": "FlashMLA", "prefill": "FlashMLA",
             "layer": "DeepGEMM / fast_topk / FlashMLA per stage, the three in a row for the step"}[case.kind]
 
@@ -386,6 +397,56 @@ def _setup_prefill(p: dict, dev, status) -> list[tuple[str, Bench]]:
     return [("", Bench(ours, check, peer, **_attention_work(idx.numel(), h, 1152, q, idx)))]
 
 
+def _setup_selection(p: dict, dev, status) -> list[tuple[str, Bench]]:
+    """Decode selection at next_n 1: paged logits -> top-k -> physical slots, ours as the runner chains them
+    (``indexer_logits_paged`` then ``topk_transform`` through the block table), against DeepGEMM's paged
+    logits -> sgl-kernel's ``fast_topk_transform_fused`` (what SGLang's DSA decode runs; its page table is
+    per token). Checked: the logits against the torch reference (a few requests), and the slots against the
+    torch top-k on our logits; the peer's slots are compared with ours as sets (information)."""
+    from flashdsa import ops
+    from flashdsa.quant import FP8
+    B, ctx, H, k = p["B"], p["ctx"], p["H"], p.get("k", 2048)
+    g = torch.Generator(device=dev).manual_seed(ctx + 17)
+    seq, bt, P = paged_batch(B, ctx, 1, g, dev)
+    cache = index_cache(P, g, dev)
+    lens = seq.view(B, 1).to(torch.int32)
+    rows_len = lens.view(-1).contiguous()
+    max_len = bt.shape[1] * 64
+    q, w = randn((B, 1, H, 128), g, dev, FP8), randn((B, H), g, dev)
+    backend = None if q.is_cuda else "triton"
+
+    def logits():
+        return ops.indexer_logits_paged(q, cache, w, lens, bt, max_len, backend=backend)
+
+    def ours():
+        return ops.topk_transform(logits(), rows_len, k, page_table=bt, backend=backend)
+
+    def check():
+        sub = rows_subset(B, 4, dev)
+        ref = ops.indexer_logits_paged(q[sub], cache, w[sub], lens[sub], bt[sub], max_len, backend="torch")
+        x = logits()
+        got = _check_logits(x[sub], ref)
+        same = _check_same(ours()[sub], ops.topk_transform(x[sub], rows_len[sub], k, page_table=bt[sub],
+                                                           backend="torch"))
+        return {"ok": got["ok"] and same["ok"], "summary": f"logits {got['summary']}; slots {same['summary']}"}
+
+    peer = {}
+    if status["DeepGEMM"]["ok"] and status["fast_topk_transform_fused"]["ok"] and k == 2048:
+        def make():
+            dg = _deepgemm_paged(q, cache, w, lens, bt, max_len, logits)()[0]
+            j = torch.arange(max_len, device=dev)
+            token_table = (bt.long()[:, j // 64] * 64 + j % 64).to(torch.int32).contiguous()
+            topk = peers.fast_topk_transform_fused(rows_len, token_table, k)
+            chain = lambda: topk(dg())  # noqa: E731
+            theirs, mine = chain().sort(dim=1).values, ours().sort(dim=1).values
+            return chain, {"summary": f"same slots (as sets) in {(theirs == mine).all(dim=1).float().mean():.1%} of rows"}
+        peer["DeepGEMM+fast_topk_transform_fused"] = make
+    pairs = int(lens.sum())
+    return [("", Bench(ours, check, peer,
+                       bytes=q.numel() + 4 * w.numel() + 132 * int(seq.sum()) + 2 * 4 * pairs + 4 * B * k,
+                       flops=2 * pairs * H * 128, dtype="fp8"))]
+
+
 def _setup_layer(p: dict, dev, status) -> list[tuple[str, Bench]]:
     """One decode step of one layer on a KVPool, through the layer's own step (``DSAAttention.score_paged``
     -> ``topk_paged`` -> ``attend``, what ``DSAAttention.forward`` runs at decode) on random inputs."""
@@ -493,8 +554,8 @@ def _setup_layer(p: dict, dev, status) -> list[tuple[str, Bench]]:
     return [(f": {n}", b) for n, b in stages.items()] + [(": step", total)]
 
 
-SETUPS = {"paged": _setup_paged, "ragged": _setup_ragged, "topk": _setup_topk, "decode": _setup_decode,
-          "prefill": _setup_prefill, "layer": _setup_layer}
+SETUPS = {"paged": _setup_paged, "ragged": _setup_ragged, "topk": _setup_topk, "selection": _setup_selection,
+          "decode": _setup_decode, "prefill": _setup_prefill, "layer": _setup_layer}
 
 
 # ---- timing and ceilings ---------------------------------------------------------------------------

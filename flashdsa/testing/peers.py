@@ -64,12 +64,14 @@ def load_sgl_kernel(libs: str | None = None) -> tuple[str, list[str]]:
 
 def peer_status(peer_libs: str | None = None) -> dict[str, dict]:
     """Which peers import here, loading sgl-kernel's ops (:func:`load_sgl_kernel` of ``peer_libs``):
-    ``{name: {"ok": bool, "why": str}}`` for DeepGEMM, FlashMLA, fast_topk and torch.topk."""
+    ``{name: {"ok": bool, "why": str}}`` for DeepGEMM, FlashMLA, fast_topk, fast_topk_transform_fused and
+    torch.topk."""
     status: dict[str, dict] = {}
     dg, why = import_deep_gemm()
     status["DeepGEMM"] = {"ok": dg is not None, "why": why}
     source, errors = load_sgl_kernel(peer_libs)
-    for name, opname in (("FlashMLA", "sparse_decode_fwd"), ("fast_topk", "fast_topk")):
+    for name, opname in (("FlashMLA", "sparse_decode_fwd"), ("fast_topk", "fast_topk"),
+                         ("fast_topk_transform_fused", "fast_topk_transform_fused")):
         ok = hasattr(torch.ops.sgl_kernel, opname)
         status[name] = {"ok": ok, "why": f"torch.ops.sgl_kernel.{opname} from {source}" if ok
                         else "; ".join(errors) or f"{source} has no torch.ops.sgl_kernel.{opname}"}
@@ -140,5 +142,21 @@ def fast_topk_v2(scores: torch.Tensor, lengths: torch.Tensor, k: int) -> Callabl
         assert k == 2048 and scores.dim() == 2
         out = scores.new_empty((scores.size(0), k), dtype=torch.int32)
         op(scores, out, lengths, None)
+        return out
+    return call
+
+
+def fast_topk_transform_fused(lengths: torch.Tensor, token_table: torch.Tensor,
+                              k: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """sgl-kernel's top-2048 with slot translation as SGLang's DSA decode calls it, one query row a request
+    (``cu_seqlens_q = 0..R``): ``call(scores [R, L] f32)`` with ``lengths [R] i32`` and ``token_table
+    [R, >= L] i32`` (the slot of each position: SGLang's page table of page size 1). Each call returns a new
+    ``[R, k] int32`` of slots (-1 past a row's length), in the kernel's own order within a row."""
+    op = torch.ops.sgl_kernel.fast_topk_transform_fused
+    cu = torch.arange(lengths.shape[0] + 1, dtype=torch.int32, device=lengths.device)
+
+    def call(scores):
+        out = scores.new_empty((scores.size(0), k), dtype=torch.int32)
+        op(scores, lengths, out, token_table, cu, None)
         return out
     return call
