@@ -1,6 +1,6 @@
 """Top-2048 with slot translation: ours (Triton) vs sgl-kernel fast_topk vs torch.topk, exactness checked.
 
-    PYTHONPATH=. python benchmarks/bench_topk.py [--quick] [--sweep] [--stages] [--smoke]
+    PYTHONPATH=. python benchmarks/bench_topk.py [--quick [--full-adv]] [--sweep] [--stages] [--ab F=V] [--smoke]
 
 Shapes (rows x length, every row full, k = 2048): 64 x 32K, 64 x 128K, 4096 x 8K, 4096 x 32K on
 random N(0, 1) fp32 scores; plus 64 x 8K and 64 x 32K with a compact page table (the decode call:
@@ -23,6 +23,7 @@ torch.topk returns (values, indices) in value order, untranslated.
 programs per SM, streamed vs in-register radix levels, register cap, unroll, digit bits): changes to
 default_config() in flashdsa/ops/topk/launch.py. ``--stages`` times the default config stopped after
 each stage (sample, compaction, move, select; cumulative), on the random and page-table shapes.
+``--ab ties=False`` also times every case with those config fields changed (checked to give the same bits).
 ``--smoke`` runs tiny shapes (CPU through the interpreter when there is no GPU) to check the script
 itself; its times mean nothing.
 """
@@ -125,6 +126,13 @@ def run_case(name: str, kind: str, R: int, L: int, sgl: bool, rows: list, pages:
         row["ours_exact"], row["ours_recall"] = topk_tie_safe(x, lengths, pos_ours, K)
     row["ours_us"] = _time_graph(lambda: ops.topk_transform(x, lengths, K, **kw))
     row["ours_eager_us"] = timed(lambda: ops.topk_transform(x, lengths, K, **kw), DEV)
+    if AB:
+        # the same call with the default config changed: an A / B of a knob measured in one run
+        cfg = dataclasses.replace(launch.default_config(R, L, K, num_sms(x.device)), **AB)
+        table = kw.get("page_table")
+        row["ab==ours"] = bool(torch.equal(_ours(x, lengths, cfg, table), ours))
+        row["ab_us"] = _time_graph(lambda: _ours(x, lengths, cfg, table))
+        row["ours/ab"] = row["ours_us"] / row["ab_us"]
     if sgl:
         sgl_call, out = fast_topk(x, lengths, K)
         sgl_call()
@@ -150,6 +158,7 @@ SWEEP_MANY = [dict(num_warps=1, stream=True, sample_stream=True, maxnreg=64, per
               dict(num_warps=8, stream=False, maxnreg=64, per_sm=4),
               dict(num_warps=8, stream=False, maxnreg=80, per_sm=3), dict(unroll=4), dict(move_step=128),
               dict(bits_w=8)]
+AB: dict = {}   # --ab: config fields changed for the A / B column
 STAGES = ("sample", "compaction", "move", "select", "")   # stop_after of each timed stage; "": the whole op
 
 
@@ -199,8 +208,15 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="also time a few launch shapes of ours")
     ap.add_argument("--stages", action="store_true", help="also time ours stopped after each stage")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, to check the script (CPU ok)")
+    ap.add_argument("--full-adv", action="store_true", help="with --quick: the adversarial rows at 128K too")
+    ap.add_argument("--ab", default="", metavar="FIELD=VALUE[,...]",
+                    help="also time ours with these TopkConfig fields changed (ints / True / False), "
+                         "e.g. ties=False: an A / B in one run")
     a = ap.parse_args()
     global DEV, K, SHAPES, ADV, PAGES
+    for item in filter(None, a.ab.split(",")):
+        field, value = item.split("=")
+        AB[field] = {"True": True, "False": False}.get(value, value if not value.lstrip("-").isdigit() else int(value))
     if not torch.cuda.is_available():
         if not a.smoke:
             raise SystemExit("needs a CUDA GPU (or --smoke)")
@@ -208,7 +224,7 @@ def main() -> None:
     if a.smoke:
         K, SHAPES, ADV, PAGES = 64, [(3, 700), (5, 300)], [(3, 700)], [(3, 700)]
     elif a.quick:
-        SHAPES, ADV = SHAPES_QUICK, ADV_QUICK
+        SHAPES, ADV = SHAPES_QUICK, ADV if a.full_adv else ADV_QUICK
     import triton
     name = torch.cuda.get_device_name() if DEV == "cuda" else "cpu (interpreter)"
     print(f"{name} | torch {torch.__version__} | triton {triton.__version__}")
@@ -236,7 +252,7 @@ def main() -> None:
     if stage_rows:
         print_table(stage_rows, "ours stopped after each stage, cumulative us (default config, random scores)")
     cols = ("case", "kind", "ours_us", "sgl_us", "torch_us", "ours/sgl", "ours/torch", "ours_eager_us", "sgl_issue_us",
-            "ours==oracle", "ours_exact", "sgl_exact", "sgl_recall", "repeat")
+            "ab_us", "ours/ab", "ab==ours", "ours==oracle", "ours_exact", "sgl_exact", "sgl_recall", "repeat")
     print_table([{c: r[c] for c in cols if c in r} for r in rows],
                 f"top-{K}: ours (Triton, exact) vs sgl-kernel fast_topk vs torch.topk (ours/x < 1: ours faster)")
 

@@ -30,7 +30,7 @@ from flashdsa.testing.compare import topk_order_keys, topk_tie_safe
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 KINDS = ("randn", "equal", "two", "levels16", "levels256", "ties_at_k", "narrow", "neginf_runs",
-         "denormal", "nan", "signed_zero", "posinf", "allnan")
+         "denormal", "nan", "signed_zero", "posinf", "allnan", "mostly_equal")
 
 # Launch configs: changes to launch.default_config() of the call's shape (``kind`` picks the kernel).
 # Buffer sizes for the interpreter: small enough that rows of ~1000-3000 reach every path.
@@ -83,6 +83,8 @@ def _row(kind: str, n: int, k: int, g: torch.Generator) -> torch.Tensor:
         return torch.full((n,), 0.7)
     if kind == "two":
         return torch.where(u < 0.5, 1.0, -2.0)
+    if kind == "mostly_equal":  # one value, 1 % of the keys above it and 4 % below
+        return torch.where(u < 0.01, torch.randn(n, generator=g) + 5, torch.where(u > 0.96, -5.0, 0.25))
     if kind == "levels16":
         return (u * 16).floor() / 16
     if kind == "levels256":
@@ -168,9 +170,9 @@ def _assert_same(got, ref, note=""):
 
 @pytest.mark.parametrize("knobs", list(KNOBS), ids=[f"knobs-{n}" for n in KNOBS])
 def test_adversarial_kinds(knobs):
-    # one call per knob set: 13 kinds x lengths {0, <k, =k, =k+1, 2k+3, 1500, 3000} spread over rows
+    # one call per knob set: 14 kinds x lengths {0, <k, =k, =k+1, 2k+3, 1500, 3000} spread over rows
     k = 100
-    lens = [3000, 1500, 2 * k + 3, k + 1, k, 37, 0, 3000, 2999, 1500, 3000, 640, 3000]
+    lens = [3000, 1500, 2 * k + 3, k + 1, k, 37, 0, 3000, 2999, 1500, 3000, 640, 3000, 2996]
     kinds = list(KINDS)
     logits, lengths, kw = _case(len(kinds), 3000, k, kinds, lens, seed=1)
     got, ref = _run_both(logits, lengths, k, kw, KNOBS[knobs])
@@ -299,13 +301,15 @@ TIE_KINDS = ["equal", "two", "allnan", "signed_zero", "ties_at_k", "levels16"]
 # U of 1024 holds every warp list (no list overflows) but not a row of 3000: rows whose keys mostly tie
 # with the guess take the tie-capped move (fused, split-2: chunks of 1500) or the tie-capped gather of the
 # chunks (split-3: chunks of 1000 fit U, their sum does not)
-TIE_KNOBS = {"fused": dict(cand=1024, lg_sample=5, block=128, num_warps=4, unroll=1),
-             "split-2": dict(cand=1024, lg_sample=5, block=128, kind="split", chunks=2, **TILES),
-             "split-3": dict(cand=1024, lg_sample=5, block=128, kind="split", chunks=3, **TILES)}
+# (hypothesis draws these too, with the tie-capped compaction on: the 4-warp fused default has it off)
+TIE_KNOBS = {"fused": dict(cand=1024, lg_sample=5, block=128, num_warps=4, unroll=1, ties=True),
+             "split-2": dict(cand=1024, lg_sample=5, block=128, kind="split", chunks=2, ties=True, **TILES),
+             "split-3": dict(cand=1024, lg_sample=5, block=128, kind="split", chunks=3, ties=True, **TILES)}
 
 
+@pytest.mark.parametrize("ties", [True, False], ids=["ties", "no-ties"])
 @pytest.mark.parametrize("knobs", list(TIE_KNOBS))
-def test_ties_beyond_u_take_the_capped_path(knobs):
+def test_ties_beyond_u_take_the_capped_path(knobs, ties):
     # Rows of 3000 whose k-th key has hundreds to thousands of copies: more candidates reach the guess
     # than U holds, but only the first k - #(key > T) copies can be selected, so U gets those (and every
     # key above) and the row is selected there, not by the row fallback (several passes over the row).
@@ -314,10 +318,11 @@ def test_ties_beyond_u_take_the_capped_path(knobs):
     k, L = 100, 3000
     R = len(TIE_KINDS)
     logits, lengths, kw = _case(R, L, k, TIE_KINDS, [L] * R, seed=31)
-    got, ref = _run_both(logits, lengths, k, kw, TIE_KNOBS[knobs])
+    knob = dict(TIE_KNOBS[knobs], ties=ties)   # no-ties: every equal key listed, the capped move / gather
+    got, ref = _run_both(logits, lengths, k, kw, knob)
     _assert_same(got, ref, knobs)
     out = torch.full((R, k), torch.iinfo(torch.int32).max, dtype=torch.int32, device=DEVICE)
-    cfg = _config(logits, k, dict(TIE_KNOBS[knobs], stop_after="select"))
+    cfg = _config(logits, k, dict(knob, stop_after="select"))
     launch.topk_transform(logits.to(DEVICE), lengths.to(DEVICE), k, None, None, None, 64, out=out, config=cfg)
     got = out[:, 0].cpu().long()
     top = topk_order_keys(logits).sort(dim=1, descending=True).values.long()
@@ -330,6 +335,34 @@ def test_ties_beyond_u_take_the_capped_path(knobs):
     below = torch.where(below == -2 ** 40, kth - 1, below)
     ok = (got == kth + need) | ((got >= below) & (got < kth))
     assert bool(ok.all()), [(kind, g) for kind, g, o in zip(TIE_KINDS, got.tolist(), ok.tolist()) if not o]
+
+
+@pytest.mark.parametrize("knobs", list(TIE_KNOBS))
+def test_mostly_equal_rows_list_a_warps_first_k_equal_keys(knobs):
+    # Rows whose sample says a warp's segment holds more than k keys equal to the guess: the compaction
+    # lists every key above it but only a warp's first k equal ones (`ties`). The count after the
+    # compaction shows it ran (at most num_warps * (k + #above) a program, against the whole row without
+    # it), and the output is the reference's bits either way (also with the capped move / gather after it).
+    k, L = 100, 3000
+    kinds = ["equal", "mostly_equal", "signed_zero", "allnan", "randn"]
+    R = len(kinds)
+    logits, lengths, kw = _case(R, L, k, kinds, [L] * R, seed=37)
+    above = (topk_order_keys(logits) > topk_order_keys(logits).sort(dim=1, descending=True).values[:, k - 1:k])
+    counts = {}
+    for ties in (True, False):
+        knob = dict(TIE_KNOBS[knobs], ties=ties)
+        got, ref = _run_both(logits, lengths, k, kw, knob)
+        _assert_same(got, ref, f"{knobs} ties={ties}")
+        out = torch.full((R, k), -1, dtype=torch.int32, device=DEVICE)
+        cfg = _config(logits, k, dict(knob, stop_after="compaction"))
+        launch.topk_transform(logits.to(DEVICE), lengths.to(DEVICE), k, None, None, None, 64, out=out, config=cfg)
+        chunks = cfg.chunks if cfg.kind == "split" else 1
+        counts[ties] = out[:, :chunks].cpu().long().sum(dim=1)
+    lists = TIE_KNOBS[knobs].get("chunks", 1) * TIE_KNOBS[knobs]["num_warps"]
+    for r, kind in enumerate(kinds[:4]):
+        bound = lists * k + int(above[r].sum())
+        assert counts[True][r] <= bound < counts[False][r], (kind, bound, counts)
+    assert counts[True][4] == counts[False][4], counts   # random rows: no ties, the same lists
 
 
 def test_whole_chunk_row_loads():

@@ -8,6 +8,7 @@ Loads of the next tile are issued before this tile's stores (the asm stores have
 after them waits for them).
 
 - :func:`compact_seg` (step 2): scores whose key reaches the threshold -> each warp's own list;
+  :func:`compact_seg_ties`, the same for rows of mostly one value, keeping a warp's first k equal ones;
 - :func:`move` (step 3): the warp lists -> U in position order, scores -> keys on the way;
   :func:`move_capped`, the same for lists holding more than U when most of them tie with the threshold
   (only the first equal ones can be selected);
@@ -83,6 +84,57 @@ def compact_seg(row, s0, s1, t_a, t_p, t_b, useg, CAP: tl.constexpr, NW: tl.cons
             cw = _pass_tile(b1, p + 128, s1, t_a, t_p, t_b, dst, cw, CAP, ASM)
             cw = _pass_tile(b2, p + 256, s1, t_a, t_p, t_b, dst, cw, CAP, ASM)
             cw = _pass_tile(b3, p + 384, s1, t_a, t_p, t_b, dst, cw, CAP, ASM)
+    return cw
+
+
+@triton.jit
+def _pass_tile_ties(b, p, s1, t_lo, K, dst, cw, ew, CAP: tl.constexpr, ASM: tl.constexpr):
+    """:func:`_pass_tile` keeping at most K keys equal to ``t_lo`` a warp: warp w appends the scores with key
+    ``> t_lo``, and those ``== t_lo`` while fewer than K of them came before in its segment (``ew[w]``
+    so far). Returns the new counts of stored and of equal keys."""
+    key = bits_key(b)
+    f = (p < s1) & (key >= t_lo)
+    eq = (f & (key == t_lo)).to(tl.int32)
+    keep = f & ((eq == 0) | (ew[:, None] + tl.cumsum(eq, axis=1) <= K))
+    ki = keep.to(tl.int32)
+    slot = cw[:, None] + tl.cumsum(ki, axis=1) - 1
+    store2(dst + slot, p, b, keep & (slot < CAP), ASM)
+    return cw + tl.sum(ki, axis=1), ew + tl.sum(eq, axis=1)
+
+
+@triton.jit
+def ties_fill_warps(s_eq, span, K, NW: tl.constexpr, LG_S: tl.constexpr):
+    """Whether the sample (``s_eq`` of its ``2^LG_S`` keys equal to the guess) predicts more than K keys equal
+    to the guess in a warp's segment of a ``span``-key range: then :func:`compact_seg_ties` stores fewer."""
+    s = s_eq.to(tl.int64)
+    return s * tl.cdiv(span, NW) > (s * 0 + K) * (1 << LG_S)
+
+
+@triton.jit
+def compact_seg_ties(row, s0, s1, t_lo, K, useg, CAP: tl.constexpr, NW: tl.constexpr, UN: tl.constexpr,
+                     VEC: tl.constexpr, ASM: tl.constexpr):
+    """:func:`compact_seg` (the same segments) for rows where most keys equal the guess ``t_lo``: a warp
+    stores every key ``> t_lo`` but only the first K keys ``== t_lo`` of its segment. Exact: the selection
+    takes every key above the k-th largest T and the first ``K - #(key > T)`` keys equal to T in position
+    order, so when T == t_lo a selected equal key has fewer than K equal keys before it in the row, the
+    more so in its warp's segment (and when T > t_lo no equal key is selected). The lists stay in
+    position order and hold at least K keys whenever the row has K keys ``>= t_lo``, so every later step
+    runs on them as on :func:`compact_seg`'s. One tile a step, the next one loaded ahead of the stores.
+    Returns the counts stored (uncapped by CAP) ``[NW]``."""
+    w = tl.arange(0, NW)
+    j = tl.arange(0, 128)
+    seg = tl.cdiv(tl.cdiv(s1 - s0, NW), UN * 128) * (UN * 128)
+    start = (s0 + w * seg)[:, None] + j[None, :]
+    dst = useg + (w.to(tl.int64) * CAP)[:, None]
+    cw = tl.zeros([NW], dtype=tl.int32)
+    ew = tl.zeros([NW], dtype=tl.int32)
+    b = _load_tile(row, start, s1, VEC)
+    for it in tl.range(0, seg, 128, num_stages=1):
+        p = start + it
+        # the next tile of this warp's segment (none past it: that is the next warp's)
+        b_next = _load_tile(row, p + 128, tl.where(it + 128 < seg, s1, 0), VEC)
+        cw, ew = _pass_tile_ties(b, p, s1, t_lo, K, dst, cw, ew, CAP, ASM)
+        b = b_next
     return cw
 
 

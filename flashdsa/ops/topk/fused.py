@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from flashdsa.ops.topk.common import INT_MIN, bits_bounds, copy_short, row_check, row_setup
-from flashdsa.ops.topk.compact import compact_seg, move, move_capped
+from flashdsa.ops.topk.compact import compact_seg, compact_seg_ties, move, move_capped, ties_fill_warps
 from flashdsa.ops.topk.fallback import row_fallback
 from flashdsa.ops.topk.radix import sample_threshold, select_emit
 
@@ -25,7 +25,7 @@ def topk_fused_kernel(
     UN: tl.constexpr, WCAP: tl.constexpr, UB: tl.constexpr, LG_S: tl.constexpr, BITS: tl.constexpr,
     BITS_W: tl.constexpr, BITS_S: tl.constexpr, STREAM: tl.constexpr, MJ: tl.constexpr, BLOCK: tl.constexpr,
     STAGES: tl.constexpr, ASM: tl.constexpr, FORCE: tl.constexpr, STOP: tl.constexpr,
-    SAMPLE_STREAM: tl.constexpr, VEC: tl.constexpr,
+    SAMPLE_STREAM: tl.constexpr, VEC: tl.constexpr, TIES: tl.constexpr,
 ):
     """Top-K of each row, translated. A persistent program walks rows pid, pid + G, ...
 
@@ -36,7 +36,8 @@ def topk_fused_kernel(
     i32 the keys of a small bucket W (and, SAMPLE_STREAM, first the sample: WCAP >= S). NW = num_warps
     warp lists; UN tiles a warp loads at once; MJ list entries a warp moves a step. STREAM: the radix
     levels read U / W from memory, UB at a time, instead of holding them in registers (few-warp
-    programs); SAMPLE_STREAM: the same for the sample's levels.
+    programs); SAMPLE_STREAM: the same for the sample's levels. TIES: rows whose sample says most keys
+    equal the guess are compacted keeping a warp's first K equal ones (``compact_seg_ties``).
     CHECK (the default mode's device value checks): each row's metadata is checked first by
     :func:`~flashdsa.ops.topk.common.row_check` (L the logits' width, maxp the page table's width, last_page
     the largest page id whose slots fit int32, errors into ``flag`` from code ``code0``); a bad row selects
@@ -64,13 +65,20 @@ def topk_fused_kernel(
             copy_short(out_row, n, K, table_row, off_r, MODE, PAGE_SIZE, BLOCK)
         else:
             # ---- 1. threshold guess from a sample
-            t_lo = sample_threshold(row, n, K, w, CAND, LG_S, BITS_S, FORCE, SAMPLE_STREAM, UB, ASM)
+            t_lo, s_eq = sample_threshold(row, n, K, w, CAND, LG_S, BITS_S, FORCE, SAMPLE_STREAM, UB, ASM)
             if STOP == 1:
                 tl.store(out_row, t_lo)
             else:
                 # ---- 2. one pass over the row: scores with key >= t_lo -> the warps' lists
-                t_a, t_p, t_b = bits_bounds(t_lo)
-                cw = compact_seg(row, 0, n, t_a, t_p, t_b, useg, CAP, NW, UN, VEC, ASM)
+                ties = False
+                if TIES:
+                    ties = ties_fill_warps(s_eq, n, K, NW, LG_S)
+                if ties:
+                    # mostly one value: a warp keeps its first K keys equal to t_lo
+                    cw = compact_seg_ties(row, 0, n, t_lo, K, useg, CAP, NW, UN, VEC, ASM)
+                else:
+                    t_a, t_p, t_b = bits_bounds(t_lo)
+                    cw = compact_seg(row, 0, n, t_a, t_p, t_b, useg, CAP, NW, UN, VEC, ASM)
                 c = tl.sum(cw, axis=0)
                 # The lists are read by other threads below.
                 tl.debug_barrier()

@@ -73,6 +73,9 @@ class TopkConfig:
     stages: int = 1            # software-pipeline depth of the row fallback's loops
     vec: bool = True           # 128-bit row loads, reading to the length rounded up to 4, where every row
                                # is whole 16-byte chunks (the launcher checks: :func:`_whole_chunks`)
+    ties: bool = True          # rows whose sample says a warp's segment holds more than k keys equal to the
+                               # guess keep only a warp's first k of them in the compaction (compact.py,
+                               # ``compact_seg_ties``); False: every key reaching the guess is listed
     # ---- test hooks (above)
     force: str = ""            # "", "sample_max", "no_guess" or "sample_min"
     stop_after: str = ""       # "", "sample", "compaction", "move" or "select"
@@ -132,6 +135,7 @@ def default_config(R: int, L: int, K: int, sms: int, kind: str | None = None) ->
     streamed and on the sample (<= 2048 keys) in registers, 2 tiles a warp at once, 128 entries a step.
     Longer rows: 8-warp programs, 4 an SM, levels in registers, 4 tiles a warp at once, 64 entries a
     step (streamed with 1 / 2 / 4 warps was slower).
+    ``ties`` (the tie-capped compaction) everywhere but the 4-warp fused kernel (see there).
     """
     cand, lg_sample = _sizes(K, L)
     sizes = dict(cand=cand, lg_sample=lg_sample, wcap=min(WCAP, cand))
@@ -148,8 +152,10 @@ def default_config(R: int, L: int, K: int, sms: int, kind: str | None = None) ->
     # Whole SMs' worth of programs from R = sms up: the grid the defaults were measured with (for R
     # between sms and per_sm * sms, min(R, per_sm * sms) may be faster: not measured).
     grid = max(R, 1) if R < sms else min(R // sms, per_sm) * sms
+    # the tie-capped compaction's code costs the 4-warp kernel registers it has not got at 64 (more spills:
+    # 4096 x 8K random rows 215.7 -> 229.2 us), so it is off there; the 8-warp kernel keeps its speed with it
     return TopkConfig(kind="fused", num_warps=nw, maxnreg=64, unroll=unroll, move_step=move_step, stream=stream,
-                      sample_stream=False, block=128 * nw, grid=grid, **sizes)
+                      sample_stream=False, block=128 * nw, grid=grid, ties=nw == 8, **sizes)
 
 
 def _whole_chunks(logits: torch.Tensor, row_starts) -> bool:
@@ -221,6 +227,7 @@ def _launch_shape(key, logits, K, page_table, row_starts, out_offsets, page_size
                   BITS=cfg.bits, BITS_W=cfg.bits_w, BITS_S=cfg.bits_s, STREAM=cfg.stream,
                   SAMPLE_STREAM=cfg.sample_stream, MJ=cfg.move_step, BLOCK=cfg.block, STAGES=cfg.stages, ASM=not interp,
                   FORCE=FORCE[cfg.force], STOP=STOP_AFTER[cfg.stop_after], VEC=cfg.vec and _whole_chunks(logits, row_starts),
+                  TIES=cfg.ties,
                   stride_l=logits.stride(0), stride_t=page_table.stride(0) if page_table is not None else 0,
                   rows_per_table=R // page_table.shape[0] if page_table is not None else 1, R=R, K=K, num_warps=nw,
                   CHECK=check, L=L, maxp=page_table.shape[1] if page_table is not None else 0,

@@ -209,9 +209,12 @@ def sample_threshold(row, n, K, sbuf, CAND: tl.constexpr, LG_S: tl.constexpr, BI
     The radix levels stop early once the bucket's lower edge is reached by at most ``m + tol`` samples,
     tol = m / 16. The samples come in runs of 8 adjacent keys (one 32-byte sector each) at evenly spaced
     positions; they are selected in registers, or (STREAM) copied to ``sbuf [S]`` and streamed from there.
-    Rows that fit U (n <= CAND) need no guess: every key is a candidate (``KEY_MIN``)."""
+    Rows that fit U (n <= CAND) need no guess: every key is a candidate (``KEY_MIN``).
+    Returns ``(t_lo, s_eq)``: s_eq is the number of samples equal to t_lo when the levels ended on one
+    value (ties at the guess: ``s_eq / S`` estimates the share of the row equal to it), else 0."""
     S: tl.constexpr = 1 << LG_S
     t_lo = n * 0 + KEY_MIN
+    s_eq = n * 0
     if ((n > CAND) & (FORCE != 2)) | (FORCE == 1) | (FORCE == 3):
         mu = S * (K + 0.0) / n.to(tl.float32)
         m_s = (mu + 4.0 * tl.sqrt(mu)).to(tl.int32) + 1
@@ -249,6 +252,9 @@ def sample_threshold(row, n, K, sbuf, CAND: tl.constexpr, LG_S: tl.constexpr, BI
             else:
                 done, T, need, lo, hi, kk, in_bin = _select(xs, S, smin, smax, m_s, m_s // 16, 0, BITS_S, UB, False)
             t_lo = tl.where(need > 0, T, T + 1)
-    return t_lo
+            # need > 0: the levels ended on one value, the bucket's in_bin samples (INT_MAX when every
+            # sample was equal from the start)
+            s_eq = tl.where(need > 0, tl.minimum(in_bin, S), 0)
+    return t_lo, s_eq
 
 

@@ -14,7 +14,8 @@ from flashdsa._checks import is_cuda
 from flashdsa._library import in_registered_op
 from flashdsa.ops.topk.common import (INT_MIN, bits_bounds, copy_short, excl_sum, pad4, round4, row_check, row_setup,
                                       store)
-from flashdsa.ops.topk.compact import compact_seg, move, move_capped, scan_keep, tie_cap
+from flashdsa.ops.topk.compact import (compact_seg, compact_seg_ties, move, move_capped, scan_keep, tie_cap,
+                                       ties_fill_warps)
 from flashdsa.ops.topk.fallback import row_fallback
 from flashdsa.ops.topk.radix import sample_threshold, select_emit
 
@@ -101,7 +102,7 @@ def topk_split_kernel(
     UB: tl.constexpr, LG_S: tl.constexpr, BITS: tl.constexpr, BITS_W: tl.constexpr, BITS_S: tl.constexpr,
     CHUNKS: tl.constexpr, SAMPLE_STREAM: tl.constexpr, STREAM: tl.constexpr, BLOCK: tl.constexpr,
     STAGES: tl.constexpr, RESET: tl.constexpr, MJ: tl.constexpr, ASM: tl.constexpr, FORCE: tl.constexpr,
-    STOP: tl.constexpr, VEC: tl.constexpr,
+    STOP: tl.constexpr, VEC: tl.constexpr, TIES: tl.constexpr,
 ):
     """Split mode (few long rows), one launch: program (r, j) does steps 1-3 on chunk j of row r, and the
     last program of row r to finish them does steps 4-5 for the whole row.
@@ -132,17 +133,24 @@ def topk_split_kernel(
             copy_short(out_row, n, K, table_row, off_r, MODE, PAGE_SIZE, BLOCK)
     else:
         prog = (r * CHUNKS + j).to(tl.int64)
-        t_lo = sample_threshold(row, n, K, sampscr + prog * (1 << LG_S), CAND, LG_S, BITS_S, FORCE, SAMPLE_STREAM,
+        t_lo, s_eq = sample_threshold(row, n, K, sampscr + prog * (1 << LG_S), CAND, LG_S, BITS_S, FORCE, SAMPLE_STREAM,
                                 UB, ASM)
         if STOP == 1:
             tl.store(out_row + j, t_lo)
         else:
-            t_a, t_p, t_b = bits_bounds(t_lo)
             ch = tl.cdiv(tl.cdiv(n, CHUNKS), NW * UN * 128) * (NW * UN * 128)
             # s0 stays a multiple of the tile (aligned loads); an empty chunk has s1 == s0
             s0 = j * ch
-            cw = compact_seg(row, s0, tl.maximum(tl.minimum(s0 + ch, n), s0), t_a, t_p, t_b,
-                             sscr + prog * (NW * CAP), CAP, NW, UN, VEC, ASM)
+            s1 = tl.maximum(tl.minimum(s0 + ch, n), s0)
+            ties = False
+            if TIES:
+                ties = ties_fill_warps(s_eq, ch, K, NW, LG_S)
+            if ties:
+                # mostly one value: a warp keeps its first K keys equal to t_lo (every chunk decides alike)
+                cw = compact_seg_ties(row, s0, s1, t_lo, K, sscr + prog * (NW * CAP), CAP, NW, UN, VEC, ASM)
+            else:
+                t_a, t_p, t_b = bits_bounds(t_lo)
+                cw = compact_seg(row, s0, s1, t_a, t_p, t_b, sscr + prog * (NW * CAP), CAP, NW, UN, VEC, ASM)
             c_j = tl.sum(cw, axis=0)
             tl.debug_barrier()
             if STOP == 2:
