@@ -53,6 +53,7 @@ K = 2048
 SHAPES = [(64, 32768), (64, 131072), (4096, 8192), (4096, 32768)]
 SHAPES_QUICK = SHAPES
 PAGES = [(64, 8192), (64, 32768)]
+RAGGED_PAGES = [(64, 10649), (64, 42598)]   # decode's rows: ~U(0.7, 1.3) x 8K / 32K, page table (flashdsa bench's)
 ADV = [(64, 32768), (64, 131072)]
 ADV_QUICK = [(64, 32768)]
 KINDS = ("levels256", "levels16", "equal", "narrow")
@@ -105,9 +106,16 @@ def page_table(R: int, L: int) -> torch.Tensor:
     return torch.randperm(R * maxp, device=DEV).view(R, maxp).to(torch.int32)
 
 
-def run_case(name: str, kind: str, R: int, L: int, sgl: bool, rows: list, pages: bool = False) -> None:
+def run_case(name: str, kind: str, R: int, L: int, sgl: bool, rows: list, pages: bool = False,
+             ragged: bool = False) -> None:
+    """One case; ``ragged``: row lengths ~U(0.7, 1.3) x L / 1.3 as at decode (the longest about L)."""
+    if ONLY and not any(o in f"{name} {kind}" for o in ONLY):
+        return
     x = make_scores(kind, R, L, seed=R + L)
     lengths = torch.full((R,), L, dtype=torch.int32, device=DEV)
+    if ragged:
+        g = torch.Generator(device=DEV).manual_seed(R)
+        lengths = (L / 1.3 * (0.7 + 0.6 * torch.rand(R, generator=g, device=DEV))).clamp(max=L).to(torch.int32)
     kw = {"backend": "triton"}
     if pages:
         kw["page_table"] = page_table(R, L)
@@ -159,6 +167,7 @@ SWEEP_MANY = [dict(num_warps=1, stream=True, sample_stream=True, maxnreg=64, per
               dict(num_warps=8, stream=False, maxnreg=80, per_sm=3), dict(unroll=4), dict(move_step=128),
               dict(bits_w=8)]
 AB: dict = {}   # --ab: config fields changed for the A / B column
+ONLY: list = []  # --only: substrings of the case names (and kinds) to run
 STAGES = ("sample", "compaction", "move", "select", "")   # stop_after of each timed stage; "": the whole op
 
 
@@ -209,11 +218,13 @@ def main() -> None:
     ap.add_argument("--stages", action="store_true", help="also time ours stopped after each stage")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, to check the script (CPU ok)")
     ap.add_argument("--full-adv", action="store_true", help="with --quick: the adversarial rows at 128K too")
+    ap.add_argument("--only", default="", help="comma-separated substrings of the case names to run (e.g. pages)")
     ap.add_argument("--ab", default="", metavar="FIELD=VALUE[,...]",
                     help="also time ours with these TopkConfig fields changed (ints / True / False), "
                          "e.g. ties=False: an A / B in one run")
     a = ap.parse_args()
-    global DEV, K, SHAPES, ADV, PAGES
+    global DEV, K, SHAPES, ADV, PAGES, RAGGED_PAGES
+    ONLY.extend(filter(None, a.only.split(",")))
     for item in filter(None, a.ab.split(",")):
         field, value = item.split("=")
         AB[field] = {"True": True, "False": False}.get(value, value if not value.lstrip("-").isdigit() else int(value))
@@ -223,6 +234,7 @@ def main() -> None:
         DEV = "cpu"
     if a.smoke:
         K, SHAPES, ADV, PAGES = 64, [(3, 700), (5, 300)], [(3, 700)], [(3, 700)]
+        RAGGED_PAGES[:] = [(4, 900)]
     elif a.quick:
         SHAPES, ADV = SHAPES_QUICK, ADV if a.full_adv else ADV_QUICK
     import triton
@@ -237,6 +249,8 @@ def main() -> None:
         run_case(f"{R}x{L}", "randn", R, L, sgl, rows)
     for R, L in PAGES:
         run_case(f"{R}x{L} pages", "randn", R, L, sgl, rows, pages=True)
+    for R, L in RAGGED_PAGES:
+        run_case(f"{R}x~{L * 10 // 13 // 1024}K decode pages", "randn", R, L, sgl, rows, pages=True, ragged=True)
     for R, L in ADV:
         for kind in KINDS:
             run_case(f"{R}x{L}", kind, R, L, sgl, rows)
