@@ -711,12 +711,14 @@ _DESCS: dict = {}
 def _cached_desc(ptr: int, dtype: torch.dtype, rows: int, cols: int, block: tuple, layout) -> TensorDescriptor:
     """The TMA descriptor of ``[rows, cols]`` ``dtype`` at ``ptr``, one object per (address, dtype, shape,
     block): a planned launch encodes each object once (``_launch._encoded``). A decode loop's q tensors come
-    back at a handful of addresses from the caching allocator, the cache at one."""
+    back at a handful of addresses from the caching allocator, the cache at one. ``layout``: the function
+    making its shared layout, called only for a new descriptor (building a Gluon layout object on the host
+    cost ~10 us a call on the H200's host: three of them were half of a planned call)."""
     key = (ptr, dtype, rows, cols, block)
     desc = _DESCS.get(key)
     if desc is None:
-        desc = remember(_DESCS, key, TensorDescriptor(Address(ptr, dtype), [rows, cols], [cols, 1], list(block), layout),
-                        256)
+        desc = remember(_DESCS, key, TensorDescriptor(Address(ptr, dtype), [rows, cols], [cols, 1], list(block),
+                                                      layout()), 256)
     return desc
 
 
@@ -743,9 +745,9 @@ def indexer_logits_paged_planned(q_fp8: torch.Tensor, index_cache: torch.Tensor,
     if aligned(*ptrs):   # Triton specialises on the pointers' 16-byte alignment (q and the cache: checked)
         key = (q_fp8.device, B, n, max_context_len, P, weights.stride(0), *block_table.shape, block_table.stride(0))
     f8 = torch.float8_e4m3fn
-    descs = (_cached_desc(q_ptr, f8, B * n * HEADS.value, D.value, (64, D.value), tile_layout()),
-             _cached_desc(cache_ptr, f8, P * PAGE_ROWS, D.value, (64, D.value), tile_layout()),
-             _cached_desc(cache_ptr, torch.float32, P * PAGE_ROWS, 32, (2, 32), scale_layout()))
+    descs = (_cached_desc(q_ptr, f8, B * n * HEADS.value, D.value, (64, D.value), tile_layout),
+             _cached_desc(cache_ptr, f8, P * PAGE_ROWS, D.value, (64, D.value), tile_layout),
+             _cached_desc(cache_ptr, torch.float32, P * PAGE_ROWS, 32, (2, 32), scale_layout))
 
     def build():
         return kernel_args(q_fp8, index_cache, weights, context_lens, block_table, max_context_len, out)
