@@ -203,7 +203,7 @@ def test_launch_config_errors_and_defaults():
     one = launch_config(64, 1, 32768, cpu)
     assert (one["ctas"], one["DP"], one["maxnreg"], one["WIDE"], one["NBUF"]) == (2, 2, 80, 0, 8)   # two CTAs an SM
     two = launch_config(64, 2, 32768, cpu)
-    assert (two["NC"], two["WIDE"], two["SPLIT"], two["NBUF"], two["maxnreg"]) == (4, 1, 1, 16, 96)
+    assert (two["NC"], two["WIDE"], two["NBUF"], two["maxnreg"]) == (4, 1, 16, 96)
     for n in (3, 4):
         c = launch_config(64, n, 32768, cpu)
         assert (c["ctas"], c["DP"], c["NC"], c["WIDE"], c["NBUF"], c["maxnreg"]) == (1, 1, 2, 1, 16, 168)

@@ -535,13 +535,13 @@ def indexer_paged_ws_kernel(
     max_len, B, n_chunks, stride_w, stride_bt, stride_o,
     NEXT_N: gl.constexpr, CHUNK_PAGES: gl.constexpr, NBUF: gl.constexpr, DP: gl.constexpr, REGS_C: gl.constexpr,
     REGS_P: gl.constexpr, NEW: gl.constexpr, JOINT: gl.constexpr = 0,
-    SG: gl.constexpr = 0, DIAG: gl.constexpr = 0, NC: gl.constexpr = 2, SPLIT: gl.constexpr = 0,
-    WIDE: gl.constexpr = 0,
+    SG: gl.constexpr = 0, DIAG: gl.constexpr = 0, NC: gl.constexpr = 2, WIDE: gl.constexpr = 0,
 ):
     """A persistent CTA: items t = program_id, program_id + grid, ... of the B * n_chunks (request, chunk of
     CHUNK_PAGES pages) items, so the producer streams the next item's pages while the consumers finish
     this one's (one CTA's start-up per SM, not per item)."""
     n_items = B * n_chunks
+    SPLIT: gl.constexpr = NC == 4   # four consumers: a producer warp and a ring of NBUF / 4 buffers each
     QS: gl.constexpr = NEXT_N + NEXT_N % 2   # Q tiles a buffer, even: the paired chains (WIDE) read two as one
     q_smem = gl.allocate_shared_memory(gl.float8e4nv, [2 * QS, 64, D], tile_layout())
     k_smem = gl.allocate_shared_memory(gl.float8e4nv, [NBUF, 64, D], tile_layout())
@@ -654,7 +654,7 @@ def launch_config(B: int, n: int, max_len: int, device: torch.device, chunk_page
     else:
         regs = dict(REGS_C=232, REGS_P=40, maxnreg=168)
     return dict(CHUNK_PAGES=chunk_pages, NBUF=nbuf, DP=dp, JOINT=int(joint), SG=int(scales_gmem), num_warps=4,
-                ctas=ctas, DIAG=diag, NC=consumers, SPLIT=int(consumers == 4), WIDE=int(wide), **regs)
+                ctas=ctas, DIAG=diag, NC=consumers, WIDE=int(wide), **regs)
 
 
 def _descs(q_fp8: torch.Tensor, cache_u8: torch.Tensor):
