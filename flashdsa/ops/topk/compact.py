@@ -51,6 +51,16 @@ def _pass_tile(b, p, s1, t_a, t_p, t_b, dst, cw, CAP: tl.constexpr, ASM: tl.cons
 
 
 @triton.jit
+def _segments(s0, s1, useg, CAP: tl.constexpr, NW: tl.constexpr, UN: tl.constexpr):
+    """The compaction's split of ``[s0, s1)``: ``seg`` (a multiple of UN tiles of 128) positions a warp, the
+    positions of each warp's first tile ``start [NW, 128]`` and its list ``dst`` (``useg[w * CAP:]``)."""
+    w = tl.arange(0, NW)
+    seg = tl.cdiv(tl.cdiv(s1 - s0, NW), UN * 128) * (UN * 128)
+    start = (s0 + w * seg)[:, None] + tl.arange(0, 128)[None, :]
+    return seg, start, useg + (w.to(tl.int64) * CAP)[:, None]
+
+
+@triton.jit
 def compact_seg(row, s0, s1, t_a, t_p, t_b, useg, CAP: tl.constexpr, NW: tl.constexpr, UN: tl.constexpr,
                 VEC: tl.constexpr, ASM: tl.constexpr):
     """Positions ``[s0, s1)`` of the row split into NW contiguous segments, one a warp: warp w appends
@@ -59,11 +69,7 @@ def compact_seg(row, s0, s1, t_a, t_p, t_b, useg, CAP: tl.constexpr, NW: tl.cons
     barrier). A warp issues the loads of UN tiles of 128 scores before it works on the first of them
     (the list stores are inline asm with side effects: loads after them in program order wait for
     them). Returns the uncapped counts ``[NW]``. s0 is a multiple of 4 (128-bit loads)."""
-    w = tl.arange(0, NW)
-    j = tl.arange(0, 128)
-    seg = tl.cdiv(tl.cdiv(s1 - s0, NW), UN * 128) * (UN * 128)
-    start = (s0 + w * seg)[:, None] + j[None, :]
-    dst = useg + (w.to(tl.int64) * CAP)[:, None]
+    seg, start, dst = _segments(s0, s1, useg, CAP, NW, UN)
     cw = tl.zeros([NW], dtype=tl.int32)
     for it in tl.range(0, seg, UN * 128, num_stages=1):
         p = start + it
@@ -121,11 +127,7 @@ def compact_seg_ties(row, s0, s1, t_lo, K, useg, CAP: tl.constexpr, NW: tl.const
     position order and hold at least K keys whenever the row has K keys ``>= t_lo``, so every later step
     runs on them as on :func:`compact_seg`'s. One tile a step, the next one loaded ahead of the stores.
     Returns the counts stored (uncapped by CAP) ``[NW]``."""
-    w = tl.arange(0, NW)
-    j = tl.arange(0, 128)
-    seg = tl.cdiv(tl.cdiv(s1 - s0, NW), UN * 128) * (UN * 128)
-    start = (s0 + w * seg)[:, None] + j[None, :]
-    dst = useg + (w.to(tl.int64) * CAP)[:, None]
+    seg, start, dst = _segments(s0, s1, useg, CAP, NW, UN)
     cw = tl.zeros([NW], dtype=tl.int32)
     ew = tl.zeros([NW], dtype=tl.int32)
     b = _load_tile(row, start, s1, VEC)
