@@ -227,7 +227,6 @@ def _launch_shape(key, logits, K, page_table, row_starts, out_offsets, page_size
                   BITS=cfg.bits, BITS_W=cfg.bits_w, BITS_S=cfg.bits_s, STREAM=cfg.stream,
                   SAMPLE_STREAM=cfg.sample_stream, MJ=cfg.move_step, BLOCK=cfg.block, STAGES=cfg.stages, ASM=not interp,
                   FORCE=FORCE[cfg.force], STOP=STOP_AFTER[cfg.stop_after], VEC=cfg.vec and _whole_chunks(logits, row_starts),
-                  TIES=False,
                   stride_l=logits.stride(0), stride_t=page_table.stride(0) if page_table is not None else 0,
                   rows_per_table=R // page_table.shape[0] if page_table is not None else 1, R=R, K=K, num_warps=nw,
                   CHECK=check, L=L, maxp=page_table.shape[1] if page_table is not None else 0,

@@ -133,8 +133,8 @@ def topk_split_kernel(
             copy_short(out_row, n, K, table_row, off_r, MODE, PAGE_SIZE, BLOCK)
     else:
         prog = (r * CHUNKS + j).to(tl.int64)
-        t_lo, s_eq = sample_threshold(row, n, K, sampscr + prog * (1 << LG_S), CAND, LG_S, BITS_S, FORCE, SAMPLE_STREAM,
-                                UB, ASM)
+        t_lo, s_eq = sample_threshold(row, n, K, sampscr + prog * (1 << LG_S), CAND, LG_S, BITS_S, FORCE,
+                                      SAMPLE_STREAM, UB, ASM)
         if STOP == 1:
             tl.store(out_row + j, t_lo)
         else:
