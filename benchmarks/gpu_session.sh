@@ -10,7 +10,9 @@
 # Compute sections of our Gluon sparse-MLA kernels and FlashMLA's, decode and prefill: $OUT/ncu*.txt; and our
 # kernels' per-SASS-instruction counters, summarised by benchmarks/ncu_sass_top.py: $OUT/ncu-sass*.txt),
 # gluon-indexer (the experimental Gluon paged indexer checked and timed next to the Triton kernel and DeepGEMM,
-# with the launch variants in GLUON_INDEXER_VARIANTS; under a minute).
+# with the launch variants in GLUON_INDEXER_VARIANTS; under a minute), selection / layer / host (`flashdsa bench
+# --ops <stage>`: decode selection against DeepGEMM -> fast_topk_transform_fused, the decode step per stage, the
+# host cost of plain calls; SGL_LIBS=.anchors/sglk by default when that folder exists).
 # BENCH_ARGS go to every bench.
 # Wheels in .anchors/ are installed over the image's packages: put a transformers >= 5.23 wheel there for
 # the hf stage and test_hf (the H200 image had 5.17 on 2026-12-01).
@@ -19,6 +21,7 @@ OUT=${OUT:-out}; mkdir -p "$OUT"
 if ls .anchors/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --upgrade --no-index --no-deps --target .peers .anchors/*.whl
 fi
+[ -d .anchors/sglk ] && SGL_LIBS=${SGL_LIBS:-.anchors/sglk}
 export PYTHONPATH=$PWD/.peers:$PWD PYTHONUNBUFFERED=1 FLASHDSA_CHECK_VALUES=${FLASHDSA_CHECK_VALUES:-1}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
@@ -35,6 +38,9 @@ for stage in "$@"; do
              2>&1 | tee "$OUT/gluon_fp8.log" | tail -8
            timeout 200 python3 benchmarks/gluon_prefill_probe.py --child-timeout 60 2>&1 | tee "$OUT/gluon_bf16.log" | tail -22
            timeout 100 python3 benchmarks/gluon_prefill_fixed.py 2>&1 | tee "$OUT/gluon_fixed.log" | tail -6 ;;
+    selection|layer|host)   # flashdsa bench's op of that name (peers from .anchors/sglk when present)
+           timeout 300 python3 -m flashdsa.cli bench --ops $stage ${SGL_LIBS:+--peer-libs $SGL_LIBS} \
+             --json "$OUT/bench_$stage.json" 2>&1 | grep -v "case/s" | tee "$OUT/bench_$stage.log" | tail -30 ;;
     gluon-indexer)
            timeout 280 python3 benchmarks/gluon_indexer_probe.py ${GLUON_INDEXER_VARIANTS:+--variants "$GLUON_INDEXER_VARIANTS"} \
              2>&1 | tee "$OUT/gluon_indexer.log" | tail -22 ;;
