@@ -18,7 +18,8 @@ Cases (``--quick`` keeps those marked Q; the sweeps feed the plot):
                 prefill bf16, T 4096, h_q 128, top-2048 over 8K Q / 32K keys      peer: FlashMLA prefill
     layer       one V3.2 decode step of one layer the way flashdsa.engine runs it (paged indexer -> top-k
                 with slot translation -> sparse decode), B 64 at context 8K and 32K Q, split into indexer /
-                top-k / attention / whole step; the step's peer is DeepGEMM + fast_topk + FlashMLA in a row
+                top-k / attention / whole step; the step's peer is DeepGEMM + fast_topk_transform_fused (fast_topk,
+                untranslated, where the sgl-kernel build lacks it) + FlashMLA in a row
     host        host µs of one plain (eager) call of each public op at the V3.2 decode shapes, B 64, context
                 8K and 32K Q, with the GPU kept busy so only the launch path counts, and the plain-call decode
                 step against its CUDA-graph replay (flashdsa.testing.host_cost; issue #18's targets as PASS /
@@ -158,7 +159,7 @@ def peers_of(case: Case) -> str:
     if case.kind == "selection":
         return "DeepGEMM paged -> fast_topk_transform_fused" if case.params.get("k", 2048) == 2048 else "none (k 2048)"
     return {"paged": "DeepGEMM", "ragged": "DeepGEMM", "decode": "FlashMLA", "prefill": "FlashMLA",
-            "layer": "DeepGEMM / fast_topk / FlashMLA per stage, the three in a row for the step"}[case.kind]
+            "layer": "DeepGEMM / fast_topk_transform_fused / FlashMLA per stage, the three in a row for the step"}[case.kind]
 
 
 def parse_ops(text: str) -> tuple[str, ...]:
@@ -229,6 +230,20 @@ def _deepgemm_paged(q_fp8, cache, w, lens, bt, max_len, ours):
         valid = torch.arange(max_len, device=lens.device)[None, :] < lens.reshape(-1, 1)
         return fn, _masked_cos(ours(), fn(), valid)
     return make
+
+
+def _token_table(block_table: torch.Tensor, max_len: int) -> torch.Tensor:
+    """``[B, max_len] int32``: the slot of each position through ``block_table`` (SGLang's page table of page
+    size 1, what fast_topk_transform_fused translates through)."""
+    j = torch.arange(max_len, device=block_table.device)
+    return (block_table.long()[:, j // 64] * 64 + j % 64).to(torch.int32).contiguous()
+
+
+def _same_slot_sets(theirs: torch.Tensor, mine: torch.Tensor) -> dict:
+    """A peer's translated top-k against ours, as sets a row (its order within a row is its own)."""
+    a, b = theirs.reshape(mine.shape).sort(dim=-1).values, mine.sort(dim=-1).values
+    same = (a == b).all(dim=-1).float().mean()
+    return {"summary": f"same slots (as sets) in {same:.1%} of rows"}
 
 
 def _flashmla_decode(q, cache, idx, sm_scale, seqlens, ours):
@@ -434,12 +449,9 @@ def _setup_selection(p: dict, dev, status) -> list[tuple[str, Bench]]:
     if status["DeepGEMM"]["ok"] and status["fast_topk_transform_fused"]["ok"] and k == 2048:
         def make():
             dg = _deepgemm_paged(q, cache, w, lens, bt, max_len, logits)()[0]
-            j = torch.arange(max_len, device=dev)
-            token_table = (bt.long()[:, j // 64] * 64 + j % 64).to(torch.int32).contiguous()
-            topk = peers.fast_topk_transform_fused(rows_len, token_table, k)
+            topk = peers.fast_topk_transform_fused(rows_len, _token_table(bt, max_len), k)
             chain = lambda: topk(dg())  # noqa: E731
-            theirs, mine = chain().sort(dim=1).values, ours().sort(dim=1).values
-            return chain, {"summary": f"same slots (as sets) in {(theirs == mine).all(dim=1).float().mean():.1%} of rows"}
+            return chain, _same_slot_sets(chain(), ours())
         peer["DeepGEMM+fast_topk_transform_fused"] = make
     pairs = int(lens.sum())
     return [("", Bench(ours, check, peer,
@@ -530,7 +542,12 @@ def _setup_layer(p: dict, dev, status) -> list[tuple[str, Bench]]:
     q_fp8, w = idx.q.view(B, 1, H_I, 128), idx.weights
     if status["DeepGEMM"]["ok"]:
         stages["indexer"].peers["DeepGEMM"] = _deepgemm_paged(q_fp8, pool.index_cache(0), w, lens, bt, max_len, indexer)
-    if status["fast_topk"]["ok"] and topk == 2048:
+    if status["fast_topk_transform_fused"]["ok"] and topk == 2048:
+        def make_topk():  # SGLang's decode call: top-k with the slot translation fused, like ours
+            fn = peers.fast_topk_transform_fused(seqlens, _token_table(bt, max_len), topk)
+            return (lambda: fn(logits)), _same_slot_sets(fn(logits), select(logits))
+        stages["top-k"].peers["fast_topk_transform_fused"] = make_topk
+    elif status["fast_topk"]["ok"] and topk == 2048:  # an sgl-kernel without it: positions, untranslated
         stages["top-k"].peers["fast_topk"] = _topk_peers(logits, seqlens, topk, status)["fast_topk"]
     if status["FlashMLA"]["ok"] and h in (64, 128):
         stages["attention"].peers["FlashMLA"] = _flashmla_decode(q.view(B, 1, h, 576), mla, sel.view(B, 1, topk),
@@ -547,7 +564,7 @@ def _setup_layer(p: dict, dev, status) -> list[tuple[str, Bench]]:
     total = Bench(step, step_check, bytes=sum(s.bytes for s in stages.values()),
                   flops=sum(s.flops for s in stages.values()), parts=tuple(stages.values()))
     if all(s.peers for s in stages.values()):
-        def make_chain():  # the peers' three ops back to back (fast_topk gives positions, untranslated)
+        def make_chain():  # the peers' three ops back to back
             fns = [make()[0] for s in stages.values() for make in s.peers.values()]
             return (lambda: [f() for f in fns]), {"summary": "the three in a row"}
         total.peers["+".join(p for s in stages.values() for p in s.peers)] = make_chain

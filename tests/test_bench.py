@@ -192,6 +192,19 @@ def test_timed_rows_table_and_roofline(monkeypatch):
     assert "torch.topk" in table and "ok (same bits)" in table and "ok (stages ok)" in table
 
 
+def test_translated_topk_peer_helpers():
+    # the per-token page table fast_topk_transform_fused reads: position p of request b -> its slot
+    bt = torch.tensor([[3, 0], [1, 2]], dtype=torch.int32)
+    table = B._token_table(bt, 128)
+    assert table.shape == (2, 128) and table.dtype == torch.int32
+    assert table[0, 5] == 3 * 64 + 5 and table[0, 64] == 0 and table[1, 127] == 2 * 64 + 63
+    # the peer's slots in its own order within a row: compared with ours as sets
+    mine = torch.tensor([[1, 5, 9], [2, 4, 6]])
+    assert B._same_slot_sets(torch.tensor([[9, 1, 5], [6, 2, 4]]), mine)["summary"].startswith(
+        "same slots (as sets) in 100.0%")
+    assert "in 50.0%" in B._same_slot_sets(torch.tensor([[9, 1, 5], [6, 2, 7]]), mine)["summary"]
+
+
 def test_roof_us_memory_or_compute_bound():
     mem = B.Bench(None, None, bytes=4.27e9, flops=1e9, dtype="fp8")  # 1 ms of copy, ~1 µs of fp8 math
     assert B.roof_us(mem, CEILINGS) == pytest.approx(1000.0)
