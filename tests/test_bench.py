@@ -205,6 +205,35 @@ def test_translated_topk_peer_helpers():
     assert "in 50.0%" in B._same_slot_sets(torch.tensor([[9, 1, 5], [6, 2, 7]]), mine)["summary"]
 
 
+@cpu_only
+def test_translating_topk_peer_wired_into_the_layer_and_selection(monkeypatch):
+    # sgl-kernel's fast_topk_transform_fused (absent on the CPU) stood in for by torch: the top-k over the
+    # row's length, translated through the per-token table, -1 past it, in an order of its own (reversed)
+    from flashdsa.config import DSAConfig
+
+    def fake(lengths, token_table, k):
+        def call(scores):
+            pos = torch.arange(scores.shape[1])
+            x = torch.where(pos[None, :] < lengths[:, None], scores, float("-inf"))
+            top = torch.topk(x, min(k, x.shape[1]), dim=1).indices
+            slots = torch.where(torch.gather(x, 1, top) > float("-inf"), torch.gather(token_table, 1, top), -1)
+            out = torch.full((scores.shape[0], k), -1, dtype=torch.int32)
+            out[:, :slots.shape[1]] = slots.flip(1)
+            return out
+        return call
+    monkeypatch.setattr(B.peers, "fast_topk_transform_fused", fake)
+    preset = DSAConfig.preset
+    monkeypatch.setattr(DSAConfig, "preset", classmethod(lambda cls, name: preset(name).replace(index_topk=2048)))
+    fake_timer(monkeypatch, us=10.0)
+    status = {name: dict(v) for name, v in B.peer_status().items()}
+    status["fast_topk_transform_fused"] = {"ok": True, "why": "a torch stand-in"}
+    layer = B.Case("layer", "layer", "tiny decode B2 ctx 200 top-2048", dict(preset="tiny", B=2, ctx=200))
+    rows = B.run_case(layer, torch.device("cpu"), status, CEILINGS)
+    topk_row = [r for r in rows if r["case"].endswith("top-k")][0]
+    assert [p["name"] for p in topk_row["peers"]] == ["fast_topk_transform_fused"]
+    assert topk_row["peers"][0]["check"]["summary"] == "same slots (as sets) in 100.0% of rows"
+
+
 def test_roof_us_memory_or_compute_bound():
     mem = B.Bench(None, None, bytes=4.27e9, flops=1e9, dtype="fp8")  # 1 ms of copy, ~1 µs of fp8 math
     assert B.roof_us(mem, CEILINGS) == pytest.approx(1000.0)
