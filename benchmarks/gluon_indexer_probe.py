@@ -206,11 +206,14 @@ def run_gpu(args) -> int:
 def run_host(calls: int = 100) -> int:
     """Host µs of one plain call (the GPU kept busy, ``host_cost.HostTimer``), B 64 ctx ~32K, next_n 1 / 2 / 4:
     the Gluon kernel's own entry (a JIT launch with new descriptors), the public op with the default (device)
-    checks (the Triton kernel), the public op with checks off (from next_n 4 on: the Gluon kernel from a
-    plan), the same forced to Triton, and DeepGEMM."""
+    checks (the Triton kernel with its in-kernel checks; from next_n 4 on the check kernel, then the Gluon
+    kernel), the public op with checks off (from next_n 4 on: the Gluon kernel alone), the same forced to
+    Triton, and DeepGEMM. (Until the sixth session's review the checks were switched the wrong way round:
+    the two "op" columns of the --host runs recorded before then hold each other's figures.)"""
     from bench_indexer import _paged_case
 
     from flashdsa import ops
+    from flashdsa._checks import value_check_setting
     from flashdsa.ops.indexer import gluon as G
     from flashdsa.testing.host_cost import HostTimer
     from flashdsa.testing.peers import deepgemm_paged, import_deep_gemm
@@ -227,8 +230,11 @@ def run_host(calls: int = 100) -> int:
                "op, triton, checks off": lambda: ops.indexer_logits_paged(*a, backend="triton")}
         if dg is not None and n <= 2:
             fns["deepgemm"] = deepgemm_paged(*a)
-        r = timer.interleaved(fns, before=lambda key: ops.set_value_checks(key != "op, checks on"))
-        ops.set_value_checks(True)
+        setting = value_check_setting()
+        try:   # the default (device) checks for "op, checks on" only; every other column runs without
+            r = timer.interleaved(fns, before=lambda key: ops.set_value_checks(key == "op, checks on"))
+        finally:
+            ops.set_value_checks(setting)
         # best (median of the batches): a median far above the best says more than the host's load was timed
         cell = {k: f"{v[0]:.1f} ({statistics.median(timer.batches[k]):.1f})"
                 + ("" if v[1] else " (GPU idle: not host-bound)") for k, v in r.items()}
