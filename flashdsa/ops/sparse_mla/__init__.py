@@ -37,9 +37,14 @@ def _run_gluon(mod: str, op_name: str, fallback, *args):
                        fallback_name="Triton kernels")
 
 
+def _gluon_decode_module(kv_cache) -> str:
+    """The Gluon module that decodes over ``kv_cache``'s pages: the bf16 kernel for bf16 pages, else the fp8 one."""
+    return _GLUON_BF16 if kv_cache.dtype == torch.bfloat16 else _GLUON_FP8
+
+
 def _gluon_decode(q, kv_cache, indices, sm_scale, d_v, kv_scale):
-    mod = _GLUON_BF16 if kv_cache.dtype == torch.bfloat16 else _GLUON_FP8
-    return _run_gluon(mod, "decode", _triton_decode, q, kv_cache, indices, sm_scale, d_v, kv_scale)
+    return _run_gluon(_gluon_decode_module(kv_cache), "decode", _triton_decode, q, kv_cache, indices, sm_scale, d_v,
+                      kv_scale)
 
 
 def _gluon_prefill(q, kv, indices, sm_scale, d_v):
@@ -186,7 +191,7 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Te
     # remembered where nothing was converted (q widened, indices made contiguous) and the kernel picked is the
     # one that ran (a Gluon kernel whose first launch failed fell back to Triton: not remembered)
     if key is not None and name is not None and given[0] is q and given[1] is indices and not (
-            impl is _gluon_decode and (_GLUON_BF16 if fmt == "bf16" else _GLUON_FP8) in _GLUONS.failed):
+            impl is _gluon_decode and _gluon_decode_module(kv_cache) in _GLUONS.failed):
         remember(_FAST, key, (name, impl, float(sm_scale), kv_scale), 256)
     return res
 
