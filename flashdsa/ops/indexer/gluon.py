@@ -3,8 +3,9 @@ DeepGEMM's sm90 paged MQA-logits schedule: a TMA warp feeding math warpgroups th
 #17, item 1): faster than ``paged.py``'s Triton TMA kernel at next_n 4 (0.89-0.90x), on par at 2 and 3,
 0.93-1.03x at 1 (measured below). ``flashdsa.ops.indexer_logits_paged`` runs it from next_n 4 on (its rule,
 and the check kernel its default mode launches first: that op's docstring and README.md), through
-:func:`indexer_logits_paged_planned` (a launch plan, TMA descriptors cached per address: 28 us of host time
-a plain call against the 126-144 us of a JIT launch with new descriptors); :func:`indexer_logits_paged_gluon`
+:func:`indexer_logits_paged_planned` (a launch plan, TMA descriptors cached per address: 31.4 us of host time
+a plain call at next_n 4 in a diagnostic run, against the 126-144 us of a JIT launch with new descriptors);
+:func:`indexer_logits_paged_gluon`
 takes every launch knob. The interpreter cannot run Gluon: ``-m gpu`` tests it
 (tests/ops/test_indexer_gluon.py), CI compiles it for sm_90; ``benchmarks/gluon_indexer_probe.py`` checks it
 against the reference and times it next to DeepGEMM and the Triton kernel (``--compile-only``: no GPU).
