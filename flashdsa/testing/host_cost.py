@@ -164,8 +164,8 @@ def our_calls(d: dict) -> dict:
     # top-k's peers: sgl-kernel's Python entry, which allocates its output per call as ours does, and its raw op
     # writing into a buffer made once, as ours does with out=
     return {"indexer_logits_paged": (paged, "DeepGEMM paged"), "topk_transform": (topk, "fast_topk_v2"),
-            "topk_transform (out=)": (topk_out, "fast_topk"), "topk_transform (page table)": (topk_pages, None), "sparse_mla_decode": (decode, "FlashMLA decode"),
-            "indexer_quant (q)": (quant, None), "step": (step, None)}
+            "topk_transform (out=)": (topk_out, "fast_topk"), "topk_transform (page table)": (topk_pages, None),
+            "sparse_mla_decode": (decode, "FlashMLA decode"), "indexer_quant (q)": (quant, None), "step": (step, None)}
 
 
 def check_cost_calls(d: dict) -> dict:
@@ -290,7 +290,6 @@ def run_ctx(d: dict, ctx: int, dev: str, timer: HostTimer, dg: bool, sgl: bool, 
     ops.check_errors()
 
 
-
 def measure(dev: str, ctxs=(8192, 32768), calls: int = 100, B: int = 64, H: int = 64, h_q: int = 128,
             topk: int = 2048, backend: str | None = None, dg: bool = False, sgl: bool = False,
             timer: HostTimer | None = None) -> tuple[list[dict], list[tuple[str, bool]]]:
@@ -313,7 +312,6 @@ def measure(dev: str, ctxs=(8192, 32768), calls: int = 100, B: int = 64, H: int 
 COLUMNS = ("ctx", "call", "side", "host_us", "host_us_median", "host_us_checks_off", "host_us_fresh_scratch", "peer",
            "peer_host_us", "ours/peer", "ours/raw fast_topk", "gpu_busy", "step_plain_us", "step_graph_us", "plain/graph",
            "gpu_us_checks", "gpu_us_no_checks", "checks/none")
-
 
 
 def table(rows: list[dict]) -> str:
