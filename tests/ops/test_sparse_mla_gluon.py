@@ -126,13 +126,14 @@ def test_gluon_decode_matches_reference(B, s_q, h_q, topk, pages, fmt):
 
 @pytest.mark.gpu
 @needs_sm90
-@pytest.mark.parametrize("variant", [gluon.DEFAULT_VARIANT, "ws-pipe-pf2-os-ql"])
+@pytest.mark.parametrize("variant", [gluon.DEFAULT_VARIANT, "ws-pipe-pf2-os-ql", "ws-pipe-pf2-os-ql-dq4"])
 def test_gluon_decode_with_scales_not_powers_of_two(variant):
     """Scales that are not powers of two (a cache quantised with amax / 448, not flashdsa's ue8m0). The
-    default multiplies by the scale rounded to bf16, as FlashMLA does: its output is bitwise its output on
-    the same cache with every scale rounded to bf16, and within the bound of the reference on that cache
-    (the product of a 4-bit e4m3 and an 8-bit bf16 mantissa is exact in fp32, so both round it once). The
-    exact variant (DEQ 0) is within the bound of the reference on the cache as it is."""
+    exact arithmetic (DEQ 0: the default, and with row-major gathers) is within the bound of the reference
+    on the cache as it is. DEQ 4 multiplies by the scale rounded to bf16, as FlashMLA does: its output is
+    bitwise its output on the same cache with every scale rounded to bf16, and within the bound of the
+    reference on that cache (the product of a 4-bit e4m3 and an 8-bit bf16 mantissa is exact in fp32, so
+    both round it once)."""
     g = torch.Generator(device="cuda").manual_seed(11)
     pages = 40
     kv = torch.randn(pages * PAGE_SIZE, 576, device="cuda", generator=g).to(torch.bfloat16)
@@ -153,37 +154,64 @@ def test_gluon_decode_with_scales_not_powers_of_two(variant):
         assert torch.equal(out, out2) and torch.equal(lse, lse2)
 
 
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("deq", ["", "-dq4"])
+def test_paired_rows_gathers_give_the_row_major_bits(deq):
+    """The PAIRED_ROWS layout only changes which thread dequantises and stores which element: the output must
+    be the row-major layout's bit for bit (ragged lists, -1 / out-of-range slots, an empty row, h 64 and
+    128, s_q 2)."""
+    g = torch.Generator(device="cuda").manual_seed(5)
+    pages = 48
+    kv = torch.randn(pages * PAGE_SIZE, 576, device="cuda", generator=g).to(torch.bfloat16)
+    cache = quantize_mla_656(kv, ue8m0=False).view(pages, PAGE_SIZE, -1)
+    for B, s_q, h_q, topk in [(3, 2, 128, 2048), (2, 1, 64, 200)]:
+        q = torch.randn(B, s_q, h_q, 576, device="cuda", generator=g).to(torch.bfloat16)
+        idx = make_indices((B, s_q, topk), pages * PAGE_SIZE, "cuda")
+        idx[0, 0, topk // 3:] = -1
+        idx[-1, -1, ::7] = pages * PAGE_SIZE + 3
+        idx[-1, 0] = -1
+        a = gluon.sparse_mla_decode_gluon(q, cache, idx, SM_SCALE, variant="ws-pipe-pf2-os-ql" + deq)
+        b = gluon.sparse_mla_decode_gluon(q, cache, idx, SM_SCALE, variant="ws-pipe-pf2-os-ql-pr" if not deq
+                                          else "ws-pipe-pf2-os-ql-dq4-pr")
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+        assert torch.isneginf(b[1][-1, 0]).all() and (b[0][-1, 0] == 0).all()
+
+
+def _linear(layout, shape):
+    """Triton's linear layout of ``layout`` over ``shape`` (bases of register / lane / warp bits)."""
+    from triton._C.libtriton import gluon_ir, ir
+    ctx = ir.context()
+    ir.load_dialects(ctx)
+    builder = gluon_ir.GluonOpBuilder(ctx)
+    return builder.to_linear_layout(layout._to_ir(builder), list(shape))
+
+
+def _xor_at(*pairs):
+    """(row, col) of the element at (bases, index) pairs: the XOR of each set bit's basis."""
+    r = c = 0
+    for bases, i in zip(pairs[::2], pairs[1::2]):
+        for bit, (dr, dc) in enumerate(bases):
+            if i >> bit & 1:
+                r, c = r ^ dr, c ^ dc
+    return r, c
+
+
 def _phase_wavefronts(reg_layout, shape) -> int:
     """The most 16-B stores of one 8-lane phase that hit the same 4-bank group when a register tensor of
     ``reg_layout`` is stored (16 B a store: 8 consecutive bf16) into the [rows, cols] bf16 tile of
     ``gluon.tile_smem``: 1 is conflict-free. Shared memory serves 16-B accesses 8 lanes at a time; both
     layouts are read as Triton's linear layouts (register / lane / warp bits -> (row, col); shared offset
     bits -> (row, col))."""
-    from triton._C.libtriton import gluon_ir, ir
-    ctx = ir.context()
-    ir.load_dialects(ctx)
-    builder = gluon_ir.GluonOpBuilder(ctx)
-
-    def linear(layout):
-        return builder.to_linear_layout(layout._to_ir(builder), list(shape))
-
-    def at(bases, i):
-        r = c = 0
-        for bit, (dr, dc) in enumerate(bases):
-            if i >> bit & 1:
-                r, c = r ^ dr, c ^ dc
-        return r, c
-
-    smem, regs = linear(gluon.tile_smem(*shape)), linear(reg_layout)
-    offset = {at(smem.offset_bases, o): o for o in range(shape[0] * shape[1])}
+    smem, regs = _linear(gluon.tile_smem(*shape), shape), _linear(reg_layout, shape)
+    offset = {_xor_at(smem.offset_bases, o): o for o in range(shape[0] * shape[1])}
     worst = 0
     for w in range(1 << len(regs.warp_bases)):
         for store in range((1 << len(regs.reg_bases)) // 8):
             for phase in range((1 << len(regs.lane_bases)) // 8):
                 hits: dict = {}
                 for lane in range(8 * phase, 8 * phase + 8):
-                    cells = [tuple(a ^ b ^ c for a, b, c in zip(at(regs.reg_bases, 8 * store + j),
-                                                               at(regs.lane_bases, lane), at(regs.warp_bases, w)))
+                    cells = [_xor_at(regs.reg_bases, 8 * store + j, regs.lane_bases, lane, regs.warp_bases, w)
                              for j in range(8)]
                     offs = [offset[cell] for cell in cells]
                     assert offs == list(range(offs[0], offs[0] + 8)), "a store of 8 contiguous bf16"
@@ -198,11 +226,44 @@ def _phase_wavefronts(reg_layout, shape) -> int:
 def test_gather_layouts_store_without_bank_conflicts():
     """The producer's dequantised latent tile: the row-major gather layout's 8 lanes of a row write the same
     bank groups in both 64-column halves (2-way: what ncu measured on the H200, 8 wavefronts per 16-B
-    store against 4), the rows-first one is conflict-free; the rope tile is conflict-free either way."""
-    assert _phase_wavefronts(gluon.gather_layout(False), (64, 128)) == 2
-    assert _phase_wavefronts(gluon.gather_layout(True), (64, 128)) == 1
-    assert _phase_wavefronts(gluon.rope_layout(False), (64, 64)) == 1
-    assert _phase_wavefronts(gluon.rope_layout(True), (64, 64)) == 1
+    store against 4), the rows-first and paired-rows ones are conflict-free; the rope tile is conflict-free
+    in all three."""
+    assert _phase_wavefronts(gluon.gather_layout(gluon.ROW_MAJOR), (64, 128)) == 2
+    for mode in (gluon.ROWS_FIRST, gluon.PAIRED_ROWS):
+        assert _phase_wavefronts(gluon.gather_layout(mode), (64, 128)) == 1
+    for mode in (gluon.ROW_MAJOR, gluon.ROWS_FIRST, gluon.PAIRED_ROWS):
+        assert _phase_wavefronts(gluon.rope_layout(mode), (64, 64)) == 1
+
+
+def _lines_per_load(layout, row_bytes: int, elem: int) -> int:
+    """Distinct rows (each a separate gathered row: its own lines) that one warp's load instruction touches,
+    and the bytes of each: returns rows x bytes-per-row."""
+    ll = _linear(layout, (64, row_bytes // elem))
+    rows = {}
+    for lane in range(1 << len(ll.lane_bases)):
+        for reg in range(1 << 3):   # the first 8 registers: the elements of one 16-B (or 8-B) load
+            r, c = _xor_at(ll.reg_bases, reg, ll.lane_bases, lane)
+            rows.setdefault(r, set()).add(c * elem // 16)
+    return len(rows), max(len(v) for v in rows.values()) * 16
+
+
+@pytest.mark.skipif(tuple(int(x) for x in __import__("triton").__version__.split(".")[:2]) < (3, 9),
+                    reason="linear layouts from Python need Triton >= 3.9")
+def test_paired_rows_layout_gathers_like_row_major():
+    """PAIRED_ROWS keeps row-major's global loads: a warp's load instruction covers 4 rows x 128 bytes (the
+    rows-first layout: 8 rows x 64 bytes, measured slower), the rope 4 rows x 128 bytes, and the latent
+    and rope layouts put every row in the same threads (the row pointers are shared without a shuffle)."""
+    assert _lines_per_load(gluon.gather_layout(gluon.ROW_MAJOR), 128, 1) == (4, 128)
+    assert _lines_per_load(gluon.gather_layout(gluon.PAIRED_ROWS), 128, 1) == (4, 128)
+    assert _lines_per_load(gluon.gather_layout(gluon.ROWS_FIRST), 128, 1) == (8, 64)
+    assert _lines_per_load(gluon.rope_layout(gluon.PAIRED_ROWS), 128, 2) == (4, 128)
+    lat, rope = _linear(gluon.gather_layout(gluon.PAIRED_ROWS), (64, 128)), \
+        _linear(gluon.rope_layout(gluon.PAIRED_ROWS), (64, 64))
+    for lane in range(32):
+        for w in range(4):
+            rows_lat = {_xor_at(lat.reg_bases, r, lat.lane_bases, lane, lat.warp_bases, w)[0] for r in range(64)}
+            rows_rope = {_xor_at(rope.reg_bases, r, rope.lane_bases, lane, rope.warp_bases, w)[0] for r in range(32)}
+            assert rows_lat == rows_rope
 
 
 @pytest.mark.gpu

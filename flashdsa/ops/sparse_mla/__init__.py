@@ -140,9 +140,9 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Te
     64 and d_v 512, a warp-specialised Gluon kernel (``gluon.py`` for fp8, ``gluon_bf16.py`` for bf16; about
     0.6x the Triton kernels' time at B 64 h 128 on the H200); everywhere else on CUDA (other GPUs, caches,
     head counts, the interpreter) the Triton kernels. All round P and the output to bf16, as FlashMLA does:
-    ``|out - ref| <= 2^-8 (max |v| + |ref|)`` of the fp32 reference. The Gluon fp8 kernel also dequantises
-    as FlashMLA does (the scale rounded to bf16): exactly the reference's values for power-of-two scales,
-    which flashdsa's writers store; for other scales, the reference's on the scales rounded to bf16.
+    ``|out - ref| <= 2^-8 (max |v| + |ref|)`` of the fp32 reference. Every backend dequantises the fp8
+    cache with the reference's arithmetic (e4m3 -> fp32, times the fp32 scale, rounded once to bf16), for
+    any scale.
     ``backend="gluon"`` where it does not apply is a ValueError.
 
     Returns:

@@ -7,13 +7,12 @@ next to FlashMLA and our Triton default; ``--compile-only`` compiles it for sm_9
 
 Math: ``reference.py`` (s = sm_scale q.k over 576 dims, softmax over the valid selected tokens, out =
 P V over the first 512 dims, lse natural log; index -1 / negative / >= N skipped; a row with no valid
-index gives out 0 and lse -inf). P is rounded to bf16 for the P V product, and the latent is dequantised,
-as FlashMLA does, as e4m3 -> bf16 times the scale rounded to bf16 (DEQ 4, the default since 2026-12-02):
-bit-identical to the reference's dequantisation (e4m3 -> fp32, times the fp32 scale, rounded once to bf16)
-when the scales are powers of two, which flashdsa's cache writers and FlashMLA's quantiser write (ue8m0);
-for other fp32 scales it is the reference's dequantisation of the same cache with every scale rounded to
-bf16 first (one rounding of the exact 12-bit product either way; tested). Variant DEQ 0 is the
-reference's arithmetic for any scale, 1-5 % slower (:func:`_dequant`).
+index gives out 0 and lse -inf). P is rounded to bf16 for the P V product. The latent is dequantised with
+the reference's arithmetic (e4m3 -> fp32, times the fp32 scale, rounded once to bf16; DEQ 0) for any
+scale: the default (``ws-pipe-pf2-os-ql-pr``) is as fast as FlashMLA's cheaper
+arithmetic was (e4m3 -> bf16 times the scale rounded to bf16, DEQ 4, the previous default: bit-
+identical for the power-of-two scales flashdsa's cache writers and FlashMLA's quantiser write, the
+reference on a cache with every scale rounded to bf16 otherwise; :func:`_dequant`).
 
 One CTA owns one query row (b, s_q) and 64 heads (h_q 128: two CTAs per row, next to each other in the
 grid so the second one's gathers hit L2) and walks the top-k list in steps of 64 tokens with three
@@ -46,10 +45,12 @@ Measured on the H200 (Triton 3.6, CUDA-graph replay, 4 runs of the probe; B64 s_
   probe cases: ragged / mixed -1, -7, >= N / all-empty rows / NaN bytes in skipped slot 0 / topk 100 ... 2048
   / h 16, 64, 128, NaN-poisoned outputs); both pass 9 of 10 under the Triton tests' tolerance and fail the
   same one (B2 s_q2 h128 topk192: |err| 1.5e-3 on a 0.022 element, bf16 P on a short list).
-* Time: default ``ws-pipe-pf2-os-ql-dq4`` 109.9 us vs FlashMLA 94.8 (1.16x) and our Triton default 178.1
-  (0.62x); B64 s_q2 211.2 vs 179.9 (1.17x); h64 (B128 s_q2) 224.6 vs 236.3 (0.95x). The same kernel with
-  the exact dequantisation (``ws-pipe-pf2-os-ql``) 111.1 / 215.5 / 236.2 in that run; the default before
-  the fixed-cost fixes (``ws-pipe-pf2``) 116.6 against its 111.9 in another (116.3 vs 94.7 before).
+* Time (2026-12-02, two probe runs in opposite orders): default ``ws-pipe-pf2-os-ql-pr`` 109.9 / 109.4 us
+  vs FlashMLA 95.7 / 95.0 (1.15x) and our Triton default 179.3 (0.61x); B64 s_q2 209.5 / 209.6 vs 180.2 /
+  180.7 (1.16x); h64 (B128 s_q2) 222.0 / 221.5 vs 236.5 / 236.2 (0.94x). In the same runs the previous
+  default (``-dq4``, row-major gathers) 109.7-110.2 / 210.4-210.8 / 223.7-224.1 and the exact arithmetic
+  with row-major gathers (``ws-pipe-pf2-os-ql``) 111.5-111.6 / 215.6-215.8 / 235.8-235.9. Earlier: the
+  default before the fixed-cost fixes (``ws-pipe-pf2``) 116.6 against their 111.9 (116.3 vs 94.7 before).
 * What bounds it: the consumers alone (``diag-nodeq``: no gathers, no dequantisation) already take 104 us
   (92 us with ``OVERLAP``; 101.7 with the fixed-cost fixes, 1.07x FlashMLA's whole kernel), i.e. ~3.2 us
   per 64-token step against 2,176 tensor cycles (~1.2 us): QK as m64n64k16 with both operands in shared memory needs 128 B/clk of shared-memory bandwidth, all of it, and
@@ -59,7 +60,12 @@ Measured on the H200 (Triton 3.6, CUDA-graph replay, 4 runs of the probe; B64 s_
 * Won: slots one step ahead (135.6 -> 129.6 us), per-line L2 prefetch 2 steps ahead (-> 116.3; 3 ahead
   118.0, and h64 worse), Q's loads all issued before its stores and O leaving through the Q tiles as 16-B
   stores (``OSTAGE`` / ``QL``, gluon_bf16.py's fixed-cost fixes: -> 111.9), FlashMLA's bf16 scale multiply
-  (DEQ 4, -1 / -4 %).
+  (DEQ 4, -1 / -4 %), then the ``PAIRED_ROWS`` gather layout (:func:`gather_layout`: row-major's loads,
+  conflict-free stores), which gave the exact arithmetic DEQ 4's speed or better (-1.5 / -3 / -6 % against
+  the exact arithmetic with row-major gathers). With DEQ 4 the same layout was 3 % slower (113.8-114.0 /
+  214.5-215.1 / 227.7-227.9 against 110.2-110.5 / 210.1-212.1 / 224.2-224.3, two runs), though 1-2 us
+  faster with every step on the same 64 rows (hot64): not understood; the SASS of the two differs only in
+  the producer's order of stores.
 * Lost: ``OVERLAP`` with the real producer (124-148 us: the consumer gets faster alone, 104 -> 92, but
   the 216 registers it needs leave the producer 128 and the dequantisation then competes with the softmax:
   ``diag-ovl-raw`` without the arithmetic 110.6); the integer-pipe dequantisation (DEQ 1: +10 % without
@@ -96,29 +102,52 @@ def mma_layout(n):
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
 
 
+# the producer's gather layouts (GATHER): 0 row-major (8 threads a row, 4 rows a warp), 1 rows-first, 2 paired
+# rows (row-major's loads, conflict-free stores)
+ROW_MAJOR, ROWS_FIRST, PAIRED_ROWS = 0, 1, 2
+
+
 @gluon.constexpr_function
-def gather_layout(rows_first):
-    """[64 rows, 128 bytes] of one latent group, 16 B a thread (one 16-B global load). Row-major (8 threads
-    a row, 4 rows a warp: the first version) or, with ``rows_first``, 8 rows a warp in lane order, 4
-    threads a row, each holding two 16-B pieces 64 bytes apart. Stored dequantised (16 bf16 a thread as two
-    16-B stores) into the 128-B-swizzled [64, 128] bf16 tile, whose two 64-column halves lie 8 KB apart
-    on the same banks: shared memory serves a 16-B store in phases of 8 lanes, and the row-major layout's
-    8 lanes of a row write the same 4 bank groups in both halves (2 wavefronts a phase: measured by ncu as
-    8 wavefronts per store against an ideal 4). Eight rows in a phase land on 8 different bank groups
-    (the swizzle XORs the 16-B chunk with the row), one wavefront a phase (tests/ops/test_sparse_mla_gluon.py
-    checks both on the layouts themselves). Measured, rows-first is slower all the same (VARIANTS' ``-r8``):
-    a warp's 16-B loads then touch twice as many rows' lines."""
-    if rows_first:
+def gather_layout(mode):
+    """[64 rows, 128 bytes] of one latent group, 16 B a thread (one 16-B global load), stored dequantised (16
+    bf16 a thread as two 16-B stores) into the 128-B-swizzled [64, 128] bf16 tile, whose two 64-column
+    halves lie 8 KB apart on the same banks. Shared memory serves a 16-B store in phases of 8 lanes.
+
+    * ``ROW_MAJOR`` (the first version): 8 threads a row, 4 rows a warp. The 8 lanes of a phase are one
+      row's and write the same 4 bank groups in both halves: 2 wavefronts a phase (ncu on the H200: 8
+      wavefronts per store against an ideal 4).
+    * ``ROWS_FIRST``: 8 rows a warp in lane order, 4 threads a row, each holding two 16-B pieces 64 bytes
+      apart. Eight rows in a phase land on 8 different bank groups (the swizzle XORs the 16-B chunk with
+      the row), one wavefront a phase; measured slower all the same (VARIANTS' ``-r8``): a warp's 16-B
+      loads then touch twice as many rows' lines.
+    * ``PAIRED_ROWS``: a warp's load covers row-major's 4 rows x 128 bytes, with the lanes reordered (a
+      linear layout): lanes 0-3 hold columns 0-63 of row 0, lanes 4-7 the same columns of row 1, lanes 8-15
+      columns 64-127 of both. A phase's two rows differ in the swizzle's low bit, so its 8 lanes hit 8
+      bank groups: row-major's global loads with conflict-free stores.
+
+    tests/ops/test_sparse_mla_gluon.py derives each layout's conflicts from Triton's linear layouts."""
+    if mode == ROWS_FIRST:
         return gl.BlockedLayout([1, 16], [8, 4], [4, 1], [0, 1])
+    if mode == PAIRED_ROWS:
+        return gl.DistributedLinearLayout(
+            reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [16, 0], [32, 0]],
+            lane_bases=[[0, 16], [0, 32], [1, 0], [0, 64], [2, 0]],
+            warp_bases=[[4, 0], [8, 0]], block_bases=[], shape=[64, 128])
     return gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
 
 
 @gluon.constexpr_function
-def rope_layout(rows_first):
+def rope_layout(mode):
     """[64 rows, 64 bf16] of rope, 16 B a thread, with the rows of :func:`gather_layout` (so the row
-    pointers pass between the two without a shuffle through shared memory)."""
-    if rows_first:
+    pointers pass between the two without a shuffle through shared memory); PAIRED_ROWS: columns 0-63 of a
+    row over lanes 0-3 and 8-11, so a phase's two rows again hit 8 bank groups."""
+    if mode == ROWS_FIRST:
         return gl.BlockedLayout([1, 8], [8, 4], [4, 1], [0, 1])
+    if mode == PAIRED_ROWS:
+        return gl.DistributedLinearLayout(
+            reg_bases=[[0, 1], [0, 2], [0, 4], [16, 0], [32, 0]],
+            lane_bases=[[0, 16], [0, 32], [1, 0], [0, 8], [2, 0]],
+            warp_bases=[[4, 0], [8, 0]], block_bases=[], shape=[64, 64])
     return gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
 
 
@@ -181,12 +210,12 @@ def _stage(tiles, valid, k_lat, k_rope, k_bias, k_ready, b, DEQ: gl.constexpr):
 @gluon.jit
 def _producer(kv, idx, stride_kv_page, stride_kv_row, stride_i_row, n_slots, topk, n_steps, n_hb,
               k_lat, k_rope, k_bias, k_ready, k_free, NBUF: gl.constexpr, PREFETCH: gl.constexpr, DEQ: gl.constexpr,
-              ROWS_FIRST: gl.constexpr):
+              GATHER: gl.constexpr):
     """Gather, dequantise and stage the K/V tile of every step, slots loaded in-step (variant "ws", the
-    first version; :func:`_producer_pipe` replaces it). PREFETCH, DEQ and ROWS_FIRST are ignored (exact
+    first version; :func:`_producer_pipe` replaces it). PREFETCH, DEQ and GATHER are ignored (exact
     dequantisation, row-major gathers)."""
-    LG: gl.constexpr = gather_layout(False)   # [64 rows, 128 bytes], row-major
-    LR: gl.constexpr = rope_layout(False)     # [64 rows, 64 bf16], LG's rows
+    LG: gl.constexpr = gather_layout(0)   # [64 rows, 128 bytes], row-major
+    LR: gl.constexpr = rope_layout(0)     # [64 rows, 64 bf16], LG's rows
     i_row = (gl.program_id(0) // n_hb).to(gl.int64)
     p_idx = idx + i_row * stride_i_row
     o_n = gl.arange(0, BLOCK_N, gl.SliceLayout(1, LG))
@@ -262,14 +291,14 @@ def _dequant(b_u, b_sc, DEQ: gl.constexpr):
 @gluon.jit
 def _producer_pipe(kv, idx, stride_kv_page, stride_kv_row, stride_i_row, n_slots, topk, n_steps, n_hb,
                    k_lat, k_rope, k_bias, k_ready, k_free, NBUF: gl.constexpr, PREFETCH: gl.constexpr,
-                   DEQ: gl.constexpr, ROWS_FIRST: gl.constexpr):
+                   DEQ: gl.constexpr, GATHER: gl.constexpr):
     """:func:`_producer` with the slot loads out of the gathers' critical path: the row pointers of step
     i + 1 come from slots loaded during step i, and with ``PREFETCH`` the rows of step i + PREFETCH are
     asked into L2 at the end of step i (their slots loaded at its top, so that load's latency hides under
     the dequantisation). The gathered bytes themselves are not carried across iterations: a u8 tensor
     carried by the loop costs a 32-bit register per byte (ptxas spilled 4.6 KB when it was tried)."""
-    LG: gl.constexpr = gather_layout(ROWS_FIRST)   # [64 rows, 128 bytes]
-    LR: gl.constexpr = rope_layout(ROWS_FIRST)     # [64 rows, 64 bf16]
+    LG: gl.constexpr = gather_layout(GATHER)   # [64 rows, 128 bytes]
+    LR: gl.constexpr = rope_layout(GATHER)     # [64 rows, 64 bf16]
     LP: gl.constexpr = gl.BlockedLayout([1, 4], [16, 2], [4, 1], [1, 0])   # [64 rows, 8 lines] L2 prefetches
     SG: gl.constexpr = gl.SliceLayout(1, LG)
     SR: gl.constexpr = gl.SliceLayout(1, LR)
@@ -523,7 +552,7 @@ def sparse_mla_decode_ws_kernel(
     n_slots, h_q, topk, n_steps, n_hb, qk_scale,
     NBUF: gl.constexpr, PREFETCH: gl.constexpr, OVERLAP: gl.constexpr, PIPE: gl.constexpr,
     DEQ: gl.constexpr, REGS_C1: gl.constexpr, REGS_PROD: gl.constexpr, OSTAGE: gl.constexpr = False,
-    QL: gl.constexpr = 0, ROWS_FIRST: gl.constexpr = False,
+    QL: gl.constexpr = 0, GATHER: gl.constexpr = 0,
 ):
     """Warp-specialised sparse MLA decode, one (query row, 64 heads) per CTA (module docstring).
 
@@ -565,18 +594,18 @@ def sparse_mla_decode_ws_kernel(
                       p_free, fin, q_lat, NBUF, OSTAGE)),
         (_producer_pipe if PIPE else _producer,
          (kv, idx, stride_kv_page, stride_kv_row, stride_i_row, n_slots, topk, n_steps, n_hb, k_lat, k_rope, k_bias,
-          k_ready, k_free, NBUF, PREFETCH, DEQ, ROWS_FIRST)),
+          k_ready, k_free, NBUF, PREFETCH, DEQ, GATHER)),
     ], [4, 4], [REGS_C1, REGS_PROD])
 
 
 # ---- launcher -----------------------------------------------------------------------------------------
 
 def _variant(pipe: bool, deq: int, prefetch: int, overlap: bool, ostage: bool = False, ql: bool = False,
-             rows_first: bool = False) -> dict:
+             gather: int = ROW_MAJOR) -> dict:
     # two K/V buffers (a third does not fit); consumer 1 needs 160 registers (152 spill), consumer 0 192
     # (216 with OVERLAP: at 200 ptxas serialises its wgmma), the producer gets the rest of 3 x 168
     return dict(NBUF=2, PIPE=pipe, DEQ=deq, PREFETCH=prefetch, OVERLAP=overlap, REGS_C1=160,
-                REGS_PROD=128 if overlap else 152, OSTAGE=ostage, QL=int(ql), ROWS_FIRST=rows_first)
+                REGS_PROD=128 if overlap else 152, OSTAGE=ostage, QL=int(ql), GATHER=gather)
 
 
 # variant name -> constexprs. Measured on the H200 with Triton 3.6
@@ -584,7 +613,7 @@ def _variant(pipe: bool, deq: int, prefetch: int, overlap: bool, ostage: bool = 
 # runs FlashMLA 94.4-95.8 / 178.4-181.6 / 234.6-237.7 and our Triton default 177.4-179.3 / 344.4-348.7 /
 # 361.2-364.9). What each one showed: the module docstring.
 VARIANTS = {
-    # the default (2026-12-02): carried slots + per-line L2 prefetch 2 steps ahead, FlashMLA's bf16 scale
+    # the previous default: carried slots + per-line L2 prefetch 2 steps ahead, FlashMLA's bf16 scale
     # multiply, and gluon_bf16.py's fixed-cost fixes (Q's loads before its stores, O through the Q tiles into
     # 16-B stores); in one run 109.9 / 211.2 / 224.6 against the exact dequantisation's 111.1 / 215.5 /
     # 236.2 (FlashMLA 94.8 / 179.9 / 236.3)
@@ -595,10 +624,22 @@ VARIANTS = {
     # 224.7 and 111.3 / 215.9 / 236.2 (FlashMLA 94.7 / 179.8 / 235.3); with every step on the same 64 rows
     # (hot64, no DRAM) 111.6 / 111.4 against 108.9 / 102.3. Each load instruction of a warp now touches 8
     # rows' lines instead of 4, and the gathers, not the stores' conflicts, set the pace.
+    # the default: the exact dequantisation (any scale) with PAIRED_ROWS gathers (row-major's
+    # loads, conflict-free stores); two runs 109.9 / 209.5 / 222.0 and 109.4 / 209.6 / 221.5 against the
+    # -dq4 default's 109.7 / 210.8 / 223.7 and 110.2 / 210.4 / 224.1 (FlashMLA 95.7 / 180.2 / 236.5, 95.0 /
+    # 180.7 / 236.2)
+    "ws-pipe-pf2-os-ql-pr": _variant(pipe=True, deq=0, prefetch=2, overlap=False, ostage=True, ql=True,
+                                     gather=PAIRED_ROWS),
+    # the same layout with DEQ 4: 113.8 / 214.5 / 227.9 and 114.0 / 215.1 / 227.7 against -dq4's 110.2 / 210.1
+    # / 224.2 and 110.5 / 212.1 / 224.3 (hot64 107.9 / 107.2 against 109.1 / 109.2); OVERLAP with it 124.7 /
+    # 239.0 / 250.4
+    "ws-pipe-pf2-os-ql-dq4-pr": _variant(pipe=True, deq=4, prefetch=2, overlap=False, ostage=True, ql=True,
+                                         gather=PAIRED_ROWS),
+    "ws-ovl-pipe-pf2-dq4-pr": _variant(pipe=True, deq=4, prefetch=2, overlap=True, gather=PAIRED_ROWS),
     "ws-pipe-pf2-os-ql-dq4-r8": _variant(pipe=True, deq=4, prefetch=2, overlap=False, ostage=True, ql=True,
-                                         rows_first=True),
+                                         gather=ROWS_FIRST),
     "ws-pipe-pf2-os-ql-r8": _variant(pipe=True, deq=0, prefetch=2, overlap=False, ostage=True, ql=True,
-                                     rows_first=True),
+                                     gather=ROWS_FIRST),
     # the same with the reference's dequantisation for any scale; 2026-12-02, another run: 111.9 / 216.2 /
     # 238.0 against ws-pipe-pf2's 116.6 / 223.8 / 241.9 (FlashMLA 94.4 / 179.4 / 234.1)
     "ws-pipe-pf2-os-ql": _variant(pipe=True, deq=0, prefetch=2, overlap=False, ostage=True, ql=True),
@@ -628,7 +669,7 @@ VARIANTS = {
     "diag-ovl-nodeq": _variant(pipe=True, deq=2, prefetch=0, overlap=True),  # 92.1 / 177.8 / 178.3
     "diag-ovl-raw": _variant(pipe=True, deq=3, prefetch=0, overlap=True),  # 110.6 / 210.2 / 219.8
 }
-DEFAULT_VARIANT = "ws-pipe-pf2-os-ql-dq4"
+DEFAULT_VARIANT = "ws-pipe-pf2-os-ql-pr"
 
 
 def kernel_args(q, cache_u8, indices, sm_scale, out, lse, variant: str = DEFAULT_VARIANT):
