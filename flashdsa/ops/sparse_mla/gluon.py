@@ -647,6 +647,10 @@ VARIANTS = {
     "ws-pipe-pf3-os-ql": _variant(pipe=True, deq=0, prefetch=3, overlap=False, ostage=True, ql=True),
     # diagnostic: the consumers alone with the fixed-cost fixes: 101.7 / 193.6 / 191.2 (hot64: 99.5)
     "diag-nodeq-os-ql": _variant(pipe=True, deq=2, prefetch=0, overlap=False, ostage=True, ql=True),
+    # diagnostic: the default's gathers and stores without the dequantisation's arithmetic (bytes spread into
+    # bf16 lanes by two prmt): what the arithmetic costs, i.e. what splitting it over two CTAs could save
+    "diag-raw-os-ql-pr": _variant(pipe=True, deq=3, prefetch=2, overlap=False, ostage=True, ql=True,
+                                  gather=PAIRED_ROWS),
     # the default until 2026-12-02 (without the fixed-cost fixes)
     "ws-pipe-pf2": _variant(pipe=True, deq=0, prefetch=2, overlap=False),  # 116.3 / 224.3 / 241.7
     # the same with FlashMLA's bf16 scale multiply (exact for power-of-two scales only)
