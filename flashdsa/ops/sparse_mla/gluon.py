@@ -648,7 +648,10 @@ VARIANTS = {
     # diagnostic: the consumers alone with the fixed-cost fixes: 101.7 / 193.6 / 191.2 (hot64: 99.5)
     "diag-nodeq-os-ql": _variant(pipe=True, deq=2, prefetch=0, overlap=False, ostage=True, ql=True),
     # diagnostic: the default's gathers and stores without the dequantisation's arithmetic (bytes spread into
-    # bf16 lanes by two prmt): what the arithmetic costs, i.e. what splitting it over two CTAs could save
+    # bf16 lanes by two prmt): what the arithmetic costs, i.e. what splitting it over two CTAs could save.
+    # 2026-12-02, one run: 112.3 / 214.2 / 221.1 (hot64 104.5) against the default's 109.2 / 209.8 / 222.1
+    # (hot64 110.3) and the consumers alone (diag-nodeq-os-ql) 99.6 / 190.3 / 190.2 (hot64 98.1): with the
+    # real gathers the arithmetic costs nothing; the gathers and stores are the producer's ~10 us
     "diag-raw-os-ql-pr": _variant(pipe=True, deq=3, prefetch=2, overlap=False, ostage=True, ql=True,
                                   gather=PAIRED_ROWS),
     # the default until 2026-12-02 (without the fixed-cost fixes)
