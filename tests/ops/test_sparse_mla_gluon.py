@@ -156,11 +156,13 @@ def test_gluon_decode_with_scales_not_powers_of_two(variant):
 
 @pytest.mark.gpu
 @needs_sm90
-@pytest.mark.parametrize("deq", ["", "-dq4"])
-def test_paired_rows_gathers_give_the_row_major_bits(deq):
-    """The PAIRED_ROWS layout only changes which thread dequantises and stores which element: the output must
-    be the row-major layout's bit for bit (ragged lists, -1 / out-of-range slots, an empty row, h 64 and
-    128, s_q 2)."""
+@pytest.mark.parametrize("base, twins", [("ws-pipe-pf2-os-ql", ["ws-pipe-pf2-os-ql-pr", "ws-pipe-pf2-os-ql-pr-sv"]),
+                                         ("ws-pipe-pf2-os-ql-dq4", ["ws-pipe-pf2-os-ql-dq4-pr",
+                                                                    "ws-pipe-pf2-os-ql-dq4-sv"])])
+def test_gather_layouts_give_the_row_major_bits(base, twins):
+    """The PAIRED_ROWS layout and the 16-B scale loads only change which thread loads, dequantises and stores
+    which element: the output must be the row-major layout's bit for bit (ragged lists, -1 / out-of-range
+    slots, an empty row, h 64 and 128, s_q 2)."""
     g = torch.Generator(device="cuda").manual_seed(5)
     pages = 48
     kv = torch.randn(pages * PAGE_SIZE, 576, device="cuda", generator=g).to(torch.bfloat16)
@@ -171,11 +173,11 @@ def test_paired_rows_gathers_give_the_row_major_bits(deq):
         idx[0, 0, topk // 3:] = -1
         idx[-1, -1, ::7] = pages * PAGE_SIZE + 3
         idx[-1, 0] = -1
-        a = gluon.sparse_mla_decode_gluon(q, cache, idx, SM_SCALE, variant="ws-pipe-pf2-os-ql" + deq)
-        b = gluon.sparse_mla_decode_gluon(q, cache, idx, SM_SCALE, variant="ws-pipe-pf2-os-ql-pr" if not deq
-                                          else "ws-pipe-pf2-os-ql-dq4-pr")
-        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
-        assert torch.isneginf(b[1][-1, 0]).all() and (b[0][-1, 0] == 0).all()
+        a = gluon.sparse_mla_decode_gluon(q, cache, idx, SM_SCALE, variant=base)
+        for twin in twins:
+            b = gluon.sparse_mla_decode_gluon(q, cache, idx, SM_SCALE, variant=twin)
+            assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), twin
+            assert torch.isneginf(b[1][-1, 0]).all() and (b[0][-1, 0] == 0).all()
 
 
 def _linear(layout, shape):
@@ -252,7 +254,8 @@ def _lines_per_load(layout, row_bytes: int, elem: int) -> int:
 def test_paired_rows_layout_gathers_like_row_major():
     """PAIRED_ROWS keeps row-major's global loads: a warp's load instruction covers 4 rows x 128 bytes (the
     rows-first layout: 8 rows x 64 bytes, measured slower), the rope 4 rows x 128 bytes, and the latent
-    and rope layouts put every row in the same threads (the row pointers are shared without a shuffle)."""
+    and rope layouts put every row in the same threads (the row pointers are shared without a shuffle);
+    so does the scales' layout, with all four of a row's scales in each of those threads."""
     assert _lines_per_load(gluon.gather_layout(gluon.ROW_MAJOR), 128, 1) == (4, 128)
     assert _lines_per_load(gluon.gather_layout(gluon.PAIRED_ROWS), 128, 1) == (4, 128)
     assert _lines_per_load(gluon.gather_layout(gluon.ROWS_FIRST), 128, 1) == (8, 64)
@@ -264,6 +267,13 @@ def test_paired_rows_layout_gathers_like_row_major():
             rows_lat = {_xor_at(lat.reg_bases, r, lat.lane_bases, lane, lat.warp_bases, w)[0] for r in range(64)}
             rows_rope = {_xor_at(rope.reg_bases, r, rope.lane_bases, lane, rope.warp_bases, w)[0] for r in range(32)}
             assert rows_lat == rows_rope
+    for mode in (gluon.ROW_MAJOR, gluon.PAIRED_ROWS):   # the scales' [64, 4] tile: a row's 4 in one thread
+        lat, sc = _linear(gluon.gather_layout(mode), (64, 128)), _linear(gluon.scales_layout(mode), (64, 4))
+        for lane in range(32):
+            for w in range(4):
+                rows_lat = {_xor_at(lat.reg_bases, r, lat.lane_bases, lane, lat.warp_bases, w)[0] for r in range(64)}
+                cells = {_xor_at(sc.reg_bases, r, sc.lane_bases, lane, sc.warp_bases, w) for r in range(16)}
+                assert {r for r, _ in cells} == rows_lat and cells == {(r, c) for r in rows_lat for c in range(4)}
 
 
 @pytest.mark.gpu

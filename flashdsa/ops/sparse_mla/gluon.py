@@ -9,7 +9,7 @@ Math: ``reference.py`` (s = sm_scale q.k over 576 dims, softmax over the valid s
 P V over the first 512 dims, lse natural log; index -1 / negative / >= N skipped; a row with no valid
 index gives out 0 and lse -inf). P is rounded to bf16 for the P V product. The latent is dequantised with
 the reference's arithmetic (e4m3 -> fp32, times the fp32 scale, rounded once to bf16; DEQ 0) for any
-scale: the default (``ws-pipe-pf2-os-ql-pr``) is as fast as FlashMLA's cheaper
+scale: the default (``ws-pipe-pf2-os-ql-pr-sv``) is faster than FlashMLA's cheaper
 arithmetic was (e4m3 -> bf16 times the scale rounded to bf16, DEQ 4, the previous default: bit-
 identical for the power-of-two scales flashdsa's cache writers and FlashMLA's quantiser write, the
 reference on a cache with every scale rounded to bf16 otherwise; :func:`_dequant`).
@@ -45,12 +45,13 @@ Measured on the H200 (Triton 3.6, CUDA-graph replay, 4 runs of the probe; B64 s_
   probe cases: ragged / mixed -1, -7, >= N / all-empty rows / NaN bytes in skipped slot 0 / topk 100 ... 2048
   / h 16, 64, 128, NaN-poisoned outputs); both pass 9 of 10 under the Triton tests' tolerance and fail the
   same one (B2 s_q2 h128 topk192: |err| 1.5e-3 on a 0.022 element, bf16 P on a short list).
-* Time (2026-12-02, two probe runs in opposite orders): default ``ws-pipe-pf2-os-ql-pr`` 109.9 / 109.4 us
-  vs FlashMLA 95.7 / 95.0 (1.15x) and our Triton default 179.3 (0.61x); B64 s_q2 209.5 / 209.6 vs 180.2 /
-  180.7 (1.16x); h64 (B128 s_q2) 222.0 / 221.5 vs 236.5 / 236.2 (0.94x). In the same runs the previous
-  default (``-dq4``, row-major gathers) 109.7-110.2 / 210.4-210.8 / 223.7-224.1 and the exact arithmetic
-  with row-major gathers (``ws-pipe-pf2-os-ql``) 111.5-111.6 / 215.6-215.8 / 235.8-235.9. Earlier: the
-  default before the fixed-cost fixes (``ws-pipe-pf2``) 116.6 against their 111.9 (116.3 vs 94.7 before).
+* Time (2026-12-02, probe runs in opposite orders): default ``ws-pipe-pf2-os-ql-pr-sv`` 108.8 / 108.2 us
+  vs FlashMLA 94.7 / 94.7 (1.149 / 1.143x) and our Triton default 178.5 (0.61x); B64 s_q2 206.1 / 207.4 vs
+  179.9 / 179.6 (1.146 / 1.155x); h64 (B128 s_q2) 220.0 / 219.6 vs 235.2 / 235.7 (0.94 / 0.93x). Without
+  the 16-B scale loads (``-pr``) 109.1-109.9 / 209.3-209.7 / 221.5-223.1 in these and two earlier runs;
+  there the previous default (``-dq4``, row-major gathers) 109.7-110.2 / 210.4-210.8 / 223.7-224.1 and the
+  exact arithmetic with row-major gathers (``ws-pipe-pf2-os-ql``) 111.5-111.6 / 215.6-215.8 / 235.8-235.9.
+  Earlier: the default before the fixed-cost fixes (``ws-pipe-pf2``) 116.6 against their 111.9.
 * What bounds it: the consumers alone (``diag-nodeq``: no gathers, no dequantisation) already take 104 us
   (92 us with ``OVERLAP``; 101.7 with the fixed-cost fixes, 1.07x FlashMLA's whole kernel), i.e. ~3.2 us
   per 64-token step against 2,176 tensor cycles (~1.2 us): QK as m64n64k16 with both operands in shared memory needs 128 B/clk of shared-memory bandwidth, all of it, and
@@ -62,7 +63,8 @@ Measured on the H200 (Triton 3.6, CUDA-graph replay, 4 runs of the probe; B64 s_
   stores (``OSTAGE`` / ``QL``, gluon_bf16.py's fixed-cost fixes: -> 111.9), FlashMLA's bf16 scale multiply
   (DEQ 4, -1 / -4 %), then the ``PAIRED_ROWS`` gather layout (:func:`gather_layout`: row-major's loads,
   conflict-free stores), which gave the exact arithmetic DEQ 4's speed or better (-1.5 / -3 / -6 % against
-  the exact arithmetic with row-major gathers). With DEQ 4 the same layout was 3 % slower (113.8-114.0 /
+  the exact arithmetic with row-major gathers), and a row's four scales as one 16-B load (``-sv``: -0.3 to
+  -1.7 %, hot64 -5 us). With DEQ 4 the paired-rows layout was 3 % slower (113.8-114.0 /
   214.5-215.1 / 227.7-227.9 against 110.2-110.5 / 210.1-212.1 / 224.2-224.3, two runs), though 1-2 us
   faster with every step on the same 64 rows (hot64): not understood; the SASS of the two differs only in
   the producer's order of stores.
@@ -152,6 +154,20 @@ def rope_layout(mode):
 
 
 @gluon.constexpr_function
+def scales_layout(mode):
+    """[64 rows, 4] fp32: a row's four scales (bytes 512-527, 16-B aligned) in one thread as one 16-B load,
+    rows in the threads of :func:`gather_layout` (replicated over its column lanes), so each [64] column
+    split off it is already in the gather layout's row slice. Row-major and paired rows only."""
+    z = [0, 0]
+    if mode == PAIRED_ROWS:
+        lanes = [z, z, [1, 0], z, [2, 0]]
+    else:
+        lanes = [z, z, z, [1, 0], [2, 0]]
+    return gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [16, 0], [32, 0]], lane_bases=lanes,
+                                      warp_bases=[[4, 0], [8, 0]], block_bases=[], shape=[64, 4])
+
+
+@gluon.constexpr_function
 def tile_smem(rows, cols):
     # bf16 tile read by wgmma (128-B swizzle)
     return gl.NVMMASharedLayout.get_default_for([rows, cols], gl.bfloat16)
@@ -171,20 +187,37 @@ def _prefetch_rows(p_row, valid, o_l):
 
 
 @gluon.jit
-def _gather(p_row, valid, o_c, o_r, SR: gl.constexpr):
+def _gather(p_row, valid, o_c, o_r, SR: gl.constexpr, SCV: gl.constexpr = False, GATHER: gl.constexpr = 0):
     """One step's loads of the rows at ``p_row`` (``valid`` masks; [64] in the latent layout): [64, 128] u8 x 4
-    latent groups, [64] f32 x 4 scales (byte 512 + 4 g), [64, 64] bf16 rope (byte 528, rows in layout SR)."""
+    latent groups, [64] f32 x 4 scales (byte 512 + 4 g; SCV: one 16-B load a row, :func:`scales_layout`),
+    [64, 64] bf16 rope (byte 528, rows in layout SR)."""
     p_lat = p_row[:, None] + o_c[None, :]
     m_lat = valid[:, None]
     b_u0 = gl.load(p_lat, mask=m_lat, other=0)
     b_u1 = gl.load(p_lat + 128, mask=m_lat, other=0)
     b_u2 = gl.load(p_lat + 256, mask=m_lat, other=0)
     b_u3 = gl.load(p_lat + 384, mask=m_lat, other=0)
-    p_sc = (p_row + 512).to(gl.pointer_type(gl.float32))
-    b_s0 = gl.load(p_sc, mask=valid, other=0.0)
-    b_s1 = gl.load(p_sc + 1, mask=valid, other=0.0)
-    b_s2 = gl.load(p_sc + 2, mask=valid, other=0.0)
-    b_s3 = gl.load(p_sc + 3, mask=valid, other=0.0)
+    if SCV:
+        LS: gl.constexpr = scales_layout(GATHER)
+        SS: gl.constexpr = gl.SliceLayout(1, LS)
+        p_sc = (gl.convert_layout(p_row, SS) + 512).to(gl.pointer_type(gl.float32))
+        o_s = gl.arange(0, 4, gl.SliceLayout(0, LS))
+        b_sc = gl.load(p_sc[:, None] + o_s[None, :], mask=gl.convert_layout(valid, SS)[:, None], other=0.0)
+        # [64, 4] -> (scale 0 and 2, scale 1 and 3) -> the four columns
+        s02, s13 = gl.split(b_sc.reshape([64, 2, 2]))
+        b_s0, b_s2 = gl.split(s02)
+        b_s1, b_s3 = gl.split(s13)
+        SG: gl.constexpr = p_row.type.layout
+        b_s0 = gl.convert_layout(b_s0, SG)
+        b_s1 = gl.convert_layout(b_s1, SG)
+        b_s2 = gl.convert_layout(b_s2, SG)
+        b_s3 = gl.convert_layout(b_s3, SG)
+    else:
+        p_sc = (p_row + 512).to(gl.pointer_type(gl.float32))
+        b_s0 = gl.load(p_sc, mask=valid, other=0.0)
+        b_s1 = gl.load(p_sc + 1, mask=valid, other=0.0)
+        b_s2 = gl.load(p_sc + 2, mask=valid, other=0.0)
+        b_s3 = gl.load(p_sc + 3, mask=valid, other=0.0)
     p_rope = (gl.convert_layout(p_row, SR) + 528).to(gl.pointer_type(gl.bfloat16))
     b_rope = gl.load(p_rope[:, None] + o_r[None, :], mask=gl.convert_layout(valid, SR)[:, None], other=0.0)
     return b_u0, b_u1, b_u2, b_u3, b_s0, b_s1, b_s2, b_s3, b_rope
@@ -210,9 +243,9 @@ def _stage(tiles, valid, k_lat, k_rope, k_bias, k_ready, b, DEQ: gl.constexpr):
 @gluon.jit
 def _producer(kv, idx, stride_kv_page, stride_kv_row, stride_i_row, n_slots, topk, n_steps, n_hb,
               k_lat, k_rope, k_bias, k_ready, k_free, NBUF: gl.constexpr, PREFETCH: gl.constexpr, DEQ: gl.constexpr,
-              GATHER: gl.constexpr):
+              GATHER: gl.constexpr, SCV: gl.constexpr = False):
     """Gather, dequantise and stage the K/V tile of every step, slots loaded in-step (variant "ws", the
-    first version; :func:`_producer_pipe` replaces it). PREFETCH, DEQ and GATHER are ignored (exact
+    first version; :func:`_producer_pipe` replaces it). PREFETCH, DEQ, GATHER and SCV are ignored (exact
     dequantisation, row-major gathers)."""
     LG: gl.constexpr = gather_layout(0)   # [64 rows, 128 bytes], row-major
     LR: gl.constexpr = rope_layout(0)     # [64 rows, 64 bf16], LG's rows
@@ -291,7 +324,7 @@ def _dequant(b_u, b_sc, DEQ: gl.constexpr):
 @gluon.jit
 def _producer_pipe(kv, idx, stride_kv_page, stride_kv_row, stride_i_row, n_slots, topk, n_steps, n_hb,
                    k_lat, k_rope, k_bias, k_ready, k_free, NBUF: gl.constexpr, PREFETCH: gl.constexpr,
-                   DEQ: gl.constexpr, GATHER: gl.constexpr):
+                   DEQ: gl.constexpr, GATHER: gl.constexpr, SCV: gl.constexpr = False):
     """:func:`_producer` with the slot loads out of the gathers' critical path: the row pointers of step
     i + 1 come from slots loaded during step i, and with ``PREFETCH`` the rows of step i + PREFETCH are
     asked into L2 at the end of step i (their slots loaded at its top, so that load's latency hides under
@@ -321,7 +354,7 @@ def _producer_pipe(kv, idx, stride_kv_page, stride_kv_row, stride_i_row, n_slots
         if PREFETCH > 0:
             p_pf, v_pf = _slots(p_idx, (i + PREFETCH) * BLOCK_N, topk, n_slots, kv, stride_kv_page, stride_kv_row,
                                 gl.SliceLayout(1, LP))
-        tiles = _gather(p_row, valid, o_c, o_r, SR)
+        tiles = _gather(p_row, valid, o_c, o_r, SR, SCV, GATHER)
         mbarrier.wait(k_free.index(b), ((i // NBUF) & 1) ^ 1)
         _stage(tiles, valid, k_lat, k_rope, k_bias, k_ready, b, DEQ)
         if PREFETCH > 0:
@@ -552,7 +585,7 @@ def sparse_mla_decode_ws_kernel(
     n_slots, h_q, topk, n_steps, n_hb, qk_scale,
     NBUF: gl.constexpr, PREFETCH: gl.constexpr, OVERLAP: gl.constexpr, PIPE: gl.constexpr,
     DEQ: gl.constexpr, REGS_C1: gl.constexpr, REGS_PROD: gl.constexpr, OSTAGE: gl.constexpr = False,
-    QL: gl.constexpr = 0, GATHER: gl.constexpr = 0,
+    QL: gl.constexpr = 0, GATHER: gl.constexpr = 0, SCV: gl.constexpr = False,
 ):
     """Warp-specialised sparse MLA decode, one (query row, 64 heads) per CTA (module docstring).
 
@@ -594,18 +627,19 @@ def sparse_mla_decode_ws_kernel(
                       p_free, fin, q_lat, NBUF, OSTAGE)),
         (_producer_pipe if PIPE else _producer,
          (kv, idx, stride_kv_page, stride_kv_row, stride_i_row, n_slots, topk, n_steps, n_hb, k_lat, k_rope, k_bias,
-          k_ready, k_free, NBUF, PREFETCH, DEQ, GATHER)),
+          k_ready, k_free, NBUF, PREFETCH, DEQ, GATHER, SCV)),
     ], [4, 4], [REGS_C1, REGS_PROD])
 
 
 # ---- launcher -----------------------------------------------------------------------------------------
 
 def _variant(pipe: bool, deq: int, prefetch: int, overlap: bool, ostage: bool = False, ql: bool = False,
-             gather: int = ROW_MAJOR) -> dict:
+             gather: int = ROW_MAJOR, scv: bool = False) -> dict:
     # two K/V buffers (a third does not fit); consumer 1 needs 160 registers (152 spill), consumer 0 192
     # (216 with OVERLAP: at 200 ptxas serialises its wgmma), the producer gets the rest of 3 x 168
     return dict(NBUF=2, PIPE=pipe, DEQ=deq, PREFETCH=prefetch, OVERLAP=overlap, REGS_C1=160,
-                REGS_PROD=128 if overlap else 152, OSTAGE=ostage, QL=int(ql), GATHER=gather)
+                REGS_PROD=128 if overlap else 152, OSTAGE=ostage, QL=int(ql), GATHER=gather,
+                SCV=scv)
 
 
 # variant name -> constexprs. Measured on the H200 with Triton 3.6
@@ -624,12 +658,18 @@ VARIANTS = {
     # 224.7 and 111.3 / 215.9 / 236.2 (FlashMLA 94.7 / 179.8 / 235.3); with every step on the same 64 rows
     # (hot64, no DRAM) 111.6 / 111.4 against 108.9 / 102.3. Each load instruction of a warp now touches 8
     # rows' lines instead of 4, and the gathers, not the stores' conflicts, set the pace.
-    # the default: the exact dequantisation (any scale) with PAIRED_ROWS gathers (row-major's
-    # loads, conflict-free stores); two runs 109.9 / 209.5 / 222.0 and 109.4 / 209.6 / 221.5 against the
-    # -dq4 default's 109.7 / 210.8 / 223.7 and 110.2 / 210.4 / 224.1 (FlashMLA 95.7 / 180.2 / 236.5, 95.0 /
-    # 180.7 / 236.2)
+    # the exact dequantisation (any scale) with PAIRED_ROWS gathers (row-major's loads, conflict-free
+    # stores); two runs 109.9 / 209.5 / 222.0 and 109.4 / 209.6 / 221.5 against the -dq4 default's 109.7 /
+    # 210.8 / 223.7 and 110.2 / 210.4 / 224.1 (FlashMLA 95.7 / 180.2 / 236.5, 95.0 / 180.7 / 236.2)
     "ws-pipe-pf2-os-ql-pr": _variant(pipe=True, deq=0, prefetch=2, overlap=False, ostage=True, ql=True,
                                      gather=PAIRED_ROWS),
+    # the default: -pr with each row's four scales as one 16-B load (scales_layout) instead of four 4-B loads
+    # (70 LDG a thread's code against 82); two runs in opposite orders 108.8 / 206.1 / 220.0 and 108.2 /
+    # 207.4 / 219.6 against -pr's 109.1 / 209.7 / 222.9 and 108.8 / 209.3 / 223.1, hot64 105.7-105.8 against
+    # 110.6-110.8 (FlashMLA 94.7 / 179.9 / 235.2 and 94.7 / 179.6 / 235.7)
+    "ws-pipe-pf2-os-ql-pr-sv": _variant(pipe=True, deq=0, prefetch=2, overlap=False, ostage=True, ql=True,
+                                        gather=PAIRED_ROWS, scv=True),
+    "ws-pipe-pf2-os-ql-dq4-sv": _variant(pipe=True, deq=4, prefetch=2, overlap=False, ostage=True, ql=True, scv=True),
     # the same layout with DEQ 4: 113.8 / 214.5 / 227.9 and 114.0 / 215.1 / 227.7 against -dq4's 110.2 / 210.1
     # / 224.2 and 110.5 / 212.1 / 224.3 (hot64 107.9 / 107.2 against 109.1 / 109.2); OVERLAP with it 124.7 /
     # 239.0 / 250.4
@@ -676,7 +716,7 @@ VARIANTS = {
     "diag-ovl-nodeq": _variant(pipe=True, deq=2, prefetch=0, overlap=True),  # 92.1 / 177.8 / 178.3
     "diag-ovl-raw": _variant(pipe=True, deq=3, prefetch=0, overlap=True),  # 110.6 / 210.2 / 219.8
 }
-DEFAULT_VARIANT = "ws-pipe-pf2-os-ql-pr"
+DEFAULT_VARIANT = "ws-pipe-pf2-os-ql-pr-sv"
 
 
 def kernel_args(q, cache_u8, indices, sm_scale, out, lse, variant: str = DEFAULT_VARIANT):
