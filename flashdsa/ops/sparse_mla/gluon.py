@@ -9,10 +9,10 @@ Math: ``reference.py`` (s = sm_scale q.k over 576 dims, softmax over the valid s
 P V over the first 512 dims, lse natural log; index -1 / negative / >= N skipped; a row with no valid
 index gives out 0 and lse -inf). P is rounded to bf16 for the P V product. The latent is dequantised with
 the reference's arithmetic (e4m3 -> fp32, times the fp32 scale, rounded once to bf16; DEQ 0) for any
-scale: the default (``ws-pipe-pf2-os-ql-pr-sv``) is faster than FlashMLA's cheaper
-arithmetic was (e4m3 -> bf16 times the scale rounded to bf16, DEQ 4, the previous default: bit-
-identical for the power-of-two scales flashdsa's cache writers and FlashMLA's quantiser write, the
-reference on a cache with every scale rounded to bf16 otherwise; :func:`_dequant`).
+scale. The default (``ws-pipe-pf2-os-ql-pr-sv``) is faster than the previous one, which used FlashMLA's
+cheaper arithmetic (e4m3 -> bf16 times the scale rounded to bf16, DEQ 4: bit-identical for the power-of-two
+scales flashdsa's cache writers and FlashMLA's quantiser write, the reference on a cache with every scale
+rounded to bf16 otherwise; :func:`_dequant`).
 
 One CTA owns one query row (b, s_q) and 64 heads (h_q 128: two CTAs per row, next to each other in the
 grid so the second one's gathers hit L2) and walks the top-k list in steps of 64 tokens with three
@@ -157,7 +157,8 @@ def rope_layout(mode):
 def scales_layout(mode):
     """[64 rows, 4] fp32: a row's four scales (bytes 512-527, 16-B aligned) in one thread as one 16-B load,
     rows in the threads of :func:`gather_layout` (replicated over its column lanes), so each [64] column
-    split off it is already in the gather layout's row slice. Row-major and paired rows only."""
+    split off it is already in the gather layout's row slice. Rows-first gets the row-major one: still
+    right (the split columns are converted), but not free."""
     z = [0, 0]
     if mode == PAIRED_ROWS:
         lanes = [z, z, [1, 0], z, [2, 0]]
