@@ -237,9 +237,9 @@ def test_gather_layouts_store_without_bank_conflicts():
         assert _phase_wavefronts(gluon.rope_layout(mode), (64, 64)) == 1
 
 
-def _lines_per_load(layout, row_bytes: int, elem: int) -> int:
+def _lines_per_load(layout, row_bytes: int, elem: int) -> tuple[int, int]:
     """Distinct rows (each a separate gathered row: its own lines) that one warp's load instruction touches,
-    and the bytes of each: returns rows x bytes-per-row."""
+    and the bytes of each: (rows, bytes a row)."""
     ll = _linear(layout, (64, row_bytes // elem))
     rows = {}
     for lane in range(1 << len(ll.lane_bases)):
