@@ -174,6 +174,19 @@ def tile_smem(rows, cols):
     return gl.NVMMASharedLayout.get_default_for([rows, cols], gl.bfloat16)
 
 
+@gluon.jit
+def _klat(k_lat, b, g: gl.constexpr, KSPLIT: gl.constexpr):
+    """The [64, 128] bf16 latent tile of group g in K/V buffer b. KSPLIT: k_lat is a tuple of four
+    allocations, one per group ([NBUF, 64, 128] each); else one [NBUF * 4, 64, 128] allocation. Triton's
+    shared-memory hazard analysis works per allocation: stores to one allocation by different threads are
+    fenced from each other by a barrier among the writing warps (one between each two latent groups of a
+    step in the single allocation), stores to different allocations are not."""
+    if KSPLIT:
+        return k_lat[g].index(b)
+    else:
+        return k_lat.index(b * 4 + g)
+
+
 # ---- producer -----------------------------------------------------------------------------------------
 
 @gluon.jit
@@ -225,15 +238,15 @@ def _gather(p_row, valid, o_c, o_r, SR: gl.constexpr, SCV: gl.constexpr = False,
 
 
 @gluon.jit
-def _stage(tiles, valid, k_lat, k_rope, k_bias, k_ready, b, DEQ: gl.constexpr):
+def _stage(tiles, valid, k_lat, k_rope, k_bias, k_ready, b, DEQ: gl.constexpr, KSPLIT: gl.constexpr = False):
     """Dequantise a step's :func:`_gather` tiles (e4m3 -> fp32, times the group's scale, rounded once to bf16
     as reference.py; DEQ: :func:`_dequant`) into buffer ``b`` with the [64] additive score mask (0 valid,
     -inf skipped), then publish it to the consumers."""
     b_u0, b_u1, b_u2, b_u3, b_s0, b_s1, b_s2, b_s3, b_rope = tiles
-    k_lat.index(b * 4 + 0).store(_dequant(b_u0, b_s0, DEQ))
-    k_lat.index(b * 4 + 1).store(_dequant(b_u1, b_s1, DEQ))
-    k_lat.index(b * 4 + 2).store(_dequant(b_u2, b_s2, DEQ))
-    k_lat.index(b * 4 + 3).store(_dequant(b_u3, b_s3, DEQ))
+    _klat(k_lat, b, 0, KSPLIT).store(_dequant(b_u0, b_s0, DEQ))
+    _klat(k_lat, b, 1, KSPLIT).store(_dequant(b_u1, b_s1, DEQ))
+    _klat(k_lat, b, 2, KSPLIT).store(_dequant(b_u2, b_s2, DEQ))
+    _klat(k_lat, b, 3, KSPLIT).store(_dequant(b_u3, b_s3, DEQ))
     k_rope.index(b).store(b_rope)
     k_bias.index(b).store(gl.where(valid, 0.0, float("-inf")))
     # generic-proxy stores -> async-proxy (wgmma) reads
@@ -244,9 +257,10 @@ def _stage(tiles, valid, k_lat, k_rope, k_bias, k_ready, b, DEQ: gl.constexpr):
 @gluon.jit
 def _producer(kv, idx, stride_kv_page, stride_kv_row, stride_i_row, n_slots, topk, n_steps, n_hb,
               k_lat, k_rope, k_bias, k_ready, k_free, NBUF: gl.constexpr, PREFETCH: gl.constexpr, DEQ: gl.constexpr,
-              GATHER: gl.constexpr, SCV: gl.constexpr = False):
+              GATHER: gl.constexpr, SCV: gl.constexpr = False,
+              KSPLIT: gl.constexpr = False):
     """Gather, dequantise and stage the K/V tile of every step, slots loaded in-step (variant "ws", the
-    first version; :func:`_producer_pipe` replaces it). PREFETCH, DEQ, GATHER and SCV are ignored (exact
+    first version; :func:`_producer_pipe` replaces it). PREFETCH, DEQ, GATHER, SCV and KSPLIT are ignored (exact
     dequantisation, row-major gathers)."""
     LG: gl.constexpr = gather_layout(0)   # [64 rows, 128 bytes], row-major
     LR: gl.constexpr = rope_layout(0)     # [64 rows, 64 bf16], LG's rows
@@ -269,7 +283,7 @@ def _producer(kv, idx, stride_kv_page, stride_kv_row, stride_i_row, n_slots, top
         # the consumers' work on the previous steps
         tiles = _gather(p_row, valid, o_c, o_r, gl.SliceLayout(1, LR))
         mbarrier.wait(k_free.index(b), ((i // NBUF) & 1) ^ 1)
-        _stage(tiles, valid, k_lat, k_rope, k_bias, k_ready, b, 0)
+        _stage(tiles, valid, k_lat, k_rope, k_bias, k_ready, b, 0, KSPLIT)
 
 
 @gluon.jit
@@ -325,7 +339,8 @@ def _dequant(b_u, b_sc, DEQ: gl.constexpr):
 @gluon.jit
 def _producer_pipe(kv, idx, stride_kv_page, stride_kv_row, stride_i_row, n_slots, topk, n_steps, n_hb,
                    k_lat, k_rope, k_bias, k_ready, k_free, NBUF: gl.constexpr, PREFETCH: gl.constexpr,
-                   DEQ: gl.constexpr, GATHER: gl.constexpr, SCV: gl.constexpr = False):
+                   DEQ: gl.constexpr, GATHER: gl.constexpr, SCV: gl.constexpr = False,
+                   KSPLIT: gl.constexpr = False):
     """:func:`_producer` with the slot loads out of the gathers' critical path: the row pointers of step
     i + 1 come from slots loaded during step i, and with ``PREFETCH`` the rows of step i + PREFETCH are
     asked into L2 at the end of step i (their slots loaded at its top, so that load's latency hides under
@@ -335,7 +350,6 @@ def _producer_pipe(kv, idx, stride_kv_page, stride_kv_row, stride_i_row, n_slots
     LR: gl.constexpr = rope_layout(GATHER)     # [64 rows, 64 bf16]
     LP: gl.constexpr = gl.BlockedLayout([1, 4], [16, 2], [4, 1], [1, 0])   # [64 rows, 8 lines] L2 prefetches
     SG: gl.constexpr = gl.SliceLayout(1, LG)
-    SR: gl.constexpr = gl.SliceLayout(1, LR)
     i_row = (gl.program_id(0) // n_hb).to(gl.int64)
     p_idx = idx + i_row * stride_i_row
     o_c = gl.arange(0, 128, gl.SliceLayout(0, LG))
@@ -349,29 +363,40 @@ def _producer_pipe(kv, idx, stride_kv_page, stride_kv_row, stride_i_row, n_slots
             _prefetch_rows(p_pf, v_pf, o_l)
     p_row, valid = _slots(p_idx, 0, topk, n_slots, kv, stride_kv_page, stride_kv_row, SG)
     for i in range(n_steps):
-        b = i % NBUF
-        # next step's row pointers (carried), this iteration's L2 prefetch slots
-        p_row_n, valid_n = _slots(p_idx, (i + 1) * BLOCK_N, topk, n_slots, kv, stride_kv_page, stride_kv_row, SG)
-        if PREFETCH > 0:
-            p_pf, v_pf = _slots(p_idx, (i + PREFETCH) * BLOCK_N, topk, n_slots, kv, stride_kv_page, stride_kv_row,
-                                gl.SliceLayout(1, LP))
-        tiles = _gather(p_row, valid, o_c, o_r, SR, SCV, GATHER)
-        mbarrier.wait(k_free.index(b), ((i // NBUF) & 1) ^ 1)
-        _stage(tiles, valid, k_lat, k_rope, k_bias, k_ready, b, DEQ)
-        if PREFETCH > 0:
-            _prefetch_rows(p_pf, v_pf, o_l)
-        p_row = p_row_n
-        valid = valid_n
+        p_row, valid = _pipe_step(i, i % NBUF, p_row, valid, p_idx, topk, n_slots, kv, stride_kv_page, stride_kv_row,
+                                  o_c, o_r, o_l, k_lat, k_rope, k_bias, k_ready, k_free, NBUF, PREFETCH, DEQ, GATHER,
+                                  SCV, KSPLIT)
+
+
+@gluon.jit
+def _pipe_step(i, b, p_row, valid, p_idx, topk, n_slots, kv, stride_kv_page, stride_kv_row, o_c, o_r, o_l,
+               k_lat, k_rope, k_bias, k_ready, k_free, NBUF: gl.constexpr, PREFETCH: gl.constexpr, DEQ: gl.constexpr,
+               GATHER: gl.constexpr, SCV: gl.constexpr, KSPLIT: gl.constexpr):
+    """Step i of :func:`_producer_pipe` into buffer b (a value or a constant); returns the next step's row
+    pointers and mask."""
+    SG: gl.constexpr = gl.SliceLayout(1, gather_layout(GATHER))
+    SR: gl.constexpr = gl.SliceLayout(1, rope_layout(GATHER))
+    SP: gl.constexpr = gl.SliceLayout(1, gl.BlockedLayout([1, 4], [16, 2], [4, 1], [1, 0]))
+    # next step's row pointers (carried), this iteration's L2 prefetch slots
+    p_row_n, valid_n = _slots(p_idx, (i + 1) * BLOCK_N, topk, n_slots, kv, stride_kv_page, stride_kv_row, SG)
+    if PREFETCH > 0:
+        p_pf, v_pf = _slots(p_idx, (i + PREFETCH) * BLOCK_N, topk, n_slots, kv, stride_kv_page, stride_kv_row, SP)
+    tiles = _gather(p_row, valid, o_c, o_r, SR, SCV, GATHER)
+    mbarrier.wait(k_free.index(b), ((i // NBUF) & 1) ^ 1)
+    _stage(tiles, valid, k_lat, k_rope, k_bias, k_ready, b, DEQ, KSPLIT)
+    if PREFETCH > 0:
+        _prefetch_rows(p_pf, v_pf, o_l)
+    return p_row_n, valid_n
 
 
 # ---- consumer 0: S, softmax, O[:, :256] ---------------------------------------------------------------
 
 @gluon.jit
-def _scores(q_lat, q_rope, k_lat, k_rope, b, zero_s):
+def _scores(q_lat, q_rope, k_lat, k_rope, b, zero_s, KSPLIT: gl.constexpr = False):
     # [64 heads, 64 tokens] = Q_rope K_rope^T + sum_g Q_g K_g^T, five async wgmma groups, none waited here
     s = warpgroup_mma(q_rope, k_rope.index(b).permute((1, 0)), zero_s, use_acc=False, is_async=True)
     for g in gl.static_range(4):
-        s = warpgroup_mma(q_lat.index(g), k_lat.index(b * 4 + g).permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma(q_lat.index(g), _klat(k_lat, b, g, KSPLIT).permute((1, 0)), s, is_async=True)
     return s
 
 
@@ -451,7 +476,8 @@ def load_q(q, stride_q_row, stride_q_h, h_q, i_row, i_hb, q_lat, q_rope, QL: gl.
 @gluon.jit
 def _consumer0(q, out, lse, stride_q_row, stride_q_h, stride_o_row, stride_o_h, stride_l_row, h_q, n_hb, n_steps,
                qk_scale, q_lat, q_rope, k_lat, k_rope, k_bias, p_s, alpha_s, fin_s, k_ready, k_free, p_ready,
-               p_free, fin, NBUF: gl.constexpr, OVERLAP: gl.constexpr, OSTAGE: gl.constexpr, QL: gl.constexpr):
+               p_free, fin, NBUF: gl.constexpr, OVERLAP: gl.constexpr, OSTAGE: gl.constexpr, QL: gl.constexpr,
+               KSPLIT: gl.constexpr = False):
     M64: gl.constexpr = mma_layout(64)
     M128: gl.constexpr = mma_layout(128)
     PA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=M128, k_width=2)
@@ -468,7 +494,7 @@ def _consumer0(q, out, lse, stride_q_row, stride_q_h, stride_o_row, stride_o_h, 
     if OVERLAP:
         # prologue: S and P of step 0
         mbarrier.wait(k_ready.index(0), 0)
-        s = _scores(q_lat, q_rope, k_lat, k_rope, 0, zero_s)
+        s = _scores(q_lat, q_rope, k_lat, k_rope, 0, zero_s, KSPLIT)
         s = warpgroup_mma_wait(0, deps=(s,))
         p16, alpha, m_i, l_i = _softmax(s, k_bias.index(0).load(gl.SliceLayout(0, M64)), qk_scale, m_i, l_i)
         _hand_p(p16, alpha, 0, p_s, alpha_s, p_ready, p_free)
@@ -478,10 +504,10 @@ def _consumer0(q, out, lse, stride_q_row, stride_q_h, stride_o_row, stride_o_h, 
             # S of step i + 1 first, then P V of step i: wgmma groups retire in order, so waiting with two
             # groups outstanding leaves exactly the two P V groups running under the softmax
             mbarrier.wait(k_ready.index(bn), ((i + 1) // NBUF) & 1)
-            s = _scores(q_lat, q_rope, k_lat, k_rope, bn, zero_s)
+            s = _scores(q_lat, q_rope, k_lat, k_rope, bn, zero_s, KSPLIT)
             o0, o1, pa = _rescale(o0, o1, alpha, p16, M128, PA)
-            o0 = warpgroup_mma(pa, k_lat.index(b * 4 + 0), o0, is_async=True)
-            o1 = warpgroup_mma(pa, k_lat.index(b * 4 + 1), o1, is_async=True)
+            o0 = warpgroup_mma(pa, _klat(k_lat, b, 0, KSPLIT), o0, is_async=True)
+            o1 = warpgroup_mma(pa, _klat(k_lat, b, 1, KSPLIT), o1, is_async=True)
             s = warpgroup_mma_wait(2, deps=(s,))
             # the mask is read after the wait: its 16 registers per thread are not live under the wgmma
             p16, alpha, m_i, l_i = _softmax(s, k_bias.index(bn).load(gl.SliceLayout(0, M64)), qk_scale, m_i, l_i)
@@ -491,21 +517,21 @@ def _consumer0(q, out, lse, stride_q_row, stride_q_h, stride_o_row, stride_o_h, 
         # epilogue: P V of the last step
         b = (n_steps - 1) % NBUF
         o0, o1, pa = _rescale(o0, o1, alpha, p16, M128, PA)
-        o0 = warpgroup_mma(pa, k_lat.index(b * 4 + 0), o0, is_async=True)
-        o1 = warpgroup_mma(pa, k_lat.index(b * 4 + 1), o1, is_async=True)
+        o0 = warpgroup_mma(pa, _klat(k_lat, b, 0, KSPLIT), o0, is_async=True)
+        o1 = warpgroup_mma(pa, _klat(k_lat, b, 1, KSPLIT), o1, is_async=True)
         o0, o1, pa = warpgroup_mma_wait(0, deps=(o0, o1, pa))
         mbarrier.arrive(k_free.index(b), count=1)
     else:
         for i in range(n_steps):
             b = i % NBUF
             mbarrier.wait(k_ready.index(b), (i // NBUF) & 1)
-            s = _scores(q_lat, q_rope, k_lat, k_rope, b, zero_s)
+            s = _scores(q_lat, q_rope, k_lat, k_rope, b, zero_s, KSPLIT)
             s = warpgroup_mma_wait(0, deps=(s,))
             p16, alpha, m_i, l_i = _softmax(s, k_bias.index(b).load(gl.SliceLayout(0, M64)), qk_scale, m_i, l_i)
             _hand_p(p16, alpha, i, p_s, alpha_s, p_ready, p_free)
             o0, o1, pa = _rescale(o0, o1, alpha, p16, M128, PA)
-            o0 = warpgroup_mma(pa, k_lat.index(b * 4 + 0), o0, is_async=True)
-            o1 = warpgroup_mma(pa, k_lat.index(b * 4 + 1), o1, is_async=True)
+            o0 = warpgroup_mma(pa, _klat(k_lat, b, 0, KSPLIT), o0, is_async=True)
+            o1 = warpgroup_mma(pa, _klat(k_lat, b, 1, KSPLIT), o1, is_async=True)
             o0, o1, pa = warpgroup_mma_wait(0, deps=(o0, o1, pa))
             mbarrier.arrive(k_free.index(b), count=1)
 
@@ -551,7 +577,7 @@ def store_o(out, i_row, i_hb, stride_o_row, stride_o_h, h_q, o_a, o_b, inv, d0: 
 
 @gluon.jit
 def _consumer1(out, stride_o_row, stride_o_h, h_q, n_hb, n_steps, k_lat, p_s, alpha_s, fin_s, k_free, p_ready,
-               p_free, fin, q_lat, NBUF: gl.constexpr, OSTAGE: gl.constexpr):
+               p_free, fin, q_lat, NBUF: gl.constexpr, OSTAGE: gl.constexpr, KSPLIT: gl.constexpr = False):
     M128: gl.constexpr = mma_layout(128)
     i_hb = gl.program_id(0) % n_hb
     i_row = (gl.program_id(0) // n_hb).to(gl.int64)
@@ -565,8 +591,8 @@ def _consumer1(out, stride_o_row, stride_o_h, h_q, n_hb, n_steps, k_lat, p_s, al
         o3 = o3 * a_o[:, None]
         # P straight from shared memory, freed once this P V completed. (P loaded into registers first, to
         # free it earlier, needs 16 more registers: at 160 ptxas then serialises every wgmma.)
-        o2 = warpgroup_mma(p_s, k_lat.index(b * 4 + 2), o2, is_async=True)
-        o3 = warpgroup_mma(p_s, k_lat.index(b * 4 + 3), o3, is_async=True)
+        o2 = warpgroup_mma(p_s, _klat(k_lat, b, 2, KSPLIT), o2, is_async=True)
+        o3 = warpgroup_mma(p_s, _klat(k_lat, b, 3, KSPLIT), o3, is_async=True)
         o2, o3 = warpgroup_mma_wait(0, deps=(o2, o3))
         mbarrier.arrive(p_free, count=1)
         mbarrier.arrive(k_free.index(b), count=1)
@@ -587,6 +613,7 @@ def sparse_mla_decode_ws_kernel(
     NBUF: gl.constexpr, PREFETCH: gl.constexpr, OVERLAP: gl.constexpr, PIPE: gl.constexpr,
     DEQ: gl.constexpr, REGS_C1: gl.constexpr, REGS_PROD: gl.constexpr, OSTAGE: gl.constexpr = False,
     QL: gl.constexpr = 0, GATHER: gl.constexpr = 0, SCV: gl.constexpr = False,
+    KSPLIT: gl.constexpr = False,
 ):
     """Warp-specialised sparse MLA decode, one (query row, 64 heads) per CTA (module docstring).
 
@@ -601,7 +628,13 @@ def sparse_mla_decode_ws_kernel(
     V1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     q_lat = gl.allocate_shared_memory(gl.bfloat16, [4, BLOCK_H, 128], T)
     q_rope = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, 64], TR)
-    k_lat = gl.allocate_shared_memory(gl.bfloat16, [NBUF * 4, BLOCK_N, 128], T)
+    if KSPLIT:
+        k_lat = (gl.allocate_shared_memory(gl.bfloat16, [NBUF, BLOCK_N, 128], T),
+                 gl.allocate_shared_memory(gl.bfloat16, [NBUF, BLOCK_N, 128], T),
+                 gl.allocate_shared_memory(gl.bfloat16, [NBUF, BLOCK_N, 128], T),
+                 gl.allocate_shared_memory(gl.bfloat16, [NBUF, BLOCK_N, 128], T))
+    else:
+        k_lat = gl.allocate_shared_memory(gl.bfloat16, [NBUF * 4, BLOCK_N, 128], T)
     k_rope = gl.allocate_shared_memory(gl.bfloat16, [NBUF, BLOCK_N, 64], TR)
     k_bias = gl.allocate_shared_memory(gl.float32, [NBUF, BLOCK_N], V1)
     p_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, BLOCK_N], TR)
@@ -623,24 +656,24 @@ def sparse_mla_decode_ws_kernel(
     gl.warp_specialize([
         (_consumer0, (q, out, lse, stride_q_row, stride_q_h, stride_o_row, stride_o_h, stride_l_row, h_q, n_hb, n_steps,
                       qk_scale, q_lat, q_rope, k_lat, k_rope, k_bias, p_s, alpha_s, fin_s, k_ready, k_free, p_ready,
-                      p_free, fin, NBUF, OVERLAP, OSTAGE, QL)),
+                      p_free, fin, NBUF, OVERLAP, OSTAGE, QL, KSPLIT)),
         (_consumer1, (out, stride_o_row, stride_o_h, h_q, n_hb, n_steps, k_lat, p_s, alpha_s, fin_s, k_free, p_ready,
-                      p_free, fin, q_lat, NBUF, OSTAGE)),
+                      p_free, fin, q_lat, NBUF, OSTAGE, KSPLIT)),
         (_producer_pipe if PIPE else _producer,
          (kv, idx, stride_kv_page, stride_kv_row, stride_i_row, n_slots, topk, n_steps, n_hb, k_lat, k_rope, k_bias,
-          k_ready, k_free, NBUF, PREFETCH, DEQ, GATHER, SCV)),
+          k_ready, k_free, NBUF, PREFETCH, DEQ, GATHER, SCV, KSPLIT)),
     ], [4, 4], [REGS_C1, REGS_PROD])
 
 
 # ---- launcher -----------------------------------------------------------------------------------------
 
 def _variant(pipe: bool, deq: int, prefetch: int, overlap: bool, ostage: bool = False, ql: bool = False,
-             gather: int = ROW_MAJOR, scv: bool = False) -> dict:
+             gather: int = ROW_MAJOR, scv: bool = False, ksplit: bool = False) -> dict:
     # two K/V buffers (a third does not fit); consumer 1 needs 160 registers (152 spill), consumer 0 192
     # (216 with OVERLAP: at 200 ptxas serialises its wgmma), the producer gets the rest of 3 x 168
     return dict(NBUF=2, PIPE=pipe, DEQ=deq, PREFETCH=prefetch, OVERLAP=overlap, REGS_C1=160,
                 REGS_PROD=128 if overlap else 152, OSTAGE=ostage, QL=int(ql), GATHER=gather,
-                SCV=scv)
+                SCV=scv, KSPLIT=ksplit)
 
 
 # variant name -> constexprs. Measured on the H200 with Triton 3.6
@@ -670,6 +703,12 @@ VARIANTS = {
     # 110.6-110.8 (FlashMLA 94.7 / 179.9 / 235.2 and 94.7 / 179.6 / 235.7)
     "ws-pipe-pf2-os-ql-pr-sv": _variant(pipe=True, deq=0, prefetch=2, overlap=False, ostage=True, ql=True,
                                         gather=PAIRED_ROWS, scv=True),
+    # the default with one shared allocation per latent group (_klat): the producer's warps then meet at 2
+    # named barriers a step instead of 5 (sm_90 SASS, Triton 3.6: the three between the latent groups' stores
+    # are gone; unrolling the loop by two with constant buffer indices removed none). Compiled on the CPU,
+    # not yet run on a GPU
+    "ws-pipe-pf2-os-ql-pr-sv-ks": _variant(pipe=True, deq=0, prefetch=2, overlap=False, ostage=True, ql=True,
+                                           gather=PAIRED_ROWS, scv=True, ksplit=True),
     "ws-pipe-pf2-os-ql-dq4-sv": _variant(pipe=True, deq=4, prefetch=2, overlap=False, ostage=True, ql=True, scv=True),
     # the same layout with DEQ 4: 113.8 / 214.5 / 227.9 and 114.0 / 215.1 / 227.7 against -dq4's 110.2 / 210.1
     # / 224.2 and 110.5 / 212.1 / 224.3 (hot64 107.9 / 107.2 against 109.1 / 109.2); OVERLAP with it 124.7 /
