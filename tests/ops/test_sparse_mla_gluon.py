@@ -157,13 +157,14 @@ def test_gluon_decode_with_scales_not_powers_of_two(variant):
 @pytest.mark.gpu
 @needs_sm90
 @pytest.mark.parametrize("base, twins", [("ws-pipe-pf2-os-ql", ["ws-pipe-pf2-os-ql-pr", "ws-pipe-pf2-os-ql-pr-sv",
-                                                               "ws-pipe-pf2-os-ql-pr-sv-ks"]),
+                                                               "ws-pipe-pf2-os-ql-pr-sv-ks", "ws-pipe-pf2-os-ql-pr-sv-ks-pa3",
+                                                               "ws-pipe-pf2-os-ql-pr-sv-ks-pa7"]),
                                          ("ws-pipe-pf2-os-ql-dq4", ["ws-pipe-pf2-os-ql-dq4-pr",
                                                                     "ws-pipe-pf2-os-ql-dq4-sv"])])
 def test_gather_layouts_give_the_row_major_bits(base, twins):
-    """The PAIRED_ROWS layout, the 16-B scale loads and one shared allocation per latent group (-ks) only
-    change which thread loads, dequantises and stores which element, and where: the output must be the
-    row-major layout's bit for bit (ragged lists, -1 / out-of-range
+    """The PAIRED_ROWS layout, the 16-B scale loads, one shared allocation per latent group (-ks) and
+    per-thread mbarrier arrivals (-pa*) only change which thread loads, dequantises and stores which element,
+    where, and how the pipeline's barriers count: the output must be the row-major layout's bit for bit (ragged lists, -1 / out-of-range
     slots, an empty row, h 64 and 128, s_q 2)."""
     g = torch.Generator(device="cuda").manual_seed(5)
     pages = 48

@@ -82,6 +82,7 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
@@ -187,6 +188,18 @@ def _klat(k_lat, b, g: gl.constexpr, KSPLIT: gl.constexpr):
         return k_lat.index(b * 4 + g)
 
 
+@gluon.jit
+def _arrive(bar, PTA: gl.constexpr):
+    """Arrive on ``bar`` for this warpgroup. PTA (true: per-thread arrives): every thread arrives by itself
+    (``cp.async.mbarrier.arrive.noinc`` with no copies of its own outstanding, so at once), the barrier
+    counting 128 arrivals a warpgroup; otherwise one thread arrives after a barrier among the warpgroup's
+    warps (what ``mbarrier.arrive`` lowers to), the barrier counting one."""
+    if PTA:
+        async_copy.mbarrier_arrive(bar, increment_count=False)
+    else:
+        mbarrier.arrive(bar, count=1)
+
+
 # ---- producer -----------------------------------------------------------------------------------------
 
 @gluon.jit
@@ -238,7 +251,8 @@ def _gather(p_row, valid, o_c, o_r, SR: gl.constexpr, SCV: gl.constexpr = False,
 
 
 @gluon.jit
-def _stage(tiles, valid, k_lat, k_rope, k_bias, k_ready, b, DEQ: gl.constexpr, KSPLIT: gl.constexpr = False):
+def _stage(tiles, valid, k_lat, k_rope, k_bias, k_ready, b, DEQ: gl.constexpr, KSPLIT: gl.constexpr = False,
+           PTA: gl.constexpr = 0):
     """Dequantise a step's :func:`_gather` tiles (e4m3 -> fp32, times the group's scale, rounded once to bf16
     as reference.py; DEQ: :func:`_dequant`) into buffer ``b`` with the [64] additive score mask (0 valid,
     -inf skipped), then publish it to the consumers."""
@@ -251,17 +265,17 @@ def _stage(tiles, valid, k_lat, k_rope, k_bias, k_ready, b, DEQ: gl.constexpr, K
     k_bias.index(b).store(gl.where(valid, 0.0, float("-inf")))
     # generic-proxy stores -> async-proxy (wgmma) reads
     fence_async_shared()
-    mbarrier.arrive(k_ready.index(b), count=1)
+    _arrive(k_ready.index(b), PTA & 1)
 
 
 @gluon.jit
 def _producer(kv, idx, stride_kv_page, stride_kv_row, stride_i_row, n_slots, topk, n_steps, n_hb,
               k_lat, k_rope, k_bias, k_ready, k_free, NBUF: gl.constexpr, PREFETCH: gl.constexpr, DEQ: gl.constexpr,
               GATHER: gl.constexpr, SCV: gl.constexpr = False,
-              KSPLIT: gl.constexpr = False):
+              KSPLIT: gl.constexpr = False, PTA: gl.constexpr = 0):
     """Gather, dequantise and stage the K/V tile of every step, slots loaded in-step (variant "ws", the
     first version; :func:`_producer_pipe` replaces it). PREFETCH, DEQ, GATHER, SCV and KSPLIT are ignored (exact
-    dequantisation, row-major gathers)."""
+    dequantisation, row-major gathers); PTA is not."""
     LG: gl.constexpr = gather_layout(0)   # [64 rows, 128 bytes], row-major
     LR: gl.constexpr = rope_layout(0)     # [64 rows, 64 bf16], LG's rows
     i_row = (gl.program_id(0) // n_hb).to(gl.int64)
@@ -283,7 +297,7 @@ def _producer(kv, idx, stride_kv_page, stride_kv_row, stride_i_row, n_slots, top
         # the consumers' work on the previous steps
         tiles = _gather(p_row, valid, o_c, o_r, gl.SliceLayout(1, LR))
         mbarrier.wait(k_free.index(b), ((i // NBUF) & 1) ^ 1)
-        _stage(tiles, valid, k_lat, k_rope, k_bias, k_ready, b, 0, KSPLIT)
+        _stage(tiles, valid, k_lat, k_rope, k_bias, k_ready, b, 0, KSPLIT, PTA)
 
 
 @gluon.jit
@@ -340,7 +354,7 @@ def _dequant(b_u, b_sc, DEQ: gl.constexpr):
 def _producer_pipe(kv, idx, stride_kv_page, stride_kv_row, stride_i_row, n_slots, topk, n_steps, n_hb,
                    k_lat, k_rope, k_bias, k_ready, k_free, NBUF: gl.constexpr, PREFETCH: gl.constexpr,
                    DEQ: gl.constexpr, GATHER: gl.constexpr, SCV: gl.constexpr = False,
-                   KSPLIT: gl.constexpr = False):
+                   KSPLIT: gl.constexpr = False, PTA: gl.constexpr = 0):
     """:func:`_producer` with the slot loads out of the gathers' critical path: the row pointers of step
     i + 1 come from slots loaded during step i, and with ``PREFETCH`` the rows of step i + PREFETCH are
     asked into L2 at the end of step i (their slots loaded at its top, so that load's latency hides under
@@ -365,13 +379,13 @@ def _producer_pipe(kv, idx, stride_kv_page, stride_kv_row, stride_i_row, n_slots
     for i in range(n_steps):
         p_row, valid = _pipe_step(i, i % NBUF, p_row, valid, p_idx, topk, n_slots, kv, stride_kv_page, stride_kv_row,
                                   o_c, o_r, o_l, k_lat, k_rope, k_bias, k_ready, k_free, NBUF, PREFETCH, DEQ, GATHER,
-                                  SCV, KSPLIT)
+                                  SCV, KSPLIT, PTA)
 
 
 @gluon.jit
 def _pipe_step(i, b, p_row, valid, p_idx, topk, n_slots, kv, stride_kv_page, stride_kv_row, o_c, o_r, o_l,
                k_lat, k_rope, k_bias, k_ready, k_free, NBUF: gl.constexpr, PREFETCH: gl.constexpr, DEQ: gl.constexpr,
-               GATHER: gl.constexpr, SCV: gl.constexpr, KSPLIT: gl.constexpr):
+               GATHER: gl.constexpr, SCV: gl.constexpr, KSPLIT: gl.constexpr, PTA: gl.constexpr):
     """Step i of :func:`_producer_pipe` into buffer b (a value or a constant); returns the next step's row
     pointers and mask."""
     SG: gl.constexpr = gl.SliceLayout(1, gather_layout(GATHER))
@@ -383,7 +397,7 @@ def _pipe_step(i, b, p_row, valid, p_idx, topk, n_slots, kv, stride_kv_page, str
         p_pf, v_pf = _slots(p_idx, (i + PREFETCH) * BLOCK_N, topk, n_slots, kv, stride_kv_page, stride_kv_row, SP)
     tiles = _gather(p_row, valid, o_c, o_r, SR, SCV, GATHER)
     mbarrier.wait(k_free.index(b), ((i // NBUF) & 1) ^ 1)
-    _stage(tiles, valid, k_lat, k_rope, k_bias, k_ready, b, DEQ, KSPLIT)
+    _stage(tiles, valid, k_lat, k_rope, k_bias, k_ready, b, DEQ, KSPLIT, PTA)
     if PREFETCH > 0:
         _prefetch_rows(p_pf, v_pf, o_l)
     return p_row_n, valid_n
@@ -416,14 +430,14 @@ def _softmax(s, bias, qk_scale, m_i, l_i):
 
 
 @gluon.jit
-def _hand_p(p16, alpha, i, p_s, alpha_s, p_ready, p_free):
+def _hand_p(p16, alpha, i, p_s, alpha_s, p_ready, p_free, PTA: gl.constexpr = 0):
     # consumer 1's P V on the previous P has completed (p_free) -> overwrite P and alpha, signal p_ready
     mbarrier.wait(p_free, (i & 1) ^ 1)
     p_s.store(p16)
     alpha_s.store(alpha)
     # consumer 1 reads P with wgmma (async proxy): order these generic stores before it
     fence_async_shared()
-    mbarrier.arrive(p_ready, count=1)
+    _arrive(p_ready, PTA & 4)
 
 
 @gluon.jit
@@ -477,7 +491,7 @@ def load_q(q, stride_q_row, stride_q_h, h_q, i_row, i_hb, q_lat, q_rope, QL: gl.
 def _consumer0(q, out, lse, stride_q_row, stride_q_h, stride_o_row, stride_o_h, stride_l_row, h_q, n_hb, n_steps,
                qk_scale, q_lat, q_rope, k_lat, k_rope, k_bias, p_s, alpha_s, fin_s, k_ready, k_free, p_ready,
                p_free, fin, NBUF: gl.constexpr, OVERLAP: gl.constexpr, OSTAGE: gl.constexpr, QL: gl.constexpr,
-               KSPLIT: gl.constexpr = False):
+               KSPLIT: gl.constexpr = False, PTA: gl.constexpr = 0):
     M64: gl.constexpr = mma_layout(64)
     M128: gl.constexpr = mma_layout(128)
     PA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=M128, k_width=2)
@@ -497,7 +511,7 @@ def _consumer0(q, out, lse, stride_q_row, stride_q_h, stride_o_row, stride_o_h, 
         s = _scores(q_lat, q_rope, k_lat, k_rope, 0, zero_s, KSPLIT)
         s = warpgroup_mma_wait(0, deps=(s,))
         p16, alpha, m_i, l_i = _softmax(s, k_bias.index(0).load(gl.SliceLayout(0, M64)), qk_scale, m_i, l_i)
-        _hand_p(p16, alpha, 0, p_s, alpha_s, p_ready, p_free)
+        _hand_p(p16, alpha, 0, p_s, alpha_s, p_ready, p_free, PTA)
         for i in range(n_steps - 1):
             b = i % NBUF
             bn = (i + 1) % NBUF
@@ -511,16 +525,16 @@ def _consumer0(q, out, lse, stride_q_row, stride_q_h, stride_o_row, stride_o_h, 
             s = warpgroup_mma_wait(2, deps=(s,))
             # the mask is read after the wait: its 16 registers per thread are not live under the wgmma
             p16, alpha, m_i, l_i = _softmax(s, k_bias.index(bn).load(gl.SliceLayout(0, M64)), qk_scale, m_i, l_i)
-            _hand_p(p16, alpha, i + 1, p_s, alpha_s, p_ready, p_free)
+            _hand_p(p16, alpha, i + 1, p_s, alpha_s, p_ready, p_free, PTA)
             o0, o1, pa = warpgroup_mma_wait(0, deps=(o0, o1, pa))
-            mbarrier.arrive(k_free.index(b), count=1)
+            _arrive(k_free.index(b), PTA & 4)
         # epilogue: P V of the last step
         b = (n_steps - 1) % NBUF
         o0, o1, pa = _rescale(o0, o1, alpha, p16, M128, PA)
         o0 = warpgroup_mma(pa, _klat(k_lat, b, 0, KSPLIT), o0, is_async=True)
         o1 = warpgroup_mma(pa, _klat(k_lat, b, 1, KSPLIT), o1, is_async=True)
         o0, o1, pa = warpgroup_mma_wait(0, deps=(o0, o1, pa))
-        mbarrier.arrive(k_free.index(b), count=1)
+        _arrive(k_free.index(b), PTA & 4)
     else:
         for i in range(n_steps):
             b = i % NBUF
@@ -528,19 +542,19 @@ def _consumer0(q, out, lse, stride_q_row, stride_q_h, stride_o_row, stride_o_h, 
             s = _scores(q_lat, q_rope, k_lat, k_rope, b, zero_s, KSPLIT)
             s = warpgroup_mma_wait(0, deps=(s,))
             p16, alpha, m_i, l_i = _softmax(s, k_bias.index(b).load(gl.SliceLayout(0, M64)), qk_scale, m_i, l_i)
-            _hand_p(p16, alpha, i, p_s, alpha_s, p_ready, p_free)
+            _hand_p(p16, alpha, i, p_s, alpha_s, p_ready, p_free, PTA)
             o0, o1, pa = _rescale(o0, o1, alpha, p16, M128, PA)
             o0 = warpgroup_mma(pa, _klat(k_lat, b, 0, KSPLIT), o0, is_async=True)
             o1 = warpgroup_mma(pa, _klat(k_lat, b, 1, KSPLIT), o1, is_async=True)
             o0, o1, pa = warpgroup_mma_wait(0, deps=(o0, o1, pa))
-            mbarrier.arrive(k_free.index(b), count=1)
+            _arrive(k_free.index(b), PTA & 4)
 
     # empty rows (no valid index): l = 0 -> out 0 (O is 0), lse -inf
     empty = l_i == 0.0
     l_safe = gl.where(empty, 1.0, l_i)
     inv = 1.0 / l_safe
     fin_s.store(inv)
-    mbarrier.arrive(fin, count=1)
+    _arrive(fin, PTA & 4)
     o_hl = i_hb * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(1, M64))
     gl.store(lse + i_row * stride_l_row + o_hl, gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * LN2),
              mask=o_hl < h_q)
@@ -577,7 +591,8 @@ def store_o(out, i_row, i_hb, stride_o_row, stride_o_h, h_q, o_a, o_b, inv, d0: 
 
 @gluon.jit
 def _consumer1(out, stride_o_row, stride_o_h, h_q, n_hb, n_steps, k_lat, p_s, alpha_s, fin_s, k_free, p_ready,
-               p_free, fin, q_lat, NBUF: gl.constexpr, OSTAGE: gl.constexpr, KSPLIT: gl.constexpr = False):
+               p_free, fin, q_lat, NBUF: gl.constexpr, OSTAGE: gl.constexpr, KSPLIT: gl.constexpr = False,
+               PTA: gl.constexpr = 0):
     M128: gl.constexpr = mma_layout(128)
     i_hb = gl.program_id(0) % n_hb
     i_row = (gl.program_id(0) // n_hb).to(gl.int64)
@@ -594,8 +609,8 @@ def _consumer1(out, stride_o_row, stride_o_h, h_q, n_hb, n_steps, k_lat, p_s, al
         o2 = warpgroup_mma(p_s, _klat(k_lat, b, 2, KSPLIT), o2, is_async=True)
         o3 = warpgroup_mma(p_s, _klat(k_lat, b, 3, KSPLIT), o3, is_async=True)
         o2, o3 = warpgroup_mma_wait(0, deps=(o2, o3))
-        mbarrier.arrive(p_free, count=1)
-        mbarrier.arrive(k_free.index(b), count=1)
+        _arrive(p_free, PTA & 2)
+        _arrive(k_free.index(b), PTA & 2)
     mbarrier.wait(fin, 0)
     store_o(out, i_row, i_hb, stride_o_row, stride_o_h, h_q, o2, o3, fin_s.load(gl.SliceLayout(1, M128)), 256, M128,
              q_lat, OSTAGE)
@@ -613,7 +628,7 @@ def sparse_mla_decode_ws_kernel(
     NBUF: gl.constexpr, PREFETCH: gl.constexpr, OVERLAP: gl.constexpr, PIPE: gl.constexpr,
     DEQ: gl.constexpr, REGS_C1: gl.constexpr, REGS_PROD: gl.constexpr, OSTAGE: gl.constexpr = False,
     QL: gl.constexpr = 0, GATHER: gl.constexpr = 0, SCV: gl.constexpr = False,
-    KSPLIT: gl.constexpr = False,
+    KSPLIT: gl.constexpr = False, PTA: gl.constexpr = 0,
 ):
     """Warp-specialised sparse MLA decode, one (query row, 64 heads) per CTA (module docstring).
 
@@ -645,35 +660,40 @@ def sparse_mla_decode_ws_kernel(
     p_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     p_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     fin = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    # a warpgroup's arrivals (see _arrive): PTA bit 1 the producer's, 2 consumer 1's, 4 consumer 0's
+    A_P: gl.constexpr = 128 if PTA & 1 else 1
+    A_C1: gl.constexpr = 128 if PTA & 2 else 1
+    A_C0: gl.constexpr = 128 if PTA & 4 else 1
     for j in gl.static_range(NBUF):
-        mbarrier.init(k_ready.index(j), count=1)   # the producer
-        mbarrier.init(k_free.index(j), count=2)    # both consumers
-    mbarrier.init(p_ready, count=1)
-    mbarrier.init(p_free, count=1)
-    mbarrier.init(fin, count=1)
+        mbarrier.init(k_ready.index(j), count=A_P)           # the producer
+        mbarrier.init(k_free.index(j), count=A_C0 + A_C1)    # both consumers
+    mbarrier.init(p_ready, count=A_C0)
+    mbarrier.init(p_free, count=A_C1)
+    mbarrier.init(fin, count=A_C0)
     fence_async_shared()
 
     gl.warp_specialize([
         (_consumer0, (q, out, lse, stride_q_row, stride_q_h, stride_o_row, stride_o_h, stride_l_row, h_q, n_hb, n_steps,
                       qk_scale, q_lat, q_rope, k_lat, k_rope, k_bias, p_s, alpha_s, fin_s, k_ready, k_free, p_ready,
-                      p_free, fin, NBUF, OVERLAP, OSTAGE, QL, KSPLIT)),
+                      p_free, fin, NBUF, OVERLAP, OSTAGE, QL, KSPLIT, PTA)),
         (_consumer1, (out, stride_o_row, stride_o_h, h_q, n_hb, n_steps, k_lat, p_s, alpha_s, fin_s, k_free, p_ready,
-                      p_free, fin, q_lat, NBUF, OSTAGE, KSPLIT)),
+                      p_free, fin, q_lat, NBUF, OSTAGE, KSPLIT, PTA)),
         (_producer_pipe if PIPE else _producer,
          (kv, idx, stride_kv_page, stride_kv_row, stride_i_row, n_slots, topk, n_steps, n_hb, k_lat, k_rope, k_bias,
-          k_ready, k_free, NBUF, PREFETCH, DEQ, GATHER, SCV, KSPLIT)),
+          k_ready, k_free, NBUF, PREFETCH, DEQ, GATHER, SCV, KSPLIT, PTA)),
     ], [4, 4], [REGS_C1, REGS_PROD])
 
 
 # ---- launcher -----------------------------------------------------------------------------------------
 
 def _variant(pipe: bool, deq: int, prefetch: int, overlap: bool, ostage: bool = False, ql: bool = False,
-             gather: int = ROW_MAJOR, scv: bool = False, ksplit: bool = False) -> dict:
+             gather: int = ROW_MAJOR, scv: bool = False, ksplit: bool = False,
+             pta: int = 0) -> dict:
     # two K/V buffers (a third does not fit); consumer 1 needs 160 registers (152 spill), consumer 0 192
     # (216 with OVERLAP: at 200 ptxas serialises its wgmma), the producer gets the rest of 3 x 168
     return dict(NBUF=2, PIPE=pipe, DEQ=deq, PREFETCH=prefetch, OVERLAP=overlap, REGS_C1=160,
                 REGS_PROD=128 if overlap else 152, OSTAGE=ostage, QL=int(ql), GATHER=gather,
-                SCV=scv, KSPLIT=ksplit)
+                SCV=scv, KSPLIT=ksplit, PTA=pta)
 
 
 # variant name -> constexprs. Measured on the H200 with Triton 3.6
@@ -709,6 +729,13 @@ VARIANTS = {
     # not yet run on a GPU
     "ws-pipe-pf2-os-ql-pr-sv-ks": _variant(pipe=True, deq=0, prefetch=2, overlap=False, ostage=True, ql=True,
                                            gather=PAIRED_ROWS, scv=True, ksplit=True),
+    # -ks with the threads of some warpgroups arriving on the pipeline's mbarriers one by one (_arrive; PTA bits:
+    # 1 producer, 2 consumer 1, 4 consumer 0), so no barrier among their warps before an arrive either.
+    # Compiled on the CPU, not yet run on a GPU; in consumer 0 it costs spills in the step loop
+    "ws-pipe-pf2-os-ql-pr-sv-ks-pa3": _variant(pipe=True, deq=0, prefetch=2, overlap=False, ostage=True, ql=True,
+                                               gather=PAIRED_ROWS, scv=True, ksplit=True, pta=3),
+    "ws-pipe-pf2-os-ql-pr-sv-ks-pa7": _variant(pipe=True, deq=0, prefetch=2, overlap=False, ostage=True, ql=True,
+                                               gather=PAIRED_ROWS, scv=True, ksplit=True, pta=7),
     "ws-pipe-pf2-os-ql-dq4-sv": _variant(pipe=True, deq=4, prefetch=2, overlap=False, ostage=True, ql=True, scv=True),
     # the same layout with DEQ 4: 113.8 / 214.5 / 227.9 and 114.0 / 215.1 / 227.7 against -dq4's 110.2 / 210.1
     # / 224.2 and 110.5 / 212.1 / 224.3 (hot64 107.9 / 107.2 against 109.1 / 109.2); OVERLAP with it 124.7 /
