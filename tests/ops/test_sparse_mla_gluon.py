@@ -157,8 +157,8 @@ def test_gluon_decode_with_scales_not_powers_of_two(variant):
 @pytest.mark.gpu
 @needs_sm90
 @pytest.mark.parametrize("base, twins", [("ws-pipe-pf2-os-ql", ["ws-pipe-pf2-os-ql-pr", "ws-pipe-pf2-os-ql-pr-sv",
-                                                               "ws-pipe-pf2-os-ql-pr-sv-ks", "ws-pipe-pf2-os-ql-pr-sv-ks-pa3",
-                                                               "ws-pipe-pf2-os-ql-pr-sv-ks-pa7"]),
+                                                               "ws-pipe-pf2-os-ql-pr-sv-ks", "ws-pipe-pf2-os-ql-pr-sv-ks-pa2",
+                                                               "ws-pipe-pf2-os-ql-pr-sv-ks-pa6"]),
                                          ("ws-pipe-pf2-os-ql-dq4", ["ws-pipe-pf2-os-ql-dq4-pr",
                                                                     "ws-pipe-pf2-os-ql-dq4-sv"])])
 def test_gather_layouts_give_the_row_major_bits(base, twins):

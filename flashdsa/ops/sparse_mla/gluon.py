@@ -189,11 +189,14 @@ def _klat(k_lat, b, g: gl.constexpr, KSPLIT: gl.constexpr):
 
 
 @gluon.jit
-def _arrive(bar, PTA: gl.constexpr):
-    """Arrive on ``bar`` for this warpgroup. PTA (true: per-thread arrives): every thread arrives by itself
-    (``cp.async.mbarrier.arrive.noinc`` with no copies of its own outstanding, so at once), the barrier
-    counting 128 arrivals a warpgroup; otherwise one thread arrives after a barrier among the warpgroup's
-    warps (what ``mbarrier.arrive`` lowers to), the barrier counting one."""
+def _release(bar, PTA: gl.constexpr):
+    """Tell the other side that this warpgroup is done reading a buffer (``k_free``, ``p_free``). PTA (true):
+    every thread arrives by itself (``cp.async.mbarrier.arrive.noinc`` with no copies of its own outstanding,
+    so at once), the barrier counting 128 arrivals a warpgroup; otherwise one thread arrives after a barrier
+    among the warpgroup's warps (what ``mbarrier.arrive`` lowers to), the barrier counting one. Only for
+    releases after reads (the reads are done when a thread gets here): an arrive that publishes writes
+    (``k_ready``, ``p_ready``, ``fin``) stays ``mbarrier.arrive``, whose one arrive after the barrier orders
+    every thread's stores before it."""
     if PTA:
         async_copy.mbarrier_arrive(bar, increment_count=False)
     else:
@@ -251,8 +254,7 @@ def _gather(p_row, valid, o_c, o_r, SR: gl.constexpr, SCV: gl.constexpr = False,
 
 
 @gluon.jit
-def _stage(tiles, valid, k_lat, k_rope, k_bias, k_ready, b, DEQ: gl.constexpr, KSPLIT: gl.constexpr = False,
-           PTA: gl.constexpr = 0):
+def _stage(tiles, valid, k_lat, k_rope, k_bias, k_ready, b, DEQ: gl.constexpr, KSPLIT: gl.constexpr = False):
     """Dequantise a step's :func:`_gather` tiles (e4m3 -> fp32, times the group's scale, rounded once to bf16
     as reference.py; DEQ: :func:`_dequant`) into buffer ``b`` with the [64] additive score mask (0 valid,
     -inf skipped), then publish it to the consumers."""
@@ -265,17 +267,17 @@ def _stage(tiles, valid, k_lat, k_rope, k_bias, k_ready, b, DEQ: gl.constexpr, K
     k_bias.index(b).store(gl.where(valid, 0.0, float("-inf")))
     # generic-proxy stores -> async-proxy (wgmma) reads
     fence_async_shared()
-    _arrive(k_ready.index(b), PTA & 1)
+    mbarrier.arrive(k_ready.index(b), count=1)
 
 
 @gluon.jit
 def _producer(kv, idx, stride_kv_page, stride_kv_row, stride_i_row, n_slots, topk, n_steps, n_hb,
               k_lat, k_rope, k_bias, k_ready, k_free, NBUF: gl.constexpr, PREFETCH: gl.constexpr, DEQ: gl.constexpr,
               GATHER: gl.constexpr, SCV: gl.constexpr = False,
-              KSPLIT: gl.constexpr = False, PTA: gl.constexpr = 0):
+              KSPLIT: gl.constexpr = False):
     """Gather, dequantise and stage the K/V tile of every step, slots loaded in-step (variant "ws", the
     first version; :func:`_producer_pipe` replaces it). PREFETCH, DEQ, GATHER, SCV and KSPLIT are ignored (exact
-    dequantisation, row-major gathers); PTA is not."""
+    dequantisation, row-major gathers)."""
     LG: gl.constexpr = gather_layout(0)   # [64 rows, 128 bytes], row-major
     LR: gl.constexpr = rope_layout(0)     # [64 rows, 64 bf16], LG's rows
     i_row = (gl.program_id(0) // n_hb).to(gl.int64)
@@ -297,7 +299,7 @@ def _producer(kv, idx, stride_kv_page, stride_kv_row, stride_i_row, n_slots, top
         # the consumers' work on the previous steps
         tiles = _gather(p_row, valid, o_c, o_r, gl.SliceLayout(1, LR))
         mbarrier.wait(k_free.index(b), ((i // NBUF) & 1) ^ 1)
-        _stage(tiles, valid, k_lat, k_rope, k_bias, k_ready, b, 0, KSPLIT, PTA)
+        _stage(tiles, valid, k_lat, k_rope, k_bias, k_ready, b, 0, KSPLIT)
 
 
 @gluon.jit
@@ -354,7 +356,7 @@ def _dequant(b_u, b_sc, DEQ: gl.constexpr):
 def _producer_pipe(kv, idx, stride_kv_page, stride_kv_row, stride_i_row, n_slots, topk, n_steps, n_hb,
                    k_lat, k_rope, k_bias, k_ready, k_free, NBUF: gl.constexpr, PREFETCH: gl.constexpr,
                    DEQ: gl.constexpr, GATHER: gl.constexpr, SCV: gl.constexpr = False,
-                   KSPLIT: gl.constexpr = False, PTA: gl.constexpr = 0):
+                   KSPLIT: gl.constexpr = False):
     """:func:`_producer` with the slot loads out of the gathers' critical path: the row pointers of step
     i + 1 come from slots loaded during step i, and with ``PREFETCH`` the rows of step i + PREFETCH are
     asked into L2 at the end of step i (their slots loaded at its top, so that load's latency hides under
@@ -379,13 +381,13 @@ def _producer_pipe(kv, idx, stride_kv_page, stride_kv_row, stride_i_row, n_slots
     for i in range(n_steps):
         p_row, valid = _pipe_step(i, i % NBUF, p_row, valid, p_idx, topk, n_slots, kv, stride_kv_page, stride_kv_row,
                                   o_c, o_r, o_l, k_lat, k_rope, k_bias, k_ready, k_free, NBUF, PREFETCH, DEQ, GATHER,
-                                  SCV, KSPLIT, PTA)
+                                  SCV, KSPLIT)
 
 
 @gluon.jit
 def _pipe_step(i, b, p_row, valid, p_idx, topk, n_slots, kv, stride_kv_page, stride_kv_row, o_c, o_r, o_l,
                k_lat, k_rope, k_bias, k_ready, k_free, NBUF: gl.constexpr, PREFETCH: gl.constexpr, DEQ: gl.constexpr,
-               GATHER: gl.constexpr, SCV: gl.constexpr, KSPLIT: gl.constexpr, PTA: gl.constexpr):
+               GATHER: gl.constexpr, SCV: gl.constexpr, KSPLIT: gl.constexpr):
     """Step i of :func:`_producer_pipe` into buffer b (a value or a constant); returns the next step's row
     pointers and mask."""
     SG: gl.constexpr = gl.SliceLayout(1, gather_layout(GATHER))
@@ -397,7 +399,7 @@ def _pipe_step(i, b, p_row, valid, p_idx, topk, n_slots, kv, stride_kv_page, str
         p_pf, v_pf = _slots(p_idx, (i + PREFETCH) * BLOCK_N, topk, n_slots, kv, stride_kv_page, stride_kv_row, SP)
     tiles = _gather(p_row, valid, o_c, o_r, SR, SCV, GATHER)
     mbarrier.wait(k_free.index(b), ((i // NBUF) & 1) ^ 1)
-    _stage(tiles, valid, k_lat, k_rope, k_bias, k_ready, b, DEQ, KSPLIT, PTA)
+    _stage(tiles, valid, k_lat, k_rope, k_bias, k_ready, b, DEQ, KSPLIT)
     if PREFETCH > 0:
         _prefetch_rows(p_pf, v_pf, o_l)
     return p_row_n, valid_n
@@ -430,14 +432,14 @@ def _softmax(s, bias, qk_scale, m_i, l_i):
 
 
 @gluon.jit
-def _hand_p(p16, alpha, i, p_s, alpha_s, p_ready, p_free, PTA: gl.constexpr = 0):
+def _hand_p(p16, alpha, i, p_s, alpha_s, p_ready, p_free):
     # consumer 1's P V on the previous P has completed (p_free) -> overwrite P and alpha, signal p_ready
     mbarrier.wait(p_free, (i & 1) ^ 1)
     p_s.store(p16)
     alpha_s.store(alpha)
     # consumer 1 reads P with wgmma (async proxy): order these generic stores before it
     fence_async_shared()
-    _arrive(p_ready, PTA & 4)
+    mbarrier.arrive(p_ready, count=1)
 
 
 @gluon.jit
@@ -511,7 +513,7 @@ def _consumer0(q, out, lse, stride_q_row, stride_q_h, stride_o_row, stride_o_h, 
         s = _scores(q_lat, q_rope, k_lat, k_rope, 0, zero_s, KSPLIT)
         s = warpgroup_mma_wait(0, deps=(s,))
         p16, alpha, m_i, l_i = _softmax(s, k_bias.index(0).load(gl.SliceLayout(0, M64)), qk_scale, m_i, l_i)
-        _hand_p(p16, alpha, 0, p_s, alpha_s, p_ready, p_free, PTA)
+        _hand_p(p16, alpha, 0, p_s, alpha_s, p_ready, p_free)
         for i in range(n_steps - 1):
             b = i % NBUF
             bn = (i + 1) % NBUF
@@ -525,16 +527,16 @@ def _consumer0(q, out, lse, stride_q_row, stride_q_h, stride_o_row, stride_o_h, 
             s = warpgroup_mma_wait(2, deps=(s,))
             # the mask is read after the wait: its 16 registers per thread are not live under the wgmma
             p16, alpha, m_i, l_i = _softmax(s, k_bias.index(bn).load(gl.SliceLayout(0, M64)), qk_scale, m_i, l_i)
-            _hand_p(p16, alpha, i + 1, p_s, alpha_s, p_ready, p_free, PTA)
+            _hand_p(p16, alpha, i + 1, p_s, alpha_s, p_ready, p_free)
             o0, o1, pa = warpgroup_mma_wait(0, deps=(o0, o1, pa))
-            _arrive(k_free.index(b), PTA & 4)
+            _release(k_free.index(b), PTA & 4)
         # epilogue: P V of the last step
         b = (n_steps - 1) % NBUF
         o0, o1, pa = _rescale(o0, o1, alpha, p16, M128, PA)
         o0 = warpgroup_mma(pa, _klat(k_lat, b, 0, KSPLIT), o0, is_async=True)
         o1 = warpgroup_mma(pa, _klat(k_lat, b, 1, KSPLIT), o1, is_async=True)
         o0, o1, pa = warpgroup_mma_wait(0, deps=(o0, o1, pa))
-        _arrive(k_free.index(b), PTA & 4)
+        _release(k_free.index(b), PTA & 4)
     else:
         for i in range(n_steps):
             b = i % NBUF
@@ -542,19 +544,19 @@ def _consumer0(q, out, lse, stride_q_row, stride_q_h, stride_o_row, stride_o_h, 
             s = _scores(q_lat, q_rope, k_lat, k_rope, b, zero_s, KSPLIT)
             s = warpgroup_mma_wait(0, deps=(s,))
             p16, alpha, m_i, l_i = _softmax(s, k_bias.index(b).load(gl.SliceLayout(0, M64)), qk_scale, m_i, l_i)
-            _hand_p(p16, alpha, i, p_s, alpha_s, p_ready, p_free, PTA)
+            _hand_p(p16, alpha, i, p_s, alpha_s, p_ready, p_free)
             o0, o1, pa = _rescale(o0, o1, alpha, p16, M128, PA)
             o0 = warpgroup_mma(pa, _klat(k_lat, b, 0, KSPLIT), o0, is_async=True)
             o1 = warpgroup_mma(pa, _klat(k_lat, b, 1, KSPLIT), o1, is_async=True)
             o0, o1, pa = warpgroup_mma_wait(0, deps=(o0, o1, pa))
-            _arrive(k_free.index(b), PTA & 4)
+            _release(k_free.index(b), PTA & 4)
 
     # empty rows (no valid index): l = 0 -> out 0 (O is 0), lse -inf
     empty = l_i == 0.0
     l_safe = gl.where(empty, 1.0, l_i)
     inv = 1.0 / l_safe
     fin_s.store(inv)
-    _arrive(fin, PTA & 4)
+    mbarrier.arrive(fin, count=1)
     o_hl = i_hb * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(1, M64))
     gl.store(lse + i_row * stride_l_row + o_hl, gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * LN2),
              mask=o_hl < h_q)
@@ -609,8 +611,8 @@ def _consumer1(out, stride_o_row, stride_o_h, h_q, n_hb, n_steps, k_lat, p_s, al
         o2 = warpgroup_mma(p_s, _klat(k_lat, b, 2, KSPLIT), o2, is_async=True)
         o3 = warpgroup_mma(p_s, _klat(k_lat, b, 3, KSPLIT), o3, is_async=True)
         o2, o3 = warpgroup_mma_wait(0, deps=(o2, o3))
-        _arrive(p_free, PTA & 2)
-        _arrive(k_free.index(b), PTA & 2)
+        _release(p_free, PTA & 2)
+        _release(k_free.index(b), PTA & 2)
     mbarrier.wait(fin, 0)
     store_o(out, i_row, i_hb, stride_o_row, stride_o_h, h_q, o2, o3, fin_s.load(gl.SliceLayout(1, M128)), 256, M128,
              q_lat, OSTAGE)
@@ -660,16 +662,15 @@ def sparse_mla_decode_ws_kernel(
     p_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     p_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     fin = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    # a warpgroup's arrivals (see _arrive): PTA bit 1 the producer's, 2 consumer 1's, 4 consumer 0's
-    A_P: gl.constexpr = 128 if PTA & 1 else 1
+    # a warpgroup's releases (see _release): PTA bit 2 consumer 1's, bit 4 consumer 0's one by one
     A_C1: gl.constexpr = 128 if PTA & 2 else 1
     A_C0: gl.constexpr = 128 if PTA & 4 else 1
     for j in gl.static_range(NBUF):
-        mbarrier.init(k_ready.index(j), count=A_P)           # the producer
+        mbarrier.init(k_ready.index(j), count=1)             # the producer
         mbarrier.init(k_free.index(j), count=A_C0 + A_C1)    # both consumers
-    mbarrier.init(p_ready, count=A_C0)
+    mbarrier.init(p_ready, count=1)
     mbarrier.init(p_free, count=A_C1)
-    mbarrier.init(fin, count=A_C0)
+    mbarrier.init(fin, count=1)
     fence_async_shared()
 
     gl.warp_specialize([
@@ -680,7 +681,7 @@ def sparse_mla_decode_ws_kernel(
                       p_free, fin, q_lat, NBUF, OSTAGE, KSPLIT, PTA)),
         (_producer_pipe if PIPE else _producer,
          (kv, idx, stride_kv_page, stride_kv_row, stride_i_row, n_slots, topk, n_steps, n_hb, k_lat, k_rope, k_bias,
-          k_ready, k_free, NBUF, PREFETCH, DEQ, GATHER, SCV, KSPLIT, PTA)),
+          k_ready, k_free, NBUF, PREFETCH, DEQ, GATHER, SCV, KSPLIT)),
     ], [4, 4], [REGS_C1, REGS_PROD])
 
 
@@ -729,13 +730,12 @@ VARIANTS = {
     # not yet run on a GPU
     "ws-pipe-pf2-os-ql-pr-sv-ks": _variant(pipe=True, deq=0, prefetch=2, overlap=False, ostage=True, ql=True,
                                            gather=PAIRED_ROWS, scv=True, ksplit=True),
-    # -ks with the threads of some warpgroups arriving on the pipeline's mbarriers one by one (_arrive; PTA bits:
-    # 1 producer, 2 consumer 1, 4 consumer 0), so no barrier among their warps before an arrive either.
-    # Compiled on the CPU, not yet run on a GPU; in consumer 0 it costs spills in the step loop
-    "ws-pipe-pf2-os-ql-pr-sv-ks-pa3": _variant(pipe=True, deq=0, prefetch=2, overlap=False, ostage=True, ql=True,
-                                               gather=PAIRED_ROWS, scv=True, ksplit=True, pta=3),
-    "ws-pipe-pf2-os-ql-pr-sv-ks-pa7": _variant(pipe=True, deq=0, prefetch=2, overlap=False, ostage=True, ql=True,
-                                               gather=PAIRED_ROWS, scv=True, ksplit=True, pta=7),
+    # -ks with the consumers' threads releasing buffers one by one (_release; PTA bit 2 consumer 1, bit 4
+    # consumer 0), so no barrier among their warps before a release. Compiled on the CPU, not yet run on a GPU
+    "ws-pipe-pf2-os-ql-pr-sv-ks-pa2": _variant(pipe=True, deq=0, prefetch=2, overlap=False, ostage=True, ql=True,
+                                               gather=PAIRED_ROWS, scv=True, ksplit=True, pta=2),
+    "ws-pipe-pf2-os-ql-pr-sv-ks-pa6": _variant(pipe=True, deq=0, prefetch=2, overlap=False, ostage=True, ql=True,
+                                               gather=PAIRED_ROWS, scv=True, ksplit=True, pta=6),
     "ws-pipe-pf2-os-ql-dq4-sv": _variant(pipe=True, deq=4, prefetch=2, overlap=False, ostage=True, ql=True, scv=True),
     # the same layout with DEQ 4: 113.8 / 214.5 / 227.9 and 114.0 / 215.1 / 227.7 against -dq4's 110.2 / 210.1
     # / 224.2 and 110.5 / 212.1 / 224.3 (hot64 107.9 / 107.2 against 109.1 / 109.2); OVERLAP with it 124.7 /
