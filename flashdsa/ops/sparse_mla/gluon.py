@@ -170,6 +170,12 @@ def scales_layout(mode):
 
 
 @gluon.constexpr_function
+def prefetch_layout():
+    # [64 rows, 8 lines of 128 B]: one prefetch.global.L2 per line of a step's rows (:func:`_prefetch_rows`)
+    return gl.BlockedLayout([1, 4], [16, 2], [4, 1], [1, 0])
+
+
+@gluon.constexpr_function
 def tile_smem(rows, cols):
     # bf16 tile read by wgmma (128-B swizzle)
     return gl.NVMMASharedLayout.get_default_for([rows, cols], gl.bfloat16)
@@ -364,7 +370,7 @@ def _producer_pipe(kv, idx, stride_kv_page, stride_kv_row, stride_i_row, n_slots
     carried by the loop costs a 32-bit register per byte (ptxas spilled 4.6 KB when it was tried)."""
     LG: gl.constexpr = gather_layout(GATHER)   # [64 rows, 128 bytes]
     LR: gl.constexpr = rope_layout(GATHER)     # [64 rows, 64 bf16]
-    LP: gl.constexpr = gl.BlockedLayout([1, 4], [16, 2], [4, 1], [1, 0])   # [64 rows, 8 lines] L2 prefetches
+    LP: gl.constexpr = prefetch_layout()
     SG: gl.constexpr = gl.SliceLayout(1, LG)
     i_row = (gl.program_id(0) // n_hb).to(gl.int64)
     p_idx = idx + i_row * stride_i_row
@@ -388,11 +394,11 @@ def _producer_pipe(kv, idx, stride_kv_page, stride_kv_row, stride_i_row, n_slots
 def _pipe_step(i, b, p_row, valid, p_idx, topk, n_slots, kv, stride_kv_page, stride_kv_row, o_c, o_r, o_l,
                k_lat, k_rope, k_bias, k_ready, k_free, NBUF: gl.constexpr, PREFETCH: gl.constexpr, DEQ: gl.constexpr,
                GATHER: gl.constexpr, SCV: gl.constexpr, KSPLIT: gl.constexpr):
-    """Step i of :func:`_producer_pipe` into buffer b (a value or a constant); returns the next step's row
-    pointers and mask."""
+    """Step i of :func:`_producer_pipe`, into buffer b = i % NBUF; returns the next step's row pointers and
+    mask."""
     SG: gl.constexpr = gl.SliceLayout(1, gather_layout(GATHER))
     SR: gl.constexpr = gl.SliceLayout(1, rope_layout(GATHER))
-    SP: gl.constexpr = gl.SliceLayout(1, gl.BlockedLayout([1, 4], [16, 2], [4, 1], [1, 0]))
+    SP: gl.constexpr = gl.SliceLayout(1, prefetch_layout())
     # next step's row pointers (carried), this iteration's L2 prefetch slots
     p_row_n, valid_n = _slots(p_idx, (i + 1) * BLOCK_N, topk, n_slots, kv, stride_kv_page, stride_kv_row, SG)
     if PREFETCH > 0:
