@@ -308,6 +308,27 @@ PREFILL_CASES = [
 
 @pytest.mark.gpu
 @needs_sm90
+@pytest.mark.parametrize("variant", ["ws2-os-ql2-ks"])
+def test_gluon_bf16_variants_give_the_default_bits(variant):
+    """A bf16 variant that only moves the K / V tiles to other shared allocations (-ks) gives the default's
+    output bit for bit (ragged lists, -1 / out-of-range slots, an empty row; NaN-poisoned outputs)."""
+    T, N, h_q, topk = 5, 3000, 128, 2048
+    q = torch.randn(T, h_q, 576, device="cuda").to(torch.bfloat16)
+    kv = torch.randn(N, 576, device="cuda").to(torch.bfloat16)
+    idx = make_indices((T, topk), N, "cuda")
+    outs = []
+    for v in (gluon_bf16.DEFAULT_VARIANT, variant):
+        out = torch.full((T, h_q, 512), float("nan"), device="cuda", dtype=torch.bfloat16)
+        lse = torch.full((T, h_q), float("nan"), device="cuda")
+        grid, kw = gluon_bf16.kernel_args(q, kv, 64 * kv.stride(0), kv.stride(0), N, idx, SM_SCALE, out, lse, v)
+        gluon_bf16.sparse_mla_bf16_ws_kernel[grid](**kw)
+        outs.append((out, lse))
+    assert not outs[0][0].isnan().any() and torch.isneginf(outs[0][1][0]).all()
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
+@pytest.mark.gpu
+@needs_sm90
 @pytest.mark.parametrize("T,N,h_q,topk", PREFILL_CASES)
 def test_gluon_prefill_matches_reference(T, N, h_q, topk):
     """Prefill over gathered bf16 KV, also read in place from a wider buffer (row stride 640); chunked

@@ -64,6 +64,10 @@ shared, so a figure moves by a few per cent between runs, ratios within a run mu
   copied while this tile's consumers finish. 4714 / 4863 / 2423 us against the default's 4746 / 4818 /
   2531 (N 8K h 128 / N 32K h 128 / N 32K h 64, one run); fixed cost per CTA 345 against 355 us
   (FlashMLA 265). 48 B of spills.
+* Prepared, not yet run on a GPU: ``ws2-os-ql2-ks``, the K / V tiles in one shared allocation per latent group
+  (``gluon._klat``). Triton's shared-memory hazard analysis works per allocation, so with one allocation it
+  puts a barrier among the producer's warps between cp.async groups: 8 named barriers in the producer's
+  sm_90 SASS against 4 with ``-ks`` (Triton 3.6, compiled on the CPU; the default's SASS is unchanged).
 * Tried for the fp8 656-B cache with the producer dequantising (loads issued before the free wait,
   gluon._dequant, L2 prefetch of the next pair): 137.5-164.1 us at B 64 h 128, against 116.8 for
   ``gluon.py`` (one producer warpgroup cannot dequantise a half in the time the consumers take to free
@@ -81,7 +85,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from flashdsa.ops._launch import KernelLauncher, aligned, capability
 from flashdsa.ops._triton_utils import cdiv, num_sms
-from flashdsa.ops.sparse_mla.gluon import (BLOCK_H, BLOCK_N, LN2, LOG2E, MAXNREG, load_q, mma_layout, store_o,
+from flashdsa.ops.sparse_mla.gluon import (BLOCK_H, BLOCK_N, LN2, LOG2E, MAXNREG, _klat, load_q, mma_layout, store_o,
                                            tile_smem)
 
 # global -> shared cp.async: ``async_copy_global_to_shared`` in Triton 3.6, renamed ``async_load`` by 3.9
@@ -98,7 +102,7 @@ def _slots(p_idx, blk, topk, L: gl.constexpr):
 
 @gluon.jit
 def _copy_half(k_lat, k_rope, buf, RIGHT: gl.constexpr, slot, n_slots, kv, stride_kv_page, stride_kv_row, free, ready,
-               phase, DIAG: gl.constexpr):
+               phase, DIAG: gl.constexpr, KSPLIT: gl.constexpr = False):
     """Wait until half (buf, RIGHT) is free, then cp.async the rows of ``slot`` ([64], SliceLayout(1, LG)) into
     that half's dims and have its ``ready`` barrier track the copies (count 128: every producer thread arrives).
     Skipped slots (-1 past the list, < 0, >= n_slots) are masked: cp.async zero-fills them, nothing is read."""
@@ -114,7 +118,8 @@ def _copy_half(k_lat, k_rope, buf, RIGHT: gl.constexpr, slot, n_slots, kv, strid
     if DIAG == 0:
         g0: gl.constexpr = 2 * RIGHT
         for g in gl.static_range(2):
-            _cp_async(k_lat.index(buf * 4 + g0 + g), p_row[:, None] + (g0 + g) * 128 + o_c[None, :], mask=valid[:, None])
+            _cp_async(_klat(k_lat, buf, g0 + g, KSPLIT), p_row[:, None] + (g0 + g) * 128 + o_c[None, :],
+                      mask=valid[:, None])
         if RIGHT:
             o_r = gl.arange(0, 64, gl.SliceLayout(0, LR))
             p_r = gl.convert_layout(p_row, gl.SliceLayout(1, LR))
@@ -125,7 +130,7 @@ def _copy_half(k_lat, k_rope, buf, RIGHT: gl.constexpr, slot, n_slots, kv, strid
 
 @gluon.jit
 def _prod_tile(t, tc, kv, idx, stride_kv_page, stride_kv_row, stride_i_row, n_slots, topk, n_pairs, n_hb, k_lat, k_rope,
-               ready, free, DIAG: gl.constexpr):
+               ready, free, DIAG: gl.constexpr, KSPLIT: gl.constexpr = False):
     """The producer on tile ``t`` (query row t // n_hb), the CTA's tile number ``tc``: barrier phases count
     pairs over the CTA's tiles."""
     SG: gl.constexpr = gl.SliceLayout(1, gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0]))   # _copy_half's rows
@@ -142,28 +147,32 @@ def _prod_tile(t, tc, kv, idx, stride_kv_page, stride_kv_row, stride_i_row, n_sl
         n_b = _slots(p_idx, 2 * j + 3, topk, SG)
         # the order the halves are freed in: 0L (consumer 0's own P V), 1R (consumer 1's own P V),
         # 0R (consumer 1's P V on the other P; buffer 0's rope tile held that P), 1L (consumer 0's)
-        _copy_half(k_lat, k_rope, 0, False, s_a, n_slots, kv, stride_kv_page, stride_kv_row, free, ready, ph, DIAG)
-        _copy_half(k_lat, k_rope, 1, True, s_b, n_slots, kv, stride_kv_page, stride_kv_row, free, ready, ph, DIAG)
-        _copy_half(k_lat, k_rope, 0, True, s_a, n_slots, kv, stride_kv_page, stride_kv_row, free, ready, ph, DIAG)
-        _copy_half(k_lat, k_rope, 1, False, s_b, n_slots, kv, stride_kv_page, stride_kv_row, free, ready, ph, DIAG)
+        _copy_half(k_lat, k_rope, 0, False, s_a, n_slots, kv, stride_kv_page, stride_kv_row, free, ready, ph, DIAG,
+                   KSPLIT)
+        _copy_half(k_lat, k_rope, 1, True, s_b, n_slots, kv, stride_kv_page, stride_kv_row, free, ready, ph, DIAG,
+                   KSPLIT)
+        _copy_half(k_lat, k_rope, 0, True, s_a, n_slots, kv, stride_kv_page, stride_kv_row, free, ready, ph, DIAG,
+                   KSPLIT)
+        _copy_half(k_lat, k_rope, 1, False, s_b, n_slots, kv, stride_kv_page, stride_kv_row, free, ready, ph, DIAG,
+                   KSPLIT)
         s_a = n_a
         s_b = n_b
 
 
 @gluon.jit
 def _producer(kv, idx, stride_kv_page, stride_kv_row, stride_i_row, n_slots, topk, n_pairs, n_hb, n_tiles, k_lat,
-              k_rope, ready, free, DIAG: gl.constexpr, PERSIST: gl.constexpr):
+              k_rope, ready, free, DIAG: gl.constexpr, PERSIST: gl.constexpr, KSPLIT: gl.constexpr = False):
     if PERSIST:
         # tiles pid, pid + grid, ...: the first halves of the next tile are copied while the consumers
         # finish this one (set-up, Q load and epilogue of a tile no longer stand alone)
         tc = 0
         for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
             _prod_tile(t, tc, kv, idx, stride_kv_page, stride_kv_row, stride_i_row, n_slots, topk, n_pairs, n_hb, k_lat,
-                       k_rope, ready, free, DIAG)
+                       k_rope, ready, free, DIAG, KSPLIT)
             tc += 1
     else:
         _prod_tile(gl.program_id(0), 0, kv, idx, stride_kv_page, stride_kv_row, stride_i_row, n_slots, topk, n_pairs,
-                   n_hb, k_lat, k_rope, ready, free, DIAG)
+                   n_hb, k_lat, k_rope, ready, free, DIAG, KSPLIT)
 
 
 # ---- consumers ----------------------------------------------------------------------------------------
@@ -176,16 +185,17 @@ def _bias(p_idx, blk, topk, n_slots, L: gl.constexpr):
 
 
 @gluon.jit
-def _qk_half(s, q_lat, q_rope, k_lat, k_rope, buf, z, RIGHT: gl.constexpr, ready, phase, FIRST: gl.constexpr):
+def _qk_half(s, q_lat, q_rope, k_lat, k_rope, buf, z, RIGHT: gl.constexpr, ready, phase, FIRST: gl.constexpr,
+             KSPLIT: gl.constexpr = False):
     """Wait for half (buf, RIGHT) of the K tile, then issue its share of S += Q K^T (async, not waited).
     ``z`` is 0 as a value of the loop counter (see :func:`_c0_pair`): it keeps Q's descriptors in the loop."""
     mbarrier.wait(ready.index(buf * 2 + RIGHT), phase)
     # cp.async wrote the tile through the generic proxy; wgmma reads it through the async proxy
     fence_async_shared()
     g0: gl.constexpr = 2 * RIGHT
-    s = warpgroup_mma(q_lat.index(g0 + z), k_lat.index(buf * 4 + g0).permute((1, 0)), s, use_acc=not FIRST,
+    s = warpgroup_mma(q_lat.index(g0 + z), _klat(k_lat, buf, g0, KSPLIT).permute((1, 0)), s, use_acc=not FIRST,
                       is_async=True)
-    s = warpgroup_mma(q_lat.index(g0 + 1 + z), k_lat.index(buf * 4 + g0 + 1).permute((1, 0)), s, is_async=True)
+    s = warpgroup_mma(q_lat.index(g0 + 1 + z), _klat(k_lat, buf, g0 + 1, KSPLIT).permute((1, 0)), s, is_async=True)
     if RIGHT:
         s = warpgroup_mma(q_rope.index(z), k_rope.index(buf).permute((1, 0)), s, is_async=True)
     return s
@@ -227,7 +237,8 @@ def _finish(out, lse, stride_o_row, stride_o_h, stride_l_row, h_q, i_row, i_hb, 
 
 
 @gluon.jit
-def _c0_pair(j, s, bias, m_i, l_i, o0, o1, qk_scale, k_lat, k_rope, p1_s, m_s, m_bar, s_bar, free):
+def _c0_pair(j, s, bias, m_i, l_i, o0, o1, qk_scale, k_lat, k_rope, p1_s, m_s, m_bar, s_bar, free,
+             KSPLIT: gl.constexpr = False):
     """Consumer 0 on pair j from its S = Q K_{2j}^T (complete): softmax, the pair's max from consumer 1, O[:, :256]
     += P0 V0 (local P) and P1 V1 (consumer 1's P, issued and NOT waited: 2 wgmma groups in flight)."""
     M64: gl.constexpr = mma_layout(64)
@@ -248,8 +259,8 @@ def _c0_pair(j, s, bias, m_i, l_i, o0, o1, qk_scale, k_lat, k_rope, p1_s, m_s, m
     o0 = o0 * a_o[:, None]
     o1 = o1 * a_o[:, None]
     pa = gl.convert_layout(p.to(gl.bfloat16), PA)
-    o0 = warpgroup_mma(pa, k_lat.index(b0 * 4), o0, is_async=True)
-    o1 = warpgroup_mma(pa, k_lat.index(b0 * 4 + 1), o1, is_async=True)
+    o0 = warpgroup_mma(pa, _klat(k_lat, b0, 0, KSPLIT), o0, is_async=True)
+    o1 = warpgroup_mma(pa, _klat(k_lat, b0, 1, KSPLIT), o1, is_async=True)
     # the pair's max from consumer 1: P rescaled to it, rounded to bf16 once (from fp32), staged for
     # consumer 1 in buffer 0's rope tile (this QK, its only reader, has completed)
     mbarrier.wait(m_bar.index(1), ph)
@@ -267,15 +278,16 @@ def _c0_pair(j, s, bias, m_i, l_i, o0, o1, qk_scale, k_lat, k_rope, p1_s, m_s, m
     o1 = o1 * a_o[:, None]
     # O[:, :256] += P1 V1[:, :256], P1 from consumer 1 through shared memory
     mbarrier.wait(s_bar.index(1), ph)
-    o0 = warpgroup_mma(p1_s, k_lat.index(b1 * 4), o0, is_async=True)
-    o1 = warpgroup_mma(p1_s, k_lat.index(b1 * 4 + 1), o1, is_async=True)
+    o0 = warpgroup_mma(p1_s, _klat(k_lat, b1, 0, KSPLIT), o0, is_async=True)
+    o1 = warpgroup_mma(p1_s, _klat(k_lat, b1, 1, KSPLIT), o1, is_async=True)
     return m1, l_i, o0, o1
 
 
 @gluon.jit
 def _c0_tile(t, tc, q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, stride_o_row, stride_o_h, stride_l_row,
              n_slots, h_q, topk, n_pairs, n_hb, qk_scale, q_lat, q_rope, k_lat, k_rope, p1_s, m_s, l_s, ready, free,
-             q_bar, m_bar, s_bar, l_bar, PIPE: gl.constexpr, OSTAGE: gl.constexpr, QL: gl.constexpr):
+             q_bar, m_bar, s_bar, l_bar, PIPE: gl.constexpr, OSTAGE: gl.constexpr, QL: gl.constexpr,
+             KSPLIT: gl.constexpr = False):
     """Consumer 0 on tile ``t``, the CTA's tile number ``tc`` (barrier phases count pairs / tiles over the
     CTA's tiles)."""
     M64: gl.constexpr = mma_layout(64)
@@ -301,24 +313,24 @@ def _c0_tile(t, tc, q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, st
         # tensor cores get the next QK while the P V drains
         bias = _bias(p_idx, 0, topk, n_slots, gl.SliceLayout(0, M64))
         s = _qk_half(gl.zeros([BLOCK_H, BLOCK_N], gl.float32, M64), q_lat, q_rope, k_lat, k_rope, 0, 0, False, ready,
-                     g0 & 1, True)
-        s = _qk_half(s, q_lat, q_rope, k_lat, k_rope, 0, 0, True, ready, g0 & 1, False)
+                     g0 & 1, True, KSPLIT)
+        s = _qk_half(s, q_lat, q_rope, k_lat, k_rope, 0, 0, True, ready, g0 & 1, False, KSPLIT)
         s = warpgroup_mma_wait(0, deps=(s,))
         # the last pair is peeled: an in-flight accumulator cannot cross an if
         for j in range(n_pairs - 1):
             m_i, l_i, o0, o1 = _c0_pair(g0 + j, s, bias, m_i, l_i, o0, o1, qk_scale, k_lat, k_rope, p1_s, m_s, m_bar,
-                                        s_bar, free)
+                                        s_bar, free, KSPLIT)
             b0 = (g0 + j) >> 30
             bias = _bias(p_idx, 2 * j + 2, topk, n_slots, gl.SliceLayout(0, M64))
             s = _qk_half(gl.zeros([BLOCK_H, BLOCK_N], gl.float32, M64), q_lat, q_rope, k_lat, k_rope, b0, b0, False,
-                         ready, (g0 + j + 1) & 1, True)
+                         ready, (g0 + j + 1) & 1, True, KSPLIT)
             # the two P1 V1 groups retire first: 1L is free while the QK goes on
             o0, o1 = warpgroup_mma_wait(2, deps=(o0, o1))
             mbarrier.arrive(free.index(2), count=1)   # 1L
-            s = _qk_half(s, q_lat, q_rope, k_lat, k_rope, b0, b0, True, ready, (g0 + j + 1) & 1, False)
+            s = _qk_half(s, q_lat, q_rope, k_lat, k_rope, b0, b0, True, ready, (g0 + j + 1) & 1, False, KSPLIT)
             s = warpgroup_mma_wait(0, deps=(s,))
         m_i, l_i, o0, o1 = _c0_pair(g0 + n_pairs - 1, s, bias, m_i, l_i, o0, o1, qk_scale, k_lat, k_rope, p1_s, m_s,
-                                    m_bar, s_bar, free)
+                                    m_bar, s_bar, free, KSPLIT)
         o0, o1 = warpgroup_mma_wait(0, deps=(o0, o1))
         mbarrier.arrive(free.index(2), count=1)
     else:
@@ -328,11 +340,11 @@ def _c0_tile(t, tc, q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, st
             bias = _bias(p_idx, 2 * j, topk, n_slots, gl.SliceLayout(0, M64))
             # made in the loop: a zero accumulator carried across it would hold 32 registers
             s = _qk_half(gl.zeros([BLOCK_H, BLOCK_N], gl.float32, M64), q_lat, q_rope, k_lat, k_rope, b0, b0, False,
-                         ready, gj & 1, True)
-            s = _qk_half(s, q_lat, q_rope, k_lat, k_rope, b0, b0, True, ready, gj & 1, False)
+                         ready, gj & 1, True, KSPLIT)
+            s = _qk_half(s, q_lat, q_rope, k_lat, k_rope, b0, b0, True, ready, gj & 1, False, KSPLIT)
             s = warpgroup_mma_wait(0, deps=(s,))
             m_i, l_i, o0, o1 = _c0_pair(gj, s, bias, m_i, l_i, o0, o1, qk_scale, k_lat, k_rope, p1_s, m_s, m_bar, s_bar,
-                                        free)
+                                        free, KSPLIT)
             o0, o1 = warpgroup_mma_wait(0, deps=(o0, o1))
             mbarrier.arrive(free.index(2), count=1)   # 1L
     _finish(out, lse, stride_o_row, stride_o_h, stride_l_row, h_q, i_row, i_hb, o0, o1, m_i, l_i, l_s, l_bar, q_lat, 0,
@@ -342,7 +354,8 @@ def _c0_tile(t, tc, q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, st
 @gluon.jit
 def _c1_tile(t, tc, q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, stride_o_row, stride_o_h, stride_l_row,
              n_slots, h_q, topk, n_pairs, n_hb, qk_scale, q_lat, q_rope, k_lat, k_rope, p1_s, m_s, l_s, ready, free,
-             q_bar, m_bar, s_bar, l_bar, PIPE: gl.constexpr, OSTAGE: gl.constexpr, QL: gl.constexpr):
+             q_bar, m_bar, s_bar, l_bar, PIPE: gl.constexpr, OSTAGE: gl.constexpr, QL: gl.constexpr,
+             KSPLIT: gl.constexpr = False):
     M64: gl.constexpr = mma_layout(64)
     M128: gl.constexpr = mma_layout(128)
     PA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=M128, k_width=2)
@@ -366,8 +379,8 @@ def _c1_tile(t, tc, q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, st
         bias = _bias(p_idx, 2 * j + 1, topk, n_slots, gl.SliceLayout(0, M64))
         # the right half first: it is freed first (by this consumer's own P V)
         s = _qk_half(gl.zeros([BLOCK_H, BLOCK_N], gl.float32, M64), q_lat, q_rope, k_lat, k_rope, b1, b0, True, ready,
-                     ph, True)
-        s = _qk_half(s, q_lat, q_rope, k_lat, k_rope, b1, b0, False, ready, ph, False)
+                     ph, True, KSPLIT)
+        s = _qk_half(s, q_lat, q_rope, k_lat, k_rope, b1, b0, False, ready, ph, False, KSPLIT)
         s = warpgroup_mma_wait(0, deps=(s,))
         mbarrier.wait(m_bar.index(0), ph)
         m0 = m_s.index(0).load(gl.SliceLayout(1, M64))
@@ -382,8 +395,8 @@ def _c1_tile(t, tc, q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, st
         o3 = o3 * a_o[:, None]
         p16 = p.to(gl.bfloat16)
         pa = gl.convert_layout(p16, PA)
-        o2 = warpgroup_mma(pa, k_lat.index(b1 * 4 + 2), o2, is_async=True)
-        o3 = warpgroup_mma(pa, k_lat.index(b1 * 4 + 3), o3, is_async=True)
+        o2 = warpgroup_mma(pa, _klat(k_lat, b1, 2, KSPLIT), o2, is_async=True)
+        o3 = warpgroup_mma(pa, _klat(k_lat, b1, 3, KSPLIT), o3, is_async=True)
         # P1 for consumer 0. Its P1 V1 of the previous pair has completed: consumer 0 waits for it before it
         # computes the softmax whose max (m_bar 0) this consumer waited for above.
         p1_s.store(p16)
@@ -392,8 +405,8 @@ def _c1_tile(t, tc, q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, st
         if PIPE:
             # O[:, 256:] += P0 V0[:, 256:] issued behind the local P V, waited in order
             mbarrier.wait(s_bar.index(0), ph)
-            o2 = warpgroup_mma(k_rope.index(b0), k_lat.index(b0 * 4 + 2), o2, is_async=True)
-            o3 = warpgroup_mma(k_rope.index(b0), k_lat.index(b0 * 4 + 3), o3, is_async=True)
+            o2 = warpgroup_mma(k_rope.index(b0), _klat(k_lat, b0, 2, KSPLIT), o2, is_async=True)
+            o3 = warpgroup_mma(k_rope.index(b0), _klat(k_lat, b0, 3, KSPLIT), o3, is_async=True)
             pa = warpgroup_mma_wait(2, deps=(pa,))
             mbarrier.arrive(free.index(3), count=1)   # 1R
             o2, o3 = warpgroup_mma_wait(0, deps=(o2, o3))
@@ -403,8 +416,8 @@ def _c1_tile(t, tc, q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, st
             mbarrier.arrive(free.index(3), count=1)   # 1R
             # O[:, 256:] += P0 V0[:, 256:], P0 from consumer 0 in buffer 0's rope tile
             mbarrier.wait(s_bar.index(0), ph)
-            o2 = warpgroup_mma(k_rope.index(b0), k_lat.index(b0 * 4 + 2), o2, is_async=True)
-            o3 = warpgroup_mma(k_rope.index(b0), k_lat.index(b0 * 4 + 3), o3, is_async=True)
+            o2 = warpgroup_mma(k_rope.index(b0), _klat(k_lat, b0, 2, KSPLIT), o2, is_async=True)
+            o3 = warpgroup_mma(k_rope.index(b0), _klat(k_lat, b0, 3, KSPLIT), o3, is_async=True)
             o2, o3 = warpgroup_mma_wait(0, deps=(o2, o3))
             mbarrier.arrive(free.index(1), count=1)   # 0R (and P0 with it)
     _finish(out, lse, stride_o_row, stride_o_h, stride_l_row, h_q, i_row, i_hb, o2, o3, m_i, l_i, l_s, l_bar, q_lat, 1,
@@ -414,22 +427,23 @@ def _c1_tile(t, tc, q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, st
 @gluon.jit
 def _tile(WG: gl.constexpr, t, tc, q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, stride_o_row, stride_o_h,
           stride_l_row, n_slots, h_q, topk, n_pairs, n_hb, qk_scale, q_lat, q_rope, k_lat, k_rope, p1_s, m_s, l_s, ready,
-          free, q_bar, m_bar, s_bar, l_bar, PIPE: gl.constexpr, OSTAGE: gl.constexpr, QL: gl.constexpr):
+          free, q_bar, m_bar, s_bar, l_bar, PIPE: gl.constexpr, OSTAGE: gl.constexpr, QL: gl.constexpr,
+             KSPLIT: gl.constexpr = False):
     if WG == 0:
         _c0_tile(t, tc, q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, stride_o_row, stride_o_h, stride_l_row,
                  n_slots, h_q, topk, n_pairs, n_hb, qk_scale, q_lat, q_rope, k_lat, k_rope, p1_s, m_s, l_s, ready, free,
-                 q_bar, m_bar, s_bar, l_bar, PIPE, OSTAGE, QL)
+                 q_bar, m_bar, s_bar, l_bar, PIPE, OSTAGE, QL, KSPLIT)
     else:
         _c1_tile(t, tc, q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, stride_o_row, stride_o_h, stride_l_row,
                  n_slots, h_q, topk, n_pairs, n_hb, qk_scale, q_lat, q_rope, k_lat, k_rope, p1_s, m_s, l_s, ready, free,
-                 q_bar, m_bar, s_bar, l_bar, PIPE, OSTAGE, QL)
+                 q_bar, m_bar, s_bar, l_bar, PIPE, OSTAGE, QL, KSPLIT)
 
 
 @gluon.jit
 def _consumer(WG: gl.constexpr, q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, stride_o_row, stride_o_h,
               stride_l_row, n_slots, h_q, topk, n_pairs, n_hb, n_tiles, qk_scale, q_lat, q_rope, k_lat, k_rope, p1_s, m_s,
               l_s, ready, free, q_bar, m_bar, s_bar, l_bar, PIPE: gl.constexpr, OSTAGE: gl.constexpr, QL: gl.constexpr,
-              PERSIST: gl.constexpr):
+              PERSIST: gl.constexpr, KSPLIT: gl.constexpr = False):
     """Consumer ``WG`` (0: :func:`_c0_tile`, 1: :func:`_c1_tile`; a function cannot be a partition argument) on
     its CTA's tiles: one, or with PERSIST the tiles pid, pid + grid, ... (the producer copies the next tile's
     first halves while this one finishes)."""
@@ -438,12 +452,12 @@ def _consumer(WG: gl.constexpr, q, idx, out, lse, stride_q_row, stride_q_h, stri
         for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
             _tile(WG, t, tc, q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, stride_o_row, stride_o_h,
                   stride_l_row, n_slots, h_q, topk, n_pairs, n_hb, qk_scale, q_lat, q_rope, k_lat, k_rope, p1_s, m_s, l_s,
-                  ready, free, q_bar, m_bar, s_bar, l_bar, PIPE, OSTAGE, QL)
+                  ready, free, q_bar, m_bar, s_bar, l_bar, PIPE, OSTAGE, QL, KSPLIT)
             tc += 1
     else:
         _tile(WG, gl.program_id(0), 0, q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, stride_o_row,
               stride_o_h, stride_l_row, n_slots, h_q, topk, n_pairs, n_hb, qk_scale, q_lat, q_rope, k_lat, k_rope, p1_s,
-              m_s, l_s, ready, free, q_bar, m_bar, s_bar, l_bar, PIPE, OSTAGE, QL)
+              m_s, l_s, ready, free, q_bar, m_bar, s_bar, l_bar, PIPE, OSTAGE, QL, KSPLIT)
 
 
 # ---- the kernel ---------------------------------------------------------------------------------------
@@ -454,7 +468,7 @@ def sparse_mla_bf16_ws_kernel(
     stride_q_row, stride_q_h, stride_kv_page, stride_kv_row, stride_i_row, stride_o_row, stride_o_h, stride_l_row,
     n_slots, h_q, topk, n_pairs, n_hb, n_tiles, qk_scale,
     REGS_C1: gl.constexpr, REGS_PROD: gl.constexpr, PIPE: gl.constexpr, DIAG: gl.constexpr, OSTAGE: gl.constexpr,
-    QL: gl.constexpr, PERSIST: gl.constexpr,
+    QL: gl.constexpr, PERSIST: gl.constexpr, KSPLIT: gl.constexpr = False,
 ):
     """Warp-specialised sparse MLA over bf16 rows, one (query row, 64 heads) per CTA (module docstring).
 
@@ -470,7 +484,13 @@ def sparse_mla_bf16_ws_kernel(
     V1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     q_lat = gl.allocate_shared_memory(gl.bfloat16, [4, BLOCK_H, 128], T)
     q_rope = gl.allocate_shared_memory(gl.bfloat16, [1, BLOCK_H, 64], TR)
-    k_lat = gl.allocate_shared_memory(gl.bfloat16, [8, BLOCK_N, 128], T)    # buffer b, latent group g: b * 4 + g
+    if KSPLIT:   # one allocation per latent group g, [buffer, 64, 128] each (gluon._klat)
+        k_lat = (gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, 128], T),
+                 gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, 128], T),
+                 gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, 128], T),
+                 gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, 128], T))
+    else:
+        k_lat = gl.allocate_shared_memory(gl.bfloat16, [8, BLOCK_N, 128], T)    # buffer b, latent group g: b * 4 + g
     k_rope = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, 64], TR)   # buffer 0's also stages P0
     p1_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, BLOCK_N], TR)
     m_s = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], V1)
@@ -495,23 +515,23 @@ def sparse_mla_bf16_ws_kernel(
     gl.warp_specialize([
         (_consumer, (0, q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, stride_o_row, stride_o_h, stride_l_row,
                       n_slots, h_q, topk, n_pairs, n_hb, n_tiles, qk_scale, q_lat, q_rope, k_lat, k_rope, p1_s, m_s, l_s,
-                      ready, free, q_bar, m_bar, s_bar, l_bar, PIPE, OSTAGE, QL, PERSIST)),
+                      ready, free, q_bar, m_bar, s_bar, l_bar, PIPE, OSTAGE, QL, PERSIST, KSPLIT)),
         (_consumer, (1, q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, stride_o_row, stride_o_h, stride_l_row,
                       n_slots, h_q, topk, n_pairs, n_hb, n_tiles, qk_scale, q_lat, q_rope, k_lat, k_rope, p1_s, m_s, l_s,
-                      ready, free, q_bar, m_bar, s_bar, l_bar, PIPE, OSTAGE, QL, PERSIST)),
+                      ready, free, q_bar, m_bar, s_bar, l_bar, PIPE, OSTAGE, QL, PERSIST, KSPLIT)),
         (_producer, (kv, idx, stride_kv_page, stride_kv_row, stride_i_row, n_slots, topk, n_pairs, n_hb, n_tiles, k_lat,
-                     k_rope, ready, free, DIAG, PERSIST)),
+                     k_rope, ready, free, DIAG, PERSIST, KSPLIT)),
     ], [4, 4], [REGS_C1, REGS_PROD])
 
 
 # ---- launcher -----------------------------------------------------------------------------------------
 
-def _variant(pipe=False, diag=0, ostage=False, ql=0, persist=False):
+def _variant(pipe=False, diag=0, ostage=False, ql=0, persist=False, ksplit=False):
     # consumer 0 gets 3 x MAXNREG - REGS_C1 - REGS_PROD = 208; the producer 88 (72: 80 B of spills). A
     # persistent CTA loads the next tile's Q while the other consumer may still stage its O through the Q
     # tiles: only safe when each consumer loads its own half (ql 2)
     assert not persist or ql == 2
-    return dict(REGS_C1=208, REGS_PROD=88, PIPE=pipe, DIAG=diag, OSTAGE=ostage, QL=ql, PERSIST=persist)
+    return dict(REGS_C1=208, REGS_PROD=88, PIPE=pipe, DIAG=diag, OSTAGE=ostage, QL=ql, PERSIST=persist, KSPLIT=ksplit)
 
 
 # variant name -> constexprs; measured on the H200 (module docstring)
@@ -520,6 +540,10 @@ VARIANTS = {
     "ws2-os-ql2": _variant(ostage=True, ql=2),
     # the same with FlashMLA's exact order: the next pair's QK issued under this pair's last P V
     "ws2-os-ql2-pipe": _variant(ostage=True, ql=2, pipe=True),
+    # the default with one shared allocation per latent group (gluon._klat: Triton's hazard analysis then puts
+    # fewer barriers among the producer's warps between its cp.async groups); compiled on the CPU, not yet
+    # run on a GPU
+    "ws2-os-ql2-ks": _variant(ostage=True, ql=2, ksplit=True),
     # persistent grid (one CTA per SM walking tiles): 4714 / 4863 / 2423 us against the default's 4746 / 4818 /
     # 2531 in one run (N8K h128 / N32K h128 / N32K h64), fixed cost per CTA 345 vs 355 us: no clear gain
     "ws2-os-ql2-persist": _variant(ostage=True, ql=2, persist=True),
