@@ -170,12 +170,6 @@ def scales_layout(mode):
 
 
 @gluon.constexpr_function
-def prefetch_layout():
-    # [64 rows, 8 lines of 128 B]: one prefetch.global.L2 per line of a step's rows (:func:`_prefetch_rows`)
-    return gl.BlockedLayout([1, 4], [16, 2], [4, 1], [1, 0])
-
-
-@gluon.constexpr_function
 def tile_smem(rows, cols):
     # bf16 tile read by wgmma (128-B swizzle)
     return gl.NVMMASharedLayout.get_default_for([rows, cols], gl.bfloat16)
@@ -370,8 +364,9 @@ def _producer_pipe(kv, idx, stride_kv_page, stride_kv_row, stride_i_row, n_slots
     carried by the loop costs a 32-bit register per byte (ptxas spilled 4.6 KB when it was tried)."""
     LG: gl.constexpr = gather_layout(GATHER)   # [64 rows, 128 bytes]
     LR: gl.constexpr = rope_layout(GATHER)     # [64 rows, 64 bf16]
-    LP: gl.constexpr = prefetch_layout()
+    LP: gl.constexpr = gl.BlockedLayout([1, 4], [16, 2], [4, 1], [1, 0])   # [64 rows, 8 lines] L2 prefetches
     SG: gl.constexpr = gl.SliceLayout(1, LG)
+    SR: gl.constexpr = gl.SliceLayout(1, LR)
     i_row = (gl.program_id(0) // n_hb).to(gl.int64)
     p_idx = idx + i_row * stride_i_row
     o_c = gl.arange(0, 128, gl.SliceLayout(0, LG))
@@ -385,30 +380,19 @@ def _producer_pipe(kv, idx, stride_kv_page, stride_kv_row, stride_i_row, n_slots
             _prefetch_rows(p_pf, v_pf, o_l)
     p_row, valid = _slots(p_idx, 0, topk, n_slots, kv, stride_kv_page, stride_kv_row, SG)
     for i in range(n_steps):
-        p_row, valid = _pipe_step(i, i % NBUF, p_row, valid, p_idx, topk, n_slots, kv, stride_kv_page, stride_kv_row,
-                                  o_c, o_r, o_l, k_lat, k_rope, k_bias, k_ready, k_free, NBUF, PREFETCH, DEQ, GATHER,
-                                  SCV, KSPLIT)
-
-
-@gluon.jit
-def _pipe_step(i, b, p_row, valid, p_idx, topk, n_slots, kv, stride_kv_page, stride_kv_row, o_c, o_r, o_l,
-               k_lat, k_rope, k_bias, k_ready, k_free, NBUF: gl.constexpr, PREFETCH: gl.constexpr, DEQ: gl.constexpr,
-               GATHER: gl.constexpr, SCV: gl.constexpr, KSPLIT: gl.constexpr):
-    """Step i of :func:`_producer_pipe`, into buffer b = i % NBUF; returns the next step's row pointers and
-    mask."""
-    SG: gl.constexpr = gl.SliceLayout(1, gather_layout(GATHER))
-    SR: gl.constexpr = gl.SliceLayout(1, rope_layout(GATHER))
-    SP: gl.constexpr = gl.SliceLayout(1, prefetch_layout())
-    # next step's row pointers (carried), this iteration's L2 prefetch slots
-    p_row_n, valid_n = _slots(p_idx, (i + 1) * BLOCK_N, topk, n_slots, kv, stride_kv_page, stride_kv_row, SG)
-    if PREFETCH > 0:
-        p_pf, v_pf = _slots(p_idx, (i + PREFETCH) * BLOCK_N, topk, n_slots, kv, stride_kv_page, stride_kv_row, SP)
-    tiles = _gather(p_row, valid, o_c, o_r, SR, SCV, GATHER)
-    mbarrier.wait(k_free.index(b), ((i // NBUF) & 1) ^ 1)
-    _stage(tiles, valid, k_lat, k_rope, k_bias, k_ready, b, DEQ, KSPLIT)
-    if PREFETCH > 0:
-        _prefetch_rows(p_pf, v_pf, o_l)
-    return p_row_n, valid_n
+        b = i % NBUF
+        # next step's row pointers (carried), this iteration's L2 prefetch slots
+        p_row_n, valid_n = _slots(p_idx, (i + 1) * BLOCK_N, topk, n_slots, kv, stride_kv_page, stride_kv_row, SG)
+        if PREFETCH > 0:
+            p_pf, v_pf = _slots(p_idx, (i + PREFETCH) * BLOCK_N, topk, n_slots, kv, stride_kv_page, stride_kv_row,
+                                gl.SliceLayout(1, LP))
+        tiles = _gather(p_row, valid, o_c, o_r, SR, SCV, GATHER)
+        mbarrier.wait(k_free.index(b), ((i // NBUF) & 1) ^ 1)
+        _stage(tiles, valid, k_lat, k_rope, k_bias, k_ready, b, DEQ, KSPLIT)
+        if PREFETCH > 0:
+            _prefetch_rows(p_pf, v_pf, o_l)
+        p_row = p_row_n
+        valid = valid_n
 
 
 # ---- consumer 0: S, softmax, O[:, :256] ---------------------------------------------------------------
