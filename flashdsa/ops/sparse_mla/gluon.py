@@ -9,7 +9,7 @@ Math: ``reference.py`` (s = sm_scale q.k over 576 dims, softmax over the valid s
 P V over the first 512 dims, lse natural log; index -1 / negative / >= N skipped; a row with no valid
 index gives out 0 and lse -inf). P is rounded to bf16 for the P V product. The latent is dequantised with
 the reference's arithmetic (e4m3 -> fp32, times the fp32 scale, rounded once to bf16; DEQ 0) for any
-scale. The default (``ws-pipe-pf2-os-ql-pr-sv``) is faster than the previous one, which used FlashMLA's
+scale. The default (``ws-pipe-pf2-os-ql-pr-sv-ks-pa6``) is faster than the earlier ``-dq4``, which used FlashMLA's
 cheaper arithmetic (e4m3 -> bf16 times the scale rounded to bf16, DEQ 4: bit-identical for the power-of-two
 scales flashdsa's cache writers and FlashMLA's quantiser write, the reference on a cache with every scale
 rounded to bf16 otherwise; :func:`_dequant`).
@@ -33,7 +33,9 @@ warpgroups (``gl.warp_specialize``, 12 warps at ``maxnreg`` 168, registers moved
   softmax (FA3's intra-warpgroup pipelining).
 * **consumer 1** (worker, 4 warps, 160 registers): O[:, 256:] += P V with P and V from shared memory.
 
-A buffer is free again (``k_free``, count 2) when both consumers' P V on it completed. Consumer 1 never
+A buffer is free again (``k_free``) when both consumers' P V on it completed; in the default every
+consumer thread arrives by itself (count 256, :func:`_release`), not one thread after a barrier among the
+warpgroup's warps (-4 % at s_q 1 and 2). Consumer 1 never
 computes S (the Triton kernels compute it twice). Shared memory 230,720 B: Q 72 KB + 2 x 72.5 KB of K/V +
 8 KB of P (+ masks, alpha, 1/l, barriers); a third buffer does not fit in 227 KB. SASS (sm_90, Triton 3.6):
 the HGMMAs are back to back with one ``WARPGROUP.DEPBAR`` per group (none after each instruction), spills
@@ -45,7 +47,9 @@ Measured on the H200 (Triton 3.6, CUDA-graph replay, 4 runs of the probe; B64 s_
   probe cases: ragged / mixed -1, -7, >= N / all-empty rows / NaN bytes in skipped slot 0 / topk 100 ... 2048
   / h 16, 64, 128, NaN-poisoned outputs); both pass 9 of 10 under the Triton tests' tolerance and fail the
   same one (B2 s_q2 h128 topk192: |err| 1.5e-3 on a 0.022 element, bf16 P on a short list).
-* Time (2026-12-02, probe runs in opposite orders): default ``ws-pipe-pf2-os-ql-pr-sv`` 108.8 / 108.2 us
+* Time (2026-12-02, two probe runs in opposite orders): default ``ws-pipe-pf2-os-ql-pr-sv-ks-pa6`` 104.6 /
+  104.3 us vs FlashMLA 94.8 / 95.3 (1.103 / 1.094x); B64 s_q2 199.5 / 200.0 vs 179.1 / 179.5 (1.114x);
+  h64 (B128 s_q2) 219.0 / 219.2 vs 235.6 / 235.2 (0.93x). Before it, ``ws-pipe-pf2-os-ql-pr-sv`` 108.8 / 108.2 us
   vs FlashMLA 94.7 / 94.7 (1.149 / 1.143x) and our Triton default 178.5 (0.61x); B64 s_q2 206.1 / 207.4 vs
   179.9 / 179.6 (1.146 / 1.155x); h64 (B128 s_q2) 220.0 / 219.6 vs 235.2 / 235.7 (0.94 / 0.93x). Without
   the 16-B scale loads (``-pr``) 109.1-109.9 / 209.3-209.7 / 221.5-223.1 in these and two earlier runs;
@@ -708,7 +712,7 @@ VARIANTS = {
     # 210.8 / 223.7 and 110.2 / 210.4 / 224.1 (FlashMLA 95.7 / 180.2 / 236.5, 95.0 / 180.7 / 236.2)
     "ws-pipe-pf2-os-ql-pr": _variant(pipe=True, deq=0, prefetch=2, overlap=False, ostage=True, ql=True,
                                      gather=PAIRED_ROWS),
-    # the default: -pr with each row's four scales as one 16-B load (scales_layout) instead of four 4-B loads
+    # the default until -pa6: -pr with each row's four scales as one 16-B load (scales_layout) instead of four 4-B loads
     # (70 LDG a thread's code against 82); two runs in opposite orders 108.8 / 206.1 / 220.0 and 108.2 /
     # 207.4 / 219.6 against -pr's 109.1 / 209.7 / 222.9 and 108.8 / 209.3 / 223.1, hot64 105.7-105.8 against
     # 110.6-110.8 (FlashMLA 94.7 / 179.9 / 235.2 and 94.7 / 179.6 / 235.7)
@@ -716,12 +720,14 @@ VARIANTS = {
                                         gather=PAIRED_ROWS, scv=True),
     # the default with one shared allocation per latent group (_klat): the producer's warps then meet at 2
     # named barriers a step instead of 5 (sm_90 SASS, Triton 3.6: the three between the latent groups' stores
-    # are gone; unrolling the loop by two with constant buffer indices removed none). Compiled on the CPU,
-    # not yet run on a GPU
+    # are gone; unrolling the loop by two with constant buffer indices removed none). Alone no faster (below)
     "ws-pipe-pf2-os-ql-pr-sv-ks": _variant(pipe=True, deq=0, prefetch=2, overlap=False, ostage=True, ql=True,
                                            gather=PAIRED_ROWS, scv=True, ksplit=True),
     # -ks with the consumers' threads releasing buffers one by one (_release; PTA bit 2 consumer 1, bit 4
-    # consumer 0), so no barrier among their warps before a release. Compiled on the CPU, not yet run on a GPU
+    # consumer 0), so no barrier among their warps before a release. 2026-12-02, two probe runs in opposite
+    # orders (FlashMLA 94.8 / 179.1 / 235.6 and 95.3 / 179.5 / 235.2): pa2 106.3 / 201.4 / 218.6 and 106.5 /
+    # 201.0 / 219.1; pa6 (the default since) 104.6 / 199.5 / 219.0 and 104.3 / 200.0 / 219.2; -ks 108.4 /
+    # 207.0 / 222.3 and 108.7 / 208.6 / 223.3; -sv 108.9 / 206.0 / 219.4 and 108.7 / 207.1 / 218.9
     "ws-pipe-pf2-os-ql-pr-sv-ks-pa2": _variant(pipe=True, deq=0, prefetch=2, overlap=False, ostage=True, ql=True,
                                                gather=PAIRED_ROWS, scv=True, ksplit=True, pta=2),
     "ws-pipe-pf2-os-ql-pr-sv-ks-pa6": _variant(pipe=True, deq=0, prefetch=2, overlap=False, ostage=True, ql=True,
@@ -773,7 +779,7 @@ VARIANTS = {
     "diag-ovl-nodeq": _variant(pipe=True, deq=2, prefetch=0, overlap=True),  # 92.1 / 177.8 / 178.3
     "diag-ovl-raw": _variant(pipe=True, deq=3, prefetch=0, overlap=True),  # 110.6 / 210.2 / 219.8
 }
-DEFAULT_VARIANT = "ws-pipe-pf2-os-ql-pr-sv"
+DEFAULT_VARIANT = "ws-pipe-pf2-os-ql-pr-sv-ks-pa6"
 
 
 def kernel_args(q, cache_u8, indices, sm_scale, out, lse, variant: str = DEFAULT_VARIANT):
