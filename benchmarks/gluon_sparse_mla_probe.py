@@ -399,6 +399,8 @@ def compile_only(variants: list[str], sass_dir: str | None = None) -> int:
         if sass_dir:
             Path(sass_dir).mkdir(parents=True, exist_ok=True)
             (Path(sass_dir) / f"{v}.sass").write_text(sass)
+            # LLVM IR with debug locations: which source line each barrier.cta.sync stands in front of
+            (Path(sass_dir) / f"{v}.llir").write_text(k.asm["llir"])
         notes = [ln.split(": ", 1)[-1] for ln in ptxas.splitlines() if "C75" in ln]
         spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", ptxas)
         regs = re.findall(r"setmaxnreg[.]\w+[.]sync[.]aligned[.]u32\s+(\d+)", k.asm["ptx"])

@@ -64,10 +64,18 @@ shared, so a figure moves by a few per cent between runs, ratios within a run mu
   copied while this tile's consumers finish. 4714 / 4863 / 2423 us against the default's 4746 / 4818 /
   2531 (N 8K h 128 / N 32K h 128 / N 32K h 64, one run); fixed cost per CTA 345 against 355 us
   (FlashMLA 265). 48 B of spills.
-* Prepared, not yet run on a GPU: ``ws2-os-ql2-ks``, the K / V tiles in one shared allocation per latent group
-  (``gluon._klat``). Triton's shared-memory hazard analysis works per allocation, so with one allocation it
-  puts a barrier among the producer's warps between cp.async groups: 8 named barriers in the producer's
-  sm_90 SASS against 4 with ``-ks`` (Triton 3.6, compiled on the CPU; the default's SASS is unchanged).
+* No gain from fewer barriers among a warpgroup's warps (2026-12-02, two probe runs in opposite orders,
+  N 8K h 128 / N 32K h 128 over FlashMLA's time): ``ws2-os-ql2-ks``, the K / V tiles in one shared allocation
+  per latent group (``gluon._klat``; Triton's shared-memory hazard analysis works per allocation, so with one
+  allocation it puts a barrier among the producer's warps between cp.async groups: 8 named barriers in the
+  producer's sm_90 SASS against 4), 1.17-1.21 against the default's 1.16-1.19 in the same runs. Two more,
+  measured and then removed from the code: the consumers releasing the halves thread by thread (``-ks-pa``,
+  what made the fp8 decode kernel 4 % faster: consumer barriers 20 / 17 -> 17 / 14, spills 32 -> 52 B)
+  1.174-1.179 / 1.186-1.189 against 1.156-1.168 / 1.168-1.192, and bf16 decode 91.3-91.6 against 89.5 us;
+  every mbarrier and exchange row an allocation of its own (``-sb``: the hazard analysis counts an mbarrier
+  wait as a write, so waits on two members of one allocation get a barrier between them; with ``-ks-pa`` the
+  named barriers fell to 11 / 11 / 2) 1.165-1.167 / 1.167-1.178, no different from the default. The
+  prefill kernel is not bound by these barriers.
 * Tried for the fp8 656-B cache with the producer dequantising (loads issued before the free wait,
   gluon._dequant, L2 prefetch of the next pair): 137.5-164.1 us at B 64 h 128, against 116.8 for
   ``gluon.py`` (one producer warpgroup cannot dequantise a half in the time the consumers take to free
@@ -541,8 +549,7 @@ VARIANTS = {
     # the same with FlashMLA's exact order: the next pair's QK issued under this pair's last P V
     "ws2-os-ql2-pipe": _variant(ostage=True, ql=2, pipe=True),
     # the default with one shared allocation per latent group (gluon._klat: Triton's hazard analysis then puts
-    # fewer barriers among the producer's warps between its cp.async groups); compiled on the CPU, not yet
-    # run on a GPU
+    # fewer barriers among the producer's warps between its cp.async groups); no faster (module docstring)
     "ws2-os-ql2-ks": _variant(ostage=True, ql=2, ksplit=True),
     # persistent grid (one CTA per SM walking tiles): 4714 / 4863 / 2423 us against the default's 4746 / 4818 /
     # 2531 in one run (N8K h128 / N32K h128 / N32K h64), fixed cost per CTA 345 vs 355 us: no clear gain
