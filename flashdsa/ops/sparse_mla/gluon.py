@@ -9,7 +9,7 @@ Math: ``reference.py`` (s = sm_scale q.k over 576 dims, softmax over the valid s
 P V over the first 512 dims, lse natural log; index -1 / negative / >= N skipped; a row with no valid
 index gives out 0 and lse -inf). P is rounded to bf16 for the P V product. The latent is dequantised with
 the reference's arithmetic (e4m3 -> fp32, times the fp32 scale, rounded once to bf16; DEQ 0) for any
-scale. The default (``ws-pipe-pf2-os-ql-pr-sv-ks-pa6``) is faster than the earlier ``-dq4``, which used FlashMLA's
+scale. The default (``ws-pipe-pf2-os-ql-pr-sv-ks-pa6-qs-hp``) is faster than the earlier ``-dq4``, which used FlashMLA's
 cheaper arithmetic (e4m3 -> bf16 times the scale rounded to bf16, DEQ 4: bit-identical for the power-of-two
 scales flashdsa's cache writers and FlashMLA's quantiser write, the reference on a cache with every scale
 rounded to bf16 otherwise; :func:`_dequant`).
@@ -28,14 +28,19 @@ warpgroups (``gl.warp_specialize``, 12 warps at ``maxnreg`` 168, registers moved
 * **consumer 0** (default partition, 4 warps, 192 registers): S = Q K^T [64 heads, 64 tokens] over 576
   dims (36 async m64n64k16 wgmma, Q and K from shared memory, one wait), the online softmax in the exp2
   domain, P (bf16) and the rescale factor alpha to shared memory for consumer 1 (``p_ready`` / ``p_free``),
-  then O[:, :256] += P V (P from registers, 8 m64n128k16). ``OVERLAP`` (216 registers): step i + 1's S is
+  then O[:, :256] += P V (P from registers, 8 m64n128k16); the default (``HPL``) hands P over after
+  issuing its own P V, so the P stores run under it. ``OVERLAP`` (216 registers): step i + 1's S is
   issued before step i's P V and only S is waited for (``warpgroup_mma_wait(2)``), so P V runs under the
   softmax (FA3's intra-warpgroup pipelining).
 * **consumer 1** (worker, 4 warps, 160 registers): O[:, 256:] += P V with P and V from shared memory.
 
 A buffer is free again (``k_free``) when both consumers' P V on it completed; in the default every
 consumer thread arrives by itself (count 256, :func:`_release`), not one thread after a barrier among the
-warpgroup's warps (-4 % at s_q 1 and 2). Consumer 1 never
+warpgroup's warps (-4 % at s_q 1 and 2). Triton 3.6's shared-memory hazard analysis puts a barrier among
+a warpgroup's warps after each one-thread ``mbarrier.arrive`` in front of the next shared-memory access,
+and one in front of the first S wgmma inside the loop for Q's stores before it: the default takes the
+latter once before the loop (``QSYNC``) and moves the former behind the P V wait (``HPL``), where the warps
+are in step anyway (-2 %; consumer 0's loop meets 2 barriers a step, consumer 1's 1). Consumer 1 never
 computes S (the Triton kernels compute it twice). Shared memory 230,720 B: Q 72 KB + 2 x 72.5 KB of K/V +
 8 KB of P (+ masks, alpha, 1/l, barriers); a third buffer does not fit in 227 KB. SASS (sm_90, Triton 3.6):
 the HGMMAs are back to back with one ``WARPGROUP.DEPBAR`` per group (none after each instruction), spills
@@ -47,9 +52,11 @@ Measured on the H200 (Triton 3.6, CUDA-graph replay, 4 runs of the probe; B64 s_
   probe cases: ragged / mixed -1, -7, >= N / all-empty rows / NaN bytes in skipped slot 0 / topk 100 ... 2048
   / h 16, 64, 128, NaN-poisoned outputs); both pass 9 of 10 under the Triton tests' tolerance and fail the
   same one (B2 s_q2 h128 topk192: |err| 1.5e-3 on a 0.022 element, bf16 P on a short list).
-* Time (2026-12-02, two probe runs in opposite orders): default ``ws-pipe-pf2-os-ql-pr-sv-ks-pa6`` 104.6 /
-  104.3 us vs FlashMLA 94.8 / 95.3 (1.103 / 1.094x); B64 s_q2 199.5 / 200.0 vs 179.1 / 179.5 (1.114x);
-  h64 (B128 s_q2) 219.0 / 219.2 vs 235.6 / 235.2 (0.93x). Before it, ``ws-pipe-pf2-os-ql-pr-sv`` 108.8 / 108.2 us
+* Time (2026-12-02, two probe runs in opposite orders): default ``ws-pipe-pf2-os-ql-pr-sv-ks-pa6-qs-hp``
+  102.2 / 102.3 us vs FlashMLA 94.6 / 94.7 (1.08x); B64 s_q2 196.2 / 196.0 vs 179.3 / 179.6 (1.09x); h64
+  (B128 s_q2) 213.3 / 213.1 vs 234.0 / 234.7 (0.91x). Before it ``-pa6`` 104.6 / 104.3 us vs FlashMLA 94.8
+  / 95.3 (1.103 / 1.094x); B64 s_q2 199.5 / 200.0 vs 179.1 / 179.5 (1.114x); h64 (B128 s_q2) 219.0 / 219.2
+  vs 235.6 / 235.2 (0.93x). Before that, ``ws-pipe-pf2-os-ql-pr-sv`` 108.8 / 108.2 us
   vs FlashMLA 94.7 / 94.7 (1.149 / 1.143x) and our Triton default 178.5 (0.61x); B64 s_q2 206.1 / 207.4 vs
   179.9 / 179.6 (1.146 / 1.155x); h64 (B128 s_q2) 220.0 / 219.6 vs 235.2 / 235.7 (0.94 / 0.93x). Without
   the 16-B scale loads (``-pr``) 109.1-109.9 / 209.3-209.7 / 221.5-223.1 in these and two earlier runs;
@@ -93,6 +100,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from flashdsa.cache.layouts import MLA_FP8_BYTES
 from flashdsa.ops._launch import KernelLauncher, aligned, capability
 from flashdsa.ops._triton_utils import cdiv
+
+# a barrier among the calling partition's warps: ``thread_barrier`` in Triton 3.6, ``barrier`` by 3.9
+_warps_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
 LOG2E = 1.4426950408889634
 LN2 = gl.constexpr(0.6931471805599453)
@@ -487,13 +497,19 @@ def load_q(q, stride_q_row, stride_q_h, h_q, i_row, i_hb, q_lat, q_rope, QL: gl.
 def _consumer0(q, out, lse, stride_q_row, stride_q_h, stride_o_row, stride_o_h, stride_l_row, h_q, n_hb, n_steps,
                qk_scale, q_lat, q_rope, k_lat, k_rope, k_bias, p_s, alpha_s, fin_s, k_ready, k_free, p_ready,
                p_free, fin, NBUF: gl.constexpr, OVERLAP: gl.constexpr, OSTAGE: gl.constexpr, QL: gl.constexpr,
-               KSPLIT: gl.constexpr = False, PTA: gl.constexpr = 0):
+               KSPLIT: gl.constexpr = False, PTA: gl.constexpr = 0, QSYNC: gl.constexpr = False,
+               HPL: gl.constexpr = False):
     M64: gl.constexpr = mma_layout(64)
     M128: gl.constexpr = mma_layout(128)
     PA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=M128, k_width=2)
     i_hb = gl.program_id(0) % n_hb
     i_row = (gl.program_id(0) // n_hb).to(gl.int64)
     load_q(q, stride_q_row, stride_q_h, h_q, i_row, i_hb, q_lat, q_rope, QL)
+    if QSYNC:
+        # Q's stores must reach every warp's first S wgmma. Left to Triton's shared-memory hazard analysis,
+        # that barrier lands in front of the S wgmma inside the loop (it cannot tell iteration 0 apart) and
+        # runs every step; here it runs once.
+        _warps_barrier()
 
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, M64))
     l_i = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(1, M64))
@@ -538,10 +554,15 @@ def _consumer0(q, out, lse, stride_q_row, stride_q_h, stride_o_row, stride_o_h, 
             s = _scores(q_lat, q_rope, k_lat, k_rope, b, zero_s, KSPLIT)
             s = warpgroup_mma_wait(0, deps=(s,))
             p16, alpha, m_i, l_i = _softmax(s, k_bias.index(b).load(gl.SliceLayout(0, M64)), qk_scale, m_i, l_i)
-            _hand_p(p16, alpha, i, p_s, alpha_s, p_ready, p_free)
+            if not HPL:
+                _hand_p(p16, alpha, i, p_s, alpha_s, p_ready, p_free)
             o0, o1, pa = _rescale(o0, o1, alpha, p16, M128, PA)
             o0 = warpgroup_mma(pa, _klat(k_lat, b, 0, KSPLIT), o0, is_async=True)
             o1 = warpgroup_mma(pa, _klat(k_lat, b, 1, KSPLIT), o1, is_async=True)
+            if HPL:
+                # P handed to consumer 1 while this P V runs: the barrier Triton puts after the p_ready
+                # arrive then falls after the wgmma wait (warps in step) instead of in front of its issue
+                _hand_p(p16, alpha, i, p_s, alpha_s, p_ready, p_free)
             o0, o1, pa = warpgroup_mma_wait(0, deps=(o0, o1, pa))
             _release(k_free.index(b), PTA & 4)
 
@@ -624,7 +645,7 @@ def sparse_mla_decode_ws_kernel(
     NBUF: gl.constexpr, PREFETCH: gl.constexpr, OVERLAP: gl.constexpr, PIPE: gl.constexpr,
     DEQ: gl.constexpr, REGS_C1: gl.constexpr, REGS_PROD: gl.constexpr, OSTAGE: gl.constexpr = False,
     QL: gl.constexpr = 0, GATHER: gl.constexpr = 0, SCV: gl.constexpr = False,
-    KSPLIT: gl.constexpr = False, PTA: gl.constexpr = 0,
+    KSPLIT: gl.constexpr = False, PTA: gl.constexpr = 0, QSYNC: gl.constexpr = False, HPL: gl.constexpr = False,
 ):
     """Warp-specialised sparse MLA decode, one (query row, 64 heads) per CTA (module docstring).
 
@@ -670,7 +691,7 @@ def sparse_mla_decode_ws_kernel(
     gl.warp_specialize([
         (_consumer0, (q, out, lse, stride_q_row, stride_q_h, stride_o_row, stride_o_h, stride_l_row, h_q, n_hb, n_steps,
                       qk_scale, q_lat, q_rope, k_lat, k_rope, k_bias, p_s, alpha_s, fin_s, k_ready, k_free, p_ready,
-                      p_free, fin, NBUF, OVERLAP, OSTAGE, QL, KSPLIT, PTA)),
+                      p_free, fin, NBUF, OVERLAP, OSTAGE, QL, KSPLIT, PTA, QSYNC, HPL)),
         (_consumer1, (out, stride_o_row, stride_o_h, h_q, n_hb, n_steps, k_lat, p_s, alpha_s, fin_s, k_free, p_ready,
                       p_free, fin, q_lat, NBUF, OSTAGE, KSPLIT, PTA)),
         (_producer_pipe if PIPE else _producer,
@@ -683,12 +704,12 @@ def sparse_mla_decode_ws_kernel(
 
 def _variant(pipe: bool, deq: int, prefetch: int, overlap: bool, ostage: bool = False, ql: bool = False,
              gather: int = ROW_MAJOR, scv: bool = False, ksplit: bool = False,
-             pta: int = 0) -> dict:
+             pta: int = 0, qsync: bool = False, hpl: bool = False) -> dict:
     # two K/V buffers (a third does not fit); consumer 1 needs 160 registers (152 spill), consumer 0 192
     # (216 with OVERLAP: at 200 ptxas serialises its wgmma), the producer gets the rest of 3 x 168
     return dict(NBUF=2, PIPE=pipe, DEQ=deq, PREFETCH=prefetch, OVERLAP=overlap, REGS_C1=160,
                 REGS_PROD=128 if overlap else 152, OSTAGE=ostage, QL=int(ql), GATHER=gather,
-                SCV=scv, KSPLIT=ksplit, PTA=pta)
+                SCV=scv, KSPLIT=ksplit, PTA=pta, QSYNC=qsync, HPL=hpl)
 
 
 # variant name -> constexprs. Measured on the H200 with Triton 3.6
@@ -732,6 +753,17 @@ VARIANTS = {
                                                gather=PAIRED_ROWS, scv=True, ksplit=True, pta=2),
     "ws-pipe-pf2-os-ql-pr-sv-ks-pa6": _variant(pipe=True, deq=0, prefetch=2, overlap=False, ostage=True, ql=True,
                                                gather=PAIRED_ROWS, scv=True, ksplit=True, pta=6),
+    # -pa6 with one barrier after Q's stores before the loop, so none in front of each step's S (QSYNC);
+    # 2026-12-02, two probe runs in opposite orders: 104.1 / 199.6 / 219.3 and 104.2 / 199.9 / 219.7 against
+    # -pa6's 104.7 / 199.5 / 220.1 and 104.3 / 199.5 / 219.3 (no change alone)
+    "ws-pipe-pf2-os-ql-pr-sv-ks-pa6-qs": _variant(pipe=True, deq=0, prefetch=2, overlap=False, ostage=True, ql=True,
+                                                  gather=PAIRED_ROWS, scv=True, ksplit=True, pta=6, qsync=True),
+    # and P handed to consumer 1 after this step's P V is issued (HPL): the default since. Same runs: 102.2 /
+    # 196.2 / 213.3 and 102.3 / 196.0 / 213.1 (FlashMLA 94.6 / 179.3 / 234.0 and 94.7 / 179.6 / 234.7: 1.08 /
+    # 1.09 / 0.91x), hot64 100.6 / 100.0 against 101.2
+    "ws-pipe-pf2-os-ql-pr-sv-ks-pa6-qs-hp": _variant(pipe=True, deq=0, prefetch=2, overlap=False, ostage=True,
+                                                     ql=True, gather=PAIRED_ROWS, scv=True, ksplit=True, pta=6,
+                                                     qsync=True, hpl=True),
     "ws-pipe-pf2-os-ql-dq4-sv": _variant(pipe=True, deq=4, prefetch=2, overlap=False, ostage=True, ql=True, scv=True),
     # the same layout with DEQ 4: 113.8 / 214.5 / 227.9 and 114.0 / 215.1 / 227.7 against -dq4's 110.2 / 210.1
     # / 224.2 and 110.5 / 212.1 / 224.3 (hot64 107.9 / 107.2 against 109.1 / 109.2); OVERLAP with it 124.7 /
@@ -779,7 +811,7 @@ VARIANTS = {
     "diag-ovl-nodeq": _variant(pipe=True, deq=2, prefetch=0, overlap=True),  # 92.1 / 177.8 / 178.3
     "diag-ovl-raw": _variant(pipe=True, deq=3, prefetch=0, overlap=True),  # 110.6 / 210.2 / 219.8
 }
-DEFAULT_VARIANT = "ws-pipe-pf2-os-ql-pr-sv-ks-pa6"
+DEFAULT_VARIANT = "ws-pipe-pf2-os-ql-pr-sv-ks-pa6-qs-hp"
 
 
 def kernel_args(q, cache_u8, indices, sm_scale, out, lse, variant: str = DEFAULT_VARIANT):
