@@ -35,7 +35,7 @@ warpgroups (``gl.warp_specialize``, 12 warps at ``maxnreg`` 168, registers moved
 * **consumer 1** (worker, 4 warps, 160 registers): O[:, 256:] += P V with P and V from shared memory.
 
 A buffer is free again (``k_free``) when both consumers' P V on it completed; in the default every
-consumer thread arrives by itself (count 256, :func:`_release`), not one thread after a barrier among the
+consumer thread arrives by itself (count 256, ``flashdsa.ops._gluon_sync.release``), not one thread after a barrier among the
 warpgroup's warps (-4 % at s_q 1 and 2). Triton 3.6's shared-memory hazard analysis puts a barrier among
 a warpgroup's warps after each one-thread ``mbarrier.arrive`` in front of the next shared-memory access,
 and one in front of the first S wgmma inside the loop for Q's stores before it: the default takes the
@@ -93,16 +93,13 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
 from flashdsa.cache.layouts import MLA_FP8_BYTES
+from flashdsa.ops._gluon_sync import release as _release, warps_barrier as _warps_barrier
 from flashdsa.ops._launch import KernelLauncher, aligned, capability
 from flashdsa.ops._triton_utils import cdiv
-
-# a barrier among the calling partition's warps: ``thread_barrier`` in Triton 3.6, ``barrier`` by 3.9
-_warps_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
 LOG2E = 1.4426950408889634
 LN2 = gl.constexpr(0.6931471805599453)
@@ -200,21 +197,6 @@ def _klat(k_lat, b, g: gl.constexpr, KSPLIT: gl.constexpr):
         return k_lat[g].index(b)
     else:
         return k_lat.index(b * 4 + g)
-
-
-@gluon.jit
-def _release(bar, PTA: gl.constexpr):
-    """Tell the other side that this warpgroup is done reading a buffer (``k_free``, ``p_free``). PTA (true):
-    every thread arrives by itself (``cp.async.mbarrier.arrive.noinc`` with no copies of its own outstanding,
-    so at once), the barrier counting 128 arrivals a warpgroup; otherwise one thread arrives after a barrier
-    among the warpgroup's warps (what ``mbarrier.arrive`` lowers to), the barrier counting one. Only for
-    releases after reads (the reads are done when a thread gets here): an arrive that publishes writes
-    (``k_ready``, ``p_ready``, ``fin``) stays ``mbarrier.arrive``, whose one arrive after the barrier orders
-    every thread's stores before it."""
-    if PTA:
-        async_copy.mbarrier_arrive(bar, increment_count=False)
-    else:
-        mbarrier.arrive(bar, count=1)
 
 
 # ---- producer -----------------------------------------------------------------------------------------
