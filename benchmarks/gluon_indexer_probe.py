@@ -125,7 +125,8 @@ def run_gpu(args) -> int:
                           (2, {"pages_in_flight": 1, "max_ctas": 5}), (2, {"joint": True, "max_ctas": 3}),
                           (2, {"scales_gmem": True, "max_ctas": 3}), (2, {"consumers": 4, "max_ctas": 3}),
                           (1, {"consumers": 4, "max_ctas": 2}), (2, {"consumers": 4, "wide": True, "max_ctas": 3}),
-                          (1, {"wide": True, "max_ctas": 3}), (2, {"wide": True, "nbuf": 16})):
+                          (1, {"wide": True, "max_ctas": 3}), (2, {"wide": True, "nbuf": 16}),
+                          (1, {"per_thread_release": True, "max_ctas": 3}), (2, {"per_thread_release": True})):
             lens = [0, 1, 63, 64, 65, 200, 1000, 777]
             q, cache, w, ctx, bt, max_len = _small_case(len(lens), n, lens, seed=n)
             out = torch.full((len(lens) * n, max_len), float("nan"), device="cuda")
@@ -251,8 +252,8 @@ def main() -> int:
     ap.add_argument("--profile-variant", default="{}", help="launch_config overrides of --profile (JSON)")
     ap.add_argument("--cases", default="quick", choices=["quick", "full"])
     ap.add_argument("--host", action="store_true", help="only the host cost of plain calls (bench_host's timer)")
-    ap.add_argument("--variants", default='{"chunk_pages": 16};{"chunk_pages": 8};{"ctas_per_sm": 1};'
-                    '{"ctas_per_sm": 1, "pages_in_flight": 2};{"pages_in_flight": 1}',
+    ap.add_argument("--variants", default='{"per_thread_release": true};{"chunk_pages": 16};{"chunk_pages": 8};'
+                    '{"ctas_per_sm": 1};{"ctas_per_sm": 1, "pages_in_flight": 2};{"pages_in_flight": 1}',
                     help="launch_config overrides to time next to the default, JSON objects separated by ';'")
     args = ap.parse_args()
     if args.compile_only:

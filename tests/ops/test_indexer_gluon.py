@@ -36,9 +36,14 @@ SEQ_LENS = [3000, 1, 64, 65, 700, 0, 2049]
     {"consumers": 4, "wide": True}, {"consumers": 4, "wide": True, "scales_gmem": True, "chunk_pages": 2},
     {"wide": True}, {"wide": True, "nbuf": 16, "chunk_pages": 1, "max_ctas": 3}, {"wide": False},
     {"wide": False, "consumers": 2, "nbuf": 8, "chunk_pages": 2, "max_ctas": 3},
+    {"per_thread_release": True}, {"per_thread_release": True, "chunk_pages": 1, "max_ctas": 3},
+    {"per_thread_release": True, "wide": False, "chunk_pages": 2, "max_ctas": 3},
+    {"per_thread_release": True, "consumers": 4, "wide": True},
 ], ids=["default", "one-page-items-3-ctas", "one-cta-an-sm", "one-page-in-flight", "joint", "scales-gmem",
         "four-consumers", "four-consumers-one-page-items", "four-consumers-16-buffers", "four-consumers-wide",
-        "four-consumers-wide-scales-gmem", "wide", "wide-one-page-items", "rounds", "rounds-small-items"])
+        "four-consumers-wide-scales-gmem", "wide", "wide-one-page-items", "rounds", "rounds-small-items",
+        "per-thread-release", "per-thread-release-one-page-items", "per-thread-release-rounds",
+        "per-thread-release-four-consumers-wide"])
 def test_gluon_paged_matches_reference(n, config):
     from flashdsa.ops.indexer.gluon import indexer_logits_paged_gluon
     if config.get("consumers") == 4 and n > 2 or config.get("wide") and n < 2:
@@ -226,7 +231,9 @@ ptxas = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "
 for n, cfg in ((1, {}), (2, {}), (3, {}), (4, {}), (2, {"joint": True, "wide": False}), (4, {"wide": False}),
                (1, {"ctas_per_sm": 1}),
                (2, {"scales_gmem": True}), (1, {"consumers": 4}), (2, {"consumers": 4, "nbuf": 16}),
-               (2, {"consumers": 4, "wide": True}), (3, {"wide": True}), (4, {"wide": True})):
+               (2, {"consumers": 4, "wide": True}), (3, {"wide": True}), (4, {"wide": True}),
+               (1, {"per_thread_release": True}), (4, {"per_thread_release": True}),
+               (2, {"per_thread_release": True, "consumers": 4, "wide": True})):
     k = G.compile_sm90(n, **cfg)
     assert k.asm["cubin"] and "setmaxnreg" in k.asm["ptx"], (n, cfg)
     with tempfile.TemporaryDirectory() as d:

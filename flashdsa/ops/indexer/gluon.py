@@ -101,6 +101,17 @@ Measured on 2026-12-02 (fourth session, same probe, two runs; Triton kernel 76.7
 Next: the epilogue is what is left between this kernel and DeepGEMM (78.6 us at n 2); its instructions are
 already few, so the schedule around them (fewer partition barriers, Triton 3.9's 20 against 3.6's 37
 ``BAR.SYNC``). In-kernel value checks would save the default mode's check-kernel launch.
+
+Prepared (2026-12-02, eighth session), compiled on the CPU, not yet run on a GPU: ``per_thread_release``.
+The sparse-MLA decode kernel gained 4 % from the same change, then 2 % more from moving the barrier Triton
+puts after an ``mbarrier.arrive`` (``flashdsa/ops/_gluon_sync.py`` says what its hazard analysis does). Here
+each consumer thread frees its page with its own arrive once it has used the page's scales (a scale load
+must not be in flight when the producer's next copy lands; the per-thread arrive orders nothing before it),
+and the item's Q buffer the same way. A consumer's named barriers a page in the sm_90 SASS (Triton 3.6,
+from the LLVM IR's debug locations): 2 -> 1 (left: the one before each ``ready`` wait, two waits on one
+ring's allocation); whole-kernel counts n 1 15 / 15 / 7 -> 11 / 15 / 3, n 2 (four consumers) 20 / 21 / 4 x 3
+-> 18 / 21 / 2 x 3, spills 8 -> 0 B, n 4 20 / 15 / 4 -> 18 / 15 / 2. The GPU test compares it with the
+reference at every next_n; the probe times it by default (``--variants``).
 """
 
 from __future__ import annotations
@@ -114,6 +125,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from flashdsa.cache.layouts import INDEX_KEY_BYTES, INDEX_PAGE_BYTES, PAGE_SIZE
 from flashdsa.ops._common import remember
+from flashdsa.ops._gluon_sync import release
 from flashdsa.ops._launch import Address, KernelLauncher, aligned, capability
 from flashdsa.ops._triton_utils import cdiv, num_sms, prev_pow2
 from flashdsa.ops.indexer.paged import PAGE_ROWS
@@ -326,7 +338,7 @@ def _pick(d: gl.constexpr, s0, s1, s2, s3):
 def _finish(U: gl.constexpr, acc, g0, i0, G: gl.constexpr, S: gl.constexpr, c0, lim_end, s_smem, free, o_n,
             w0, w1, w2, w3, l0, l1, l2, l3, out_b, stride_o, NBUF: gl.constexpr, NEW: gl.constexpr,
             DIAG: gl.constexpr, WAIT: gl.constexpr, SG: gl.constexpr, s0, s1, s2, s3, NC: gl.constexpr,
-            SPLIT: gl.constexpr):
+            SPLIT: gl.constexpr, PTA: gl.constexpr = False):
     """Accumulator U = d * G + g of a round whose first page is i0: wait for its chain (the oldest of the
     S - U still in flight), free the page after its last row, store the row's logits. Scales: from the
     page's shared buffer, or (``SG``) ``s_d``, loaded from global memory a round earlier."""
@@ -340,13 +352,17 @@ def _finish(U: gl.constexpr, acc, g0, i0, G: gl.constexpr, S: gl.constexpr, c0, 
         sc = _scales(s_smem.index(s), NEW)
     if DIAG < 2 and WAIT:
         acc = warpgroup_mma_wait(S - 1 - U, deps=(acc,))
-    if g == G - 1:
+    if g == G - 1 and not PTA:
         mbarrier.arrive(free.index(s), count=1)
     if DIAG == 0:
         t0 = c0 + i * 64
         w = _pick(g, w0, w1, w2, w3)
         ln = _pick(g, l0, l1, l2, l3)
         _row_out(acc, w, sc, ln - t0, out_b + g * stride_o + t0, lim_end - t0, o_n)
+    if g == G - 1 and PTA:
+        # each thread once its scales are used (release() orders nothing before it: a scale load could
+        # otherwise still be in flight when the producer's next copy lands)
+        release(free.index(s), True)
 
 
 @gluon.jit
@@ -361,7 +377,7 @@ def _pair_rows(acc):
 @gluon.jit
 def _wide_page(g0, i, q_smem, qb, k_smem, s_smem, ready, free, zero, zero_w, c0, lim_end, o_n, w0, w1, w2, w3,
                l0, l1, l2, l3, out_b, stride_o, NBUF: gl.constexpr, NC: gl.constexpr, SPLIT: gl.constexpr,
-               NEW: gl.constexpr, SG: gl.constexpr, sg, NEXT_N: gl.constexpr):
+               NEW: gl.constexpr, SG: gl.constexpr, sg, NEXT_N: gl.constexpr, PTA: gl.constexpr = False):
     """The item's page i with the draft rows in PAIRS, as DeepGEMM issues next_n 2: S [64 keys, 128] =
     K . [Q_0; Q_1]^T as one m64n128k32 chain (the keys read from shared memory once for both rows), rows 2 and
     3 as a second chain (row 2 alone at next_n 3); the pair's accumulator is then split into the rows' own."""
@@ -388,7 +404,8 @@ def _wide_page(g0, i, q_smem, qb, k_smem, s_smem, ready, free, zero, zero_w, c0,
     lim = lim_end - t0
     if NEXT_N == 2:
         acc = warpgroup_mma_wait(0, deps=(acc,))
-        mbarrier.arrive(free.index(s), count=1)
+        if not PTA:
+            mbarrier.arrive(free.index(s), count=1)
         a0, a1 = _pair_rows(acc)
         _row_out(a0, w0, sc, l0 - t0, p_out, lim, o_n)
         _row_out(a1, w1, sc, l1 - t0, p_out + stride_o, lim, o_n)
@@ -398,19 +415,23 @@ def _wide_page(g0, i, q_smem, qb, k_smem, s_smem, ready, free, zero, zero_w, c0,
         _row_out(a0, w0, sc, l0 - t0, p_out, lim, o_n)
         _row_out(a1, w1, sc, l1 - t0, p_out + stride_o, lim, o_n)
         acc2 = warpgroup_mma_wait(0, deps=(acc2,))
-        mbarrier.arrive(free.index(s), count=1)
+        if not PTA:
+            mbarrier.arrive(free.index(s), count=1)
         if NEXT_N == 3:
             _row_out(acc2, w2, sc, l2 - t0, p_out + 2 * stride_o, lim, o_n)
         else:
             a2, a3 = _pair_rows(acc2)
             _row_out(a2, w2, sc, l2 - t0, p_out + 2 * stride_o, lim, o_n)
             _row_out(a3, w3, sc, l3 - t0, p_out + 3 * stride_o, lim, o_n)
+    if PTA:
+        # each thread once the page's scales are used (see _finish)
+        release(free.index(s), True)
 
 
 @gluon.jit
 def _consumer(WG: gl.constexpr, rc, NBUF: gl.constexpr, NEXT_N: gl.constexpr, CHUNK_PAGES: gl.constexpr,
               DP: gl.constexpr, NEW: gl.constexpr, DIAG: gl.constexpr, JOINT: gl.constexpr, SG: gl.constexpr,
-              NC: gl.constexpr, SPLIT: gl.constexpr, WIDE: gl.constexpr):
+              NC: gl.constexpr, SPLIT: gl.constexpr, WIDE: gl.constexpr, PTA: gl.constexpr = False):
     """Consumer WG on each of the CTA's items: pages WG, WG + 2, ... in rounds of DP pages: the round's
     S = DP * n chains issued together, then finished one by one as they complete (``_finish``), so the
     tensor cores run the rest of the round's chains (and the other consumer's) during each epilogue.
@@ -469,7 +490,7 @@ def _consumer(WG: gl.constexpr, rc, NBUF: gl.constexpr, NEXT_N: gl.constexpr, CH
                         n0 = _gscales(scales, p_bt, WG + NC * (r + 1), n_pages, o_n)
                     _wide_page(g0, WG + NC * r, q_smem, qb, k_smem, s_smem, ready, free, zero, zero_w, c0, lim_end,
                                o_n, w0, w1, w2, w3, l0, l1, l2, l3, out_b, stride_o, NBUF, NC, SPLIT, NEW, SG, s0,
-                               NEXT_N)
+                               NEXT_N, PTA)
                     s0 = n0
             else:
                 for r in range(n_pad // (NC * DP)):
@@ -502,21 +523,21 @@ def _consumer(WG: gl.constexpr, rc, NBUF: gl.constexpr, NEXT_N: gl.constexpr, CH
                         else:
                             a0, a1, a2, a3 = warpgroup_mma_wait(0, deps=(a0, a1, a2, a3))
                     _finish(0, a0, g0, i0, G, S, c0, lim_end, s_smem, free, o_n, w0, w1, w2, w3, l0, l1, l2, l3,
-                            out_b, stride_o, NBUF, NEW, DIAG, not JOINT, SG, s0, s1, s2, s3, NC, SPLIT)
+                            out_b, stride_o, NBUF, NEW, DIAG, not JOINT, SG, s0, s1, s2, s3, NC, SPLIT, PTA)
                     if S > 1:
                         _finish(1, a1, g0, i0, G, S, c0, lim_end, s_smem, free, o_n, w0, w1, w2, w3, l0, l1, l2, l3,
-                                out_b, stride_o, NBUF, NEW, DIAG, not JOINT, SG, s0, s1, s2, s3, NC, SPLIT)
+                                out_b, stride_o, NBUF, NEW, DIAG, not JOINT, SG, s0, s1, s2, s3, NC, SPLIT, PTA)
                     if S > 2:
                         _finish(2, a2, g0, i0, G, S, c0, lim_end, s_smem, free, o_n, w0, w1, w2, w3, l0, l1, l2, l3,
-                                out_b, stride_o, NBUF, NEW, DIAG, not JOINT, SG, s0, s1, s2, s3, NC, SPLIT)
+                                out_b, stride_o, NBUF, NEW, DIAG, not JOINT, SG, s0, s1, s2, s3, NC, SPLIT, PTA)
                     if S > 3:
                         _finish(3, a3, g0, i0, G, S, c0, lim_end, s_smem, free, o_n, w0, w1, w2, w3, l0, l1, l2, l3,
-                                out_b, stride_o, NBUF, NEW, DIAG, not JOINT, SG, s0, s1, s2, s3, NC, SPLIT)
+                                out_b, stride_o, NBUF, NEW, DIAG, not JOINT, SG, s0, s1, s2, s3, NC, SPLIT, PTA)
                     s0 = n0
                     s1 = n1
                     s2 = n2
                     s3 = n3
-            mbarrier.arrive(q_free.index(qb), count=1)
+            release(q_free.index(qb), PTA)   # every chain reading this Q buffer was waited for
             it += 1
         g0 += n_pad
 
@@ -537,6 +558,7 @@ def indexer_paged_ws_kernel(
     NEXT_N: gl.constexpr, CHUNK_PAGES: gl.constexpr, NBUF: gl.constexpr, DP: gl.constexpr, REGS_C: gl.constexpr,
     REGS_P: gl.constexpr, NEW: gl.constexpr, JOINT: gl.constexpr = 0,
     SG: gl.constexpr = 0, DIAG: gl.constexpr = 0, NC: gl.constexpr = 2, WIDE: gl.constexpr = 0,
+    PTA: gl.constexpr = 0,
 ):
     """A persistent CTA: items t = program_id, program_id + grid, ... of the B * n_chunks (request, chunk of
     CHUNK_PAGES pages) items, so the producer streams the next item's pages while the consumers finish
@@ -553,10 +575,10 @@ def indexer_paged_ws_kernel(
     q_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NBUF):
         mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(free.index(i), count=1)
+        mbarrier.init(free.index(i), count=128 if PTA else 1)   # PTA: each thread of the page's consumer
     for i in gl.static_range(2):
         mbarrier.init(q_ready.index(i), count=1)
-        mbarrier.init(q_free.index(i), count=NC)   # every consumer
+        mbarrier.init(q_free.index(i), count=NC * 128 if PTA else NC)   # every consumer (PTA: every thread)
     fence_async_shared()
     # The partitions' runtime arguments travel as two tuples; the constexprs one by one (a tuple held in a
     # variable loses its constexprs). Two consumers and one producer warp, or four consumers (DeepGEMM's count
@@ -568,16 +590,16 @@ def indexer_paged_ws_kernel(
           q_smem, k_smem, s_smem, ready, free, q_ready, q_free)
     if NC == 2:
         gl.warp_specialize([
-            (_consumer, (0, rc, NBUF, NEXT_N, CHUNK_PAGES, DP, NEW, DIAG, JOINT, SG, NC, SPLIT, WIDE)),
-            (_consumer, (1, rc, NBUF, NEXT_N, CHUNK_PAGES, DP, NEW, DIAG, JOINT, SG, NC, SPLIT, WIDE)),
+            (_consumer, (0, rc, NBUF, NEXT_N, CHUNK_PAGES, DP, NEW, DIAG, JOINT, SG, NC, SPLIT, WIDE, PTA)),
+            (_consumer, (1, rc, NBUF, NEXT_N, CHUNK_PAGES, DP, NEW, DIAG, JOINT, SG, NC, SPLIT, WIDE, PTA)),
             (_producer, (rp, NBUF, NEXT_N, CHUNK_PAGES, DP, SG, NC, SPLIT, 0))],
             [4, 1], [REGS_C, REGS_P])
     else:
         gl.warp_specialize([
-            (_consumer, (0, rc, NBUF, NEXT_N, CHUNK_PAGES, DP, NEW, DIAG, JOINT, SG, NC, SPLIT, WIDE)),
-            (_consumer, (1, rc, NBUF, NEXT_N, CHUNK_PAGES, DP, NEW, DIAG, JOINT, SG, NC, SPLIT, WIDE)),
-            (_consumer, (2, rc, NBUF, NEXT_N, CHUNK_PAGES, DP, NEW, DIAG, JOINT, SG, NC, SPLIT, WIDE)),
-            (_consumer, (3, rc, NBUF, NEXT_N, CHUNK_PAGES, DP, NEW, DIAG, JOINT, SG, NC, SPLIT, WIDE)),
+            (_consumer, (0, rc, NBUF, NEXT_N, CHUNK_PAGES, DP, NEW, DIAG, JOINT, SG, NC, SPLIT, WIDE, PTA)),
+            (_consumer, (1, rc, NBUF, NEXT_N, CHUNK_PAGES, DP, NEW, DIAG, JOINT, SG, NC, SPLIT, WIDE, PTA)),
+            (_consumer, (2, rc, NBUF, NEXT_N, CHUNK_PAGES, DP, NEW, DIAG, JOINT, SG, NC, SPLIT, WIDE, PTA)),
+            (_consumer, (3, rc, NBUF, NEXT_N, CHUNK_PAGES, DP, NEW, DIAG, JOINT, SG, NC, SPLIT, WIDE, PTA)),
             (_producer, (rp, NBUF, NEXT_N, CHUNK_PAGES, DP, SG, NC, SPLIT, 0)),
             (_producer, (rp, NBUF, NEXT_N, CHUNK_PAGES, DP, SG, NC, SPLIT, 1)),
             (_producer, (rp, NBUF, NEXT_N, CHUNK_PAGES, DP, SG, NC, SPLIT, 2)),
@@ -593,7 +615,7 @@ NBUF_DEFAULT = 8   # pages in flight a CTA: ~66 KB of keys, enough to cover DRAM
 def launch_config(B: int, n: int, max_len: int, device: torch.device, chunk_pages: int | None = None,
                   nbuf: int | None = None, ctas_per_sm: int | None = None, pages_in_flight: int | None = None,
                   joint: bool = False, scales_gmem: bool = False, consumers: int | None = None,
-                  wide: bool | None = None, diag: int = 0) -> dict:
+                  wide: bool | None = None, diag: int = 0, per_thread_release: bool = False) -> dict:
     """Chunk, pipeline depth and register budget of a launch. Defaults (measured, module docstring): next_n 1
     two consumers, two CTAs an SM, 8 buffers, chunks of 8 pages; next_n 2 four consumers with the paired chain (``wide``), 16
     buffers; next_n 3 / 4 two consumers with the paired chains, 16 buffers. ``joint``, ``pages_in_flight`` > 1
@@ -608,7 +630,10 @@ def launch_config(B: int, n: int, max_len: int, device: torch.device, chunk_page
     (slower, measured). ``consumers=4`` (next_n <= 2): four consumer warpgroups, one page in flight each, a
     producer warp and a ring of nbuf / 4 buffers each. ``wide`` (next_n >= 2): the draft rows' chains in
     pairs (m64n128k32), one page in flight a consumer. Chunks (next_n >= 2): about 16 items an SM, 8 .. 64
-    pages."""
+    pages. ``per_thread_release``: every consumer thread frees a page (and the item's Q buffer) by itself
+    once it has used the page's scales, instead of one thread after a barrier among the warpgroup's warps
+    right after the chain's wait (Triton also puts a barrier after each such one-thread arrive:
+    ``flashdsa/ops/_gluon_sync.py``); compiled on the CPU, not yet timed."""
     if wide is None:
         # the round-based path's own knobs (a round's rows finished together, several pages in flight, two
         # CTAs an SM) ask for that path: the paired chains would ignore or refuse them
@@ -655,7 +680,7 @@ def launch_config(B: int, n: int, max_len: int, device: torch.device, chunk_page
     else:
         regs = dict(REGS_C=232, REGS_P=40, maxnreg=168)
     return dict(CHUNK_PAGES=chunk_pages, NBUF=nbuf, DP=dp, JOINT=int(joint), SG=int(scales_gmem), num_warps=4,
-                ctas=ctas, DIAG=diag, NC=consumers, WIDE=int(wide), **regs)
+                ctas=ctas, DIAG=diag, NC=consumers, WIDE=int(wide), PTA=int(per_thread_release), **regs)
 
 
 def _descs(q_fp8: torch.Tensor, cache_u8: torch.Tensor):
