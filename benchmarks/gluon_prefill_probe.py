@@ -3,6 +3,7 @@ on one H200: sparse prefill and the bf16-cache decode, against the fp32 referenc
 FlashMLA, in one run.
 
     PYTHONPATH=. python benchmarks/gluon_prefill_probe.py [--variants ws2-os-ql2,ws2] [--child-timeout 120]
+    PYTHONPATH=/path/to/triton-3.6:. python benchmarks/gluon_prefill_probe.py --compile-only [--sass-dir D]   # no GPU
 
 Each variant runs in its own child process (a deadlocked kernel only loses its child, killed after
 ``--child-timeout`` s; its output so far is kept): compile stats, then correctness on fresh random inputs
@@ -176,7 +177,13 @@ def main() -> int:
     ap.add_argument("--child-timeout", type=float, default=150.0)
     ap.add_argument("--child")
     ap.add_argument("--no-baselines", action="store_true", help="(child) time only the Gluon kernel")
+    ap.add_argument("--compile-only", action="store_true", help="compile each variant for sm_90 (no GPU)")
+    ap.add_argument("--sass-dir", default=None, help="with --compile-only: write each variant's SASS and IR here")
     args = ap.parse_args()
+    if args.compile_only:
+        from gluon_sparse_mla_probe import compile_only
+        from flashdsa.ops.sparse_mla.gluon_bf16 import compile_sm90
+        return compile_only(args.variants.split(","), args.sass_dir, compile_sm90)
     out_dir = Path(os.environ.get("OUT", "out"))
     out_dir.mkdir(parents=True, exist_ok=True)
     if args.child:

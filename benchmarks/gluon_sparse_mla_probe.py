@@ -359,39 +359,18 @@ def run_parent(variants: list[str], child_timeout: float, budget: float) -> int:
 
 # ---- no GPU: compile for sm_90 ---------------------------------------------------------------------------
 
-def compile_only(variants: list[str], sass_dir: str | None = None) -> int:
+def compile_only(variants: list[str], sass_dir: str | None = None, compile_sm90=None) -> int:
     """Compile each variant for sm_90 (no GPU) and report what ptxas made of it (``sass_dir``: also write each
-    variant's SASS there)."""
+    variant's SASS and LLVM IR there). ``compile_sm90``: the kernel module's (default: gluon.py's; the prefill
+    probe passes gluon_bf16.py's)."""
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
     from sass_report import ptxas_and_sass
-    from flashdsa.ops.sparse_mla import gluon as G
+    if compile_sm90 is None:
+        from flashdsa.ops.sparse_mla.gluon import compile_sm90
     print(f"triton {triton.__version__} ({triton.__file__})")
-    tys = {torch.float32: "*fp32", torch.int32: "*i32", torch.uint8: "*u8", torch.bfloat16: "*bf16"}
-    q = torch.empty(2, 1, 128, 576, dtype=torch.bfloat16)
-    cache = torch.empty(64, 64, 656, dtype=torch.uint8)
-    idx = torch.empty(2, 1, 2048, dtype=torch.int32)
-    out, lse = torch.empty(2, 1, 128, 512, dtype=torch.bfloat16), torch.empty(2, 1, 128)
-    fn = G.sparse_mla_decode_ws_kernel
     for v in variants:
-        _, kw = G.kernel_args(q, cache, idx, SM_SCALE, out, lse, v)
-        opts = {k: kw.pop(k) for k in ("num_warps", "maxnreg")}
-        sig, attrs, consts = {}, {}, {}
-        for i, name in enumerate(fn.arg_names):
-            val = kw[name]
-            if name in G.VARIANTS[v]:
-                sig[name], consts[name] = "constexpr", val
-            elif isinstance(val, torch.Tensor):   # the launcher specialises 16-byte aligned pointers
-                sig[name], attrs[(i,)] = tys[val.dtype], [["tt.divisibility", 16]]
-            elif isinstance(val, float):
-                sig[name] = "fp32"
-            else:
-                sig[name] = "i32"
-                if val % 16 == 0:
-                    attrs[(i,)] = [["tt.divisibility", 16]]
         try:
-            k = triton.compile(GluonASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32), options=opts)
+            k = compile_sm90(v)
         except Exception as e:  # noqa: BLE001
             print(f"{v}: FAILED {e!r}"[:2000])
             continue
@@ -404,10 +383,13 @@ def compile_only(variants: list[str], sass_dir: str | None = None) -> int:
         notes = [ln.split(": ", 1)[-1] for ln in ptxas.splitlines() if "C75" in ln]
         spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", ptxas)
         regs = re.findall(r"setmaxnreg[.]\w+[.]sync[.]aligned[.]u32\s+(\d+)", k.asm["ptx"])
+        # named barriers by id (each partition syncs its own warps on its own id)
+        bars = re.findall(r"BAR\.SYNC\.DEFER_BLOCKING (0x[0-9a-f]+)", sass)
         print(f"{v}: shared {k.metadata.shared} B, setmaxnreg {regs}, "
               f"spill st/ld {spill.groups() if spill else '?'} B, HGMMA {sass.count('HGMMA')}, "
               f"DEPBAR {len(re.findall(r'WARPGROUP.DEPBAR', sass))}, LDG.128 {sass.count('LDG.E.128')}, "
-              f"STS.128 {sass.count('STS.128')}, notes {notes or 'none'}")
+              f"STS.128 {sass.count('STS.128')}, named barriers {dict(sorted((b, bars.count(b)) for b in set(bars)))}, "
+              f"notes {notes or 'none'}")
     return 0
 
 

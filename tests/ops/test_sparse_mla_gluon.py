@@ -3,8 +3,8 @@
 Triton's interpreter cannot run Gluon, so the kernel's own tests need an sm_90 GPU (``-m gpu``): the fp32
 reference on dequantised inputs, NaN-poisoned outputs, ragged -1 padding, other negatives and slots past
 the cache, rows with no valid slot, s_q 1 / 2 / 4, h_q 64 / 128 / 192, short and long top-k lists, and the
-planned second launch. On the CPU: the rule and the error of a forced ``backend="gluon"`` it does not
-apply to.
+planned second launch. On the CPU: the rule, the error of a forced ``backend="gluon"`` it does not
+apply to, the layouts' bank conflicts, and both default kernels compiled for sm_90 (ptxas included).
 
 Tolerance, from the numerics: the kernel rounds P to bf16 (|dp| <= 2^-8 p, as FlashMLA does) and the
 output to bf16 (2^-8 |out|), the rest is fp32, so ``|out - ref| <= 2^-8 (max |v| + |ref|)`` elementwise,
@@ -398,3 +398,30 @@ def test_failed_first_launch_falls_back_to_triton_once(monkeypatch):
     fakes[S._GLUON_FP8].sparse_mla_decode = broken
     with pytest.raises(TypeError):
         S._run_gluon(S._GLUON_FP8, "decode", lambda *a: "unused")
+
+
+_COMPILE_SCRIPT = r'''
+import pathlib, subprocess, tempfile, triton
+from flashdsa.ops.sparse_mla import gluon, gluon_bf16
+ptxas = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+for mod in (gluon, gluon_bf16):
+    k = mod.compile_sm90()
+    assert k.asm["cubin"] and "setmaxnreg" in k.asm["ptx"], mod.__name__
+    assert k.metadata.shared <= 227 * 1024, (mod.__name__, k.metadata.shared)
+    with tempfile.TemporaryDirectory() as d:
+        (pathlib.Path(d) / "k.ptx").write_text(k.asm["ptx"])
+        notes = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(pathlib.Path(d) / "k.ptx"), "-o",
+                                str(pathlib.Path(d) / "k.cubin")], capture_output=True, text=True).stderr
+    # C7513-C7515: ptxas serialised the wgmma (what an accumulator or operand held across an async wgmma does)
+    assert not any(f"C751{i}" in notes for i in (3, 4, 5)), (mod.__name__, notes[-2000:])
+print("compiled")
+'''
+
+
+def test_gluon_kernels_compile_for_hopper():
+    """The default decode (fp8 pages) and bf16 kernels compile for sm_90 through Triton's code generator and
+    ptxas without a GPU (CI has none), fit in shared memory, have their setmaxnreg register moves,
+    and ptxas does not serialise their wgmma."""
+    pytest.importorskip("triton.experimental.gluon")
+    from test_indexer_triton import compile_without_interpreter
+    compile_without_interpreter(_COMPILE_SCRIPT)

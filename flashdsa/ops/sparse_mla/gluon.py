@@ -861,6 +861,44 @@ def compiled_kernel(q, cache_u8, indices, sm_scale, variant: str = DEFAULT_VARIA
     return sparse_mla_decode_ws_kernel[grid](**kw)
 
 
+def compile_for_sm90(fn, kw: dict, constexprs) -> object:
+    """Compile the Gluon kernel ``fn`` for sm_90 with the arguments ``kw`` of one launch (any host: no GPU)
+    and return Triton's compiled kernel (``asm["ptx"]``, ``asm["llir"]``, ``asm["cubin"]``,
+    ``metadata.shared``). ``constexprs``: the names in ``kw`` that are constexprs. Tensors become 16-byte
+    aligned pointers and integers divisible by 16 are specialised, as the launcher does."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    tys = {torch.float32: "*fp32", torch.int32: "*i32", torch.uint8: "*u8", torch.bfloat16: "*bf16"}
+    kw = dict(kw)
+    opts = {k: kw.pop(k) for k in ("num_warps", "maxnreg")}
+    sig, attrs, consts = {}, {}, {}
+    for i, name in enumerate(fn.arg_names):
+        val = kw[name]
+        if name in constexprs:
+            sig[name], consts[name] = "constexpr", val
+        elif isinstance(val, torch.Tensor):
+            sig[name], attrs[(i,)] = tys[val.dtype], [["tt.divisibility", 16]]
+        elif isinstance(val, float):
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+            if val % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    return triton.compile(GluonASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32), options=opts)
+
+
+def compile_sm90(variant: str = DEFAULT_VARIANT):
+    """The decode kernel of ``variant`` compiled for sm_90 without a GPU (B 2, h_q 128, top-2048): the CPU
+    test's check and the probe's ``--compile-only``."""
+    q = torch.empty(2, 1, 128, 576, dtype=torch.bfloat16)
+    cache = torch.empty(64, 64, 656, dtype=torch.uint8)
+    idx = torch.empty(2, 1, 2048, dtype=torch.int32)
+    out, lse = torch.empty(2, 1, 128, 512, dtype=torch.bfloat16), torch.empty(2, 1, 128)
+    _, kw = kernel_args(q, cache, idx, 576 ** -0.5, out, lse, variant)
+    return compile_for_sm90(sparse_mla_decode_ws_kernel, kw, VARIANTS[variant])
+
+
 # ---- the dispatch's entry ------------------------------------------------------------------------------
 
 _LAUNCHER = KernelLauncher(sparse_mla_decode_ws_kernel, ("q", "kv", "idx", "out", "lse"))

@@ -93,8 +93,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from flashdsa.ops._launch import KernelLauncher, aligned, capability
 from flashdsa.ops._triton_utils import cdiv, num_sms
-from flashdsa.ops.sparse_mla.gluon import (BLOCK_H, BLOCK_N, LN2, LOG2E, MAXNREG, _klat, load_q, mma_layout, store_o,
-                                           tile_smem)
+from flashdsa.ops.sparse_mla.gluon import (BLOCK_H, BLOCK_N, LN2, LOG2E, MAXNREG, _klat, compile_for_sm90, load_q,
+                                           mma_layout, store_o, tile_smem)
 
 # global -> shared cp.async: ``async_copy_global_to_shared`` in Triton 3.6, renamed ``async_load`` by 3.9
 _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
@@ -588,6 +588,17 @@ def compiled_kernel(q3, kv, idx, sm_scale, variant: str = DEFAULT_VARIANT):
     lse = torch.empty(T, h_q, dtype=torch.float32, device=q3.device)
     grid, kw = kernel_args(q3, kv, 64 * kv.stride(0), kv.stride(0), kv.shape[0], idx, sm_scale, out, lse, variant)
     return sparse_mla_bf16_ws_kernel[grid](**kw)
+
+
+def compile_sm90(variant: str = DEFAULT_VARIANT):
+    """The kernel of ``variant`` compiled for sm_90 without a GPU (prefill-shaped: T 4, h_q 128, N 4096,
+    top-2048): the CPU test's check and the prefill probe's ``--compile-only``."""
+    q3 = torch.empty(4, 128, 576, dtype=torch.bfloat16)
+    kv = torch.empty(4096, 576, dtype=torch.bfloat16)
+    i2 = torch.empty(4, 2048, dtype=torch.int32)
+    o3, l2 = torch.empty(4, 128, 512, dtype=torch.bfloat16), torch.empty(4, 128)
+    _, kw = kernel_args(q3, kv, 64 * kv.stride(0), kv.stride(0), kv.shape[0], i2, 576 ** -0.5, o3, l2, variant)
+    return compile_for_sm90(sparse_mla_bf16_ws_kernel, kw, VARIANTS[variant])
 
 
 _LAUNCHER = KernelLauncher(sparse_mla_bf16_ws_kernel, ("q", "kv", "idx", "out", "lse"))
