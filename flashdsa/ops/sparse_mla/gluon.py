@@ -35,8 +35,8 @@ warpgroups (``gl.warp_specialize``, 12 warps at ``maxnreg`` 168, registers moved
 * **consumer 1** (worker, 4 warps, 160 registers): O[:, 256:] += P V with P and V from shared memory.
 
 A buffer is free again (``k_free``) when both consumers' P V on it completed; in the default every
-consumer thread arrives by itself (count 256, ``flashdsa.ops._gluon_sync.release``), not one thread after a barrier among the
-warpgroup's warps (-4 % at s_q 1 and 2). Triton 3.6's shared-memory hazard analysis puts a barrier among
+consumer thread arrives by itself (count 256, ``flashdsa.ops._gluon_sync.release``), not one thread after
+a barrier among the warpgroup's warps (-4 % at s_q 1 and 2). Triton 3.6's shared-memory hazard analysis puts a barrier among
 a warpgroup's warps after each one-thread ``mbarrier.arrive`` in front of the next shared-memory access,
 and one in front of the first S wgmma inside the loop for Q's stores before it: the default takes the
 latter once before the loop (``QSYNC``) and moves the former behind the P V wait (``HPL``), where the warps
