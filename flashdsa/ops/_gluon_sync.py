@@ -37,3 +37,25 @@ def release(bar, PTA: gl.constexpr):
         async_copy.mbarrier_arrive(bar, increment_count=False)
     else:
         mbarrier.arrive(bar, count=1)
+
+
+# Named hardware barriers between two partitions (``bar.sync`` / ``bar.arrive`` with an id and a thread
+# count, FlashMLA's consumer-to-consumer hand-offs): ``bar.arrive`` does not wait, ``bar.sync`` waits until
+# ``threads`` threads have arrived or synced on the id, and orders the arrivers' earlier shared-memory accesses
+# before the syncers' later ones. No phase to track: the k-th sync on an id pairs with the k-th arrive, so
+# both sides must call them the same number of times. Ids 0-4 are Triton's (a barrier among each partition's
+# warps, and the whole CTA); ids from NAMED_BASE up are free for these. Inline asm is invisible to Triton's
+# hazard analysis: it adds no barrier of its own around them (and knows nothing of what they order).
+NAMED_BASE = 12
+
+
+@gluon.jit
+def named_sync(ID: gl.constexpr, THREADS: gl.constexpr):
+    """Wait on named barrier ID until THREADS threads (both partitions) have arrived or synced on it."""
+    gl.inline_asm_elementwise("mov.u32 $0, 0;\n\tbar.sync $1, $2;", "=r,r,r", [ID, THREADS], gl.int32, False, 1)
+
+
+@gluon.jit
+def named_arrive(ID: gl.constexpr, THREADS: gl.constexpr):
+    """Arrive on named barrier ID without waiting (the other partition syncs on it)."""
+    gl.inline_asm_elementwise("mov.u32 $0, 0;\n\tbar.arrive $1, $2;", "=r,r,r", [ID, THREADS], gl.int32, False, 1)
