@@ -313,10 +313,11 @@ PREFILL_CASES = [
 
 @pytest.mark.gpu
 @needs_sm90
-@pytest.mark.parametrize("variant", ["ws2-os-ql2-ks"])
+@pytest.mark.parametrize("variant", ["ws2-os-ql2-ks", "ws2-os-ql2-nb"])
 def test_gluon_bf16_variants_give_the_default_bits(variant):
-    """A bf16 variant that only moves the K / V tiles to other shared allocations (-ks) gives the default's
-    output bit for bit (ragged lists, -1 / out-of-range slots, an empty row; NaN-poisoned outputs)."""
+    """A bf16 variant that only moves the K / V tiles to other shared allocations (-ks) or exchanges the max
+    and P through named barriers (-nb) gives the default's output bit for bit (ragged lists, -1 /
+    out-of-range slots, an empty row; NaN-poisoned outputs)."""
     T, N, h_q, topk = 5, 3000, 128, 2048
     q = torch.randn(T, h_q, 576, device="cuda").to(torch.bfloat16)
     kv = torch.randn(N, 576, device="cuda").to(torch.bfloat16)
