@@ -59,3 +59,23 @@ def named_sync(ID: gl.constexpr, THREADS: gl.constexpr):
 def named_arrive(ID: gl.constexpr, THREADS: gl.constexpr):
     """Arrive on named barrier ID without waiting (the other partition syncs on it)."""
     gl.inline_asm_elementwise("mov.u32 $0, 0;\n\tbar.arrive $1, $2;", "=r,r,r", [ID, THREADS], gl.int32, False, 1)
+
+
+@gluon.jit
+def pair_arrive(bar, ID: gl.constexpr, NAMED: gl.constexpr):
+    """Tell the other consumer warpgroup that this one's stores are done: ``bar.arrive`` on named barrier ID
+    over both warpgroups' 256 threads when NAMED, else a one-thread ``mbarrier.arrive`` on ``bar``."""
+    if NAMED:
+        named_arrive(ID, 256)
+    else:
+        mbarrier.arrive(bar, count=1)
+
+
+@gluon.jit
+def pair_wait(bar, phase, ID: gl.constexpr, NAMED: gl.constexpr):
+    """Wait for the other consumer warpgroup's matching :func:`pair_arrive`: ``bar.sync`` on named barrier ID
+    when NAMED, else ``mbarrier.wait`` on ``bar`` for ``phase``."""
+    if NAMED:
+        named_sync(ID, 256)
+    else:
+        mbarrier.wait(bar, phase)

@@ -97,7 +97,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from flashdsa.cache.layouts import MLA_FP8_BYTES
-from flashdsa.ops._gluon_sync import NAMED_BASE, named_arrive, named_sync
+from flashdsa.ops._gluon_sync import NAMED_BASE, named_arrive, named_sync, pair_arrive, pair_wait
 from flashdsa.ops._gluon_sync import release as _release, warps_barrier as _warps_barrier
 from flashdsa.ops._launch import KernelLauncher, aligned, capability
 from flashdsa.ops._triton_utils import cdiv
@@ -428,18 +428,12 @@ def _hand_p(p16, alpha, i, p_s, alpha_s, p_ready, p_free, NB: gl.constexpr = 0):
     # consumer 1's P V on the previous P has completed (p_free) -> overwrite P and alpha, signal p_ready.
     # NB bit 2: p_free through a named barrier instead (consumer 1 frees P once before its first step and
     # after each); bit 1: p_ready
-    if NB & 2:
-        named_sync(P_FREE_ID, 256)
-    else:
-        mbarrier.wait(p_free, (i & 1) ^ 1)
+    pair_wait(p_free, (i & 1) ^ 1, P_FREE_ID, NB & 2)
     p_s.store(p16)
     alpha_s.store(alpha)
     # consumer 1 reads P with wgmma (async proxy): order these generic stores before it
     fence_async_shared()
-    if NB & 1:
-        named_arrive(P_READY_ID, 256)
-    else:
-        mbarrier.arrive(p_ready, count=1)
+    pair_arrive(p_ready, P_READY_ID, NB & 1)
 
 
 @gluon.jit
@@ -618,10 +612,7 @@ def _consumer1(out, stride_o_row, stride_o_h, h_q, n_hb, n_steps, k_lat, p_s, al
         named_arrive(P_FREE_ID, 256)   # P is free before the first step (consumer 0 syncs once more at its end)
     for i in range(n_steps):
         b = i % NBUF
-        if NB & 1:
-            named_sync(P_READY_ID, 256)
-        else:
-            mbarrier.wait(p_ready, i & 1)
+        pair_wait(p_ready, i & 1, P_READY_ID, NB & 1)
         a_o = alpha_s.load(gl.SliceLayout(1, M128))
         o2 = o2 * a_o[:, None]
         o3 = o3 * a_o[:, None]

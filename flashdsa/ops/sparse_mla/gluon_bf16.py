@@ -98,7 +98,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from flashdsa.ops._gluon_sync import NAMED_BASE, named_arrive, named_sync
+from flashdsa.ops._gluon_sync import NAMED_BASE, pair_arrive, pair_wait
 from flashdsa.ops._launch import KernelLauncher, aligned, capability
 from flashdsa.ops._triton_utils import cdiv, num_sms
 from flashdsa.ops.sparse_mla.gluon import (BLOCK_H, BLOCK_N, LN2, LOG2E, MAXNREG, _klat, compile_for_sm90, load_q,
@@ -274,10 +274,7 @@ def _c0_pair(j, s, bias, m_i, l_i, o0, o1, qk_scale, k_lat, k_rope, p1_s, m_s, m
     p, m0, m_use = _exp_scores(s, bias, qk_scale, m_i)
     # publish this block's max for consumer 1 (which takes the pair's max and publishes it back)
     m_s.index(0).store(m0)
-    if NB:
-        named_arrive(M0_ID, 256)
-    else:
-        mbarrier.arrive(m_bar.index(0), count=1)
+    pair_arrive(m_bar.index(0), M0_ID, NB)
     alpha = gl.exp2(m_i - m_use)
     l_i = l_i * alpha + gl.sum(p, 1)
     a_o = gl.convert_layout(alpha, gl.SliceLayout(1, M128))
@@ -288,19 +285,13 @@ def _c0_pair(j, s, bias, m_i, l_i, o0, o1, qk_scale, k_lat, k_rope, p1_s, m_s, m
     o1 = warpgroup_mma(pa, _klat(k_lat, b0, 1, KSPLIT), o1, is_async=True)
     # the pair's max from consumer 1: P rescaled to it, rounded to bf16 once (from fp32), staged for
     # consumer 1 in buffer 0's rope tile (this QK, its only reader, has completed)
-    if NB:
-        named_sync(M1_ID, 256)
-    else:
-        mbarrier.wait(m_bar.index(1), ph)
+    pair_wait(m_bar.index(1), ph, M1_ID, NB)
     m1 = m_s.index(1).load(gl.SliceLayout(1, M64))
     m1_use = gl.where(m1 == float("-inf"), 0.0, m1)
     sc = gl.exp2(m0 - m1_use)   # m0 = -inf: p is 0 and sc 0 (never exp2 of a huge positive)
     k_rope.index(b0).store((p * sc[:, None]).to(gl.bfloat16))
     fence_async_shared()
-    if NB:
-        named_arrive(S0_ID, 256)
-    else:
-        mbarrier.arrive(s_bar.index(0), count=1)
+    pair_arrive(s_bar.index(0), S0_ID, NB)
     l_i = l_i * sc
     o0, o1, pa = warpgroup_mma_wait(0, deps=(o0, o1, pa))
     mbarrier.arrive(free.index(0), count=1)   # 0L: its last reader done
@@ -308,10 +299,7 @@ def _c0_pair(j, s, bias, m_i, l_i, o0, o1, qk_scale, k_lat, k_rope, p1_s, m_s, m
     o0 = o0 * a_o[:, None]
     o1 = o1 * a_o[:, None]
     # O[:, :256] += P1 V1[:, :256], P1 from consumer 1 through shared memory
-    if NB:
-        named_sync(S1_ID, 256)
-    else:
-        mbarrier.wait(s_bar.index(1), ph)
+    pair_wait(s_bar.index(1), ph, S1_ID, NB)
     o0 = warpgroup_mma(p1_s, _klat(k_lat, b1, 0, KSPLIT), o0, is_async=True)
     o1 = warpgroup_mma(p1_s, _klat(k_lat, b1, 1, KSPLIT), o1, is_async=True)
     return m1, l_i, o0, o1
@@ -416,17 +404,11 @@ def _c1_tile(t, tc, q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, st
                      ph, True, KSPLIT)
         s = _qk_half(s, q_lat, q_rope, k_lat, k_rope, b1, b0, False, ready, ph, False, KSPLIT)
         s = warpgroup_mma_wait(0, deps=(s,))
-        if NB:
-            named_sync(M0_ID, 256)
-        else:
-            mbarrier.wait(m_bar.index(0), ph)
+        pair_wait(m_bar.index(0), ph, M0_ID, NB)
         m0 = m_s.index(0).load(gl.SliceLayout(1, M64))
         p, m1, m_use = _exp_scores(s, bias, qk_scale, m0)
         m_s.index(1).store(m1)
-        if NB:
-            named_arrive(M1_ID, 256)
-        else:
-            mbarrier.arrive(m_bar.index(1), count=1)
+        pair_arrive(m_bar.index(1), M1_ID, NB)
         alpha = gl.exp2(m_i - m_use)
         l_i = l_i * alpha + gl.sum(p, 1)
         m_i = m1
@@ -441,16 +423,10 @@ def _c1_tile(t, tc, q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, st
         # computes the softmax whose max (m_bar 0) this consumer waited for above.
         p1_s.store(p16)
         fence_async_shared()
-        if NB:
-            named_arrive(S1_ID, 256)
-        else:
-            mbarrier.arrive(s_bar.index(1), count=1)
+        pair_arrive(s_bar.index(1), S1_ID, NB)
         if PIPE:
             # O[:, 256:] += P0 V0[:, 256:] issued behind the local P V, waited in order
-            if NB:
-                named_sync(S0_ID, 256)
-            else:
-                mbarrier.wait(s_bar.index(0), ph)
+            pair_wait(s_bar.index(0), ph, S0_ID, NB)
             o2 = warpgroup_mma(k_rope.index(b0), _klat(k_lat, b0, 2, KSPLIT), o2, is_async=True)
             o3 = warpgroup_mma(k_rope.index(b0), _klat(k_lat, b0, 3, KSPLIT), o3, is_async=True)
             pa = warpgroup_mma_wait(2, deps=(pa,))
@@ -461,10 +437,7 @@ def _c1_tile(t, tc, q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, st
             o2, o3, pa = warpgroup_mma_wait(0, deps=(o2, o3, pa))
             mbarrier.arrive(free.index(3), count=1)   # 1R
             # O[:, 256:] += P0 V0[:, 256:], P0 from consumer 0 in buffer 0's rope tile
-            if NB:
-                named_sync(S0_ID, 256)
-            else:
-                mbarrier.wait(s_bar.index(0), ph)
+            pair_wait(s_bar.index(0), ph, S0_ID, NB)
             o2 = warpgroup_mma(k_rope.index(b0), _klat(k_lat, b0, 2, KSPLIT), o2, is_async=True)
             o3 = warpgroup_mma(k_rope.index(b0), _klat(k_lat, b0, 3, KSPLIT), o3, is_async=True)
             o2, o3 = warpgroup_mma_wait(0, deps=(o2, o3))
