@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_indexer_triton import _bits, _check, _paged_inputs, compile_without_interpreter
+from test_indexer_triton import PTXAS_NOTES, _bits, _check, _paged_inputs, compile_without_interpreter
 
 from flashdsa.ops import indexer_logits_paged
 from flashdsa.ops._gluon import GluonKernels
@@ -224,10 +224,8 @@ def test_launch_config_errors_and_defaults():
         launch_config(64, 3, 32768, cpu, wide=True, pages_in_flight=2)
 
 
-_COMPILE_SCRIPT = r'''
-import pathlib, subprocess, tempfile, triton
+_COMPILE_SCRIPT = PTXAS_NOTES + r'''
 from flashdsa.ops.indexer import gluon as G
-ptxas = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 for n, cfg in ((1, {}), (2, {}), (3, {}), (4, {}), (2, {"joint": True, "wide": False}), (4, {"wide": False}),
                (1, {"ctas_per_sm": 1}),
                (2, {"scales_gmem": True}), (1, {"consumers": 4}), (2, {"consumers": 4, "nbuf": 16}),
@@ -236,10 +234,7 @@ for n, cfg in ((1, {}), (2, {}), (3, {}), (4, {}), (2, {"joint": True, "wide": F
                (2, {"per_thread_release": True, "consumers": 4, "wide": True})):
     k = G.compile_sm90(n, **cfg)
     assert k.asm["cubin"] and "setmaxnreg" in k.asm["ptx"], (n, cfg)
-    with tempfile.TemporaryDirectory() as d:
-        (pathlib.Path(d) / "k.ptx").write_text(k.asm["ptx"])
-        notes = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(pathlib.Path(d) / "k.ptx"), "-o",
-                                str(pathlib.Path(d) / "k.cubin")], capture_output=True, text=True).stderr
+    notes = ptxas_notes(k)
     assert "C7514" not in notes and "C7515" not in notes, (n, cfg, notes[-2000:])
 print("compiled")
 '''

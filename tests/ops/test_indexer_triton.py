@@ -590,6 +590,22 @@ print("compiled")
 '''
 
 
+# Prepended to a compile script that checks ptxas's notes: ``ptxas_notes(k)`` is ``ptxas -v``'s report (registers,
+# spills, the C75xx notes) on the PTX of a kernel Triton compiled, from the ptxas Triton itself uses for sm_90
+# (Triton 3.9 ships an older one beside it that rejects its PTX version), and fails if ptxas did not assemble it.
+PTXAS_NOTES = r'''
+import pathlib, subprocess, tempfile
+from triton.backends.nvidia.compiler import get_ptxas
+def ptxas_notes(k):
+    with tempfile.TemporaryDirectory() as d:
+        (pathlib.Path(d) / "k.ptx").write_text(k.asm["ptx"])
+        r = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", str(pathlib.Path(d) / "k.ptx"), "-o",
+                            str(pathlib.Path(d) / "k.cubin")], capture_output=True, text=True)
+    assert r.returncode == 0 and "Used" in r.stderr, r.stderr[-2000:]
+    return r.stderr
+'''
+
+
 def compile_without_interpreter(script: str) -> None:
     """Run ``script`` in a child Python without ``TRITON_INTERPRET`` (the interpreter never compiles
     anything), the repository on its path; it must print "compiled"."""

@@ -404,17 +404,12 @@ def test_failed_first_launch_falls_back_to_triton_once(monkeypatch):
 
 
 _COMPILE_SCRIPT = r'''
-import pathlib, subprocess, tempfile, triton
 from flashdsa.ops.sparse_mla import gluon, gluon_bf16
-ptxas = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 for mod in (gluon, gluon_bf16):
     k = mod.compile_sm90()
     assert k.asm["cubin"] and "setmaxnreg" in k.asm["ptx"], mod.__name__
     assert k.metadata.shared <= 227 * 1024, (mod.__name__, k.metadata.shared)
-    with tempfile.TemporaryDirectory() as d:
-        (pathlib.Path(d) / "k.ptx").write_text(k.asm["ptx"])
-        notes = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(pathlib.Path(d) / "k.ptx"), "-o",
-                                str(pathlib.Path(d) / "k.cubin")], capture_output=True, text=True).stderr
+    notes = ptxas_notes(k)
     # C7513-C7515: ptxas serialised the wgmma (what an accumulator or operand held across an async wgmma does)
     assert not any(f"C751{i}" in notes for i in (3, 4, 5)), (mod.__name__, notes[-2000:])
 print("compiled")
@@ -426,5 +421,5 @@ def test_gluon_kernels_compile_for_hopper():
     ptxas without a GPU (CI has none), fit in shared memory, have their setmaxnreg register moves,
     and ptxas does not serialise their wgmma."""
     pytest.importorskip("triton.experimental.gluon")
-    from test_indexer_triton import compile_without_interpreter
-    compile_without_interpreter(_COMPILE_SCRIPT)
+    from test_indexer_triton import PTXAS_NOTES, compile_without_interpreter
+    compile_without_interpreter(PTXAS_NOTES + _COMPILE_SCRIPT)
