@@ -31,6 +31,7 @@ os.environ.pop("TRITON_INTERPRET", None)
 
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 _BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
@@ -68,7 +69,8 @@ def ptxas_and_sass(k) -> tuple[str, str]:
     with tempfile.TemporaryDirectory() as d:
         (Path(d) / "k.ptx").write_text(k.asm["ptx"])
         (Path(d) / "k.cubin").write_bytes(k.asm["cubin"])
-        ptxas = subprocess.run([str(_BIN / "ptxas"), "-arch=sm_90a", "-v", str(Path(d) / "k.ptx"), "-o",
+        # the ptxas Triton itself uses for sm_90 (Triton 3.9 ships an older one beside it that rejects its PTX)
+        ptxas = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", str(Path(d) / "k.ptx"), "-o",
                                 str(Path(d) / "k2.cubin")], capture_output=True, text=True).stderr
         sass = subprocess.run([str(_BIN / "nvdisasm"), "-c", str(Path(d) / "k.cubin")], capture_output=True,
                               text=True).stdout
