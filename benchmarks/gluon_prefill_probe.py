@@ -173,7 +173,7 @@ def run_child(variant: str, log, baselines: bool = True) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--variants", default="ws2-os-ql2,ws2-os-ql2-nb,ws2-os-ql2-persist,ws2-os-ql2-pipe,diag-nocopy")
+    ap.add_argument("--variants", default="ws2-os-ql2,ws2-os-ql2-ks,ws2-os-ql2-persist,ws2-os-ql2-pipe,diag-nocopy")
     ap.add_argument("--child-timeout", type=float, default=150.0)
     ap.add_argument("--child")
     ap.add_argument("--no-baselines", action="store_true", help="(child) time only the Gluon kernel")

@@ -41,8 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 SM_SCALE = 576 ** -0.5
 TIMING_CASES = [(64, 1, 128), (64, 2, 128), (128, 2, 64)]   # (B, s_q, h_q), topk 2048, 32K context
-DEFAULT_VARIANTS = ["ws-pipe-pf2-os-ql-pr-sv-ks-pa6-qs-hp", "ws-pipe-pf2-os-ql-pr-sv-ks-pa6-qs-hp-nr",
-                    "ws-pipe-pf2-os-ql-pr-sv-ks-pa6-qs-hp-nb", "ws-pipe-pf2-os-ql-pr-sv-ks-pa6",
+DEFAULT_VARIANTS = ["ws-pipe-pf2-os-ql-pr-sv-ks-pa6-qs-hp", "ws-pipe-pf2-os-ql-pr-sv-ks-pa6",
                     "ws-pipe-pf2-os-ql-pr-sv-ks-pa2", "ws-pipe-pf2-os-ql-pr-sv",
                     "ws-pipe-pf2-os-ql-pr", "ws-pipe-pf2-os-ql-dq4", "ws-pipe-pf2-os-ql",
                     "ws-pipe-pf2", "ws-pipe-pf2-dq4", "ws-ovl-pipe-pf2-dq4", "ws", "diag-nodeq", "diag-ovl-nodeq"]

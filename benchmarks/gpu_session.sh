@@ -35,7 +35,7 @@ for stage in "$@"; do
                   | tee "$OUT/tests-rest.log" | tail -25 ;;
     demo)  timeout 300 python3 -m flashdsa.cli demo --preset v32 --device cuda --layers ${DEMO_LAYERS:-4} --json 2>&1 | tee "$OUT/demo.json" | tail -3 ;;
     hf)    timeout 300 python3 benchmarks/bench_hf.py ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_hf.log" | tail -30 ;;
-    gluon) timeout 200 python3 benchmarks/gluon_sparse_mla_probe.py --variants ws-pipe-pf2-os-ql-pr-sv-ks-pa6-qs-hp,ws-pipe-pf2-os-ql-pr-sv-ks-pa6-qs-hp-nr,ws-pipe-pf2-os-ql-pr-sv-ks-pa6-qs-hp-nb --budget 180 \
+    gluon) timeout 200 python3 benchmarks/gluon_sparse_mla_probe.py --variants ws-pipe-pf2-os-ql-pr-sv-ks-pa6-qs-hp,ws-pipe-pf2-os-ql-pr-sv-ks-pa6 --budget 180 \
              2>&1 | tee "$OUT/gluon_fp8.log" | tail -8
            timeout 200 python3 benchmarks/gluon_prefill_probe.py --child-timeout 60 2>&1 | tee "$OUT/gluon_bf16.log" | tail -22
            timeout 100 python3 benchmarks/gluon_prefill_fixed.py 2>&1 | tee "$OUT/gluon_fixed.log" | tail -6 ;;

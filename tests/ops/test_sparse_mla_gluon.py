@@ -160,15 +160,13 @@ def test_gluon_decode_with_scales_not_powers_of_two(variant):
                                                                "ws-pipe-pf2-os-ql-pr-sv-ks", "ws-pipe-pf2-os-ql-pr-sv-ks-pa2",
                                                                "ws-pipe-pf2-os-ql-pr-sv-ks-pa6",
                                                                "ws-pipe-pf2-os-ql-pr-sv-ks-pa6-qs",
-                                                               "ws-pipe-pf2-os-ql-pr-sv-ks-pa6-qs-hp",
-                                                               "ws-pipe-pf2-os-ql-pr-sv-ks-pa6-qs-hp-nr",
-                                                               "ws-pipe-pf2-os-ql-pr-sv-ks-pa6-qs-hp-nb"]),
+                                                               "ws-pipe-pf2-os-ql-pr-sv-ks-pa6-qs-hp"]),
                                          ("ws-pipe-pf2-os-ql-dq4", ["ws-pipe-pf2-os-ql-dq4-pr",
                                                                     "ws-pipe-pf2-os-ql-dq4-sv"])])
 def test_gather_layouts_give_the_row_major_bits(base, twins):
     """The PAIRED_ROWS layout, the 16-B scale loads, one shared allocation per latent group (-ks) and
     per-thread mbarrier arrivals (-pa*), a barrier moved out of the loop (-qs) and P handed over after the
-    P V issue (-hp), P handed over through named barriers (-nr / -nb) only change which thread loads, dequantises and stores which element,
+    P V issue (-hp) only change which thread loads, dequantises and stores which element,
     where, and how the pipeline's barriers count: the output must be the row-major layout's bit for bit (ragged lists, -1 / out-of-range
     slots, an empty row, h 64 and 128, s_q 2)."""
     g = torch.Generator(device="cuda").manual_seed(5)
@@ -313,11 +311,10 @@ PREFILL_CASES = [
 
 @pytest.mark.gpu
 @needs_sm90
-@pytest.mark.parametrize("variant", ["ws2-os-ql2-ks", "ws2-os-ql2-nb"])
+@pytest.mark.parametrize("variant", ["ws2-os-ql2-ks"])
 def test_gluon_bf16_variants_give_the_default_bits(variant):
-    """A bf16 variant that only moves the K / V tiles to other shared allocations (-ks) or exchanges the max
-    and P through named barriers (-nb) gives the default's output bit for bit (ragged lists, -1 /
-    out-of-range slots, an empty row; NaN-poisoned outputs)."""
+    """A bf16 variant that only moves the K / V tiles to other shared allocations (-ks) gives the default's
+    output bit for bit (ragged lists, -1 / out-of-range slots, an empty row; NaN-poisoned outputs)."""
     T, N, h_q, topk = 5, 3000, 128, 2048
     q = torch.randn(T, h_q, 576, device="cuda").to(torch.bfloat16)
     kv = torch.randn(N, 576, device="cuda").to(torch.bfloat16)

@@ -56,7 +56,8 @@ Measured on the H200 (Triton 3.6, CUDA-graph replay, 4 runs of the probe; B64 s_
   102.2 / 102.3 us vs FlashMLA 94.6 / 94.7 (1.08x); B64 s_q2 196.2 / 196.0 vs 179.3 / 179.6 (1.09x); h64
   (B128 s_q2) 213.3 / 213.1 vs 234.0 / 234.7 (0.91x). Before it ``-pa6`` 104.6 / 104.3 us vs FlashMLA 94.8
   / 95.3 (1.103 / 1.094x); B64 s_q2 199.5 / 200.0 vs 179.1 / 179.5 (1.114x); h64 (B128 s_q2) 219.0 / 219.2
-  vs 235.6 / 235.2 (0.93x). Before that, ``ws-pipe-pf2-os-ql-pr-sv`` 108.8 / 108.2 us
+  vs 235.6 / 235.2 (0.93x). P handed over through named barriers (``-nr`` / ``-nb``, FlashMLA's way;
+  sparse_mla/README.md): 102.7 / 109.3 against 102.2, removed. Before that, ``ws-pipe-pf2-os-ql-pr-sv`` 108.8 / 108.2 us
   vs FlashMLA 94.7 / 94.7 (1.149 / 1.143x) and our Triton default 178.5 (0.61x); B64 s_q2 206.1 / 207.4 vs
   179.9 / 179.6 (1.146 / 1.155x); h64 (B128 s_q2) 220.0 / 219.6 vs 235.2 / 235.7 (0.94 / 0.93x). Without
   the 16-B scale loads (``-pr``) 109.1-109.9 / 209.3-209.7 / 221.5-223.1 in these and two earlier runs;
@@ -97,7 +98,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from flashdsa.cache.layouts import MLA_FP8_BYTES
-from flashdsa.ops._gluon_sync import NAMED_BASE, named_arrive, named_sync, pair_arrive, pair_wait
 from flashdsa.ops._gluon_sync import release as _release, warps_barrier as _warps_barrier
 from flashdsa.ops._launch import KernelLauncher, aligned, capability
 from flashdsa.ops._triton_utils import cdiv
@@ -418,22 +418,15 @@ def _softmax(s, bias, qk_scale, m_i, l_i):
     return p.to(gl.bfloat16), alpha, m_new, l_i
 
 
-# named barriers of the P hand-off (NB): consumer 0 -> 1 "P and alpha are written", 1 -> 0 "P is read"
-P_READY_ID = gl.constexpr(NAMED_BASE)
-P_FREE_ID = gl.constexpr(NAMED_BASE + 1)
-
-
 @gluon.jit
-def _hand_p(p16, alpha, i, p_s, alpha_s, p_ready, p_free, NB: gl.constexpr = 0):
-    # consumer 1's P V on the previous P has completed (p_free) -> overwrite P and alpha, signal p_ready.
-    # NB bit 2: p_free through a named barrier instead (consumer 1 frees P once before its first step and
-    # after each); bit 1: p_ready
-    pair_wait(p_free, (i & 1) ^ 1, P_FREE_ID, NB & 2)
+def _hand_p(p16, alpha, i, p_s, alpha_s, p_ready, p_free):
+    # consumer 1's P V on the previous P has completed (p_free) -> overwrite P and alpha, signal p_ready
+    mbarrier.wait(p_free, (i & 1) ^ 1)
     p_s.store(p16)
     alpha_s.store(alpha)
     # consumer 1 reads P with wgmma (async proxy): order these generic stores before it
     fence_async_shared()
-    pair_arrive(p_ready, P_READY_ID, NB & 1)
+    mbarrier.arrive(p_ready, count=1)
 
 
 @gluon.jit
@@ -488,7 +481,7 @@ def _consumer0(q, out, lse, stride_q_row, stride_q_h, stride_o_row, stride_o_h, 
                qk_scale, q_lat, q_rope, k_lat, k_rope, k_bias, p_s, alpha_s, fin_s, k_ready, k_free, p_ready,
                p_free, fin, NBUF: gl.constexpr, OVERLAP: gl.constexpr, OSTAGE: gl.constexpr, QL: gl.constexpr,
                KSPLIT: gl.constexpr = False, PTA: gl.constexpr = 0, QSYNC: gl.constexpr = False,
-               HPL: gl.constexpr = False, NB: gl.constexpr = 0):
+               HPL: gl.constexpr = False):
     M64: gl.constexpr = mma_layout(64)
     M128: gl.constexpr = mma_layout(128)
     PA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=M128, k_width=2)
@@ -552,13 +545,10 @@ def _consumer0(q, out, lse, stride_q_row, stride_q_h, stride_o_row, stride_o_h, 
             if HPL:
                 # P handed to consumer 1 while this P V runs: the barrier Triton puts after the p_ready
                 # arrive then falls after the wgmma wait (warps in step) instead of in front of its issue
-                _hand_p(p16, alpha, i, p_s, alpha_s, p_ready, p_free, NB)
+                _hand_p(p16, alpha, i, p_s, alpha_s, p_ready, p_free)
             o0, o1, pa = warpgroup_mma_wait(0, deps=(o0, o1, pa))
             _release(k_free.index(b), PTA & 4)
 
-    if NB & 2:
-        # the sync for consumer 1's last P release (it releases once more than this consumer's steps sync)
-        named_sync(P_FREE_ID, 256)
     # empty rows (no valid index): l = 0 -> out 0 (O is 0), lse -inf
     empty = l_i == 0.0
     l_safe = gl.where(empty, 1.0, l_i)
@@ -602,17 +592,15 @@ def store_o(out, i_row, i_hb, stride_o_row, stride_o_h, h_q, o_a, o_b, inv, d0: 
 @gluon.jit
 def _consumer1(out, stride_o_row, stride_o_h, h_q, n_hb, n_steps, k_lat, p_s, alpha_s, fin_s, k_free, p_ready,
                p_free, fin, q_lat, NBUF: gl.constexpr, OSTAGE: gl.constexpr, KSPLIT: gl.constexpr = False,
-               PTA: gl.constexpr = 0, NB: gl.constexpr = 0):
+               PTA: gl.constexpr = 0):
     M128: gl.constexpr = mma_layout(128)
     i_hb = gl.program_id(0) % n_hb
     i_row = (gl.program_id(0) // n_hb).to(gl.int64)
     o2 = gl.zeros([BLOCK_H, 128], gl.float32, M128)
     o3 = gl.zeros([BLOCK_H, 128], gl.float32, M128)
-    if NB & 2:
-        named_arrive(P_FREE_ID, 256)   # P is free before the first step (consumer 0 syncs once more at its end)
     for i in range(n_steps):
         b = i % NBUF
-        pair_wait(p_ready, i & 1, P_READY_ID, NB & 1)
+        mbarrier.wait(p_ready, i & 1)
         a_o = alpha_s.load(gl.SliceLayout(1, M128))
         o2 = o2 * a_o[:, None]
         o3 = o3 * a_o[:, None]
@@ -621,10 +609,7 @@ def _consumer1(out, stride_o_row, stride_o_h, h_q, n_hb, n_steps, k_lat, p_s, al
         o2 = warpgroup_mma(p_s, _klat(k_lat, b, 2, KSPLIT), o2, is_async=True)
         o3 = warpgroup_mma(p_s, _klat(k_lat, b, 3, KSPLIT), o3, is_async=True)
         o2, o3 = warpgroup_mma_wait(0, deps=(o2, o3))
-        if NB & 2:
-            named_arrive(P_FREE_ID, 256)
-        else:
-            _release(p_free, PTA & 2)
+        _release(p_free, PTA & 2)
         _release(k_free.index(b), PTA & 2)
     mbarrier.wait(fin, 0)
     store_o(out, i_row, i_hb, stride_o_row, stride_o_h, h_q, o2, o3, fin_s.load(gl.SliceLayout(1, M128)), 256, M128,
@@ -644,7 +629,6 @@ def sparse_mla_decode_ws_kernel(
     DEQ: gl.constexpr, REGS_C1: gl.constexpr, REGS_PROD: gl.constexpr, OSTAGE: gl.constexpr = False,
     QL: gl.constexpr = 0, GATHER: gl.constexpr = 0, SCV: gl.constexpr = False,
     KSPLIT: gl.constexpr = False, PTA: gl.constexpr = 0, QSYNC: gl.constexpr = False, HPL: gl.constexpr = False,
-    NB: gl.constexpr = 0,
 ):
     """Warp-specialised sparse MLA decode, one (query row, 64 heads) per CTA (module docstring).
 
@@ -690,9 +674,9 @@ def sparse_mla_decode_ws_kernel(
     gl.warp_specialize([
         (_consumer0, (q, out, lse, stride_q_row, stride_q_h, stride_o_row, stride_o_h, stride_l_row, h_q, n_hb, n_steps,
                       qk_scale, q_lat, q_rope, k_lat, k_rope, k_bias, p_s, alpha_s, fin_s, k_ready, k_free, p_ready,
-                      p_free, fin, NBUF, OVERLAP, OSTAGE, QL, KSPLIT, PTA, QSYNC, HPL, NB)),
+                      p_free, fin, NBUF, OVERLAP, OSTAGE, QL, KSPLIT, PTA, QSYNC, HPL)),
         (_consumer1, (out, stride_o_row, stride_o_h, h_q, n_hb, n_steps, k_lat, p_s, alpha_s, fin_s, k_free, p_ready,
-                      p_free, fin, q_lat, NBUF, OSTAGE, KSPLIT, PTA, NB)),
+                      p_free, fin, q_lat, NBUF, OSTAGE, KSPLIT, PTA)),
         (_producer_pipe if PIPE else _producer,
          (kv, idx, stride_kv_page, stride_kv_row, stride_i_row, n_slots, topk, n_steps, n_hb, k_lat, k_rope, k_bias,
           k_ready, k_free, NBUF, PREFETCH, DEQ, GATHER, SCV, KSPLIT)),
@@ -703,15 +687,12 @@ def sparse_mla_decode_ws_kernel(
 
 def _variant(pipe: bool, deq: int, prefetch: int, overlap: bool, ostage: bool = False, ql: bool = False,
              gather: int = ROW_MAJOR, scv: bool = False, ksplit: bool = False,
-             pta: int = 0, qsync: bool = False, hpl: bool = False, nb: int = 0) -> dict:
+             pta: int = 0, qsync: bool = False, hpl: bool = False) -> dict:
     # two K/V buffers (a third does not fit); consumer 1 needs 160 registers (152 spill), consumer 0 192
-    # (216 with OVERLAP: at 200 ptxas serialises its wgmma), the producer gets the rest of 3 x 168. NB (bit 1
-    # p_ready, bit 2 p_free through named barriers): only in the HPL loop (every hand-off of P must go the
-    # same way on both sides)
-    assert not nb or (hpl and not overlap)
+    # (216 with OVERLAP: at 200 ptxas serialises its wgmma), the producer gets the rest of 3 x 168
     return dict(NBUF=2, PIPE=pipe, DEQ=deq, PREFETCH=prefetch, OVERLAP=overlap, REGS_C1=160,
                 REGS_PROD=128 if overlap else 152, OSTAGE=ostage, QL=int(ql), GATHER=gather,
-                SCV=scv, KSPLIT=ksplit, PTA=pta, QSYNC=qsync, HPL=hpl, NB=nb)
+                SCV=scv, KSPLIT=ksplit, PTA=pta, QSYNC=qsync, HPL=hpl)
 
 
 # variant name -> constexprs. Measured on the H200 with Triton 3.6
@@ -766,17 +747,6 @@ VARIANTS = {
     "ws-pipe-pf2-os-ql-pr-sv-ks-pa6-qs-hp": _variant(pipe=True, deq=0, prefetch=2, overlap=False, ostage=True,
                                                      ql=True, gather=PAIRED_ROWS, scv=True, ksplit=True, pta=6,
                                                      qsync=True, hpl=True),
-    # and the P hand-off through named barriers (NB: bar.arrive / bar.sync between the two consumers, as
-    # FlashMLA's consumers hand over P: no mbarrier wait to poll, no barrier among consumer 0's warps before and
-    # after its one-thread arrive) instead of the p_ready / p_free mbarriers: -nb both (consumer 0's spills
-    # 80 -> 128 B in the sm_90 SASS), -nr p_ready only (spills unchanged; consumer 0's loop meets 1 barrier
-    # among its warps a step instead of 2). Compiled on the CPU, not yet run on a GPU
-    "ws-pipe-pf2-os-ql-pr-sv-ks-pa6-qs-hp-nb": _variant(pipe=True, deq=0, prefetch=2, overlap=False, ostage=True,
-                                                        ql=True, gather=PAIRED_ROWS, scv=True, ksplit=True, pta=6,
-                                                        qsync=True, hpl=True, nb=3),
-    "ws-pipe-pf2-os-ql-pr-sv-ks-pa6-qs-hp-nr": _variant(pipe=True, deq=0, prefetch=2, overlap=False, ostage=True,
-                                                        ql=True, gather=PAIRED_ROWS, scv=True, ksplit=True, pta=6,
-                                                        qsync=True, hpl=True, nb=1),
     "ws-pipe-pf2-os-ql-dq4-sv": _variant(pipe=True, deq=4, prefetch=2, overlap=False, ostage=True, ql=True, scv=True),
     # the same layout with DEQ 4: 113.8 / 214.5 / 227.9 and 114.0 / 215.1 / 227.7 against -dq4's 110.2 / 210.1
     # / 224.2 and 110.5 / 212.1 / 224.3 (hot64 107.9 / 107.2 against 109.1 / 109.2); OVERLAP with it 124.7 /

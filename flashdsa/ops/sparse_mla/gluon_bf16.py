@@ -76,13 +76,11 @@ shared, so a figure moves by a few per cent between runs, ratios within a run mu
   wait as a write, so waits on two members of one allocation get a barrier between them; with ``-ks-pa`` the
   named barriers fell to 11 / 11 / 2) 1.165-1.167 / 1.167-1.178, no different from the default. The
   prefill kernel is not bound by these barriers.
-* Prepared (same day), compiled on the CPU, not yet run on a GPU: ``ws2-os-ql2-nb``, the consumers' exchanges
-  of the pair's max and of P through named barriers (``bar.arrive`` / ``bar.sync`` over both consumers'
-  256 threads, ``flashdsa.ops._gluon_sync``) instead of the ``m_bar`` / ``s_bar`` mbarriers: FlashMLA's sm90
-  prefill kernel hands over between its consumers this way (its SASS: ``BAR.ARV`` / ``BAR.SYNC`` on ids 8-11
-  with 256 threads, and its P V as m64n256k16 against our two m64n128k16). Named barriers a consumer in the
-  sm_90 SASS: 20 / 17 -> 18 / 14 (the arrives' own barriers go, a few hazard barriers between the exchange
-  rows come back), spills 32 -> 36 B.
+* No gain from named barriers (``bar.arrive`` / ``bar.sync`` over both consumers' 256 threads, FlashMLA's
+  hand-off) for the pair's max and P exchanges (``ws2-os-ql2-nb``, 2026-12-02, one probe run; consumer
+  barriers 20 / 17 -> 18 / 14, spills 32 -> 36 B): prefill 4695.5 / 4782.2 / 2478.1 us against the default's
+  4602.9 / 4846.6 / 2461.5 (N 8K h 128 / N 32K h 128 / N 32K h 64), bf16 decode 91.0 against 89.5. Removed
+  (sparse_mla/README.md has the decode kernel's twin).
 * Tried for the fp8 656-B cache with the producer dequantising (loads issued before the free wait,
   gluon._dequant, L2 prefetch of the next pair): 137.5-164.1 us at B 64 h 128, against 116.8 for
   ``gluon.py`` (one producer warpgroup cannot dequantise a half in the time the consumers take to free
@@ -98,7 +96,6 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from flashdsa.ops._gluon_sync import NAMED_BASE, pair_arrive, pair_wait
 from flashdsa.ops._launch import KernelLauncher, aligned, capability
 from flashdsa.ops._triton_utils import cdiv, num_sms
 from flashdsa.ops.sparse_mla.gluon import (BLOCK_H, BLOCK_N, LN2, LOG2E, MAXNREG, _klat, compile_for_sm90, load_q,
@@ -106,12 +103,6 @@ from flashdsa.ops.sparse_mla.gluon import (BLOCK_H, BLOCK_N, LN2, LOG2E, MAXNREG
 
 # global -> shared cp.async: ``async_copy_global_to_shared`` in Triton 3.6, renamed ``async_load`` by 3.9
 _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
-
-# named barriers of the consumers' exchanges (NB): the pair's max 0 -> 1 and 1 -> 0, P 0 -> 1 and 1 -> 0
-M0_ID = gl.constexpr(NAMED_BASE)
-M1_ID = gl.constexpr(NAMED_BASE + 1)
-S0_ID = gl.constexpr(NAMED_BASE + 2)
-S1_ID = gl.constexpr(NAMED_BASE + 3)
 
 # ---- producer -----------------------------------------------------------------------------------------
 
@@ -260,7 +251,7 @@ def _finish(out, lse, stride_o_row, stride_o_h, stride_l_row, h_q, i_row, i_hb, 
 
 @gluon.jit
 def _c0_pair(j, s, bias, m_i, l_i, o0, o1, qk_scale, k_lat, k_rope, p1_s, m_s, m_bar, s_bar, free,
-             KSPLIT: gl.constexpr = False, NB: gl.constexpr = False):
+             KSPLIT: gl.constexpr = False):
     """Consumer 0 on pair j from its S = Q K_{2j}^T (complete): softmax, the pair's max from consumer 1, O[:, :256]
     += P0 V0 (local P) and P1 V1 (consumer 1's P, issued and NOT waited: 2 wgmma groups in flight)."""
     M64: gl.constexpr = mma_layout(64)
@@ -274,7 +265,7 @@ def _c0_pair(j, s, bias, m_i, l_i, o0, o1, qk_scale, k_lat, k_rope, p1_s, m_s, m
     p, m0, m_use = _exp_scores(s, bias, qk_scale, m_i)
     # publish this block's max for consumer 1 (which takes the pair's max and publishes it back)
     m_s.index(0).store(m0)
-    pair_arrive(m_bar.index(0), M0_ID, NB)
+    mbarrier.arrive(m_bar.index(0), count=1)
     alpha = gl.exp2(m_i - m_use)
     l_i = l_i * alpha + gl.sum(p, 1)
     a_o = gl.convert_layout(alpha, gl.SliceLayout(1, M128))
@@ -285,13 +276,13 @@ def _c0_pair(j, s, bias, m_i, l_i, o0, o1, qk_scale, k_lat, k_rope, p1_s, m_s, m
     o1 = warpgroup_mma(pa, _klat(k_lat, b0, 1, KSPLIT), o1, is_async=True)
     # the pair's max from consumer 1: P rescaled to it, rounded to bf16 once (from fp32), staged for
     # consumer 1 in buffer 0's rope tile (this QK, its only reader, has completed)
-    pair_wait(m_bar.index(1), ph, M1_ID, NB)
+    mbarrier.wait(m_bar.index(1), ph)
     m1 = m_s.index(1).load(gl.SliceLayout(1, M64))
     m1_use = gl.where(m1 == float("-inf"), 0.0, m1)
     sc = gl.exp2(m0 - m1_use)   # m0 = -inf: p is 0 and sc 0 (never exp2 of a huge positive)
     k_rope.index(b0).store((p * sc[:, None]).to(gl.bfloat16))
     fence_async_shared()
-    pair_arrive(s_bar.index(0), S0_ID, NB)
+    mbarrier.arrive(s_bar.index(0), count=1)
     l_i = l_i * sc
     o0, o1, pa = warpgroup_mma_wait(0, deps=(o0, o1, pa))
     mbarrier.arrive(free.index(0), count=1)   # 0L: its last reader done
@@ -299,7 +290,7 @@ def _c0_pair(j, s, bias, m_i, l_i, o0, o1, qk_scale, k_lat, k_rope, p1_s, m_s, m
     o0 = o0 * a_o[:, None]
     o1 = o1 * a_o[:, None]
     # O[:, :256] += P1 V1[:, :256], P1 from consumer 1 through shared memory
-    pair_wait(s_bar.index(1), ph, S1_ID, NB)
+    mbarrier.wait(s_bar.index(1), ph)
     o0 = warpgroup_mma(p1_s, _klat(k_lat, b1, 0, KSPLIT), o0, is_async=True)
     o1 = warpgroup_mma(p1_s, _klat(k_lat, b1, 1, KSPLIT), o1, is_async=True)
     return m1, l_i, o0, o1
@@ -309,7 +300,7 @@ def _c0_pair(j, s, bias, m_i, l_i, o0, o1, qk_scale, k_lat, k_rope, p1_s, m_s, m
 def _c0_tile(t, tc, q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, stride_o_row, stride_o_h, stride_l_row,
              n_slots, h_q, topk, n_pairs, n_hb, qk_scale, q_lat, q_rope, k_lat, k_rope, p1_s, m_s, l_s, ready, free,
              q_bar, m_bar, s_bar, l_bar, PIPE: gl.constexpr, OSTAGE: gl.constexpr, QL: gl.constexpr,
-             KSPLIT: gl.constexpr = False, NB: gl.constexpr = False):
+             KSPLIT: gl.constexpr = False):
     """Consumer 0 on tile ``t``, the CTA's tile number ``tc`` (barrier phases count pairs / tiles over the
     CTA's tiles)."""
     M64: gl.constexpr = mma_layout(64)
@@ -341,7 +332,7 @@ def _c0_tile(t, tc, q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, st
         # the last pair is peeled: an in-flight accumulator cannot cross an if
         for j in range(n_pairs - 1):
             m_i, l_i, o0, o1 = _c0_pair(g0 + j, s, bias, m_i, l_i, o0, o1, qk_scale, k_lat, k_rope, p1_s, m_s, m_bar,
-                                        s_bar, free, KSPLIT, NB)
+                                        s_bar, free, KSPLIT)
             b0 = (g0 + j) >> 30
             bias = _bias(p_idx, 2 * j + 2, topk, n_slots, gl.SliceLayout(0, M64))
             s = _qk_half(gl.zeros([BLOCK_H, BLOCK_N], gl.float32, M64), q_lat, q_rope, k_lat, k_rope, b0, b0, False,
@@ -352,7 +343,7 @@ def _c0_tile(t, tc, q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, st
             s = _qk_half(s, q_lat, q_rope, k_lat, k_rope, b0, b0, True, ready, (g0 + j + 1) & 1, False, KSPLIT)
             s = warpgroup_mma_wait(0, deps=(s,))
         m_i, l_i, o0, o1 = _c0_pair(g0 + n_pairs - 1, s, bias, m_i, l_i, o0, o1, qk_scale, k_lat, k_rope, p1_s, m_s,
-                                    m_bar, s_bar, free, KSPLIT, NB)
+                                    m_bar, s_bar, free, KSPLIT)
         o0, o1 = warpgroup_mma_wait(0, deps=(o0, o1))
         mbarrier.arrive(free.index(2), count=1)
     else:
@@ -366,7 +357,7 @@ def _c0_tile(t, tc, q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, st
             s = _qk_half(s, q_lat, q_rope, k_lat, k_rope, b0, b0, True, ready, gj & 1, False, KSPLIT)
             s = warpgroup_mma_wait(0, deps=(s,))
             m_i, l_i, o0, o1 = _c0_pair(gj, s, bias, m_i, l_i, o0, o1, qk_scale, k_lat, k_rope, p1_s, m_s, m_bar, s_bar,
-                                        free, KSPLIT, NB)
+                                        free, KSPLIT)
             o0, o1 = warpgroup_mma_wait(0, deps=(o0, o1))
             mbarrier.arrive(free.index(2), count=1)   # 1L
     _finish(out, lse, stride_o_row, stride_o_h, stride_l_row, h_q, i_row, i_hb, o0, o1, m_i, l_i, l_s, l_bar, q_lat, 0,
@@ -377,7 +368,7 @@ def _c0_tile(t, tc, q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, st
 def _c1_tile(t, tc, q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, stride_o_row, stride_o_h, stride_l_row,
              n_slots, h_q, topk, n_pairs, n_hb, qk_scale, q_lat, q_rope, k_lat, k_rope, p1_s, m_s, l_s, ready, free,
              q_bar, m_bar, s_bar, l_bar, PIPE: gl.constexpr, OSTAGE: gl.constexpr, QL: gl.constexpr,
-             KSPLIT: gl.constexpr = False, NB: gl.constexpr = False):
+             KSPLIT: gl.constexpr = False):
     M64: gl.constexpr = mma_layout(64)
     M128: gl.constexpr = mma_layout(128)
     PA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=M128, k_width=2)
@@ -404,11 +395,11 @@ def _c1_tile(t, tc, q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, st
                      ph, True, KSPLIT)
         s = _qk_half(s, q_lat, q_rope, k_lat, k_rope, b1, b0, False, ready, ph, False, KSPLIT)
         s = warpgroup_mma_wait(0, deps=(s,))
-        pair_wait(m_bar.index(0), ph, M0_ID, NB)
+        mbarrier.wait(m_bar.index(0), ph)
         m0 = m_s.index(0).load(gl.SliceLayout(1, M64))
         p, m1, m_use = _exp_scores(s, bias, qk_scale, m0)
         m_s.index(1).store(m1)
-        pair_arrive(m_bar.index(1), M1_ID, NB)
+        mbarrier.arrive(m_bar.index(1), count=1)
         alpha = gl.exp2(m_i - m_use)
         l_i = l_i * alpha + gl.sum(p, 1)
         m_i = m1
@@ -423,10 +414,10 @@ def _c1_tile(t, tc, q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, st
         # computes the softmax whose max (m_bar 0) this consumer waited for above.
         p1_s.store(p16)
         fence_async_shared()
-        pair_arrive(s_bar.index(1), S1_ID, NB)
+        mbarrier.arrive(s_bar.index(1), count=1)
         if PIPE:
             # O[:, 256:] += P0 V0[:, 256:] issued behind the local P V, waited in order
-            pair_wait(s_bar.index(0), ph, S0_ID, NB)
+            mbarrier.wait(s_bar.index(0), ph)
             o2 = warpgroup_mma(k_rope.index(b0), _klat(k_lat, b0, 2, KSPLIT), o2, is_async=True)
             o3 = warpgroup_mma(k_rope.index(b0), _klat(k_lat, b0, 3, KSPLIT), o3, is_async=True)
             pa = warpgroup_mma_wait(2, deps=(pa,))
@@ -437,7 +428,7 @@ def _c1_tile(t, tc, q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, st
             o2, o3, pa = warpgroup_mma_wait(0, deps=(o2, o3, pa))
             mbarrier.arrive(free.index(3), count=1)   # 1R
             # O[:, 256:] += P0 V0[:, 256:], P0 from consumer 0 in buffer 0's rope tile
-            pair_wait(s_bar.index(0), ph, S0_ID, NB)
+            mbarrier.wait(s_bar.index(0), ph)
             o2 = warpgroup_mma(k_rope.index(b0), _klat(k_lat, b0, 2, KSPLIT), o2, is_async=True)
             o3 = warpgroup_mma(k_rope.index(b0), _klat(k_lat, b0, 3, KSPLIT), o3, is_async=True)
             o2, o3 = warpgroup_mma_wait(0, deps=(o2, o3))
@@ -450,22 +441,22 @@ def _c1_tile(t, tc, q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, st
 def _tile(WG: gl.constexpr, t, tc, q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, stride_o_row, stride_o_h,
           stride_l_row, n_slots, h_q, topk, n_pairs, n_hb, qk_scale, q_lat, q_rope, k_lat, k_rope, p1_s, m_s, l_s, ready,
           free, q_bar, m_bar, s_bar, l_bar, PIPE: gl.constexpr, OSTAGE: gl.constexpr, QL: gl.constexpr,
-             KSPLIT: gl.constexpr = False, NB: gl.constexpr = False):
+             KSPLIT: gl.constexpr = False):
     if WG == 0:
         _c0_tile(t, tc, q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, stride_o_row, stride_o_h, stride_l_row,
                  n_slots, h_q, topk, n_pairs, n_hb, qk_scale, q_lat, q_rope, k_lat, k_rope, p1_s, m_s, l_s, ready, free,
-                 q_bar, m_bar, s_bar, l_bar, PIPE, OSTAGE, QL, KSPLIT, NB)
+                 q_bar, m_bar, s_bar, l_bar, PIPE, OSTAGE, QL, KSPLIT)
     else:
         _c1_tile(t, tc, q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, stride_o_row, stride_o_h, stride_l_row,
                  n_slots, h_q, topk, n_pairs, n_hb, qk_scale, q_lat, q_rope, k_lat, k_rope, p1_s, m_s, l_s, ready, free,
-                 q_bar, m_bar, s_bar, l_bar, PIPE, OSTAGE, QL, KSPLIT, NB)
+                 q_bar, m_bar, s_bar, l_bar, PIPE, OSTAGE, QL, KSPLIT)
 
 
 @gluon.jit
 def _consumer(WG: gl.constexpr, q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, stride_o_row, stride_o_h,
               stride_l_row, n_slots, h_q, topk, n_pairs, n_hb, n_tiles, qk_scale, q_lat, q_rope, k_lat, k_rope, p1_s, m_s,
               l_s, ready, free, q_bar, m_bar, s_bar, l_bar, PIPE: gl.constexpr, OSTAGE: gl.constexpr, QL: gl.constexpr,
-              PERSIST: gl.constexpr, KSPLIT: gl.constexpr = False, NB: gl.constexpr = False):
+              PERSIST: gl.constexpr, KSPLIT: gl.constexpr = False):
     """Consumer ``WG`` (0: :func:`_c0_tile`, 1: :func:`_c1_tile`; a function cannot be a partition argument) on
     its CTA's tiles: one, or with PERSIST the tiles pid, pid + grid, ... (the producer copies the next tile's
     first halves while this one finishes)."""
@@ -474,12 +465,12 @@ def _consumer(WG: gl.constexpr, q, idx, out, lse, stride_q_row, stride_q_h, stri
         for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
             _tile(WG, t, tc, q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, stride_o_row, stride_o_h,
                   stride_l_row, n_slots, h_q, topk, n_pairs, n_hb, qk_scale, q_lat, q_rope, k_lat, k_rope, p1_s, m_s, l_s,
-                  ready, free, q_bar, m_bar, s_bar, l_bar, PIPE, OSTAGE, QL, KSPLIT, NB)
+                  ready, free, q_bar, m_bar, s_bar, l_bar, PIPE, OSTAGE, QL, KSPLIT)
             tc += 1
     else:
         _tile(WG, gl.program_id(0), 0, q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, stride_o_row,
               stride_o_h, stride_l_row, n_slots, h_q, topk, n_pairs, n_hb, qk_scale, q_lat, q_rope, k_lat, k_rope, p1_s,
-              m_s, l_s, ready, free, q_bar, m_bar, s_bar, l_bar, PIPE, OSTAGE, QL, KSPLIT, NB)
+              m_s, l_s, ready, free, q_bar, m_bar, s_bar, l_bar, PIPE, OSTAGE, QL, KSPLIT)
 
 
 # ---- the kernel ---------------------------------------------------------------------------------------
@@ -490,7 +481,7 @@ def sparse_mla_bf16_ws_kernel(
     stride_q_row, stride_q_h, stride_kv_page, stride_kv_row, stride_i_row, stride_o_row, stride_o_h, stride_l_row,
     n_slots, h_q, topk, n_pairs, n_hb, n_tiles, qk_scale,
     REGS_C1: gl.constexpr, REGS_PROD: gl.constexpr, PIPE: gl.constexpr, DIAG: gl.constexpr, OSTAGE: gl.constexpr,
-    QL: gl.constexpr, PERSIST: gl.constexpr, KSPLIT: gl.constexpr = False, NB: gl.constexpr = False,
+    QL: gl.constexpr, PERSIST: gl.constexpr, KSPLIT: gl.constexpr = False,
 ):
     """Warp-specialised sparse MLA over bf16 rows, one (query row, 64 heads) per CTA (module docstring).
 
@@ -537,10 +528,10 @@ def sparse_mla_bf16_ws_kernel(
     gl.warp_specialize([
         (_consumer, (0, q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, stride_o_row, stride_o_h, stride_l_row,
                       n_slots, h_q, topk, n_pairs, n_hb, n_tiles, qk_scale, q_lat, q_rope, k_lat, k_rope, p1_s, m_s, l_s,
-                      ready, free, q_bar, m_bar, s_bar, l_bar, PIPE, OSTAGE, QL, PERSIST, KSPLIT, NB)),
+                      ready, free, q_bar, m_bar, s_bar, l_bar, PIPE, OSTAGE, QL, PERSIST, KSPLIT)),
         (_consumer, (1, q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, stride_o_row, stride_o_h, stride_l_row,
                       n_slots, h_q, topk, n_pairs, n_hb, n_tiles, qk_scale, q_lat, q_rope, k_lat, k_rope, p1_s, m_s, l_s,
-                      ready, free, q_bar, m_bar, s_bar, l_bar, PIPE, OSTAGE, QL, PERSIST, KSPLIT, NB)),
+                      ready, free, q_bar, m_bar, s_bar, l_bar, PIPE, OSTAGE, QL, PERSIST, KSPLIT)),
         (_producer, (kv, idx, stride_kv_page, stride_kv_row, stride_i_row, n_slots, topk, n_pairs, n_hb, n_tiles, k_lat,
                      k_rope, ready, free, DIAG, PERSIST, KSPLIT)),
     ], [4, 4], [REGS_C1, REGS_PROD])
@@ -548,13 +539,12 @@ def sparse_mla_bf16_ws_kernel(
 
 # ---- launcher -----------------------------------------------------------------------------------------
 
-def _variant(pipe=False, diag=0, ostage=False, ql=0, persist=False, ksplit=False, nb=False):
+def _variant(pipe=False, diag=0, ostage=False, ql=0, persist=False, ksplit=False):
     # consumer 0 gets 3 x MAXNREG - REGS_C1 - REGS_PROD = 208; the producer 88 (72: 80 B of spills). A
     # persistent CTA loads the next tile's Q while the other consumer may still stage its O through the Q
     # tiles: only safe when each consumer loads its own half (ql 2)
     assert not persist or ql == 2
-    return dict(REGS_C1=208, REGS_PROD=88, PIPE=pipe, DIAG=diag, OSTAGE=ostage, QL=ql, PERSIST=persist, KSPLIT=ksplit,
-                NB=nb)
+    return dict(REGS_C1=208, REGS_PROD=88, PIPE=pipe, DIAG=diag, OSTAGE=ostage, QL=ql, PERSIST=persist, KSPLIT=ksplit)
 
 
 # variant name -> constexprs; measured on the H200 (module docstring)
@@ -566,10 +556,6 @@ VARIANTS = {
     # the default with one shared allocation per latent group (gluon._klat: Triton's hazard analysis then puts
     # fewer barriers among the producer's warps between its cp.async groups); no faster (module docstring)
     "ws2-os-ql2-ks": _variant(ostage=True, ql=2, ksplit=True),
-    # the consumers' exchanges of the pair's max and of P through named barriers (bar.arrive / bar.sync, as
-    # FlashMLA's sm90 prefill consumers do) instead of the m_bar / s_bar mbarriers. Compiled on the CPU, not
-    # yet run on a GPU
-    "ws2-os-ql2-nb": _variant(ostage=True, ql=2, nb=True),
     # persistent grid (one CTA per SM walking tiles): 4714 / 4863 / 2423 us against the default's 4746 / 4818 /
     # 2531 in one run (N8K h128 / N32K h128 / N32K h64), fixed cost per CTA 345 vs 355 us: no clear gain
     "ws2-os-ql2-persist": _variant(ostage=True, ql=2, persist=True),
