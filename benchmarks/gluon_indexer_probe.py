@@ -126,7 +126,7 @@ def run_gpu(args) -> int:
                           (2, {"scales_gmem": True, "max_ctas": 3}), (2, {"consumers": 4, "max_ctas": 3}),
                           (1, {"consumers": 4, "max_ctas": 2}), (2, {"consumers": 4, "wide": True, "max_ctas": 3}),
                           (1, {"wide": True, "max_ctas": 3}), (2, {"wide": True, "nbuf": 16}),
-                          (1, {"per_thread_release": True, "max_ctas": 3}), (2, {"per_thread_release": True})):
+                          (1, {"per_thread_release": True, "max_ctas": 3}), (2, {"per_thread_release": False})):
             lens = [0, 1, 63, 64, 65, 200, 1000, 777]
             q, cache, w, ctx, bt, max_len = _small_case(len(lens), n, lens, seed=n)
             out = torch.full((len(lens) * n, max_len), float("nan"), device="cuda")
@@ -184,7 +184,7 @@ def run_gpu(args) -> int:
             t = _graph_time(lambda: G.indexer_paged_ws_kernel[grid](**kw))
             cfg = f"cp{kw['CHUNK_PAGES']} dp{kw['DP']} c{resolved['ctas']} nc{kw['NC']} b{kw['NBUF']}" \
                 + " wide" * kw["WIDE"] + " sg" * kw["SG"] + " j" * kw["JOINT"] \
-                + f" d{kw['DIAG']}" * bool(kw["DIAG"])
+                + " ptr" * kw["PTA"] + f" d{kw['DIAG']}" * bool(kw["DIAG"])
             r = dict(kind="time", B=B, n=n, ctx=avg, cfg=cfg, inf_ok=inf_ok, err_vs_triton=err,
                      gluon_us=t, triton_us=t_tri, deepgemm_us=t_dg)
             rows.append(r)
@@ -252,7 +252,8 @@ def main() -> int:
     ap.add_argument("--profile-variant", default="{}", help="launch_config overrides of --profile (JSON)")
     ap.add_argument("--cases", default="quick", choices=["quick", "full"])
     ap.add_argument("--host", action="store_true", help="only the host cost of plain calls (bench_host's timer)")
-    ap.add_argument("--variants", default='{"per_thread_release": true};{"chunk_pages": 16};{"chunk_pages": 8};'
+    ap.add_argument("--variants", default='{"per_thread_release": true};{"per_thread_release": false};'
+                    '{"chunk_pages": 16};{"chunk_pages": 8};'
                     '{"ctas_per_sm": 1};{"ctas_per_sm": 1, "pages_in_flight": 2};{"pages_in_flight": 1}',
                     help="launch_config overrides to time next to the default, JSON objects separated by ';'")
     args = ap.parse_args()

@@ -38,12 +38,12 @@ SEQ_LENS = [3000, 1, 64, 65, 700, 0, 2049]
     {"wide": False, "consumers": 2, "nbuf": 8, "chunk_pages": 2, "max_ctas": 3},
     {"per_thread_release": True}, {"per_thread_release": True, "chunk_pages": 1, "max_ctas": 3},
     {"per_thread_release": True, "wide": False, "chunk_pages": 2, "max_ctas": 3},
-    {"per_thread_release": True, "consumers": 4, "wide": True},
+    {"per_thread_release": False, "consumers": 4, "wide": True},
 ], ids=["default", "one-page-items-3-ctas", "one-cta-an-sm", "one-page-in-flight", "joint", "scales-gmem",
         "four-consumers", "four-consumers-one-page-items", "four-consumers-16-buffers", "four-consumers-wide",
         "four-consumers-wide-scales-gmem", "wide", "wide-one-page-items", "rounds", "rounds-small-items",
         "per-thread-release", "per-thread-release-one-page-items", "per-thread-release-rounds",
-        "per-thread-release-four-consumers-wide"])
+        "one-thread-release-four-consumers-wide"])
 def test_gluon_paged_matches_reference(n, config):
     from flashdsa.ops.indexer.gluon import indexer_logits_paged_gluon
     if config.get("consumers") == 4 and n > 2 or config.get("wide") and n < 2:
@@ -231,7 +231,7 @@ for n, cfg in ((1, {}), (2, {}), (3, {}), (4, {}), (2, {"joint": True, "wide": F
                (2, {"scales_gmem": True}), (1, {"consumers": 4}), (2, {"consumers": 4, "nbuf": 16}),
                (2, {"consumers": 4, "wide": True}), (3, {"wide": True}), (4, {"wide": True}),
                (1, {"per_thread_release": True}), (4, {"per_thread_release": True}),
-               (2, {"per_thread_release": True, "consumers": 4, "wide": True})):
+               (2, {"per_thread_release": False, "consumers": 4, "wide": True})):
     k = G.compile_sm90(n, **cfg)
     assert k.asm["cubin"] and "setmaxnreg" in k.asm["ptx"], (n, cfg)
     notes = ptxas_notes(k)

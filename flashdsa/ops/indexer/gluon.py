@@ -102,16 +102,20 @@ Next: the epilogue is what is left between this kernel and DeepGEMM (78.6 us at 
 already few, so the schedule around them (fewer partition barriers, Triton 3.9's 20 against 3.6's 37
 ``BAR.SYNC``). In-kernel value checks would save the default mode's check-kernel launch.
 
-Prepared (2026-12-02, eighth session), compiled on the CPU, not yet run on a GPU: ``per_thread_release``.
-The sparse-MLA decode kernel gained 4 % from the same change, then 2 % more from moving the barrier Triton
-puts after an ``mbarrier.arrive`` (``flashdsa/ops/_gluon_sync.py`` says what its hazard analysis does). Here
-each consumer thread frees its page with its own arrive once it has used the page's scales (a scale load
-must not be in flight when the producer's next copy lands; the per-thread arrive orders nothing before it),
-and the item's Q buffer the same way. A consumer's named barriers a page in the sm_90 SASS (Triton 3.6,
-from the LLVM IR's debug locations): 2 -> 1 (left: the one before each ``ready`` wait, two waits on one
-ring's allocation); whole-kernel counts n 1 15 / 15 / 7 -> 11 / 15 / 3, n 2 (four consumers) 20 / 21 / 4 x 3
--> 18 / 21 / 2 x 3, spills 8 -> 0 B, n 4 20 / 15 / 4 -> 18 / 15 / 2. The GPU test compares it with the
-reference at every next_n; the probe times it by default (``--variants``).
+``per_thread_release`` (2026-12-02), the default at next_n 2. The sparse-MLA decode kernel gained 4 % from the
+same change, then 2 % more from moving the barrier Triton puts after an ``mbarrier.arrive``
+(``flashdsa/ops/_gluon_sync.py`` says what its hazard analysis does). Here each consumer thread frees its page
+with its own arrive once it has used the page's scales (a scale load must not be in flight when the
+producer's next copy lands; the per-thread arrive orders nothing before it), and the item's Q buffer the same
+way. A consumer's named barriers a page in the sm_90 SASS (Triton 3.6, from the LLVM IR's debug locations):
+2 -> 1 (left: the one before each ``ready`` wait, two waits on one ring's allocation); whole-kernel counts n 1
+15 / 15 / 7 -> 11 / 15 / 3, n 2 (four consumers) 20 / 21 / 4 x 3 -> 18 / 21 / 2 x 3, spills 8 -> 0 B, n 4
+20 / 15 / 4 -> 18 / 15 / 2. Measured on the H200 (``gluon_indexer_probe.py``, two runs, B 64 ctx ~32K, µs,
+without -> with): n 1 76.1 -> 76.9, 77.3 -> 77.0; **n 2 95.6 -> 92.4, 95.6 -> 93.5** (Triton kernel 94.9 /
+95.1, DeepGEMM 78.2 / 79.3); n 3 131.7 -> 131.6, 133.1 -> 132.6; n 4 161.9 -> 159.6, 162.0 -> 162.6. So on at
+next_n 2 only, where it won both times; elsewhere a knob. (The public op still runs the Triton kernel at
+next_n 2: 1-2 % slower than this one's raw kernel, but the Gluon path's default (device) checks cost a check
+kernel's launch more, which a 2-µs gain does not pay for.)
 """
 
 from __future__ import annotations
@@ -615,7 +619,7 @@ NBUF_DEFAULT = 8   # pages in flight a CTA: ~66 KB of keys, enough to cover DRAM
 def launch_config(B: int, n: int, max_len: int, device: torch.device, chunk_pages: int | None = None,
                   nbuf: int | None = None, ctas_per_sm: int | None = None, pages_in_flight: int | None = None,
                   joint: bool = False, scales_gmem: bool = False, consumers: int | None = None,
-                  wide: bool | None = None, diag: int = 0, per_thread_release: bool = False) -> dict:
+                  wide: bool | None = None, diag: int = 0, per_thread_release: bool | None = None) -> dict:
     """Chunk, pipeline depth and register budget of a launch. Defaults (measured, module docstring): next_n 1
     two consumers, two CTAs an SM, 8 buffers, chunks of 8 pages; next_n 2 four consumers with the paired chain (``wide``), 16
     buffers; next_n 3 / 4 two consumers with the paired chains, 16 buffers. ``joint``, ``pages_in_flight`` > 1
@@ -633,13 +637,16 @@ def launch_config(B: int, n: int, max_len: int, device: torch.device, chunk_page
     pages. ``per_thread_release``: every consumer thread frees a page (and the item's Q buffer) by itself
     once it has used the page's scales, instead of one thread after a barrier among the warpgroup's warps
     right after the chain's wait (Triton also puts a barrier after each such one-thread arrive:
-    ``flashdsa/ops/_gluon_sync.py``); compiled on the CPU, not yet timed."""
+    ``flashdsa/ops/_gluon_sync.py``); None: on at next_n 2 (2-3 % faster there, neutral at 1, 3, 4: module
+    docstring)."""
     if wide is None:
         # the round-based path's own knobs (a round's rows finished together, several pages in flight, two
         # CTAs an SM) ask for that path: the paired chains would ignore or refuse them
         wide = n >= 2 and not diag and not joint and (pages_in_flight or 1) == 1 and (ctas_per_sm or 1) == 1
     if consumers is None:
         consumers = 4 if n == 2 and wide else 2
+    if per_thread_release is None:
+        per_thread_release = n == 2
     if nbuf is None:
         nbuf = 16 if wide else NBUF_DEFAULT
     if consumers not in (2, 4):
