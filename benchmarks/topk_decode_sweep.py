@@ -1,0 +1,78 @@
+"""Launch alternatives of top-2048 at the decode shapes (64 rows, page table), timed against the default.
+
+    PYTHONPATH=. python benchmarks/topk_decode_sweep.py [--smoke]
+
+Each variant is ``dataclasses.replace(default_config(...), ...)``; its slots are checked bit for bit against
+the torch oracle (``bench_topk.oracle`` through the page table) before it is timed (CUDA-graph replay). The
+variants ask whether a row's whole length as U (``cand >= L``: no sample, every key a candidate, one
+program a row) beats the split kernel's sample + chunks at 8K-16K, where the levels dominate
+(README.md "Triton details": select 8.2 of 22.9 µs at 64 x 8K).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_topk as bt  # noqa: E402
+from flashdsa.ops._triton_utils import next_pow2, num_sms  # noqa: E402
+from flashdsa.ops.topk import launch  # noqa: E402
+
+
+def variants(R: int, L: int) -> list[tuple[str, dict]]:
+    cand = next_pow2(L)
+    out = [("default", {})]
+    for nw in (8, 16):
+        for stream in (False, True):
+            out.append((f"row nw{nw}{' stream' if stream else ''}",
+                        dict(kind="fused", cand=cand, wcap=launch.WCAP, num_warps=nw, grid=R, maxnreg=0,
+                             stream=stream, unroll=2, move_step=128, block=128 * nw)))
+    out.append(("split chunks 4", dict(chunks=4)))
+    out.append(("split nw16", dict(num_warps=16, block=128 * 16)))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU interpreter (checks only)")
+    a = ap.parse_args()
+    if a.smoke:
+        bt.DEV, K, shapes = "cpu", 64, [(3, 700, False), (2, 500, True)]
+    else:
+        K, shapes = 2048, [(64, 8192, False), (64, 10649, True), (64, 16384, False), (64, 32768, False)]
+    bt.K = K
+    dev = torch.device(bt.DEV)
+    rows = []
+    for R, L, ragged in shapes:
+        x = bt.make_scores("randn", R, L, seed=R + L)
+        lengths = torch.full((R,), L, dtype=torch.int32, device=dev)
+        if ragged:
+            g = torch.Generator(device=dev).manual_seed(R)
+            lengths = (L / 1.3 * (0.7 + 0.6 * torch.rand(R, generator=g, device=dev))).clamp(max=L).to(torch.int32)
+        table = bt.page_table(R, L)
+        pos = bt.oracle(x, lengths, K)
+        page = torch.gather(table, 1, (pos // 64).clamp(min=0).long())
+        want = torch.where(pos >= 0, page * 64 + pos % 64, -1)
+        default = launch.default_config(R, L, K, num_sms(dev) if bt.DEV == "cuda" else 4)
+        base = None
+        for name, kw in variants(R, L):
+            cfg = dataclasses.replace(default, **kw)
+            got = bt._ours(x, lengths, cfg, table)
+            ok = bool(torch.equal(got, want))
+            us = bt._time_graph(lambda: bt._ours(x, lengths, cfg, table)) if ok and not a.smoke else float("nan")
+            base = us if name == "default" else base
+            rows.append({"case": f"{R}x{L}{' ragged' if ragged else ''}", "variant": name, "ok": ok, "us": us,
+                         "vs_default": us / base if base else float("nan")})
+            print(rows[-1], flush=True)
+    print(f"\n{'case':<18} | {'variant':<18} | ok    | us      | vs default")
+    for r in rows:
+        print(f"{r['case']:<18} | {r['variant']:<18} | {str(r['ok']):<5} | {r['us']:7.1f} | {r['vs_default']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
