@@ -116,6 +116,12 @@ without -> with): n 1 76.1 -> 76.9, 77.3 -> 77.0; **n 2 95.6 -> 92.4, 95.6 -> 93
 next_n 2 only, where it won both times; elsewhere a knob. (The public op still runs the Triton kernel at
 next_n 2: 1-2 % slower than this one's raw kernel, but the Gluon path's default (device) checks cost a check
 kernel's launch more, which a 2-µs gain does not pay for.)
+
+SASS figures in this docstring up to 2026-12-02 (eighth session) came from a compile that compiled the batch size
+``B`` as a constant (4) and gave no integer the divisibility-16 hint; since the ninth session ``compile_sm90``
+(``flashdsa/ops/_gluon.py``) specialises as Triton's launcher does, and the defaults compile (Triton 3.6) without
+spills, ``BAR.SYNC`` n 1 37 (29 with ``per_thread_release``), n 2 45 (53 and 8 / 16 B of spills without it), n 3 / n
+4 39 (35 with it).
 """
 
 from __future__ import annotations
@@ -129,6 +135,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from flashdsa.cache.layouts import INDEX_KEY_BYTES, INDEX_PAGE_BYTES, PAGE_SIZE
 from flashdsa.ops._common import remember
+from flashdsa.ops._gluon import compile_sm90 as compile_sm90_kernel
 from flashdsa.ops._gluon_sync import release
 from flashdsa.ops._launch import Address, KernelLauncher, aligned, capability
 from flashdsa.ops._triton_utils import cdiv, num_sms, prev_pow2
@@ -842,11 +849,6 @@ def compile_sm90(n: int, **config):
     """Compile the kernel for sm_90 for next_n ``n`` (any host: no GPU needed) and return Triton's compiled
     kernel (``asm["ptx"]``, ``asm["cubin"]``, ``metadata.shared``): the CI check and the probe's
     ``--compile-only``."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import mangle_type
-
     B, P, max_len = 4, 64, 4096
     q = torch.empty(B, n, HEADS.value, D.value, dtype=torch.float8_e4m3fn)
     cache = torch.empty(P, INDEX_PAGE_BYTES, dtype=torch.uint8)
@@ -854,18 +856,4 @@ def compile_sm90(n: int, **config):
             torch.empty(B, max_len // 64, dtype=torch.int32), max_len, torch.empty(B * n, max_len))
     config.setdefault("chunk_pages", 16)   # the H200's default at B 64 ctx 32K (a CPU has no SM count to ask)
     _, kw = kernel_args(q, cache, *args, **config)
-    opts = {k: kw.pop(k) for k in ("num_warps", "maxnreg")}
-    tys = {torch.float32: "*fp32", torch.int32: "*i32"}
-    fn = indexer_paged_ws_kernel
-    sig, consts, attrs = {}, {}, {}
-    for i, name in enumerate(fn.arg_names):
-        val = kw[name]
-        if name.isupper():
-            sig[name], consts[name] = "constexpr", getattr(val, "value", val)
-        elif isinstance(val, torch.Tensor):   # the launcher specialises 16-byte aligned pointers
-            sig[name], attrs[(i,)] = tys[val.dtype], [["tt.divisibility", 16]]
-        elif isinstance(val, TensorDescriptor):
-            sig[name] = mangle_type(val)
-        else:
-            sig[name] = "i32"
-    return triton.compile(GluonASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32), options=opts)
+    return compile_sm90_kernel(indexer_paged_ws_kernel, kw, int_hints=False)

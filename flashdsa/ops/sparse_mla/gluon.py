@@ -87,6 +87,11 @@ Measured on the H200 (Triton 3.6, CUDA-graph replay, 4 runs of the probe; B64 s_
   even with every row in L2: the bulk ops themselves are slow); carrying the gathered
   bytes across iterations (a u8 tensor in a loop costs a 32-bit register per byte: 4.6 KB of spills);
   P loaded into consumer 1's registers (serialises every wgmma at 160 registers).
+
+SASS figures in this docstring up to 2026-12-02 (eighth session) came from a compile that gave every integer
+argument the divisibility-16 hint, the kernel's ``do_not_specialize`` ones too; since the ninth session
+``compile_sm90`` (``flashdsa/ops/_gluon.py``) specialises as Triton's launcher does, and the default compiles
+(Triton 3.6) to 92 / 88 B of spills (was quoted 80 / 72 B), the same 11 / 11 / 3 / 2 named barriers.
 """
 
 from __future__ import annotations
@@ -98,6 +103,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from flashdsa.cache.layouts import MLA_FP8_BYTES
+from flashdsa.ops._gluon import compile_sm90 as compile_sm90_kernel
 from flashdsa.ops._gluon_sync import release as _release, warps_barrier as _warps_barrier
 from flashdsa.ops._launch import KernelLauncher, aligned, capability
 from flashdsa.ops._triton_utils import cdiv
@@ -862,33 +868,6 @@ def compiled_kernel(q, cache_u8, indices, sm_scale, variant: str = DEFAULT_VARIA
     return sparse_mla_decode_ws_kernel[grid](**kw)
 
 
-def compile_for_sm90(fn, kw: dict, constexprs) -> object:
-    """Compile the Gluon kernel ``fn`` for sm_90 with the arguments ``kw`` of one launch (any host: no GPU)
-    and return Triton's compiled kernel (``asm["ptx"]``, ``asm["llir"]``, ``asm["cubin"]``,
-    ``metadata.shared``). ``constexprs``: the names in ``kw`` that are constexprs. Tensors become 16-byte
-    aligned pointers and integers divisible by 16 are specialised, as the launcher does."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-    tys = {torch.float32: "*fp32", torch.int32: "*i32", torch.uint8: "*u8", torch.bfloat16: "*bf16"}
-    kw = dict(kw)
-    opts = {k: kw.pop(k) for k in ("num_warps", "maxnreg")}
-    sig, attrs, consts = {}, {}, {}
-    for i, name in enumerate(fn.arg_names):
-        val = kw[name]
-        if name in constexprs:
-            sig[name], consts[name] = "constexpr", val
-        elif isinstance(val, torch.Tensor):
-            sig[name], attrs[(i,)] = tys[val.dtype], [["tt.divisibility", 16]]
-        elif isinstance(val, float):
-            sig[name] = "fp32"
-        else:
-            sig[name] = "i32"
-            if val % 16 == 0:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    return triton.compile(GluonASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32), options=opts)
-
-
 def compile_sm90(variant: str = DEFAULT_VARIANT):
     """The decode kernel of ``variant`` compiled for sm_90 without a GPU (B 2, h_q 128, top-2048): the CPU
     test's check and the probe's ``--compile-only``."""
@@ -897,7 +876,7 @@ def compile_sm90(variant: str = DEFAULT_VARIANT):
     idx = torch.empty(2, 1, 2048, dtype=torch.int32)
     out, lse = torch.empty(2, 1, 128, 512, dtype=torch.bfloat16), torch.empty(2, 1, 128)
     _, kw = kernel_args(q, cache, idx, 576 ** -0.5, out, lse, variant)
-    return compile_for_sm90(sparse_mla_decode_ws_kernel, kw, VARIANTS[variant])
+    return compile_sm90_kernel(sparse_mla_decode_ws_kernel, kw)
 
 
 # ---- the dispatch's entry ------------------------------------------------------------------------------

@@ -85,6 +85,11 @@ shared, so a figure moves by a few per cent between runs, ratios within a run mu
   gluon._dequant, L2 prefetch of the next pair): 137.5-164.1 us at B 64 h 128, against 116.8 for
   ``gluon.py`` (one producer warpgroup cannot dequantise a half in the time the consumers take to free
   the next one with two buffers), so fp8 stays on ``gluon.py``.
+
+SASS figures in this docstring up to 2026-12-02 (eighth session) came from a compile that gave every integer
+argument the divisibility-16 hint, the kernel's ``do_not_specialize`` ones too; since the ninth session
+``compile_sm90`` (``flashdsa/ops/_gluon.py``) specialises as Triton's launcher does, and the default compiles
+(Triton 3.6) to 12 / 12 B of spills (was quoted 32 B), named barriers 20 / 11 / 17 / 8.
 """
 
 from __future__ import annotations
@@ -96,9 +101,10 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
+from flashdsa.ops._gluon import compile_sm90 as compile_sm90_kernel
 from flashdsa.ops._launch import KernelLauncher, aligned, capability
 from flashdsa.ops._triton_utils import cdiv, num_sms
-from flashdsa.ops.sparse_mla.gluon import (BLOCK_H, BLOCK_N, LN2, LOG2E, MAXNREG, _klat, compile_for_sm90, load_q,
+from flashdsa.ops.sparse_mla.gluon import (BLOCK_H, BLOCK_N, LN2, LOG2E, MAXNREG, _klat, load_q,
                                            mma_layout, store_o, tile_smem)
 
 # global -> shared cp.async: ``async_copy_global_to_shared`` in Triton 3.6, renamed ``async_load`` by 3.9
@@ -603,7 +609,7 @@ def compile_sm90(variant: str = DEFAULT_VARIANT):
     i2 = torch.empty(4, 2048, dtype=torch.int32)
     o3, l2 = torch.empty(4, 128, 512, dtype=torch.bfloat16), torch.empty(4, 128)
     _, kw = kernel_args(q3, kv, 64 * kv.stride(0), kv.stride(0), kv.shape[0], i2, 576 ** -0.5, o3, l2, variant)
-    return compile_for_sm90(sparse_mla_bf16_ws_kernel, kw, VARIANTS[variant])
+    return compile_sm90_kernel(sparse_mla_bf16_ws_kernel, kw)
 
 
 _LAUNCHER = KernelLauncher(sparse_mla_bf16_ws_kernel, ("q", "kv", "idx", "out", "lse"))
