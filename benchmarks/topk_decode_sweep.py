@@ -32,6 +32,11 @@ def variants(R: int, L: int) -> list[tuple[str, dict]]:
             out.append((f"row nw{nw}{' stream' if stream else ''}",
                         dict(kind="fused", cand=cand, wcap=launch.WCAP, num_warps=nw, grid=R, maxnreg=0,
                              stream=stream, unroll=2, move_step=128, block=128 * nw)))
+    # one program a row with the default U (the sample, then one program's compaction; no arrival, no gather)
+    for nw, unroll in ((8, 4), (16, 2)):
+        out.append((f"fused nw{nw} grid R", dict(kind="fused", num_warps=nw, grid=R, maxnreg=0, stream=False,
+                                                 unroll=unroll, move_step=128, block=128 * nw)))
+    out.append(("split chunks 1", dict(chunks=1)))
     out.append(("split chunks 4", dict(chunks=4)))
     out.append(("split nw16", dict(num_warps=16, block=128 * 16)))
     return out

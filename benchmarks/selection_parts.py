@@ -1,0 +1,62 @@
+"""Where decode selection's time goes: the paged logits alone, top-k alone on them, and the chain, as
+``flashdsa bench --ops selection`` builds them (B 64, next_n 1, contexts ~U(0.7, 1.3) x ctx, value checks
+off), each a CUDA-graph replay; and the peer's chain and its parts when DeepGEMM / sgl-kernel load.
+
+    PYTHONPATH=. python benchmarks/selection_parts.py [--peer-libs DIR] [--ctx 8192,32768]
+
+The sum of the parts against the chain shows what the hand-over between the two kernels costs.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from flashdsa import ops
+from flashdsa.quant import FP8
+from flashdsa.testing import peers
+from flashdsa.testing.inputs import index_cache, paged_batch, randn
+from flashdsa.testing.timing import time_us
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--ctx", default="8192,32768")
+    ap.add_argument("--peer-libs", default="")
+    a = ap.parse_args()
+    dev = torch.device("cuda")
+    status = peers.peer_status(a.peer_libs or None)
+    ops.set_value_checks(False)
+    B, H, k = 64, 64, 2048
+    rows = []
+    for ctx in map(int, a.ctx.split(",")):
+        g = torch.Generator(device=dev).manual_seed(ctx + 17)
+        seq, bt, P = paged_batch(B, ctx, 1, g, dev)
+        cache = index_cache(P, g, dev)
+        lens = seq.view(B, 1).to(torch.int32)
+        rows_len = lens.view(-1).contiguous()
+        max_len = bt.shape[1] * 64
+        q, w = randn((B, 1, H, 128), g, dev, FP8), randn((B, H), g, dev)
+        x = ops.indexer_logits_paged(q, cache, w, lens, bt, max_len)
+        r = {"ctx": ctx, "L": max_len,
+             "logits": time_us(lambda: ops.indexer_logits_paged(q, cache, w, lens, bt, max_len)),
+             "topk": time_us(lambda: ops.topk_transform(x, rows_len, k, page_table=bt)),
+             "chain": time_us(lambda: ops.topk_transform(ops.indexer_logits_paged(q, cache, w, lens, bt, max_len),
+                                                         rows_len, k, page_table=bt))}
+        if status.get("fast_topk_transform_fused", {}).get("ok"):
+            from flashdsa.bench import _token_table
+            topk = peers.fast_topk_transform_fused(rows_len, _token_table(bt, max_len), k)
+            r["peer_topk"] = time_us(lambda: topk(x))
+            if status.get("DeepGEMM", {}).get("ok"):
+                from flashdsa.bench import _deepgemm_paged
+                dg = _deepgemm_paged(q, cache, w, lens, bt, max_len, lambda: x)()[0]
+                r["peer_logits"] = time_us(dg)
+                r["peer_chain"] = time_us(lambda: topk(dg()))
+        r["chain - parts"] = r["chain"] - r["logits"] - r["topk"]
+        rows.append(r)
+        print({kk: round(v, 1) if isinstance(v, float) else v for kk, v in r.items()}, flush=True)
+
+
+if __name__ == "__main__":
+    main()
