@@ -21,7 +21,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashdsa.ops.topk.common import INT_MAX, INT_MIN, bits_key, excl_sum, pad4, round4, store, store2, translate
+from flashdsa.ops.topk.common import (INT_MAX, INT_MIN, bits_bounds, bits_key, excl_sum, pad4, round4, store, store2,
+                                      translate)
 
 
 @triton.jit
@@ -114,6 +115,26 @@ def ties_fill_warps(s_eq, span, K, NW: tl.constexpr, LG_S: tl.constexpr):
     to the guess in a warp's segment of a ``span``-key range: then :func:`compact_seg_ties` stores fewer."""
     s = s_eq.to(tl.int64)
     return s * tl.cdiv(span, NW) > (s * 0 + K) * (1 << LG_S)
+
+
+@triton.jit
+def compact_guess(row, s0, s1, t_lo, s_eq, span, K, useg, prog, CAP: tl.constexpr, NW: tl.constexpr,
+                  UN: tl.constexpr, VEC: tl.constexpr, ASM: tl.constexpr, LG_S: tl.constexpr, TIES: tl.constexpr):
+    """Step 2 on keys ``[s0, s1)`` of a row, each warp's keys ``>= t_lo`` to its list: :func:`compact_seg_ties`
+    where the sample predicts more than K keys equal to the guess in a warp's segment of the ``span``-key
+    range (TIES compiles that test in), else :func:`compact_seg`. The lists: program ``prog``'s ``[NW, CAP]`` of
+    ``useg`` (its address worked out in each branch, as the kernels had it inline: the same sm_90 code).
+    Returns ``[NW]`` the lists' lengths."""
+    ties = False
+    if TIES:
+        ties = ties_fill_warps(s_eq, span, K, NW, LG_S)
+    if ties:
+        # mostly one value: a warp keeps its first K keys equal to t_lo
+        cw = compact_seg_ties(row, s0, s1, t_lo, K, useg + prog * (NW * CAP), CAP, NW, UN, VEC, ASM)
+    else:
+        t_a, t_p, t_b = bits_bounds(t_lo)
+        cw = compact_seg(row, s0, s1, t_a, t_p, t_b, useg + prog * (NW * CAP), CAP, NW, UN, VEC, ASM)
+    return cw
 
 
 @triton.jit

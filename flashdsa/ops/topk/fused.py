@@ -10,8 +10,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashdsa.ops.topk.common import INT_MIN, bits_bounds, copy_short, row_check, row_setup
-from flashdsa.ops.topk.compact import compact_seg, compact_seg_ties, move, move_capped, ties_fill_warps
+from flashdsa.ops.topk.common import INT_MIN, copy_short, row_check, row_setup
+from flashdsa.ops.topk.compact import compact_guess, move, move_capped
 from flashdsa.ops.topk.fallback import row_fallback
 from flashdsa.ops.topk.radix import sample_threshold, select_emit
 
@@ -70,15 +70,7 @@ def topk_fused_kernel(
                 tl.store(out_row, t_lo)
             else:
                 # ---- 2. one pass over the row: scores with key >= t_lo -> the warps' lists
-                ties = False
-                if TIES:
-                    ties = ties_fill_warps(s_eq, n, K, NW, LG_S)
-                if ties:
-                    # mostly one value: a warp keeps its first K keys equal to t_lo
-                    cw = compact_seg_ties(row, 0, n, t_lo, K, useg, CAP, NW, UN, VEC, ASM)
-                else:
-                    t_a, t_p, t_b = bits_bounds(t_lo)
-                    cw = compact_seg(row, 0, n, t_a, t_p, t_b, useg, CAP, NW, UN, VEC, ASM)
+                cw = compact_guess(row, 0, n, t_lo, s_eq, n, K, useg, 0, CAP, NW, UN, VEC, ASM, LG_S, TIES)
                 c = tl.sum(cw, axis=0)
                 # The lists are read by other threads below.
                 tl.debug_barrier()

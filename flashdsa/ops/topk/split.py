@@ -12,10 +12,9 @@ import triton.language as tl
 
 from flashdsa._checks import is_cuda
 from flashdsa._library import in_registered_op
-from flashdsa.ops.topk.common import (INT_MIN, bits_bounds, copy_short, excl_sum, pad4, round4, row_check, row_setup,
+from flashdsa.ops.topk.common import (INT_MIN, copy_short, excl_sum, pad4, round4, row_check, row_setup,
                                       store)
-from flashdsa.ops.topk.compact import (compact_seg, compact_seg_ties, move, move_capped, scan_keep, tie_cap,
-                                       ties_fill_warps)
+from flashdsa.ops.topk.compact import compact_guess, move, move_capped, scan_keep, tie_cap
 from flashdsa.ops.topk.fallback import row_fallback
 from flashdsa.ops.topk.radix import sample_threshold, select_emit
 
@@ -142,15 +141,8 @@ def topk_split_kernel(
             # s0 stays a multiple of the tile (aligned loads); an empty chunk has s1 == s0
             s0 = j * ch
             s1 = tl.maximum(tl.minimum(s0 + ch, n), s0)
-            ties = False
-            if TIES:
-                ties = ties_fill_warps(s_eq, ch, K, NW, LG_S)
-            if ties:
-                # mostly one value: a warp keeps its first K keys equal to t_lo (every chunk decides alike)
-                cw = compact_seg_ties(row, s0, s1, t_lo, K, sscr + prog * (NW * CAP), CAP, NW, UN, VEC, ASM)
-            else:
-                t_a, t_p, t_b = bits_bounds(t_lo)
-                cw = compact_seg(row, s0, s1, t_a, t_p, t_b, sscr + prog * (NW * CAP), CAP, NW, UN, VEC, ASM)
+            # (every chunk makes the same tie choice: the same sample, the same chunk length)
+            cw = compact_guess(row, s0, s1, t_lo, s_eq, ch, K, sscr, prog, CAP, NW, UN, VEC, ASM, LG_S, TIES)
             c_j = tl.sum(cw, axis=0)
             tl.debug_barrier()
             if STOP == 2:
