@@ -45,11 +45,16 @@ def variants(R: int, L: int) -> list[tuple[str, dict]]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU interpreter (checks only)")
+    ap.add_argument("--only", default="", help="comma-separated variant names to run (default: all)")
+    ap.add_argument("--shapes", default="", help="comma-separated case indices of the default shapes (0-3)")
     a = ap.parse_args()
     if a.smoke:
         bt.DEV, K, shapes = "cpu", 64, [(3, 700, False), (2, 500, True)]
     else:
         K, shapes = 2048, [(64, 8192, False), (64, 10649, True), (64, 16384, False), (64, 32768, False)]
+    if a.shapes:
+        shapes = [shapes[int(i)] for i in a.shapes.split(",")]
+    only = set(filter(None, a.only.split(",")))
     bt.K = K
     dev = torch.device(bt.DEV)
     rows = []
@@ -66,6 +71,8 @@ def main() -> None:
         default = launch.default_config(R, L, K, num_sms(dev) if bt.DEV == "cuda" else 4)
         base = None
         for name, kw in variants(R, L):
+            if only and name not in only and name != "default":
+                continue
             cfg = dataclasses.replace(default, **kw)
             got = bt._ours(x, lengths, cfg, table)
             ok = bool(torch.equal(got, want))
