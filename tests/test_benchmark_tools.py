@@ -1,5 +1,5 @@
 """The GPU-box helpers of benchmarks/ that run anywhere: ``ncu_sass_top.py`` on a CSV shaped like Nsight
-Compute's ``--page source --print-source sass --csv`` output."""
+Compute's ``--page source --print-source sass --csv`` output; ``topk_decode_sweep.py``'s smoke mode."""
 
 from __future__ import annotations
 
@@ -31,3 +31,19 @@ def test_ncu_sass_top_ranks_instructions(tmp_path, monkeypatch):
     assert "STS.128 [R8], R96" in lines[excess + 1]
     stalls = lines.index("-- top 2 by stall samples")  # of 3: the top 2 only
     assert "BRA" in lines[stalls + 1] and "LDL" in lines[stalls + 2]
+
+
+def test_topk_decode_sweep_smoke():
+    """``topk_decode_sweep.py --smoke`` on the CPU interpreter: a launch variant's slots are the oracle's (the
+    script's own check, the one its GPU run relies on) and the table prints."""
+    import os
+    import subprocess
+    import sys
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(root))
+    run = subprocess.run([sys.executable, str(root / "benchmarks" / "topk_decode_sweep.py"), "--smoke", "--shapes", "0",
+                          "--only", "split chunks 1"], capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = [line for line in run.stdout.splitlines() if line.startswith("3x700")]
+    assert [r.split("|")[1].strip() for r in rows] == ["default", "split chunks 1"], run.stdout[-2000:]
+    assert all(r.split("|")[2].strip() == "True" for r in rows), run.stdout[-2000:]
