@@ -14,9 +14,8 @@ import argparse
 import torch
 
 from flashdsa import ops
-from flashdsa.quant import FP8
+from flashdsa.bench import selection_inputs
 from flashdsa.testing import peers
-from flashdsa.testing.inputs import index_cache, paged_batch, randn
 from flashdsa.testing.timing import time_us
 
 
@@ -31,13 +30,8 @@ def main() -> None:
     B, H, k = 64, 64, 2048
     rows = []
     for ctx in map(int, a.ctx.split(",")):
-        g = torch.Generator(device=dev).manual_seed(ctx + 17)
-        seq, bt, P = paged_batch(B, ctx, 1, g, dev)
-        cache = index_cache(P, g, dev)
-        lens = seq.view(B, 1).to(torch.int32)
+        q, cache, w, lens, bt, max_len, _ = selection_inputs(B, ctx, H, dev)
         rows_len = lens.view(-1).contiguous()
-        max_len = bt.shape[1] * 64
-        q, w = randn((B, 1, H, 128), g, dev, FP8), randn((B, H), g, dev)
         x = ops.indexer_logits_paged(q, cache, w, lens, bt, max_len)
         r = {"ctx": ctx, "L": max_len,
              "logits": time_us(lambda: ops.indexer_logits_paged(q, cache, w, lens, bt, max_len)),

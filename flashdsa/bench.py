@@ -412,6 +412,18 @@ def _setup_prefill(p: dict, dev, status) -> list[tuple[str, Bench]]:
     return [("", Bench(ours, check, peer, **_attention_work(idx.numel(), h, 1152, q, idx)))]
 
 
+def selection_inputs(B: int, ctx: int, H: int, dev) -> tuple:
+    """Decode selection's inputs at next_n 1, seeded by ``ctx``: ``(q [B, 1, H, 128] fp8, index cache, weights
+    [B, H] f32, context_lens [B, 1] i32, block table [B, pages] i32, max_len, seq [B])``, contexts ~U(0.7, 1.3)
+    x ctx (``paged_batch``)."""
+    from flashdsa.quant import FP8
+    g = torch.Generator(device=dev).manual_seed(ctx + 17)
+    seq, bt, P = paged_batch(B, ctx, 1, g, dev)
+    cache = index_cache(P, g, dev)
+    q, w = randn((B, 1, H, 128), g, dev, FP8), randn((B, H), g, dev)
+    return q, cache, w, seq.view(B, 1).to(torch.int32), bt, bt.shape[1] * 64, seq
+
+
 def _setup_selection(p: dict, dev, status) -> list[tuple[str, Bench]]:
     """Decode selection at next_n 1: paged logits -> top-k -> physical slots, ours as the runner chains them
     (``indexer_logits_paged`` then ``topk_transform`` through the block table), against DeepGEMM's paged
@@ -419,15 +431,9 @@ def _setup_selection(p: dict, dev, status) -> list[tuple[str, Bench]]:
     per token). Checked: the logits against the torch reference (a few requests), and the slots against the
     torch top-k on our logits; the peer's slots are compared with ours as sets (information)."""
     from flashdsa import ops
-    from flashdsa.quant import FP8
     B, ctx, H, k = p["B"], p["ctx"], p["H"], p.get("k", 2048)
-    g = torch.Generator(device=dev).manual_seed(ctx + 17)
-    seq, bt, P = paged_batch(B, ctx, 1, g, dev)
-    cache = index_cache(P, g, dev)
-    lens = seq.view(B, 1).to(torch.int32)
+    q, cache, w, lens, bt, max_len, seq = selection_inputs(B, ctx, H, dev)
     rows_len = lens.view(-1).contiguous()
-    max_len = bt.shape[1] * 64
-    q, w = randn((B, 1, H, 128), g, dev, FP8), randn((B, H), g, dev)
     backend = None if q.is_cuda else "triton"
 
     def logits():
