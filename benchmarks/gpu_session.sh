@@ -4,7 +4,8 @@
 #   bash benchmarks/gpu_session.sh tests indexer topk sparse_mla demo hf
 # Stages: tests (every GPU test, `-m gpu`: compiled kernels vs the references, 9.7 min on 2026-12-02, close to a
 # 10-min command limit; tests-ops / tests-rest:
-# tests/ops (about 6 min) / everything else (about 2 min), for runs of a few minutes), <op> (benchmarks/bench_<op>.py),
+# tests/ops (about 8 min on 2026-12-02: a 400-s timeout cut it at ~85 %; tests-ops1 / tests-ops2 split it by name,
+# a-i / j-z) / everything else (about 3 min), for runs of a few minutes), <op> (benchmarks/bench_<op>.py),
 # demo (flashdsa demo on v32, few layers), hf (benchmarks/bench_hf.py), gluon (the Gluon sparse-MLA probes:
 # every variant of gluon.py's fp8 decode and gluon_bf16.py's prefill / bf16 decode checked against the
 # reference and timed next to FlashMLA, and the bf16 kernel's fixed cost per CTA; about 4 min), ncu (Nsight
@@ -31,6 +32,10 @@ for stage in "$@"; do
   case $stage in
     tests) timeout 590 python3 -m pytest -q -p no:cacheprovider -m gpu tests -rf 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
     tests-ops) timeout 590 python3 -m pytest -q -p no:cacheprovider -m gpu tests/ops -rf 2>&1 | tee "$OUT/tests-ops.log" | tail -25 ;;
+    tests-ops1) timeout 590 python3 -m pytest -q -p no:cacheprovider -m gpu tests/ops/test_[a-i]*.py -rf 2>&1 \
+                  | tee "$OUT/tests-ops1.log" | tail -25 ;;
+    tests-ops2) timeout 590 python3 -m pytest -q -p no:cacheprovider -m gpu tests/ops/test_[j-z]*.py -rf 2>&1 \
+                  | tee "$OUT/tests-ops2.log" | tail -25 ;;
     tests-rest) timeout 590 python3 -m pytest -q -p no:cacheprovider -m gpu tests --ignore=tests/ops -rf 2>&1 \
                   | tee "$OUT/tests-rest.log" | tail -25 ;;
     demo)  timeout 300 python3 -m flashdsa.cli demo --preset v32 --device cuda --layers ${DEMO_LAYERS:-4} --json 2>&1 | tee "$OUT/demo.json" | tail -3 ;;
