@@ -48,15 +48,15 @@ class GluonKernels:
         return kernel.unsupported(*args)
 
 
-def compile_sm90(fn, kw: dict, int_hints: bool = True):
+def compile_sm90(fn, kw: dict):
     """Compile the Gluon kernel ``fn`` for sm_90 with the keyword arguments ``kw`` of one launch, on any host
     (no GPU), and return Triton's compiled kernel (``asm["ptx"]``, ``asm["llir"]``, ``asm["cubin"]``,
     ``metadata.shared``): the kernels' CPU compile tests and the probes' ``--compile-only``.
 
     Specialised as the launcher specialises: the kernel's constexpr parameters take their values, tensors
-    become 16-byte aligned pointers, TensorDescriptors their own type; ``int_hints``: integers divisible by
-    16 carry that hint (unless the kernel marks them ``do_not_specialize``), as Triton's launcher does.
-    ``num_warps`` / ``maxnreg`` in ``kw`` are compile options."""
+    become 16-byte aligned pointers, TensorDescriptors their own type, integers divisible by 16 carry that
+    hint unless the kernel marks them ``do_not_specialize`` (an integer equal to 1, which the launcher turns
+    into a constant, stays an argument here). ``num_warps`` / ``maxnreg`` in ``kw`` are compile options."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -71,7 +71,7 @@ def compile_sm90(fn, kw: dict, int_hints: bool = True):
             sig[p.name], consts[p.name] = "constexpr", getattr(val, "value", val)
             continue
         sig[p.name] = mangle_type(val)
-        if hasattr(val, "data_ptr") or (int_hints and isinstance(val, int) and not isinstance(val, bool)
+        if hasattr(val, "data_ptr") or (isinstance(val, int) and not isinstance(val, bool)
                                         and val % 16 == 0 and not p.do_not_specialize):
             attrs[(p.num,)] = [["tt.divisibility", 16]]
     return triton.compile(GluonASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32), options=opts)

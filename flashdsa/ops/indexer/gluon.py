@@ -856,4 +856,4 @@ def compile_sm90(n: int, **config):
             torch.empty(B, max_len // 64, dtype=torch.int32), max_len, torch.empty(B * n, max_len))
     config.setdefault("chunk_pages", 16)   # the H200's default at B 64 ctx 32K (a CPU has no SM count to ask)
     _, kw = kernel_args(q, cache, *args, **config)
-    return compile_sm90_kernel(indexer_paged_ws_kernel, kw, int_hints=False)
+    return compile_sm90_kernel(indexer_paged_ws_kernel, kw)
