@@ -4,12 +4,15 @@ off), each a CUDA-graph replay; and the peer's chain and its parts when DeepGEMM
 
     PYTHONPATH=. python benchmarks/selection_parts.py [--peer-libs DIR] [--ctx 8192,32768]
 
-The sum of the parts against the chain shows what the hand-over between the two kernels costs.
+The sum of the parts against the chain shows what the hand-over between the two kernels costs. The rows also
+go to ``$OUT/selection_parts.json`` when ``OUT`` is set.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 
@@ -17,6 +20,9 @@ from flashdsa import ops
 from flashdsa.bench import selection_inputs
 from flashdsa.testing import peers
 from flashdsa.testing.timing import time_us
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import write_json  # noqa: E402
 
 
 def main() -> None:
@@ -50,6 +56,7 @@ def main() -> None:
         r["chain - parts"] = r["chain"] - r["logits"] - r["topk"]
         rows.append(r)
         print({kk: round(v, 1) if isinstance(v, float) else v for kk, v in r.items()}, flush=True)
+    write_json(rows, "selection_parts")   # $OUT/selection_parts.json when OUT is set
 
 
 if __name__ == "__main__":
