@@ -130,17 +130,17 @@ def topk_cases():
                 def launch(*a, **kw):
                     captured.update(kern=self.kern, args=a, kw=kw)
                 return launch
-        # the launchers hold the kernels (launch._FUSED / _SPLIT, ops/_launch.KernelLauncher)
-        saved = launch._FUSED.kernel, launch._SPLIT.kernel, launch.interpreting
-        launch._FUSED.kernel, launch._SPLIT.kernel = _Grab(saved[0]), _Grab(saved[1])
+        # the launchers hold the kernels (launch._FUSED / _SPLIT / _ROWS, ops/_launch.KernelLauncher)
+        saved = launch._FUSED.kernel, launch._SPLIT.kernel, launch._ROWS.kernel, launch.interpreting
+        launch._FUSED.kernel, launch._SPLIT.kernel, launch._ROWS.kernel = _Grab(saved[0]), _Grab(saved[1]), _Grab(saved[2])
         launch.interpreting = lambda: False
         try:
             launch.topk_transform(x, n, 2048, table, starts, offsets, 64,
                                   config=launch.default_config(R, L, 2048, sms=132))
         finally:
-            launch._FUSED.kernel, launch._SPLIT.kernel, launch.interpreting = saved
-            launch._FUSED.plans.clear()
-            launch._SPLIT.plans.clear()
+            launch._FUSED.kernel, launch._SPLIT.kernel, launch._ROWS.kernel, launch.interpreting = saved
+            for launcher in (launch._FUSED, launch._SPLIT, launch._ROWS):
+                launcher.plans.clear()
         kern, a, kw = captured["kern"], captured["args"], dict(captured["kw"])
         nw, mr = kw.pop("num_warps"), kw.pop("maxnreg", 0)
         names = kern.arg_names

@@ -4,7 +4,8 @@
 
 Each variant is ``dataclasses.replace(default_config(...), ...)``; its slots are checked bit for bit against
 the torch oracle (``bench_topk.oracle`` through the page table) before it is timed (CUDA-graph replay). The
-variants ask whether a row's whole length as U (``cand >= L``: no sample, every key a candidate, one
+variants ask whether the rows kernel (a row in registers, 2048-bucket levels counted with shared-memory
+atomics) or a row's whole length as U (``cand >= L``: no sample, every key a candidate, one
 program a row) beats the split kernel's sample + chunks at 8K-16K, where the levels dominate
 (README.md "Triton details": select 8.2 of 22.9 µs at 64 x 8K).
 """
@@ -36,6 +37,11 @@ def variants(R: int, L: int) -> list[tuple[str, dict]]:
     for nw, unroll in ((8, 4), (16, 2)):
         out.append((f"fused nw{nw} grid R", dict(kind="fused", num_warps=nw, grid=R, maxnreg=0, stream=False,
                                                  unroll=unroll, move_step=128, block=128 * nw)))
+    # a program a row, the row in registers, shared-memory histograms (rows.py; rows of at most 16K)
+    if L <= launch.ROWS_MAX_L:
+        for nw in (8, 16):
+            for bits in (11, 8):
+                out.append((f"rows nw{nw} b{bits}", dict(kind="rows", num_warps=nw, bits=bits, maxnreg=0)))
     out.append(("split chunks 1", dict(chunks=1)))
     out.append(("split chunks 4", dict(chunks=4)))
     out.append(("split nw16", dict(num_warps=16, block=128 * 16)))
@@ -46,12 +52,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU interpreter (checks only)")
     ap.add_argument("--only", default="", help="comma-separated variant names to run (default: all)")
-    ap.add_argument("--shapes", default="", help="comma-separated case indices of the default shapes (0-3)")
+    ap.add_argument("--shapes", default="", help="comma-separated case indices of the default shapes (0-4)")
     a = ap.parse_args()
     if a.smoke:
         bt.DEV, K, shapes = "cpu", 64, [(3, 700, False), (2, 500, True)]
     else:
-        K, shapes = 2048, [(64, 8192, False), (64, 10649, True), (64, 16384, False), (64, 32768, False)]
+        K, shapes = 2048, [(64, 8192, False), (64, 10649, True), (64, 16384, False), (64, 32768, False),
+                           (64, 10624, True)]
     if a.shapes:
         shapes = [shapes[int(i)] for i in a.shapes.split(",")]
     only = set(filter(None, a.only.split(",")))

@@ -531,11 +531,11 @@ def test_launcher_variants_plan_and_verify(recording, monkeypatch):
             paged.indexer_logits_paged(*[a[k] for k in ("q_fp8", "index_cache", "weights", "context_lens",
                                                        "block_table", "max_context_len")], config=cfg)
     t = _topk()
-    for kind in ("split", "fused"):
+    for kind in ("split", "fused", "rows"):
         cfg = launch.default_config(3, 100, 8, 4, kind=kind)
         for _ in range(2):
             launch.topk_transform(t["logits"], t["lengths"], 8, t["page_table"], t["row_starts"], None, 64, config=cfg)
-    assert [e[0] for e in recording] == ["triton", "plan"] * 4
+    assert [e[0] for e in recording] == ["triton", "plan"] * 5
     recording.clear()
     logits = torch.zeros(3 * 100 + 1)[1:].view(3, 100)  # 4-byte aligned, not 16: Triton's own launch
     for _ in range(2):

@@ -64,6 +64,9 @@ KNOBS = {
     "move-32": dict(SMALL, move_step=32),   # [NW, 32] list entries moved to U a step (default 128 / 64)
     "split-stream": dict(SMALL, kind="split", chunks=3, sample_stream=True, **TILES),   # the sample streamed
     "split-finish-stream": dict(SMALL, kind="split", chunks=2, stream=True, **TILES),   # the finisher streamed
+    # a program a row held in registers (rows.py): 2048-bucket levels, and 3-bit ones (many levels each row)
+    "rows": dict(kind="rows", num_warps=4),
+    "rows-b3": dict(kind="rows", num_warps=2, bits=3),
 }
 
 
@@ -461,6 +464,22 @@ def test_gpu_modes(knobs, kind):
     lengths = torch.randint(k - 5, L + 1, (R,), generator=gen, dtype=torch.int32).cuda()
     out = launch.topk_transform(logits, lengths, k, None, None, None, 64, config=_config(logits, k, knobs))
     _assert_same(out.cpu(), ref_impl(logits, lengths, k, None, None, None, 64).cpu(), f"{knobs} {kind}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("L", [8192, 10649, 16384])
+@pytest.mark.parametrize("mode", ["plain", "pages"])
+@pytest.mark.parametrize("bits", [11, 8, 3])
+def test_gpu_rows_kernel(L, mode, bits):
+    # the rows kernel's shared-memory histograms (inline PTX: compiled only, the interpreter counts with
+    # tl.histogram): every kind of row, ragged lengths with the edge cases, 8- and 16-warp programs
+    k = 2048
+    kinds = list(KINDS)
+    lens = [L, L - 1, k + 1, k, 63, 0, min(4 * k + 3, L - 2), L // 2] * 4 + [L] * 32
+    logits, lengths, kw = _case(len(lens), L, k, kinds, lens, seed=L + bits, mode=mode)
+    for nw in (8, 16):
+        got, ref = _run_both(logits, lengths, k, kw, dict(kind="rows", num_warps=nw, bits=bits))
+        _assert_same(got, ref, f"rows nw{nw} bits{bits} L{L} {mode}")
 
 
 @pytest.mark.gpu

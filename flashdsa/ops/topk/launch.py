@@ -25,8 +25,10 @@ from flashdsa.ops._device_checks import TOPK_CODE0
 from flashdsa.ops._launch import KernelLauncher
 from flashdsa.ops._triton_utils import cdiv, interpreting, next_pow2, num_sms, prev_pow2
 from flashdsa.ops.topk.fused import topk_fused_kernel
+from flashdsa.ops.topk.rows import topk_rows_kernel
 from flashdsa.ops.topk.split import arrive_counters, stream_key, topk_split_kernel
 
+ROWS_MAX_L = 16384            # the rows kernel's emit packs two counts of at most its block in an int32
 WCAP = 512                    # W: the bucket small enough to leave U's registers for
 LG_SAMPLE_MIN, LG_SAMPLE_MAX = 9, 11
 SCRATCH_BUDGET = 1 << 30      # bytes of scratch; fewer programs when k is huge
@@ -51,7 +53,9 @@ class TopkConfig:
     to slot j and, but for "select", skips the finisher. For ``bench_topk.py --stages`` and tests.
     """
 
-    kind: str                  # "fused" (fused.py: many rows) or "split" (split.py: few long rows)
+    kind: str                  # "fused" (fused.py: many rows), "split" (split.py: few long rows) or "rows"
+                               # (rows.py: a program a row held in registers, rows of at most 16384 scores;
+                               # uses num_warps, maxnreg, bits and vec only)
     cand: int                  # U's slots a row: a power of 2 <= 16384 (emit packs two counts in an int32)
     lg_sample: int             # log2 of the sample size, >= 3 (runs of 8 keys)
     wcap: int                  # W's slots: a multiple of 4 (read 4 keys a thread)
@@ -83,8 +87,10 @@ class TopkConfig:
     def __post_init__(self):
         def bad(field, expected):
             raise ValueError(f"TopkConfig.{field}: expected {expected}, got {getattr(self, field)!r}")
-        if self.kind not in ("fused", "split"):
-            bad("kind", '"fused" or "split"')
+        if self.kind not in ("fused", "split", "rows"):
+            bad("kind", '"fused", "split" or "rows"')
+        if self.kind == "rows" and not 1 <= self.bits <= 11:
+            bad("bits", "1 to 11 (rows: 2^bits buckets of shared memory)")
         for field in ("cand", "block"):
             v = getattr(self, field)
             if v < 1 or v > 16384 or v & (v - 1):
@@ -125,7 +131,13 @@ def default_config(R: int, L: int, K: int, sms: int, kind: str | None = None) ->
     """The default launch of top-K over R rows of up to L scores on a GPU of ``sms`` SMs, as measured on
     the H200 (triton 3.6; README.md "Measured"). ``kind`` picks the kernel instead of the rule below.
 
-    Few rows (R <= sms, L >= 4K): split mode, ``chunks`` 8-warp programs a row, one per 32K of row and at
+    Few rows (R <= sms) of 4K < L <= 16K: the rows kernel (rows.py), a 16-warp program a row held in
+    registers, levels of 2048 buckets (64 x 8K 17.9 us against split's 23.9, 64 x 16K 24.8 against 26.0,
+    decode selection's 64 x ~8K of width 10 624 23.6 against 27.1; 8 warps or 256 buckets within 4 % either
+    way). Its loads are 128-bit only where rows are whole 16-byte chunks, and without them it was slower
+    than split (64 x ~8K of width 10 649: 30.6-33.5 against 24.1), so the launcher takes split there
+    (:func:`_launch_shape`, which sees the logits).
+    Few rows (R <= sms, L >= 4K), otherwise: split mode, ``chunks`` 8-warp programs a row, one per 32K of row and at
     least 2 (more chunks, or more programs of fewer warps, were slower), 4 tiles a warp compacted at once,
     128 list entries a warp moved a step; the finisher's levels in registers up to cand 4096, streamed
     above (the register form needs 127 registers at cand 8192: two programs an SM, and the chunk
@@ -140,7 +152,10 @@ def default_config(R: int, L: int, K: int, sms: int, kind: str | None = None) ->
     cand, lg_sample = _sizes(K, L)
     sizes = dict(cand=cand, lg_sample=lg_sample, wcap=min(WCAP, cand))
     if kind is None:
-        kind = "split" if R <= sms and L >= 4096 else "fused"
+        kind = ("rows" if L > 4096 and L <= ROWS_MAX_L else "split") if R <= sms and L >= 4096 else "fused"
+    if kind == "rows":
+        return TopkConfig(kind="rows", num_warps=16, maxnreg=0, unroll=1, move_step=128, stream=False,
+                          sample_stream=False, block=128 * 16, bits=11, **sizes)
     if kind == "split":
         chunks = max(2, min(16, L // 32768, prev_pow2(4 * sms // max(R, 1))))
         return TopkConfig(kind="split", num_warps=8, maxnreg=0, unroll=4, move_step=128, stream=cand > 4096,
@@ -186,6 +201,7 @@ _FUSED = KernelLauncher(topk_fused_kernel, ("logits", "lengths", "row_starts", "
                                             "sscr", "wscr", "flag"))
 _SPLIT = KernelLauncher(topk_split_kernel, ("logits", "lengths", "row_starts", "out_offsets", "table", "out", "scr",
                                             "sscr", "counts", "arrive", "uscr", "wscr", "sampscr", "flag"))
+_ROWS = KernelLauncher(topk_rows_kernel, ("logits", "lengths", "row_starts", "out_offsets", "table", "out", "flag"))
 _ALIGN = 256  # scratch pieces start at multiples of this (16 would do: Triton's pointer specialisation)
 CACHED_SCRATCH = True  # bench hook: False allocates the scratch on every call (bench_host.py's A/B row)
 SCRATCH_CACHE_MAX = 64 << 20  # bytes: decode shapes need 3-9 MiB; a larger scratch is allocated per call
@@ -220,8 +236,13 @@ def _launch_shape(key, logits, K, page_table, row_starts, out_offsets, page_size
     R, L = logits.shape
     dev = logits.device
     cfg = default_config(R, L, K, num_sms(dev)) if config is None else config
+    if config is None and cfg.kind == "rows" and not _whole_chunks(logits, row_starts):
+        cfg = default_config(R, L, K, num_sms(dev), kind="split")
     nw, cand = cfg.num_warps, cfg.cand
     interp = interpreting()
+    if cfg.kind == "rows":
+        return remember(_SHAPES, key, _rows_shape(cfg, logits, K, page_table, row_starts, out_offsets, page_size,
+                                                  check, interp), 1024)
     consts = dict(HAS_STARTS=row_starts is not None, MODE=2 if page_table is not None else 1 if out_offsets is not None
                   else 0, PAGE_SIZE=page_size, CAND=cand, NW=nw, UN=cfg.unroll, UB=128 * nw, LG_S=cfg.lg_sample,
                   BITS=cfg.bits, BITS_W=cfg.bits_w, BITS_S=cfg.bits_s, STREAM=cfg.stream,
@@ -264,6 +285,26 @@ def _launch_shape(key, logits, K, page_table, row_starts, out_offsets, page_size
         scratch.append((name, off, nbytes, dtype))
         off += cdiv(max(nbytes, 1), _ALIGN) * _ALIGN
     return remember(_SHAPES, key, _Launch(cfg, grid, consts, tuple(scratch), off), 1024)
+
+
+def _rows_shape(cfg, logits, K, page_table, row_starts, out_offsets, page_size, check, interp) -> _Launch:
+    """The rows kernel's launch: a program a row, no scratch."""
+    R, L = logits.shape
+    if L > ROWS_MAX_L:
+        raise ValueError(f"config: kind 'rows' takes rows of at most {ROWS_MAX_L} scores, got logits of width {L}")
+    nw = cfg.num_warps
+    # at least 4 keys a thread: no key is held by two threads (each would count it)
+    block = max(next_pow2(L), 128 * nw)
+    consts = dict(HAS_STARTS=row_starts is not None, MODE=2 if page_table is not None else 1 if out_offsets is not None
+                  else 0, PAGE_SIZE=page_size, BLOCK=block, NW=nw, BITS=cfg.bits, ASM=not interp,
+                  VEC=cfg.vec and _whole_chunks(logits, row_starts), stride_l=logits.stride(0),
+                  stride_t=page_table.stride(0) if page_table is not None else 0,
+                  rows_per_table=R // page_table.shape[0] if page_table is not None else 1, R=R, K=K, num_warps=nw,
+                  CHECK=check, L=L, maxp=page_table.shape[1] if page_table is not None else 0,
+                  last_page=(INT32_MAX + 1) // page_size - 1, code0=TOPK_CODE0)
+    if cfg.maxnreg and not interp:
+        consts["maxnreg"] = cfg.maxnreg
+    return _Launch(cfg, (R,), consts, (), 0)
 
 
 def launch_key(logits, K, page_table, row_starts, out_offsets, page_size, config, check) -> tuple:
@@ -325,8 +366,6 @@ def run(entry: Entry, logits, lengths, page_table, row_starts, out_offsets, out=
     key, hit, dev, R, K, split, offs, flag = entry
     if out is None:
         out = torch.empty(R, K, dtype=torch.int32, device=dev)  # sizes as arguments, not a tuple: 0.5 us less
-    buf = scratch_buffer(dev, hit.nbytes, capturing)
-    base = buf.data_ptr()
     len_ptr = lengths.data_ptr()
     table = page_table if page_table is not None else lengths
     offsets = out_offsets if out_offsets is not None else lengths
@@ -338,6 +377,13 @@ def run(entry: Entry, logits, lengths, page_table, row_starts, out_offsets, out=
             tp := table.data_ptr(), outp := out.data_ptr())
     if (lp | len_ptr | sp | op | tp | outp) & 15:  # ops/_launch.aligned, inline
         key = None  # no plan: Triton's launch (our own buffers are allocator-aligned, pieces 256-B apart)
+    if not hit.nbytes:  # the rows kernel: no scratch
+        _ROWS(key, (*user, flag.data_ptr()), lambda: (hit.grid, dict(
+            hit.consts, logits=logits, lengths=lengths, row_starts=starts, out_offsets=offsets, table=table, out=out,
+            flag=flag)))
+        return out
+    buf = scratch_buffer(dev, hit.nbytes, capturing)
+    base = buf.data_ptr()
     if split:
         cfg = hit.cfg
         arrive = arrive_counters(dev, R, cfg.cached_counters)

@@ -35,7 +35,7 @@ def _min_max_combine(a_min, a_max, b_min, b_max):
 
 
 @triton.jit
-def _min_max(x, m):
+def min_max(x, m):
     """(min, max) of the keys ``x`` where ``m``, in one reduction."""
     return tl.reduce((tl.where(m, x, INT_MAX), tl.where(m, x, INT_MIN)), 0, _min_max_combine)
 
@@ -153,7 +153,7 @@ def _select(x, c, lo, hi, kk, tol, stop, BITS: tl.constexpr, UB: tl.constexpr, S
                 # one more pass: the bucket's min / max (narrow data collapses at once)
                 lo, hi = _stream_min_max(x, c, b_lo.to(tl.int32), b_hi, UB)
             else:
-                lo, hi = _min_max(x, (x >= b_lo.to(tl.int32)) & (x <= b_hi))
+                lo, hi = min_max(x, (x >= b_lo.to(tl.int32)) & (x <= b_hi))
     return done, T, need, lo, hi, kk, in_bin
 
 
@@ -240,7 +240,7 @@ def sample_threshold(row, n, K, sbuf, CAND: tl.constexpr, LG_S: tl.constexpr, BI
             p = tl.minimum((p & -8) + i % 8, n - 1)
             # [S] sampled keys
             xs = order_key(tl.load(row + p))
-            smin, smax = _min_max(xs, i < S)
+            smin, smax = min_max(xs, i < S)
         if FORCE == 1:
             t_lo = smax
         elif FORCE == 3:
