@@ -427,6 +427,29 @@ def test_hypothesis_matches_reference(c):
     _assert_same(got, ref, str(c))
 
 
+@pytest.mark.parametrize("mode", ["pages", "offsets"])
+def test_rows_kernel_device_checks(mode):
+    # the rows kernel's CHECK path (the default mode's device value checks): good rows give the reference's
+    # bits; a row with a bad value selects nothing and the error surfaces as the ValueError naming it
+    from flashdsa import _checks
+    k, L = 64, 700
+    lens = [L, 300, k, 0, 9]
+    logits, lengths, kw = _case(len(lens), L, k, ["randn", "levels16", "equal"], lens, seed=3, mode=mode)
+    cfg = launch.default_config(len(lens), L, k, 4, kind="rows")
+    to = functools.partial(torch.Tensor.to, device=DEVICE)
+    args = (kw.get("page_table"), None, kw.get("out_offsets"))
+    args = tuple(None if a is None else to(a) for a in args)
+    good = launch.topk_transform(to(logits), to(lengths), k, *args, 64, config=cfg, check=True)
+    _checks.check_errors()
+    _assert_same(good.cpu(), ref_impl(logits, lengths, k, kw.get("page_table"), None, kw.get("out_offsets"), 64))
+    bad = lengths.clone()
+    bad[1] = L + 1   # past the logits' width
+    out = launch.topk_transform(to(logits), to(bad), k, *args, 64, config=cfg, check=True)
+    with pytest.raises(ValueError, match="lengths"):
+        _checks.check_errors()
+    assert bool((out[1] == -1).all()) and torch.equal(out[0].cpu(), good[0].cpu())
+
+
 # ---- GPU: realistic sizes ------------------------------------------------------------------------------
 
 @pytest.mark.gpu
