@@ -99,8 +99,9 @@ def report(name: str, k, sass_path: str | None = None) -> dict:
     return row
 
 
-# (rows, length, output, ragged row starts): shapes whose default launches (k = 2048, an H200) cover both
-# kernels, both sizes of the fused one, the streamed finisher of split mode and every translation
+# (rows, length, output, ragged row starts): shapes whose default launches (k = 2048, an H200) cover the three
+# kernels (64 x 8192 is the rows kernel's), both sizes of the fused one, the streamed finisher of split mode and
+# every translation
 TOPK_CASES = ((4096, 8192, "plain", False), (4096, 8192, "pages", False), (4096, 8192, "offsets", False),
               (4096, 8192, "offsets", True), (1024, 4096, "pages", False), (64, 3072, "pages", False),
               (4096, 32768, "plain", False), (4096, 32768, "pages", False), (4096, 32768, "offsets", True),
