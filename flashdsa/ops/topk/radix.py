@@ -1,6 +1,6 @@
 """Radix select: steps 1 and 4 of the top-k kernels (design: README.md "Five steps").
 
-:func:`_select` runs radix levels over keys held in registers or streamed from memory a tile at a time:
+:func:`select_levels` runs radix levels over keys held in registers or streamed from memory a tile at a time:
 each level histograms a 2^BITS-bucket digit of ``key - lo`` and keeps the bucket of the kk-th largest
 key. On it:
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from flashdsa.ops.topk import shared_hist
 from flashdsa.ops.topk.common import INT_MAX, INT_MIN, KEY_MIN, MAX_LEVELS, order_key, pad4, round4, store
 from flashdsa.ops.topk.compact import copy_range, emit_u
 
@@ -92,11 +93,15 @@ def _stream_min_max(src, c, lo, hi, UB: tl.constexpr):
 
 
 @triton.jit
-def _select(x, c, lo, hi, kk, tol, stop, BITS: tl.constexpr, UB: tl.constexpr, STREAM: tl.constexpr):
+def select_levels(x, c, lo, hi, kk, tol, stop, BITS: tl.constexpr, UB: tl.constexpr, STREAM: tl.constexpr,
+                  SHARED: tl.constexpr = False):
     """Radix levels on the keys ``x`` (a 1-D register tensor; empty slots hold INT_MIN, below every key), or,
     STREAM, on the ``c`` keys that the pointer ``x`` points to (padded with INT_MIN to a multiple of 4),
     read from memory UB at a time at each level (registers independent of c: the form for few-warp
-    programs). Only keys in ``[lo, hi]`` (lo >= key(-inf)) count; the levels go towards the kk-th
+    programs). SHARED (registers only, compiled kernels): the histogram is counted with shared-memory
+    atomics (``shared_hist.py``, whose two buffers must be clear: one costs an instruction a key whatever
+    BITS, where ``tl.histogram`` pays a ballot a digit bit and a pass a bucket); the rows kernel's 11-bit
+    levels. Only keys in ``[lo, hi]`` (lo >= key(-inf)) count; the levels go towards the kk-th
     largest of them.
 
     Precondition: at least kk keys lie in ``[lo, hi]`` and every key above ``hi`` is taken. A level
@@ -136,7 +141,10 @@ def _select(x, c, lo, hi, kk, tol, stop, BITS: tl.constexpr, UB: tl.constexpr, S
             else:
                 # the digit, -1 outside the range
                 d = tl.where((x >= lo) & (x <= hi), ((x - lo) >> shift) & ((1 << BITS) - 1), -1)
-                hist = tl.histogram(d, 1 << BITS, mask=d >= 0)
+                if SHARED:
+                    hist = shared_hist.histogram(d, it % 2, 1 << BITS)
+                else:
+                    hist = tl.histogram(d, 1 << BITS, mask=d >= 0)
             dsel, above, in_bin = pick_bucket(hist, kk)
             kk = kk - above
             b_lo = lo.to(tl.int64) + (dsel.to(tl.int64) << shift)
@@ -164,12 +172,12 @@ def finish(uk, c, lo, hi, kk, w, CAND: tl.constexpr, WCAP: tl.constexpr, UB: tl.
     or streamed when STREAM) until the bucket holds at most WCAP keys, then those keys are copied to ``w``
     and the levels go on there."""
     if STREAM:
-        done, T, need, lo, hi, kk, in_bin = _select(uk, c, lo, hi, kk, 0, WCAP, BITS, UB, True)
+        done, T, need, lo, hi, kk, in_bin = select_levels(uk, c, lo, hi, kk, 0, WCAP, BITS, UB, True)
     else:
         iu = tl.arange(0, CAND)
         # [CAND] keys of U (empty slots: INT_MIN, below every key)
         x = tl.load(uk + iu, mask=iu < round4(c), other=INT_MIN)
-        done, T, need, lo, hi, kk, in_bin = _select(x, c, lo, hi, kk, 0, WCAP, BITS, UB, False)
+        done, T, need, lo, hi, kk, in_bin = select_levels(x, c, lo, hi, kk, 0, WCAP, BITS, UB, False)
     if done == 0:
         # the bucket -> w (U reloaded: fewer live registers than keeping x)
         copy_range(uk, c, lo, hi, w, NW, ASM)
@@ -177,12 +185,12 @@ def finish(uk, c, lo, hi, kk, w, CAND: tl.constexpr, WCAP: tl.constexpr, UB: tl.
         # Other threads read what this one wrote.
         tl.debug_barrier()
         if STREAM:
-            done, T, need, lo, hi, kk, in_bin = _select(w, in_bin, lo, hi, kk, 0, 0, BITS_W, UB, True)
+            done, T, need, lo, hi, kk, in_bin = select_levels(w, in_bin, lo, hi, kk, 0, 0, BITS_W, UB, True)
         else:
             iw = tl.arange(0, WCAP)
             # [WCAP] the bucket's keys
             xw = tl.load(w + iw, mask=iw < round4(in_bin), other=INT_MIN)
-            done, T, need, lo, hi, kk, in_bin = _select(xw, in_bin, lo, hi, kk, 0, 0, BITS_W, UB, False)
+            done, T, need, lo, hi, kk, in_bin = select_levels(xw, in_bin, lo, hi, kk, 0, 0, BITS_W, UB, False)
         # The next row's copy into w waits for these reads.
         tl.debug_barrier()
     return T, need
@@ -247,10 +255,10 @@ def sample_threshold(row, n, K, sbuf, CAND: tl.constexpr, LG_S: tl.constexpr, BI
             t_lo = smin
         elif m_s < S:
             if STREAM:
-                done, T, need, lo, hi, kk, in_bin = _select(sbuf, S, smin, smax, m_s, m_s // 16, 0, BITS_S, UB,
+                done, T, need, lo, hi, kk, in_bin = select_levels(sbuf, S, smin, smax, m_s, m_s // 16, 0, BITS_S, UB,
                                                             True)
             else:
-                done, T, need, lo, hi, kk, in_bin = _select(xs, S, smin, smax, m_s, m_s // 16, 0, BITS_S, UB, False)
+                done, T, need, lo, hi, kk, in_bin = select_levels(xs, S, smin, smax, m_s, m_s // 16, 0, BITS_S, UB, False)
             t_lo = tl.where(need > 0, T, T + 1)
             # need > 0: the levels ended on one value, the bucket's in_bin samples (INT_MAX when every
             # sample was equal from the start)
