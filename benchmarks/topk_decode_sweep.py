@@ -25,7 +25,7 @@ from flashdsa.ops._triton_utils import next_pow2, num_sms  # noqa: E402
 from flashdsa.ops.topk import launch  # noqa: E402
 
 
-def variants(R: int, L: int) -> list[tuple[str, dict]]:
+def variants(R: int, L: int, K: int, sms: int) -> list[tuple[str, dict]]:
     cand = next_pow2(L)
     out = [("default", {})]
     for nw in (8, 16):
@@ -42,9 +42,12 @@ def variants(R: int, L: int) -> list[tuple[str, dict]]:
         for nw in (8, 16):
             for bits in (11, 8):
                 out.append((f"rows nw{nw} b{bits}", dict(kind="rows", num_warps=nw, bits=bits, maxnreg=0)))
-    out.append(("split chunks 1", dict(chunks=1)))
-    out.append(("split chunks 4", dict(chunks=4)))
-    out.append(("split nw16", dict(num_warps=16, block=128 * 16)))
+    # the split kernel (the default at these shapes before the rows kernel), whatever the default is now
+    split = dataclasses.asdict(launch.default_config(R, L, K, sms, kind="split"))
+    out.append(("split", split))
+    out.append(("split chunks 1", dict(split, chunks=1)))
+    out.append(("split chunks 4", dict(split, chunks=4)))
+    out.append(("split nw16", dict(split, num_warps=16, block=128 * 16)))
     return out
 
 
@@ -77,7 +80,7 @@ def main() -> None:
         want = torch.where(pos >= 0, page * 64 + pos % 64, -1)
         default = launch.default_config(R, L, K, num_sms(dev) if bt.DEV == "cuda" else 4)
         base = None
-        for name, kw in variants(R, L):
+        for name, kw in variants(R, L, K, num_sms(dev) if bt.DEV == "cuda" else 4):
             if only and name not in only and name != "default":
                 continue
             cfg = dataclasses.replace(default, **kw)
