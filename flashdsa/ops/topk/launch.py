@@ -377,7 +377,7 @@ def run(entry: Entry, logits, lengths, page_table, row_starts, out_offsets, out=
             tp := table.data_ptr(), outp := out.data_ptr())
     if (lp | len_ptr | sp | op | tp | outp) & 15:  # ops/_launch.aligned, inline
         key = None  # no plan: Triton's launch (our own buffers are allocator-aligned, pieces 256-B apart)
-    if not hit.nbytes:  # the rows kernel: no scratch
+    if hit.cfg.kind == "rows":  # no scratch, a program a row
         _ROWS(key, (*user, flag.data_ptr()), lambda: (hit.grid, dict(
             hit.consts, logits=logits, lengths=lengths, row_starts=starts, out_offsets=offsets, table=table, out=out,
             flag=flag)))
