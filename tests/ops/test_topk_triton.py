@@ -427,6 +427,14 @@ def test_hypothesis_matches_reference(c):
     _assert_same(got, ref, str(c))
 
 
+def test_rows_kernel_refuses_rows_past_16k():
+    # the rows kernel packs two counts of at most its block in an int32: an explicit config past 16K is an error
+    logits = torch.randn(2, launch.ROWS_MAX_L + 1)
+    cfg = launch.default_config(2, logits.shape[1], 64, 4, kind="rows")
+    with pytest.raises(ValueError, match="kind 'rows' takes rows of at most 16384"):
+        launch.topk_transform(logits, torch.tensor([10, 20], dtype=torch.int32), 64, None, None, None, 64, config=cfg)
+
+
 @pytest.mark.parametrize("mode", ["pages", "offsets"])
 def test_rows_kernel_device_checks(mode):
     # the rows kernel's CHECK path (the default mode's device value checks): good rows give the reference's

@@ -132,9 +132,11 @@ def copy_short(out_row, n, K, table_row, off_r, MODE: tl.constexpr, PAGE_SIZE: t
 
 
 @triton.jit
-def row_setup(r, logits, stride_l, lengths, row_starts, out_offsets, table, stride_t, rows_per_table, out, K,
-              HAS_STARTS: tl.constexpr, MODE: tl.constexpr):
-    """Row r's length, its first score, its output row, its page-table row and its output offset."""
+def row_setup(r, logits, stride_l, lengths, row_starts, out_offsets, table, stride_t, rows_per_table, out, K, L, maxp,
+              last_page, flag, code0, CHECK: tl.constexpr, HAS_STARTS: tl.constexpr, MODE: tl.constexpr,
+              PAGE_SIZE: tl.constexpr, BLOCK_P: tl.constexpr):
+    """Row r's length, its first score, its output row, its page-table row and its output offset; CHECK (the
+    default mode's device value checks): the length is 0 when the row's metadata is bad (:func:`row_check`)."""
     n = tl.load(lengths + r)
     if HAS_STARTS:
         row = logits + r.to(tl.int64) * stride_l + tl.load(row_starts + r)
@@ -146,6 +148,9 @@ def row_setup(r, logits, stride_l, lengths, row_starts, out_offsets, table, stri
         off_r = tl.load(out_offsets + r)
     else:
         off_r = 0
+    if CHECK:
+        n = row_check(n, r, row_starts, out_offsets, table_row, L, maxp, last_page, flag, code0, HAS_STARTS, MODE,
+                      PAGE_SIZE, BLOCK_P)
     return n, row, out_row, table_row, off_r
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashdsa.ops.topk.common import INT_MIN, copy_short, row_check, row_setup
+from flashdsa.ops.topk.common import INT_MIN, copy_short, row_setup
 from flashdsa.ops.topk.compact import compact_guess, move, move_capped
 from flashdsa.ops.topk.fallback import row_fallback
 from flashdsa.ops.topk.radix import sample_threshold, select_emit
@@ -57,10 +57,8 @@ def topk_fused_kernel(
         # The previous row's readers of U are done before this row writes it.
         tl.debug_barrier()
         n, row, out_row, table_row, off_r = row_setup(r, logits, stride_l, lengths, row_starts, out_offsets, table,
-                                                      stride_t, rows_per_table, out, K, HAS_STARTS, MODE)
-        if CHECK:
-            n = row_check(n, r, row_starts, out_offsets, table_row, L, maxp, last_page, flag, code0, HAS_STARTS, MODE,
-                          PAGE_SIZE, 128 * NW)
+                                                      stride_t, rows_per_table, out, K, L, maxp, last_page, flag,
+                                                      code0, CHECK, HAS_STARTS, MODE, PAGE_SIZE, 128 * NW)
         if n <= K:
             copy_short(out_row, n, K, table_row, off_r, MODE, PAGE_SIZE, BLOCK)
         else:

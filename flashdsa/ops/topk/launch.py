@@ -152,7 +152,7 @@ def default_config(R: int, L: int, K: int, sms: int, kind: str | None = None) ->
     cand, lg_sample = _sizes(K, L)
     sizes = dict(cand=cand, lg_sample=lg_sample, wcap=min(WCAP, cand))
     if kind is None:
-        kind = ("rows" if L > 4096 and L <= ROWS_MAX_L else "split") if R <= sms and L >= 4096 else "fused"
+        kind = ("rows" if 4096 < L <= ROWS_MAX_L else "split") if R <= sms and L >= 4096 else "fused"
     if kind == "rows":
         return TopkConfig(kind="rows", num_warps=16, maxnreg=0, unroll=1, move_step=128, stream=False,
                           sample_stream=False, block=128 * 16, bits=11, **sizes)
@@ -240,20 +240,24 @@ def _launch_shape(key, logits, K, page_table, row_starts, out_offsets, page_size
         cfg = default_config(R, L, K, num_sms(dev), kind="split")
     nw, cand = cfg.num_warps, cfg.cand
     interp = interpreting()
-    if cfg.kind == "rows":
-        return remember(_SHAPES, key, _rows_shape(cfg, logits, K, page_table, row_starts, out_offsets, page_size,
-                                                  check, interp), 1024)
+    # what every kernel takes: the row layout, the translation, the device checks
     consts = dict(HAS_STARTS=row_starts is not None, MODE=2 if page_table is not None else 1 if out_offsets is not None
-                  else 0, PAGE_SIZE=page_size, CAND=cand, NW=nw, UN=cfg.unroll, UB=128 * nw, LG_S=cfg.lg_sample,
-                  BITS=cfg.bits, BITS_W=cfg.bits_w, BITS_S=cfg.bits_s, STREAM=cfg.stream,
-                  SAMPLE_STREAM=cfg.sample_stream, MJ=cfg.move_step, BLOCK=cfg.block, STAGES=cfg.stages, ASM=not interp,
-                  FORCE=FORCE[cfg.force], STOP=STOP_AFTER[cfg.stop_after], VEC=cfg.vec and _whole_chunks(logits, row_starts),
+                  else 0, PAGE_SIZE=page_size, NW=nw, ASM=not interp, VEC=cfg.vec and _whole_chunks(logits, row_starts),
                   stride_l=logits.stride(0), stride_t=page_table.stride(0) if page_table is not None else 0,
                   rows_per_table=R // page_table.shape[0] if page_table is not None else 1, R=R, K=K, num_warps=nw,
                   CHECK=check, L=L, maxp=page_table.shape[1] if page_table is not None else 0,
                   last_page=(INT32_MAX + 1) // page_size - 1, code0=TOPK_CODE0)
     if cfg.maxnreg and not interp:
         consts["maxnreg"] = cfg.maxnreg
+    if cfg.kind == "rows":
+        if L > ROWS_MAX_L:
+            raise ValueError(f"config: kind 'rows' takes rows of at most {ROWS_MAX_L} scores, got logits of width {L}")
+        # a program a row, no scratch; at least 4 keys a thread, so no key is held (and counted) by two threads
+        consts.update(BLOCK=max(next_pow2(L), 128 * nw), BITS=cfg.bits)
+        return remember(_SHAPES, key, _Launch(cfg, (R,), consts, (), 0), 1024)
+    consts.update(CAND=cand, UN=cfg.unroll, UB=128 * nw, LG_S=cfg.lg_sample, BITS=cfg.bits, BITS_W=cfg.bits_w,
+                  BITS_S=cfg.bits_s, STREAM=cfg.stream, SAMPLE_STREAM=cfg.sample_stream, MJ=cfg.move_step,
+                  BLOCK=cfg.block, STAGES=cfg.stages, FORCE=FORCE[cfg.force], STOP=STOP_AFTER[cfg.stop_after])
     # the tie-capped compaction, compiled in only where a warp's segment can hold more than K keys (elsewhere
     # its test never passes: no code for it, e.g. at the 8K / 32K decode shapes)
     span = cdiv(L, cfg.chunks) if cfg.kind == "split" else L
@@ -285,26 +289,6 @@ def _launch_shape(key, logits, K, page_table, row_starts, out_offsets, page_size
         scratch.append((name, off, nbytes, dtype))
         off += cdiv(max(nbytes, 1), _ALIGN) * _ALIGN
     return remember(_SHAPES, key, _Launch(cfg, grid, consts, tuple(scratch), off), 1024)
-
-
-def _rows_shape(cfg, logits, K, page_table, row_starts, out_offsets, page_size, check, interp) -> _Launch:
-    """The rows kernel's launch: a program a row, no scratch."""
-    R, L = logits.shape
-    if L > ROWS_MAX_L:
-        raise ValueError(f"config: kind 'rows' takes rows of at most {ROWS_MAX_L} scores, got logits of width {L}")
-    nw = cfg.num_warps
-    # at least 4 keys a thread: no key is held by two threads (each would count it)
-    block = max(next_pow2(L), 128 * nw)
-    consts = dict(HAS_STARTS=row_starts is not None, MODE=2 if page_table is not None else 1 if out_offsets is not None
-                  else 0, PAGE_SIZE=page_size, BLOCK=block, NW=nw, BITS=cfg.bits, ASM=not interp,
-                  VEC=cfg.vec and _whole_chunks(logits, row_starts), stride_l=logits.stride(0),
-                  stride_t=page_table.stride(0) if page_table is not None else 0,
-                  rows_per_table=R // page_table.shape[0] if page_table is not None else 1, R=R, K=K, num_warps=nw,
-                  CHECK=check, L=L, maxp=page_table.shape[1] if page_table is not None else 0,
-                  last_page=(INT32_MAX + 1) // page_size - 1, code0=TOPK_CODE0)
-    if cfg.maxnreg and not interp:
-        consts["maxnreg"] = cfg.maxnreg
-    return _Launch(cfg, (R,), consts, (), 0)
 
 
 def launch_key(logits, K, page_table, row_starts, out_offsets, page_size, config, check) -> tuple:

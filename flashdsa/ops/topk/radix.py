@@ -98,10 +98,9 @@ def select_levels(x, c, lo, hi, kk, tol, stop, BITS: tl.constexpr, UB: tl.conste
     """Radix levels on the keys ``x`` (a 1-D register tensor; empty slots hold INT_MIN, below every key), or,
     STREAM, on the ``c`` keys that the pointer ``x`` points to (padded with INT_MIN to a multiple of 4),
     read from memory UB at a time at each level (registers independent of c: the form for few-warp
-    programs). SHARED (registers only, compiled kernels): the histogram is counted with shared-memory
-    atomics (``shared_hist.py``, whose two buffers must be clear: one costs an instruction a key whatever
-    BITS, where ``tl.histogram`` pays a ballot a digit bit and a pass a bucket); the rows kernel's 11-bit
-    levels. Only keys in ``[lo, hi]`` (lo >= key(-inf)) count; the levels go towards the kk-th
+    programs). SHARED (registers only, compiled kernels that called ``shared_hist.declare()``): the
+    histogram is counted with shared-memory atomics (``shared_hist.py``: one instruction a key whatever BITS,
+    where ``tl.histogram`` pays a ballot a digit bit and a pass a bucket); the rows kernel's 11-bit levels. Only keys in ``[lo, hi]`` (lo >= key(-inf)) count; the levels go towards the kk-th
     largest of them.
 
     Precondition: at least kk keys lie in ``[lo, hi]`` and every key above ``hi`` is taken. A level
@@ -127,6 +126,10 @@ def select_levels(x, c, lo, hi, kk, tol, stop, BITS: tl.constexpr, UB: tl.conste
     hi = hi + zero
     kk = kk + zero
     in_bin = zero + INT_MAX
+    if SHARED:
+        # both buffers clear (the first level's barrier orders this before its atomics)
+        shared_hist.clear(0, 1 << BITS)
+        shared_hist.clear(1, 1 << BITS)
     while (done == 0) & (in_bin > stop) & (it < MAX_LEVELS):
         it += 1
         width = bit_width(hi.to(tl.int64) - lo.to(tl.int64))

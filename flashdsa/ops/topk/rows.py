@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from flashdsa.ops.topk import shared_hist
-from flashdsa.ops.topk.common import INT_MIN, bits_key, copy_short, row_check, row_setup, store, translate
+from flashdsa.ops.topk.common import INT_MIN, bits_key, copy_short, row_setup, store, translate
 from flashdsa.ops.topk.radix import min_max, select_levels
 
 
@@ -42,10 +42,8 @@ def topk_rows_kernel(
         shared_hist.declare()
     r = tl.program_id(0)
     n, row, out_row, table_row, off_r = row_setup(r, logits, stride_l, lengths, row_starts, out_offsets, table,
-                                                  stride_t, rows_per_table, out, K, HAS_STARTS, MODE)
-    if CHECK:
-        n = row_check(n, r, row_starts, out_offsets, table_row, L, maxp, last_page, flag, code0, HAS_STARTS, MODE,
-                      PAGE_SIZE, 128 * NW)
+                                                  stride_t, rows_per_table, out, K, L, maxp, last_page, flag,
+                                                  code0, CHECK, HAS_STARTS, MODE, PAGE_SIZE, 128 * NW)
     if n <= K:
         copy_short(out_row, n, K, table_row, off_r, MODE, PAGE_SIZE, 128 * NW)
     else:
@@ -57,9 +55,6 @@ def topk_rows_kernel(
         # [BLOCK] keys; past the row INT_MIN, below every key
         x = tl.where(p < n, bits_key(b.to(tl.int32, bitcast=True)), INT_MIN)
         lo, hi = min_max(x, x > INT_MIN)
-        if ASM:
-            shared_hist.clear(0, 1 << BITS)
-            shared_hist.clear(1, 1 << BITS)
         # levels of 2^BITS buckets from [min, max] down to the k-th key, each narrowing to its bucket's min / max
         # (stop 0: never copied out to a smaller set)
         _, T, need, _, _, _, _ = select_levels(x, 0, lo, hi, K, 0, 0, BITS, 128 * NW, False, ASM)
@@ -75,4 +70,3 @@ def topk_rows_kernel(
         slot = gt_before + tl.minimum(eq_before, need)
         val = translate(p, sel, table_row, off_r, MODE, PAGE_SIZE)
         store(out_row + slot, val, sel, ASM)
-

@@ -55,7 +55,8 @@ def _read(buf, NB: tl.constexpr):
 @triton.jit
 def histogram(d, buf, NB: tl.constexpr):
     """``tl.histogram(d, NB, mask=d >= 0)`` of the digits ``d`` (every element held by one thread only) in
-    buffer ``buf`` (0 / 1), which must be clear; clears the other buffer for the next level.
+    buffer ``buf`` (0 / 1), which must be clear (``radix.select_levels`` clears both before its first level);
+    clears the other buffer for the next level.
 
     The barrier first orders the previous level's reads of this buffer and its clear (both before this
     call's atomics); the second makes every thread's atomics visible before the reads. The other buffer

@@ -12,7 +12,7 @@ import triton.language as tl
 
 from flashdsa._checks import is_cuda
 from flashdsa._library import in_registered_op
-from flashdsa.ops.topk.common import (INT_MIN, copy_short, excl_sum, pad4, round4, row_check, row_setup,
+from flashdsa.ops.topk.common import (INT_MIN, copy_short, excl_sum, pad4, round4, row_setup,
                                       store)
 from flashdsa.ops.topk.compact import compact_guess, move, move_capped, scan_keep, tie_cap
 from flashdsa.ops.topk.fallback import row_fallback
@@ -123,10 +123,8 @@ def topk_split_kernel(
     r = tl.program_id(0)
     j = tl.program_id(1)
     n, row, out_row, table_row, off_r = row_setup(r, logits, stride_l, lengths, row_starts, out_offsets, table,
-                                                  stride_t, rows_per_table, out, K, HAS_STARTS, MODE)
-    if CHECK:
-        n = row_check(n, r, row_starts, out_offsets, table_row, L, maxp, last_page, flag, code0, HAS_STARTS, MODE,
-                      PAGE_SIZE, 128 * NW)
+                                                  stride_t, rows_per_table, out, K, L, maxp, last_page, flag,
+                                                  code0, CHECK, HAS_STARTS, MODE, PAGE_SIZE, 128 * NW)
     if n <= K:
         if j == 0:
             copy_short(out_row, n, K, table_row, off_r, MODE, PAGE_SIZE, BLOCK)
