@@ -39,9 +39,13 @@ def variants(R: int, L: int, K: int, sms: int) -> list[tuple[str, dict]]:
                                                  unroll=unroll, move_step=128, block=128 * nw)))
     # a program a row, the row in registers, shared-memory histograms (rows.py; rows of at most 16K)
     if L <= launch.ROWS_MAX_L:
-        for nw in (8, 16):
+        for nw in (8, 16, 32):
             for bits in (11, 8):
                 out.append((f"rows nw{nw} b{bits}", dict(kind="rows", num_warps=nw, bits=bits, maxnreg=0)))
+        # the levels' ranges (TopkConfig.narrow): min / max of the row and of every bucket (n2), of the row and
+        # of buckets of over 1/32 of the row (n1), none at all (n0)
+        for narrow in (2, 1, 0):
+            out.append((f"rows n{narrow}", dict(kind="rows", num_warps=16, bits=11, maxnreg=0, narrow=narrow)))
     # the split kernel (the default at these shapes before the rows kernel), whatever the default is now
     split = dataclasses.asdict(launch.default_config(R, L, K, sms, kind="split"))
     out.append(("split", split))
@@ -56,6 +60,8 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU interpreter (checks only)")
     ap.add_argument("--only", default="", help="comma-separated variant names to run (default: all)")
     ap.add_argument("--shapes", default="", help="comma-separated case indices of the default shapes (0-4)")
+    ap.add_argument("--scores", default="randn", help="comma-separated score kinds of bench_topk.make_scores "
+                    "(randn, levels256, levels16, equal, narrow), each a pass over the shapes")
     a = ap.parse_args()
     if a.smoke:
         bt.DEV, K, shapes = "cpu", 64, [(3, 700, False), (2, 500, True)]
@@ -68,8 +74,8 @@ def main() -> None:
     bt.K = K
     dev = torch.device(bt.DEV)
     rows = []
-    for R, L, ragged in shapes:
-        x = bt.make_scores("randn", R, L, seed=R + L)
+    for kind, (R, L, ragged) in [(kd, sh) for kd in a.scores.split(",") for sh in shapes]:
+        x = bt.make_scores(kind, R, L, seed=R + L)
         lengths = torch.full((R,), L, dtype=torch.int32, device=dev)
         if ragged:
             g = torch.Generator(device=dev).manual_seed(R)
@@ -88,12 +94,13 @@ def main() -> None:
             ok = bool(torch.equal(got, want))
             us = bt._time_graph(lambda: bt._ours(x, lengths, cfg, table)) if ok and not a.smoke else float("nan")
             base = us if name == "default" else base
-            rows.append({"case": f"{R}x{L}{' ragged' if ragged else ''}", "variant": name, "ok": ok, "us": us,
+            case = f"{R}x{L}{' ragged' if ragged else ''}{'' if kind == 'randn' else ' ' + kind}"
+            rows.append({"case": case, "variant": name, "ok": ok, "us": us,
                          "vs_default": us / base if base else float("nan")})
             print(rows[-1], flush=True)
-    print(f"\n{'case':<18} | {'variant':<18} | ok    | us      | vs default")
+    print(f"\n{'case':<26} | {'variant':<18} | ok    | us      | vs default")
     for r in rows:
-        print(f"{r['case']:<18} | {r['variant']:<18} | {str(r['ok']):<5} | {r['us']:7.1f} | {r['vs_default']:.3f}")
+        print(f"{r['case']:<26} | {r['variant']:<18} | {str(r['ok']):<5} | {r['us']:7.1f} | {r['vs_default']:.3f}")
 
 
 if __name__ == "__main__":

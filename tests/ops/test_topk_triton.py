@@ -67,6 +67,12 @@ KNOBS = {
     # a program a row held in registers (rows.py): 2048-bucket levels, and 3-bit ones (many levels each row)
     "rows": dict(kind="rows", num_warps=4),
     "rows-b3": dict(kind="rows", num_warps=2, bits=3),
+    # the levels' ranges (by default the buckets' min / max only for buckets of over 1/32 of the row): every
+    # bucket's min / max (narrow 2), and none, the whole key range from the start (narrow 0: at most
+    # ceil(32 / bits) levels, 3-bit ones run 11)
+    "rows-n2": dict(kind="rows", num_warps=4, narrow=2),
+    "rows-n2-b3": dict(kind="rows", num_warps=2, bits=3, narrow=2),
+    "rows-full-b3": dict(kind="rows", num_warps=2, bits=3, narrow=0),
 }
 
 
@@ -508,9 +514,9 @@ def test_gpu_rows_kernel(L, mode, bits):
     kinds = list(KINDS)
     lens = [L, L - 1, k + 1, k, 63, 0, min(4 * k + 3, L - 2), L // 2] * 4 + [L] * 32
     logits, lengths, kw = _case(len(lens), L, k, kinds, lens, seed=L + bits, mode=mode)
-    for nw in (8, 16):
-        got, ref = _run_both(logits, lengths, k, kw, dict(kind="rows", num_warps=nw, bits=bits))
-        _assert_same(got, ref, f"rows nw{nw} bits{bits} L{L} {mode}")
+    for nw, narrow in ((8, 2), (16, 2), (8, 1), (16, 1), (16, 0)):
+        got, ref = _run_both(logits, lengths, k, kw, dict(kind="rows", num_warps=nw, bits=bits, narrow=narrow))
+        _assert_same(got, ref, f"rows nw{nw} bits{bits} narrow{narrow} L{L} {mode}")
 
 
 @pytest.mark.gpu

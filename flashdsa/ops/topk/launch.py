@@ -55,7 +55,7 @@ class TopkConfig:
 
     kind: str                  # "fused" (fused.py: many rows), "split" (split.py: few long rows) or "rows"
                                # (rows.py: a program a row held in registers, rows of at most 16384 scores;
-                               # uses num_warps, maxnreg, bits and vec only)
+                               # uses num_warps, maxnreg, bits, vec and narrow only)
     cand: int                  # U's slots a row: a power of 2 <= 16384 (emit packs two counts in an int32)
     lg_sample: int             # log2 of the sample size, >= 3 (runs of 8 keys)
     wcap: int                  # W's slots: a multiple of 4 (read 4 keys a thread)
@@ -77,6 +77,9 @@ class TopkConfig:
     stages: int = 1            # software-pipeline depth of the row fallback's loops
     vec: bool = True           # 128-bit row loads, reading to the length rounded up to 4, where every row
                                # is whole 16-byte chunks (the launcher checks: :func:`_whole_chunks`)
+    narrow: int = 2            # rows: the levels' ranges, 2 the row's min / max, then each bucket's min / max
+                               # (a pass over the row a level); 1 the same where a bucket holds more than 1/32
+                               # of the row (ties likely), else its edges; 0 the whole key range, then the edges
     ties: bool = True          # rows whose sample says a warp's segment holds more than k keys equal to the
                                # guess keep only a warp's first k of them in the compaction (compact.py,
                                # ``compact_seg_ties``); False: every key reaching the guess is listed
@@ -105,6 +108,8 @@ class TopkConfig:
             bad("grid", ">= 1 (fused)")
         if self.kind == "split" and self.chunks < 1:
             bad("chunks", ">= 1 (split)")
+        if self.narrow not in (0, 1, 2):
+            bad("narrow", "0, 1 or 2")
         if self.force not in FORCE:
             bad("force", " / ".join(map(repr, FORCE)))
         if self.stop_after not in STOP_AFTER:
@@ -155,7 +160,7 @@ def default_config(R: int, L: int, K: int, sms: int, kind: str | None = None) ->
         kind = ("rows" if 4096 < L <= ROWS_MAX_L else "split") if R <= sms and L >= 4096 else "fused"
     if kind == "rows":
         return TopkConfig(kind="rows", num_warps=16, maxnreg=0, unroll=1, move_step=128, stream=False,
-                          sample_stream=False, block=128 * 16, bits=11, **sizes)
+                          sample_stream=False, block=128 * 16, bits=11, narrow=1, **sizes)
     if kind == "split":
         chunks = max(2, min(16, L // 32768, prev_pow2(4 * sms // max(R, 1))))
         return TopkConfig(kind="split", num_warps=8, maxnreg=0, unroll=4, move_step=128, stream=cand > 4096,
@@ -253,7 +258,7 @@ def _launch_shape(key, logits, K, page_table, row_starts, out_offsets, page_size
         if L > ROWS_MAX_L:
             raise ValueError(f"config: kind 'rows' takes rows of at most {ROWS_MAX_L} scores, got logits of width {L}")
         # a program a row, no scratch; at least 4 keys a thread, so no key is held (and counted) by two threads
-        consts.update(BLOCK=max(next_pow2(L), 128 * nw), BITS=cfg.bits)
+        consts.update(BLOCK=max(next_pow2(L), 128 * nw), BITS=cfg.bits, NARROW=cfg.narrow)
         return remember(_SHAPES, key, _Launch(cfg, (R,), consts, (), 0), 1024)
     consts.update(CAND=cand, UN=cfg.unroll, UB=128 * nw, LG_S=cfg.lg_sample, BITS=cfg.bits, BITS_W=cfg.bits_w,
                   BITS_S=cfg.bits_s, STREAM=cfg.stream, SAMPLE_STREAM=cfg.sample_stream, MJ=cfg.move_step,

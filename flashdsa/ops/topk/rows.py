@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from flashdsa.ops.topk import shared_hist
-from flashdsa.ops.topk.common import INT_MIN, bits_key, copy_short, row_setup, store, translate
+from flashdsa.ops.topk.common import INT_MIN, KEY_MAX, KEY_MIN, bits_key, copy_short, row_setup, store, translate
 from flashdsa.ops.topk.radix import min_max, select_levels
 
 
@@ -33,11 +33,15 @@ def topk_rows_kernel(
     last_page, code0,
     CHECK: tl.constexpr, HAS_STARTS: tl.constexpr, MODE: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK: tl.constexpr, NW: tl.constexpr, BITS: tl.constexpr, VEC: tl.constexpr, ASM: tl.constexpr,
+    NARROW: tl.constexpr,
 ):
     """Top-K of row ``program_id(0)``, translated; arguments as :func:`~flashdsa.ops.topk.fused.topk_fused_kernel`
     (no scratch). ``BLOCK``: a power of 2 >= every row's length (at most 16384: the emit packs two counts of at
     most BLOCK in an int32); ``BITS``: digit bits of a level (<= 11). VEC: 128-bit row loads, reading to the
-    length rounded up to 4 (rows of whole 16-byte chunks)."""
+    length rounded up to 4 (rows of whole 16-byte chunks). NARROW (``TopkConfig.narrow``): 2 the levels start
+    from the row's min / max and shrink to the min / max key of each level's bucket; 1 the same for a bucket of
+    more than 1/32 of the row (likely ties), to its edges otherwise; 0 the whole key range, then the edges (no
+    min / max pass at all)."""
     if ASM:
         shared_hist.declare()
     r = tl.program_id(0)
@@ -54,10 +58,14 @@ def topk_rows_kernel(
             b = tl.load(row + p, mask=p < n, other=0.0, eviction_policy="evict_first")
         # [BLOCK] keys; past the row INT_MIN, below every key
         x = tl.where(p < n, bits_key(b.to(tl.int32, bitcast=True)), INT_MIN)
-        lo, hi = min_max(x, x > INT_MIN)
-        # levels of 2^BITS buckets from [min, max] down to the k-th key, each narrowing to its bucket's min / max
-        # (stop 0: never copied out to a smaller set)
-        _, T, need, _, _, _, _ = select_levels(x, 0, lo, hi, K, 0, 0, BITS, 128 * NW, False, ASM)
+        if NARROW > 0:
+            lo, hi = min_max(x, x > INT_MIN)
+        else:
+            # every key of the row (NaN is -inf's key); the padding INT_MIN lies below
+            lo = n * 0 + KEY_MIN
+            hi = n * 0 + KEY_MAX
+        # levels of 2^BITS buckets from [lo, hi] down to the k-th key (stop 0: never copied out to a smaller set)
+        _, T, need, _, _, _, _ = select_levels(x, 0, lo, hi, K, 0, 0, BITS, 128 * NW, False, ASM, NARROW, n // 32)
         # ---- emit: selected = key > T, or key == T with fewer than need equal keys before it; one scan in
         # position order counts both (at most BLOCK <= 2^14 each: two 16-bit halves)
         gt = (x > T).to(tl.int32)
