@@ -94,7 +94,7 @@ def _stream_min_max(src, c, lo, hi, UB: tl.constexpr):
 
 @triton.jit
 def select_levels(x, c, lo, hi, kk, tol, stop, BITS: tl.constexpr, UB: tl.constexpr, STREAM: tl.constexpr,
-                  SHARED: tl.constexpr = False, NARROW: tl.constexpr = 2, few=0):
+                  SHARED: tl.constexpr = False, EDGES: tl.constexpr = False, few=0):
     """Radix levels on the keys ``x`` (a 1-D register tensor; empty slots hold INT_MIN, below every key), or,
     STREAM, on the ``c`` keys that the pointer ``x`` points to (padded with INT_MIN to a multiple of 4),
     read from memory UB at a time at each level (registers independent of c: the form for few-warp
@@ -112,11 +112,11 @@ def select_levels(x, c, lo, hi, kk, tol, stop, BITS: tl.constexpr, UB: tl.conste
       threshold, where more than kk may be "taken"): ``T`` = the bucket's lower edge - 1, ``need = 0``;
     - the bucket holds at most ``stop`` keys (``done = 0``): ``[lo, hi]`` = the bucket's edges, and the
       caller continues on a smaller copy.
-    Otherwise ``[lo, hi]`` shrinks to the min / max key in the bucket (NARROW 2; narrow data collapses at
-    once) and the next level runs. NARROW 1 does that only for a bucket of more than ``few`` keys (ties are
-    likely there: a run of equal keys ends the levels at once) and takes the bucket's edges otherwise, a pass
-    over the keys fewer; NARROW 0 always takes the edges (each level then resolves BITS more bits: at most
-    ceil(32 / BITS) levels).
+    Otherwise ``[lo, hi]`` shrinks to the min / max key in the bucket (narrow data collapses at once) and
+    the next level runs. EDGES (registers only) does that only for a bucket of more than ``few`` keys (ties
+    are likely there: a run of equal keys ends the levels at once) and takes the bucket's edges otherwise, a
+    pass over the keys fewer (``few`` = INT_MAX: always the edges, each level then resolving BITS more bits, at
+    most ceil(32 / BITS) levels).
     Returns ``(done, T, need, lo, hi, kk, in_bin)``; with done the answer is every key of the range
     ``> T`` plus the first ``need`` keys ``== T``.
     """
@@ -163,10 +163,7 @@ def select_levels(x, c, lo, hi, kk, tol, stop, BITS: tl.constexpr, UB: tl.conste
             elif in_bin <= stop:
                 lo = b_lo.to(tl.int32)
                 hi = b_hi
-            elif NARROW == 0:
-                lo = b_lo.to(tl.int32)
-                hi = b_hi
-            elif NARROW == 1:
+            elif EDGES:
                 if in_bin > few:
                     lo, hi = min_max(x, (x >= b_lo.to(tl.int32)) & (x <= b_hi))
                 else:

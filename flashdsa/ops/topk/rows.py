@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from flashdsa.ops.topk import shared_hist
-from flashdsa.ops.topk.common import INT_MIN, KEY_MAX, KEY_MIN, bits_key, copy_short, row_setup, store, translate
+from flashdsa.ops.topk.common import INT_MAX, INT_MIN, KEY_MAX, KEY_MIN, bits_key, copy_short, row_setup, store, translate
 from flashdsa.ops.topk.radix import min_max, select_levels
 
 
@@ -60,12 +60,15 @@ def topk_rows_kernel(
         x = tl.where(p < n, bits_key(b.to(tl.int32, bitcast=True)), INT_MIN)
         if NARROW > 0:
             lo, hi = min_max(x, x > INT_MIN)
+            few = n // 32
         else:
             # every key of the row (NaN is -inf's key); the padding INT_MIN lies below
             lo = n * 0 + KEY_MIN
             hi = n * 0 + KEY_MAX
-        # levels of 2^BITS buckets from [lo, hi] down to the k-th key (stop 0: never copied out to a smaller set)
-        _, T, need, _, _, _, _ = select_levels(x, 0, lo, hi, K, 0, 0, BITS, 128 * NW, False, ASM, NARROW, n // 32)
+            few = n * 0 + INT_MAX
+        # levels of 2^BITS buckets from [lo, hi] down to the k-th key (stop 0: never copied out to a smaller set);
+        # NARROW < 2: a bucket's min / max only for buckets of more than `few` keys
+        _, T, need, _, _, _, _ = select_levels(x, 0, lo, hi, K, 0, 0, BITS, 128 * NW, False, ASM, NARROW < 2, few)
         # ---- emit: selected = key > T, or key == T with fewer than need equal keys before it; one scan in
         # position order counts both (at most BLOCK <= 2^14 each: two 16-bit halves)
         gt = (x > T).to(tl.int32)
