@@ -106,16 +106,22 @@ def page_table(R: int, L: int) -> torch.Tensor:
     return torch.randperm(R * maxp, device=DEV).view(R, maxp).to(torch.int32)
 
 
+def decode_lengths(R: int, L: int, ragged: bool) -> torch.Tensor:
+    """``[R] int32`` row lengths: L each, or (``ragged``) ~U(0.7, 1.3) x L / 1.3 as at decode (the longest
+    about L), the same draw for the same R."""
+    if not ragged:
+        return torch.full((R,), L, dtype=torch.int32, device=DEV)
+    g = torch.Generator(device=DEV).manual_seed(R)
+    return (L / 1.3 * (0.7 + 0.6 * torch.rand(R, generator=g, device=DEV))).clamp(max=L).to(torch.int32)
+
+
 def run_case(name: str, kind: str, R: int, L: int, sgl: bool, rows: list, pages: bool = False,
              ragged: bool = False) -> None:
     """One case; ``ragged``: row lengths ~U(0.7, 1.3) x L / 1.3 as at decode (the longest about L)."""
     if ONLY and not any(o in f"{name} {kind}" for o in ONLY):
         return
     x = make_scores(kind, R, L, seed=R + L)
-    lengths = torch.full((R,), L, dtype=torch.int32, device=DEV)
-    if ragged:
-        g = torch.Generator(device=DEV).manual_seed(R)
-        lengths = (L / 1.3 * (0.7 + 0.6 * torch.rand(R, generator=g, device=DEV))).clamp(max=L).to(torch.int32)
+    lengths = decode_lengths(R, L, ragged)
     kw = {"backend": "triton"}
     if pages:
         kw["page_table"] = page_table(R, L)

@@ -31,10 +31,7 @@ def main() -> None:
     a = ap.parse_args()
     R, L = 64, a.width
     x = bt.make_scores(a.scores, R, L, seed=R + L)
-    g = torch.Generator(device="cuda").manual_seed(R)
-    lengths = torch.full((R,), L, dtype=torch.int32, device="cuda")
-    if not a.full:
-        lengths = (L / 1.3 * (0.7 + 0.6 * torch.rand(R, generator=g, device="cuda"))).clamp(max=L).to(torch.int32)
+    lengths = bt.decode_lengths(R, L, not a.full)
     table = bt.page_table(R, L)
     ops.set_value_checks(False)
     for _ in range(a.calls):

@@ -76,10 +76,7 @@ def main() -> None:
     rows = []
     for kind, (R, L, ragged) in [(kd, sh) for kd in a.scores.split(",") for sh in shapes]:
         x = bt.make_scores(kind, R, L, seed=R + L)
-        lengths = torch.full((R,), L, dtype=torch.int32, device=dev)
-        if ragged:
-            g = torch.Generator(device=dev).manual_seed(R)
-            lengths = (L / 1.3 * (0.7 + 0.6 * torch.rand(R, generator=g, device=dev))).clamp(max=L).to(torch.int32)
+        lengths = bt.decode_lengths(R, L, ragged)
         table = bt.page_table(R, L)
         pos = bt.oracle(x, lengths, K)
         page = torch.gather(table, 1, (pos // 64).clamp(min=0).long())
