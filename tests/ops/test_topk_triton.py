@@ -441,6 +441,14 @@ def test_rows_kernel_refuses_rows_past_16k():
         launch.topk_transform(logits, torch.tensor([10, 20], dtype=torch.int32), 64, None, None, None, 64, config=cfg)
 
 
+@pytest.mark.parametrize("field,value", [("narrow", 3), ("narrow", -1), ("bits", 12), ("bits", 0)])
+def test_rows_config_refuses_bad_knobs(field, value):
+    # the rows kernel's own knobs: a ValueError naming the field before anything is compiled
+    cfg = dataclasses.asdict(launch.default_config(2, 8192, 64, 4, kind="rows"))
+    with pytest.raises(ValueError, match=f"TopkConfig.{field}: expected"):
+        launch.TopkConfig(**dict(cfg, **{field: value}))
+
+
 @pytest.mark.parametrize("mode", ["pages", "offsets"])
 def test_rows_kernel_device_checks(mode):
     # the rows kernel's CHECK path (the default mode's device value checks): good rows give the reference's
