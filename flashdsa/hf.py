@@ -270,6 +270,10 @@ class FlashDSACache(Cache):
             self._finalizer = weakref.finalize(self, _release, weakref.ref(runner), self.rows)
             self._real = torch.zeros(B, 0, dtype=torch.bool)
         self._new_real = torch.ones(B, S, dtype=torch.bool) if real is None else real
+        columns = torch.cat((self._real, self._new_real), dim=1)  # HF's columns: padding included
+        if not bool(columns.all()):  # exact top-k takes HF's row layout (BatchMetadata.index_columns)
+            pos = torch.where(columns, columns.long().cumsum(1) - 1, -1)
+            meta = dataclasses.replace(meta, index_columns=pos.to(meta.positions.device))
         return meta
 
     def _commit(self) -> None:
@@ -614,6 +618,7 @@ class _DecodeGraph:
         m, new = self.meta, fwd.meta
         for name in ("positions", "slot_mapping", "block_table", "context_lens"):
             getattr(m, name).copy_(getattr(new, name))
+        m.index_columns = new.index_columns  # host-side only: exact top-k reads it off CUDA, never in a graph
         self.ids.copy_(kwargs["input_ids"])
         self._positions(kwargs.get("position_ids"), fwd.cache)
         self.graph.replay()

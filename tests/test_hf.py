@@ -32,7 +32,7 @@ import flashdsa.hf as fh  # noqa: E402
 from flashdsa import ops  # noqa: E402
 from flashdsa.config import DSAConfig, is_dsa  # noqa: E402
 from flashdsa.engine import DSAModel, Runner  # noqa: E402
-from flashdsa.layers.indexer import Indexer, exact_logits_paged, exact_logits_ragged  # noqa: E402
+from flashdsa.layers.indexer import Indexer, exact_logits_paged, exact_logits_ragged, exact_topk  # noqa: E402
 from flashdsa.quant import rope_cos_sin  # noqa: E402
 from flashdsa.testing.compare import assert_close, cos_diff  # noqa: E402
 
@@ -203,6 +203,88 @@ def test_exact_matches_hf_in_fp32(ref, patched):
     _close(torch.stack(gen.scores), torch.stack(ref["gen"].scores), "scores")
     assert patch.calls == [1 + NEW] * 3 and count.n == 0
     count.remove()
+
+
+def _prompts(n: int, seed: int):
+    """n batches of 3 prompts longer than TOPK (40-159 tokens), rows 1 and 2 left-padded (1-29 and 3)."""
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        L = int(torch.randint(40, 160, (1,), generator=g))
+        ids = torch.randint(1, VOCAB, (3, L), generator=g)
+        mask = torch.ones_like(ids)
+        for b, pad in ((1, int(torch.randint(1, 30, (1,), generator=g))), (2, 3)):
+            ids[b, :pad], mask[b, :pad] = 0, 0
+        yield ids, mask
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_exact_is_hf_on_many_prompts(arch):
+    """8 default-initialised fp32 models, each a left-padded batch of 3 prompts longer than index_topk,
+    greedy generate() of 8 tokens: HF eager's tokens and scores (fp32 rounding apart). Exact zeros of the
+    ReLU tie at the top-k boundary on these models, and CPU torch.topk breaks ties by its partial sort, not
+    by position: with flashdsa's position rule instead of exact_topk, batch 2 parts from HF in both
+    architectures (v32's generated scores, GLM's prefill logits; checked when this test was written)."""
+    for seed, (ids, mask) in enumerate(_prompts(8, 200)):
+        model = _tiny(arch, seed=seed)
+        real = mask.bool()
+        with torch.no_grad():
+            want_logits = model(ids, attention_mask=mask).logits[real]  # HF's rows at padding are garbage
+        want = _generate(model, ids, 8, attention_mask=mask)
+        fh.apply(model, indexer="exact", max_tokens=2048)
+        with torch.no_grad():
+            logits = model(ids, attention_mask=mask).logits[real]
+        got = _generate(model, ids, 8, attention_mask=mask)
+        fh.unapply(model)
+        _close(logits, want_logits, f"prefill logits of prompt batch {seed}")
+        assert torch.equal(got.sequences, want.sequences), f"prompt batch {seed}"
+        _close(torch.stack(got.scores), torch.stack(want.scores), f"scores of prompt batch {seed}")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_exact_selects_hf_tokens_in_bf16(arch):
+    """bf16 models: where the inputs are HF's (the first layer), the exact indexer selects exactly HF's tokens,
+    ties included, on 8 prompts. Later layers see hidden states rounded differently (flashdsa's absorbed
+    MLA in bf16 against HF's expanded one) and part on near-ties; the logits' distance from HF's is the
+    one test_bf16_model_within_hf_spread bounds."""
+    for seed, (ids, mask) in enumerate(_prompts(8, 300)):
+        model = _tiny(arch, seed=seed).to(torch.bfloat16)
+        ids = ids[:1]
+        hf_sel = []
+        hook = model.model.layers[0].self_attn.indexer.register_forward_hook(lambda m, a, out: hf_sel.append(out))
+        with torch.no_grad():
+            model(ids)
+        hook.remove()
+        patch = fh.apply(model, indexer="exact", max_tokens=2048, record=True)
+        with torch.no_grad():
+            model(ids)
+        ours = patch.runner.selections[0]
+        fh.unapply(model)
+        for t in range(ids.shape[1]):
+            want = set(hf_sel[0][0, t].tolist()) & set(range(t + 1))  # HF fills short rows with masked keys
+            assert {p for p in ours[t].tolist() if p >= 0} == want, f"prompt {seed} row {t}"
+
+
+def test_exact_topk_takes_hf_rows():
+    """exact_topk on CPU: torch.topk over the row as HF lays it out (its width, padding columns, -inf where
+    masked), mapped back to positions, ascending, -1 padded. The rows hold many exact zeros, and the test
+    checks that CPU torch.topk's picks among them differ from the smallest positions (the test has teeth)."""
+    g = torch.Generator().manual_seed(7)
+    topk = 20  # more than the ~15 positive scores a row: the boundary falls among the zeros
+    scores = torch.randn(5, 40, generator=g).clamp_min(0)             # ~half exact zeros
+    scores[:, 30:] = float("-inf")                                     # rows see 30 positions
+    columns = torch.full((50,), -1, dtype=torch.int64)                 # HF's row: 10 padding columns first
+    columns[10:] = torch.arange(40)
+    hf_rows = torch.full((5, 50), float("-inf"))
+    hf_rows[:, 10:] = scores
+    want = columns[hf_rows.topk(topk).indices].sort(-1).values
+    got = exact_topk(scores, topk, 50, columns)
+    assert torch.equal(got, want)
+    by_position = torch.stack([torch.tensor(sorted(sorted(range(30), key=lambda p: (-float(r[p]), p))[:topk]))
+                               for r in scores])
+    assert not torch.equal(got, by_position)
+    # a row shorter than topk: every visible position, then -1; no padding columns: the positions' row
+    short = exact_topk(scores[:, :12], 16)
+    assert torch.equal(short[:, :12], torch.arange(12).expand(5, 12)) and (short[:, 12:] == -1).all()
 
 
 def test_bf16_cache_is_not_exact(ref, patched):
@@ -512,12 +594,21 @@ def test_graph_decode_falls_back_when_capture_fails(ref, patched, monkeypatch):
 
 # ---- the exact precision of the indexer, outside HF -----------------------------------------------------
 
-def _brute(q, k, w, ks, ke):
-    s = torch.einsum("thd,nd->thn", q.double(), k.double()).clamp_min(0)
-    out = torch.einsum("thn,th->tn", s, w.double())
+def _brute(q, k, w, ks, ke, absolute: bool = False):
+    """fp64 ``sum_h w relu(q . k / sqrt(D))`` in each row's range; ``absolute``: the same sum of |terms|
+    (``sum_h |w| sum_d |q k| / sqrt(D)``), the scale of fp32's rounding error."""
+    f = torch.abs if absolute else (lambda t: t)
+    s = torch.einsum("thd,nd->thn", f(q.double()), f(k.double())) * q.shape[-1] ** -0.5
+    out = torch.einsum("thn,th->tn", s.clamp_min(0), f(w.double()))
     pos = torch.arange(k.shape[0])
     vis = (pos[None] >= ks[:, None]) & (pos[None] < ke[:, None])
     return torch.where(vis, out, float("-inf"))
+
+
+def _gamma(n: int) -> float:
+    """Higham's gamma_n for fp32: n roundings of relative size u = 2^-24 at most gamma_n relative."""
+    u = 2.0 ** -24
+    return n * u / (1 - n * u)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
@@ -537,7 +628,13 @@ def test_exact_logits_ragged_and_paged(dtype):
     q = torch.randn(len(ks), H, D, generator=g).to(dtype)
     w = torch.randn(len(ks), H, generator=g)
     ragged = exact_logits_ragged(q, k, w, ks, ke)
-    assert_close(ragged, _brute(q, k, w, ks, ke).float(), atol=1e-4, rtol=1e-5)
+    # fp32 error of either path: each head's D-term dot product, its scale and the H-term weighted sum are
+    # D + 1 + H roundings, so |got - exact| <= gamma_{D+H+1} sum_h |w| sum_d |q k| / sqrt(D) (Higham 3.1)
+    bound = _gamma(D + H + 1) * _brute(q, k, w, ks, ke, absolute=True)
+    exact = _brute(q, k, w, ks, ke)
+    fin = torch.isfinite(exact)
+    assert torch.equal(fin, torch.isfinite(ragged))
+    assert ((ragged.double() - exact).abs()[fin] <= bound[fin]).all()
     # the same keys in shuffled 64-token pages, scored through block tables: the same numbers
     perm = torch.randperm(16, generator=g)
     store = torch.full((16 * 64, D), float("nan")).to(dtype)
@@ -553,9 +650,11 @@ def test_exact_logits_ragged_and_paged(dtype):
     last = [i for i in range(len(ks)) if i + 1 == len(ks) or ks[i + 1] != ks[i]]  # each request's last row
     ctx = (ke[last] - ks[last]).view(-1, 1)
     paged = exact_logits_paged(q[last].unsqueeze(1), store, w[last], ctx, torch.stack(tables), 3 * 64)
+    # The same numbers up to the order of the matmuls' sums (another shape: another blocking on some
+    # CPUs, one fp32 ulp apart on an AVX-512 Xeon), each path within the bound of the exact value.
     for r, i in enumerate(last):
-        n = int(ctx[r])
-        assert torch.equal(paged[r, :n], ragged[i, int(ks[i]):int(ke[i])])
+        n, lo, hi = int(ctx[r]), int(ks[i]), int(ke[i])
+        assert ((paged[r, :n].double() - exact[i, lo:hi]).abs() <= bound[i, lo:hi]).all()
         assert torch.isneginf(paged[r, n:]).all()
 
 

@@ -44,6 +44,10 @@ class BatchMetadata:
              writes the whole sequence). DCP: every rank runs every query row and its caches hold its
              shard of the KV: ``slot_mapping`` (its own new tokens), ``block_table``, ``kv_slots``,
              ``ks / ke`` and ``context_lens`` address that shard.
+    Exact-precision top-k (``Indexer(precision="exact")``): ``index_columns [B, W] int64`` or None — the
+             layout of the caller's rows when they are not the requests' own: the position each of the W
+             columns holds, -1 for padding (``flashdsa.hf``: HF's columns, left padding included). None: a
+             request's row is as wide as its sequence, column = position.
     kpool (``kpool`` = c > 1, :func:`add_kpool`): ``kpool_rows [T] int64`` each token's tail ring row,
              ``kpool_first [T] int64`` the batch index of its request's first new token, ``kpool_anchors
              [G] int64`` the tokens that pool their group (the last new token of every group touched),
@@ -82,6 +86,7 @@ class BatchMetadata:
     kpool_ks: torch.Tensor | None = None
     kpool_ke: torch.Tensor | None = None
     kpool_every_token: bool = False
+    index_columns: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -42,7 +42,7 @@ from flashdsa._checks import trusted_inputs
 from flashdsa.cache.metadata import EXTEND, BatchMetadata
 from flashdsa.cache.pool import KVPool
 from flashdsa.config import DSAConfig
-from flashdsa.layers.indexer import Indexer, IndexerOutput, exact_logits_paged, exact_logits_ragged
+from flashdsa.layers.indexer import Indexer, IndexerOutput, exact_logits_paged, exact_logits_ragged, exact_topk
 from flashdsa.quant import apply_rope
 
 
@@ -181,16 +181,41 @@ class DSAAttention(nn.Module):
             return batch.parallel.select(self, idx, batch, pool)
         if idx.pooled:
             return self.select_kpool(idx, batch, pool)
+        if idx.exact:
+            return self.select_exact(idx, batch, pool)
         if batch.mode != EXTEND:
             return self.topk_paged(self.score_paged(idx, batch, pool), batch, pool)
-        if idx.exact:
-            keys = pool.exact_index_cache(lid, idx.k.dtype)[batch.kv_slots]
-            logits = exact_logits_ragged(idx.q, keys, idx.weights, batch.ks, batch.ke)
-            return ops.topk_transform(logits, batch.ke - batch.ks, topk, row_starts=batch.ks, out_offsets=batch.ks,
-                                      backend=be)
         k_fp8, k_scale = pool.read_index(lid, batch.kv_slots)
         return ops.indexer_topk_ragged(idx.q, k_fp8, k_scale, idx.weights, batch.ks, batch.ke, topk,
                                        out_offsets=batch.ks, max_logits_bytes=batch.max_logits_bytes, backend=be)
+
+    def select_exact(self, idx: IndexerOutput, batch: BatchMetadata, pool: KVPool) -> torch.Tensor:
+        """Exact precision: HF's selection (:func:`~flashdsa.layers.indexer.exact_topk`, ``torch.topk`` on
+        rows as HF lays them out: ``batch.index_columns`` or, without it, a request's row as wide as its
+        sequence), in :meth:`select`'s output: rows of the gathered KV (extend) or slots (decode / verify)."""
+        topk, cols = self.index_topk, batch.index_columns
+        width = None if cols is None else cols.shape[1]
+        store = pool.exact_index_cache(self.layer_id, idx.k.dtype)
+        if batch.mode == EXTEND:
+            logits = exact_logits_ragged(idx.q, store[batch.kv_slots], idx.weights, batch.ks, batch.ke)
+            cq, ckv = batch.cu_seqlens_q.tolist(), batch.cu_seqlens_kv.tolist()
+            out = []
+            for b in range(len(cq) - 1):  # request b: its rows over its own keys
+                pos = exact_topk(logits[cq[b]:cq[b + 1], ckv[b]:ckv[b + 1]], topk, width,
+                                 None if cols is None else cols[b])
+                out.append(torch.where(pos >= 0, pos + ckv[b], -1))
+            return torch.cat(out).to(torch.int32)
+        B, n = batch.context_lens.shape
+        logits = self.score_paged(idx, batch, pool)
+        if logits.is_cuda:  # first-seen ties: the rows as they are (exact_topk), no host read
+            pos = exact_topk(logits, topk)
+        else:
+            seq = batch.context_lens[:, -1].tolist()
+            pos = torch.cat([exact_topk(logits[b * n:(b + 1) * n], topk, width or seq[b],
+                                        None if cols is None else cols[b]) for b in range(B)])
+        ps, p = pool.page_size, pos.clamp(min=0)
+        table = batch.block_table.long().repeat_interleave(n, dim=0)
+        return torch.where(pos >= 0, table.gather(1, p // ps) * ps + p % ps, -1).to(torch.int32)
 
     # ---- kpool (docs/DSA.md §7): a second kind of store and select ----------------------------------
     def store_kpool(self, kv_rows: torch.Tensor, idx: IndexerOutput, batch: BatchMetadata, pool: KVPool) -> None:

@@ -4,12 +4,14 @@
 quantisation, the per-(query, head) scale folded into the head gate; the keys go to the 8448-B indexer
 pages and the fp8 ops (``indexer_logits_ragged`` / ``_paged``) score them.
 
-``precision="exact"`` is for studying DSA accuracy: no Hadamard, no fp8, fp32 scores from the keys and
-queries as the model computes them (RoPE applied, then rounded to the model dtype) — the numbers
-Hugging Face's ``DeepseekV32Indexer`` computes, ``sum_h w[t,h] relu(q[t,h] . k[s] / sqrt(D))``. Its keys
-are kept in a float key store addressed by slot (the fp8 pages cannot hold them) and scored by
-:func:`exact_logits_ragged` / :func:`exact_logits_paged` below. Switch precision between sequences: the
-keys already cached were written in the precision of their time.
+``precision="exact"`` is for studying DSA accuracy: Hugging Face's indexer (transformers'
+``DeepseekV32Indexer`` / ``GlmMoeDsaIndexer``) op for op — LayerNorm and RoPE in the model dtype with HF's
+formulas and layout, no Hadamard, no fp8, fp32 scores ``sum_h w[t,h] relu((q[t,h] . k[s]) / sqrt(D))``
+with the scale applied before the ReLU as HF does — and HF's selection: :func:`exact_topk` takes
+``torch.topk`` over rows laid out as HF lays them out, so ties (ReLU makes exact zeros common) go the way
+HF's go on the same device. Its keys are kept in a float key store addressed by slot (the fp8 pages
+cannot hold them) and scored by :func:`exact_logits_ragged` / :func:`exact_logits_paged` below. Switch
+precision between sequences: the keys already cached were written in the precision of their time.
 
 With kpool (``index_kpool`` = c > 1, docs/DSA.md §7, fp8 only) the layer also holds GLM-5.3's two pooling
 parameters, ``index_kpool_compress_gate [128, hidden]`` (model dtype) and ``index_kpool_compress_ape [c, 128]``
@@ -30,7 +32,7 @@ from flashdsa.config import DSAConfig
 from flashdsa.ops.indexer_quant import HEAD_DIM, ROPE_HALF, indexer_quant, rope_model_dtype
 from flashdsa.ops.indexer_quant.reference import indexer_quant as indexer_quant_reference
 from flashdsa.ops.indexer_quant.reference import rope_model_dtype as rope_model_dtype_reference
-from flashdsa.quant import FP8, indexer_rope
+from flashdsa.quant import FP8
 
 PRECISIONS = ("fp8", "exact")
 _CHUNK_BYTES = 256 << 20  # bound on the [rows, H, keys] fp32 intermediate of the exact scores
@@ -42,8 +44,9 @@ class IndexerOutput(NamedTuple):
     ``precision="fp8"``: ``q [T, H, D] float8_e4m3fn`` (RoPE, Hadamard, act_quant), ``k [T, D] e4m3``,
     ``k_scale [T] float32``, ``weights [T, H] float32`` = weights_proj * H^-0.5 * q_scale * D^-0.5.
 
-    ``precision="exact"``: ``q [T, H, D]`` and ``k [T, D]`` in the model dtype (RoPE only), ``k_scale``
-    None, ``weights [T, H] float32`` = weights_proj * H^-0.5 * D^-0.5.
+    ``precision="exact"``: ``q [T, H, D]`` and ``k [T, D]`` in the model dtype (RoPE only, HF's layout),
+    ``k_scale`` None, ``weights [T, H] float32`` = weights_proj * H^-0.5 (HF's; the scorers apply D^-0.5
+    to each head's dot product before the ReLU, as HF does).
 
     kpool (c > 1, fp8): ``q``, ``weights`` as for fp8; ``k [T, D]`` in the model dtype, the key after
     LayerNorm and RoPE and before the rotation (what ``ops.kpool_compress`` pools); ``k_scale`` None;
@@ -118,17 +121,18 @@ class Indexer(nn.Module):
     def forward(self, x: torch.Tensor, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> IndexerOutput:
         T = x.shape[0]
         q = self.wq_b(qr).view(T, self.n_heads, self.head_dim)
-        # LayerNorm in fp32 whatever dtype its parameters have (HF keeps them in the model dtype).
         kn = self.k_norm
-        k = nn.functional.layer_norm(self.wk(x).float(), kn.normalized_shape, _f32(kn.weight), _f32(kn.bias),
-                                     kn.eps).to(x.dtype)
         # weights_proj may be kept in fp32 (HF's _keep_in_fp32_modules) while x is bf16
         gate = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.n_heads ** -0.5
         if self.precision == "exact":
-            # RoPE on the first rope_dim dims ([rope | nope]), rounded to the model dtype as deployed.
-            q = indexer_rope(q, cos, sin, self.interleave).to(x.dtype)
-            k = indexer_rope(k, cos, sin, self.interleave).to(x.dtype)
-            return IndexerOutput(q, gate * self.head_dim ** -0.5, k, None)
+            # HF's rounding: LayerNorm and RoPE in the model dtype, so the scores are HF's to the last bit
+            k = nn.functional.layer_norm(self.wk(x), kn.normalized_shape, _as(kn.weight, x.dtype),
+                                         _as(kn.bias, x.dtype), kn.eps)
+            return IndexerOutput(rope_as_hf(q, cos, sin, self.interleave), gate,
+                                 rope_as_hf(k, cos, sin, self.interleave), None)
+        # deployment: LayerNorm in fp32 whatever dtype its parameters have, rounded to the model dtype
+        k = nn.functional.layer_norm(self.wk(x).float(), kn.normalized_shape, _as(kn.weight, torch.float32),
+                                     _as(kn.bias, torch.float32), kn.eps).to(x.dtype)
         q_fp8, q_scale = self._quant(q, cos, sin)
         w = gate * q_scale * self.head_dim ** -0.5
         if self.kpool > 1:
@@ -161,16 +165,38 @@ def _fused_shapes(x: torch.Tensor, cos: torch.Tensor) -> bool:
     return x.shape[-1] == HEAD_DIM and cos.shape[-1] == ROPE_HALF and x.dtype in (torch.bfloat16, torch.float32)
 
 
-def _f32(p: torch.Tensor | None) -> torch.Tensor | None:
-    return None if p is None else p.float()
+def _as(p: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    return None if p is None else p.to(dtype)
+
+
+def rope_as_hf(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
+    """The indexer RoPE of transformers' DSA models, op for op in ``x``'s dtype: ``x [T, ..., D]`` -> same.
+
+    The first ``2 * cos.shape[-1]`` dims rotate (``[rope | nope]``), ``cos, sin [T, R / 2]`` (any float
+    dtype; rounded to ``x``'s as HF holds them). NeoX pairs: ``x * cos + rotate_half(x) * sin``;
+    interleaved pairs (GLM) come out de-interleaved, ``[a c - b s | b c + a s]``, as HF writes them — q and k
+    alike, so only the order of the dot product's terms differs from deployment's layout.
+    """
+    r = 2 * cos.shape[-1]
+    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
+    c, s = cos.to(x.dtype).reshape(shape), sin.to(x.dtype).reshape(shape)
+    rot = x[..., :r]
+    if interleave:
+        a, b = rot[..., 0::2], rot[..., 1::2]
+        out = torch.cat((a * c - b * s, b * c + a * s), dim=-1)
+    else:
+        a, b = rot[..., : r // 2], rot[..., r // 2:]
+        out = torch.cat((a * c + (-b) * s, b * c + a * s), dim=-1)
+    return torch.cat((out, x[..., r:]), dim=-1)
 
 
 # ---- exact scoring (precision="exact") ---------------------------------------------------------------
 
 def _exact_scores(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """``q [t, H, D], k [n, D], weights [t, H] -> [t, n] f32``: sum_h w relu(q . k), all in fp32."""
-    s = torch.einsum("thd,nd->thn", q.float(), k.float()).relu_()
-    return torch.einsum("thn,th->tn", s, weights)
+    """``q [..., H, D], k [..., n, D], weights [..., H] -> [..., n] f32`` in HF's op order: every head's
+    ``relu((q . k) * D^-0.5)``, then the head sum weighted by ``weights`` (one fp32 matmul each)."""
+    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * q.shape[-1] ** -0.5
+    return torch.matmul(weights.unsqueeze(-2), s.relu_()).squeeze(-2)
 
 
 def exact_logits_ragged(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, ks: torch.Tensor,
@@ -180,11 +206,11 @@ def exact_logits_ragged(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor,
     Args:
         q:       ``[T, H, D]`` float (bf16 / fp32), an exact :class:`IndexerOutput`'s ``q``.
         k:       ``[N, D]`` float, keys of all requests concatenated.
-        weights: ``[T, H] float32`` head gates with H^-0.5 and D^-0.5 folded in.
+        weights: ``[T, H] float32`` head gates with H^-0.5 folded in (D^-0.5 is applied here).
         ks, ke:  ``[T]`` int; row i scores keys in ``[ks[i], ke[i])``.
 
     Returns:
-        ``[T, N] float32``: ``sum_h weights[i, h] * relu(q[i, h] . k[s])`` inside the row's range, ``-inf``
+        ``[T, N] float32``: ``sum_h weights[i, h] * relu(q[i, h] . k[s] / sqrt(D))`` in the row's range, ``-inf``
         elsewhere. Rows are scored in chunks over their key window so the ``[rows, H, keys]`` fp32
         intermediate stays under 256 MB (this reads ks / ke on the host: a prefill op).
     """
@@ -210,7 +236,7 @@ def exact_logits_ragged(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor,
                 break
             lo, hi, t1 = nlo, nhi, t1 + 1
         if hi > lo:
-            s = _exact_scores(q[t0:t1], k[lo:hi], weights[t0:t1])
+            s = _exact_scores(q[t0:t1], k[None, lo:hi], weights[t0:t1])
             p = pos[None, lo:hi]
             visible = (p >= ks[t0:t1, None]) & (p < ke[t0:t1, None])
             out[t0:t1, lo:hi] = torch.where(visible, s, float("-inf"))
@@ -242,7 +268,48 @@ def exact_logits_paged(q: torch.Tensor, key_store: torch.Tensor, weights: torch.
     p = torch.arange(L, device=q.device)
     slots = block_table.long()[:, p // page_size] * page_size + p % page_size     # [B, L]
     k = key_store[slots]                                                             # [B, L, D]
-    s = torch.einsum("bjhd,bld->bjhl", q.float(), k.float()).relu_()
-    logits = torch.einsum("bjhl,bjh->bjl", s, weights.view(B, n, H))
+    logits = _exact_scores(q, k[:, None], weights.view(B, n, H))                     # [B, n, L]
     visible = p[None, None, :] < context_lens[:, :, None]
     return torch.where(visible, logits, float("-inf")).view(B * n, L)
+
+
+# ---- exact selection (precision="exact"): HF's torch.topk ---------------------------------------------
+
+def exact_topk(logits: torch.Tensor, topk: int, width: int | None = None,
+               columns: torch.Tensor | None = None) -> torch.Tensor:
+    """HF's top-k of one request's rows: ``torch.topk`` over the rows as HF lays them out.
+
+    Args:
+        logits:  ``[r, L] float32`` the request's rows by position, ``-inf`` where a row sees no key.
+        topk:    ``index_topk``.
+        width:   HF's row width: the columns of HF's forward (cached + new, padding included); None: L.
+        columns: ``[W] int64`` the position each of HF's columns holds, -1 for padding; None: column =
+                 position.
+
+    Returns:
+        ``[r, topk] int64`` positions, ascending, -1 padded.
+
+    Ties (exact zeros from the ReLU are common) go as ``torch.topk`` sends them on this device. On CPU it
+    permutes ties by the whole row (a partial sort), so the row is rebuilt as HF's: ``width`` columns, the
+    masked ones -inf (HF's finfo.min compares the same). CUDA's ``torch.topk`` keeps the first of equal
+    values in column order, and positions run in column order, so there the rows are used as they are:
+    no host read, and a CUDA graph can capture it.
+    """
+    r, L = logits.shape
+    if not logits.is_cuda:
+        W = L if width is None else width
+        if columns is None:
+            rows = logits[:, :W] if W <= L else torch.nn.functional.pad(logits, (0, W - L), value=float("-inf"))
+        else:
+            rows = logits.new_full((r, W), float("-inf"))
+            real = (columns >= 0).nonzero().squeeze(1)
+            rows[:, real] = logits[:, columns[real]]
+        vals, idx = rows.topk(min(topk, W), dim=-1)
+        pos = idx if columns is None else columns[idx]
+    else:
+        vals, pos = logits.topk(min(topk, L), dim=-1)
+    pos = torch.where(vals > float("-inf"), pos, -1)
+    # ascending positions, -1 last: the order flashdsa's top-k returns (the attention sums in this order)
+    pos = torch.where(pos < 0, torch.iinfo(torch.int64).max, pos).sort(dim=-1).values
+    pos = torch.where(pos == torch.iinfo(torch.int64).max, -1, pos)
+    return torch.nn.functional.pad(pos, (0, topk - pos.shape[1]), value=-1)
