@@ -61,6 +61,25 @@ def dense(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
     return tuple([t if t is None or t.is_contiguous() else t.contiguous() for t in tensors])  # a list: no generator
 
 
+def _bytes(t: torch.Tensor) -> tuple[int, int]:
+    """``[first, end)`` byte addresses a tensor's elements span (torch strides are never negative)."""
+    lo = t.data_ptr()
+    return lo, lo + (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * t.element_size()
+
+
+def check_no_overlap(name: str, out: torch.Tensor, **inputs: torch.Tensor | None) -> None:
+    """ValueError naming ``name`` when ``out`` shares bytes with one of ``inputs``: a kernel that reads an
+    input while it writes ``out`` would read its own results."""
+    if out.numel() == 0:
+        return
+    a0, a1 = _bytes(out)
+    for k, t in inputs.items():
+        if isinstance(t, _Tensor) and t.numel() and t.device == out.device:
+            b0, b1 = _bytes(t)
+            if a0 < b1 and b0 < a1:
+                fail(name, f"a buffer that does not overlap {k}", "one that shares its memory")
+
+
 def check_int(name: str, x, lo: int) -> int:
     """A Python int (not a bool) >= ``lo``."""
     if type(x) is not int and (isinstance(x, bool) or not isinstance(x, int)) or x < lo:
@@ -99,8 +118,13 @@ def check_translation_values(lengths: torch.Tensor, page_table, out_offsets, pag
 
 
 def check_scalar(name: str, x, *, positive: bool = True) -> float:
+    """A float argument: a Python float or int, or a one-element real tensor (read on the host), the
+    spellings ``torch.ops.flashdsa.*`` turns into a float before the op sees it (torch's schema rules also
+    take a bool there; a bool is refused here)."""
+    if isinstance(x, _Tensor) and x.numel() == 1 and not (x.is_complex() or x.dtype is torch.bool):
+        x = x.item()
     if type(x) is not float and (isinstance(x, bool) or not isinstance(x, (int, float))):
-        fail(name, "a Python float", type(x).__name__)
+        fail(name, "a Python float (or a one-element tensor)", type(x).__name__)
     x = float(x)
     if positive and not (x > 0 and x != float("inf")):
         fail(name, "a finite positive number", x)

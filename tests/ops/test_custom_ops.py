@@ -287,3 +287,61 @@ def test_gpu_compile_decode_step_cuda_graphs():
         got = step(*args, None)
         _same(tuple(t.clone() for t in got), want)
     ops.check_errors()
+
+
+@pytest.mark.parametrize("backend", [None, "triton"])
+@pytest.mark.parametrize("overlaps", ["lengths", "logits", "page_table"])
+def test_topk_out_overlapping_an_input_is_refused(backend, overlaps):
+    """``out=`` sharing memory with an input: the Triton kernel would read rows it already wrote (it returned
+    wrong rows, the torch backend right ones). Both refuse it, before any kernel runs; a buffer beside the
+    inputs in the same storage is fine."""
+    fn, args, kwargs = CASES["topk_transform-pages"]
+    logits, lengths, k = _fresh(args)
+    table = kwargs["page_table"].clone()
+    R = logits.shape[0]
+    words = torch.zeros(4 * R * k + logits.numel(), dtype=torch.int32)
+    if overlaps == "lengths":
+        lengths = words[R * k - 1:R * k - 1 + R].copy_(lengths)
+    elif overlaps == "page_table":
+        table = words[R * k - 2:R * k - 2 + table.numel()].copy_(table.view(-1)).view(table.shape)
+    else:
+        logits = words[R * k - 5:R * k - 5 + logits.numel()].view(torch.float32).copy_(logits.view(-1)).view(
+            logits.shape)
+    kw = dict(kwargs, page_table=table, backend=backend)
+    with pytest.raises(ValueError, match="^out: expected a buffer that does not overlap " + overlaps):
+        fn(logits, lengths, k, **kw, out=words[:R * k].view(R, k))
+    want = fn(logits, lengths, k, **kw)
+    beside = words[-R * k:].view(R, k)
+    assert fn(logits, lengths, k, **kw, out=beside) is beside and torch.equal(beside, want)
+
+
+def test_entry_points_refuse_alike():
+    """The public function and ``torch.ops.flashdsa.<op>`` refuse the same values (both raise the public
+    function's ValueError), and accept the same spellings of a good value: a one-element tensor for a
+    float, 0 / 1 for a bool (torch.ops turns those into a float / bool before the op runs). torch.ops also
+    turns a bool into a float and any number into a bool: spellings the public function refuses, which
+    torch's schema parsing decides before flashdsa sees the call."""
+    def both(name, i, value):
+        fn, args, kwargs = CASES[name]
+        args = list(_fresh(args))
+        args[i] = value
+        got = []
+        for call in (fn, fn.op):
+            try:
+                got.append(call(*args, **{k: v for k, v in kwargs.items() if k != "backend"}))
+            except ValueError as e:
+                got.append(str(e))
+        return got
+
+    for name, i, bad in (("sparse_mla_decode-fp8", 3, [0.0, -1.0, float("nan"), float("inf"), torch.tensor(-2.0)]),
+                         ("sparse_mla_prefill", 3, [0.0, float("nan")]),
+                         ("dense_mla_prefill", 4, [-0.5]),
+                         ("topk_transform-pages", 2, [0, -3])):
+        for value in bad:
+            a, b = both(name, i, value)
+            assert isinstance(a, str) and a == b, (name, value)
+    for name, i, good, same in (("sparse_mla_decode-fp8", 3, torch.tensor(SM), SM),
+                                ("indexer_quant", 3, 1, True), ("indexer_quant", 3, 0, False)):
+        want = both(name, i, same)[0]
+        for got in both(name, i, good):
+            _same(got, want)

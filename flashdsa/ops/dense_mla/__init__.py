@@ -62,7 +62,7 @@ def dense_mla_prefill(q: torch.Tensor, kv: torch.Tensor, cu_seqlens_q: torch.Ten
     check_tensor("cu_seqlens_kv", cu_seqlens_kv, dtype=torch.int32, shape=tuple(cu_seqlens_q.shape), device=dev)
     if cu_seqlens_q.numel() < 1:
         fail("cu_seqlens_q", "[B + 1] offsets starting at 0", "an empty tensor")
-    check_scalar("sm_scale", sm_scale)
+    sm_scale = check_scalar("sm_scale", sm_scale)
     if isinstance(d_v, bool) or not isinstance(d_v, int) or not 1 <= d_v <= MLA_LATENT:
         fail("d_v", f"an int in 1..{MLA_LATENT}", d_v)
     cu_seqlens_q, cu_seqlens_kv = dense(cu_seqlens_q, cu_seqlens_kv)

@@ -86,8 +86,10 @@ def indexer_quant(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interle
     T = x.shape[0]
     check_tensor("cos", cos, dtype=torch.float32, shape=(T, ROPE_HALF), device=x.device)
     check_tensor("sin", sin, dtype=torch.float32, shape=(T, ROPE_HALF), device=x.device)
-    if not isinstance(interleave, bool):
-        fail("interleave", "a bool", type(interleave).__name__)
+    # 0 / 1 as well: torch.ops.flashdsa.indexer_quant turns any number into a bool before the op sees it
+    if not (isinstance(interleave, bool) or type(interleave) is int and interleave in (0, 1)):
+        fail("interleave", "a bool (or 0 / 1)", repr(interleave))
+    interleave = bool(interleave)
     cos, sin = dense(cos, sin)
     impl = pick_backend(backend, _IMPLS, x.device, "indexer_quant")
     mode = value_check_mode(x, impl is _triton_indexer_quant)

@@ -178,7 +178,7 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Te
     elif kv_scale is not None:
         fail("kv_scale", f"None for a {fmt!r} cache (only the raw fp8 cache has a per-tensor scale)", kv_scale)
     check_tensor("indices", indices, dtype=torch.int32, shape=(B, s_q, None), device=dev)
-    check_scalar("sm_scale", sm_scale)
+    scale = check_scalar("sm_scale", sm_scale)
     _check_d_v(d_v)
     (indices,) = dense(indices)
     if fmt == "bf16":
@@ -186,13 +186,15 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Te
     else:
         why_not = lambda: _gluon_unsupported(_GLUON_FP8, q, kv_cache, fmt, d_v)  # noqa: E731
     impl = _pick(backend, _DECODE, _triton_decode, _gluon_decode, why_not, dev, "sparse_mla_decode")
-    res = impl(q, kv_cache, indices, float(sm_scale), d_v, kv_scale)
+    res = impl(q, kv_cache, indices, scale, d_v, kv_scale)
     name = next((n for n, f in _DECODE.items() if f is impl), None)
     # remembered where nothing was converted (q widened, indices made contiguous) and the kernel picked is the
     # one that ran (a Gluon kernel whose first launch failed fell back to Triton: not remembered)
+    # (not with a tensor scale: the key would hold the object, whose value may change)
     if key is not None and name is not None and given[0] is q and given[1] is indices and not (
-            impl is _gluon_decode and _gluon_decode_module(kv_cache) in _GLUONS.failed):
-        remember(_FAST, key, (name, impl, float(sm_scale), kv_scale), 256)
+            impl is _gluon_decode and _gluon_decode_module(kv_cache) in _GLUONS.failed) and torch.Tensor not in (
+            key[4], key[8]):
+        remember(_FAST, key, (name, impl, scale, kv_scale), 256)
     return res
 
 
@@ -235,7 +237,7 @@ def sparse_mla_prefill(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
     check_tensor("kv", kv, dtype=(torch.bfloat16, torch.float32), shape=(None, MLA_DIM), device=dev)
     q = _widen_for_fp32(q, "fp32" if kv.dtype == torch.float32 else "bf16", "kv")
     check_tensor("indices", indices, dtype=torch.int32, shape=(T, None), device=dev)
-    check_scalar("sm_scale", sm_scale)
+    sm_scale = check_scalar("sm_scale", sm_scale)
     _check_d_v(d_v)
     (indices,) = dense(indices)
     impl = _pick(backend, _PREFILL, _triton_prefill, _gluon_prefill,

@@ -9,9 +9,9 @@ import torch
 
 from flashdsa._library import op
 from flashdsa.cache.layouts import PAGE_SIZE
-from flashdsa.ops._common import (DEVICE, HOST, check_int, check_mode_and_capture, check_range, check_tensor,
-                                  check_translation, check_translation_values, dense, facts, fail, pick_backend,
-                                  raise_deferred, remember, value_check_mode)
+from flashdsa.ops._common import (DEVICE, HOST, check_int, check_mode_and_capture, check_no_overlap, check_range,
+                                  check_tensor, check_translation, check_translation_values, dense, facts, fail,
+                                  pick_backend, raise_deferred, remember, value_check_mode)
 from flashdsa.ops.topk import reference
 # imported on first use: importing triton is slow and CPU-only users never need it
 _module = functools.cache(importlib.import_module)
@@ -72,6 +72,9 @@ def topk_transform(logits: torch.Tensor, lengths: torch.Tensor, topk: int = 2048
         (a row with fewer than topk candidates returns all of them).
     """
     raise_deferred()
+    if out is not None and isinstance(out, torch.Tensor):  # the kernel would read what it writes
+        check_no_overlap("out", out, logits=logits, lengths=lengths, page_table=page_table, row_starts=row_starts,
+                         out_offsets=out_offsets)
     # Fast path: a call whose every host-known fact (types, dtypes, shapes, strides, devices, the ints, the
     # logits' alignment, the check mode) equals an earlier call's that passed the checks below and ran the
     # Triton kernel passes them again: launch at once (the checks, dispatch and launch-shape lookup it skips
