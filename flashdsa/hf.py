@@ -270,8 +270,9 @@ class FlashDSACache(Cache):
             self._finalizer = weakref.finalize(self, _release, weakref.ref(runner), self.rows)
             self._real = torch.zeros(B, 0, dtype=torch.bool)
         self._new_real = torch.ones(B, S, dtype=torch.bool) if real is None else real
-        columns = torch.cat((self._real, self._new_real), dim=1)  # HF's columns: padding included
-        if not bool(columns.all()):  # exact top-k takes HF's row layout (BatchMetadata.index_columns)
+        # HF's row layout, for CPU torch.topk's ties (BatchMetadata.index_columns; CUDA's are flashdsa's own)
+        if self.patch.indexer == "exact" and not meta.positions.is_cuda:
+            columns = torch.cat((self._real, self._new_real), dim=1)  # padding included
             pos = torch.where(columns, columns.long().cumsum(1) - 1, -1)
             meta = dataclasses.replace(meta, index_columns=pos.to(meta.positions.device))
         return meta

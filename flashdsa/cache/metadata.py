@@ -44,10 +44,9 @@ class BatchMetadata:
              writes the whole sequence). DCP: every rank runs every query row and its caches hold its
              shard of the KV: ``slot_mapping`` (its own new tokens), ``block_table``, ``kv_slots``,
              ``ks / ke`` and ``context_lens`` address that shard.
-    Exact-precision top-k (``Indexer(precision="exact")``): ``index_columns [B, W] int64`` or None — the
-             layout of the caller's rows when they are not the requests' own: the position each of the W
-             columns holds, -1 for padding (``flashdsa.hf``: HF's columns, left padding included). None: a
-             request's row is as wide as its sequence, column = position.
+    Exact-precision top-k (``Indexer(precision="exact")``): ``index_columns [B, W] int64`` or None — HF's
+             row layout, for HF's ``torch.topk`` ties (``flashdsa.hf`` sets it): the position each of the
+             W columns of HF's forward holds, -1 for padding. None: ties go to the smaller position.
     kpool (``kpool`` = c > 1, :func:`add_kpool`): ``kpool_rows [T] int64`` each token's tail ring row,
              ``kpool_first [T] int64`` the batch index of its request's first new token, ``kpool_anchors
              [G] int64`` the tokens that pool their group (the last new token of every group touched),

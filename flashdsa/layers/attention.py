@@ -190,29 +190,30 @@ class DSAAttention(nn.Module):
                                        out_offsets=batch.ks, max_logits_bytes=batch.max_logits_bytes, backend=be)
 
     def select_exact(self, idx: IndexerOutput, batch: BatchMetadata, pool: KVPool) -> torch.Tensor:
-        """Exact precision: HF's selection (:func:`~flashdsa.layers.indexer.exact_topk`, ``torch.topk`` on
-        rows as HF lays them out: ``batch.index_columns`` or, without it, a request's row as wide as its
-        sequence), in :meth:`select`'s output: rows of the gathered KV (extend) or slots (decode / verify)."""
-        topk, cols = self.index_topk, batch.index_columns
-        width = None if cols is None else cols.shape[1]
+        """Exact precision's top-k, in :meth:`select`'s output: rows of the gathered KV (extend) or slots
+        (decode / verify). Ties go to the smaller position (``topk_transform``: what CUDA's ``torch.topk``
+        picks too), unless the caller lays the rows out as HF does (``batch.index_columns``, set by
+        ``flashdsa.hf``) off CUDA: then HF's own ``torch.topk`` over those rows (:func:`exact_topk`), whose
+        partial sort sends ties elsewhere on the CPU."""
+        topk, cols, be = self.index_topk, batch.index_columns, batch.backend
         store = pool.exact_index_cache(self.layer_id, idx.k.dtype)
+        hf_rows = cols is not None and not idx.q.is_cuda
         if batch.mode == EXTEND:
             logits = exact_logits_ragged(idx.q, store[batch.kv_slots], idx.weights, batch.ks, batch.ke)
+            if not hf_rows:
+                return ops.topk_transform(logits, batch.ke - batch.ks, topk, row_starts=batch.ks,
+                                          out_offsets=batch.ks, backend=be)
             cq, ckv = batch.cu_seqlens_q.tolist(), batch.cu_seqlens_kv.tolist()
             out = []
             for b in range(len(cq) - 1):  # request b: its rows over its own keys
-                pos = exact_topk(logits[cq[b]:cq[b + 1], ckv[b]:ckv[b + 1]], topk, width,
-                                 None if cols is None else cols[b])
+                pos = exact_topk(logits[cq[b]:cq[b + 1], ckv[b]:ckv[b + 1]], topk, cols.shape[1], cols[b])
                 out.append(torch.where(pos >= 0, pos + ckv[b], -1))
             return torch.cat(out).to(torch.int32)
-        B, n = batch.context_lens.shape
         logits = self.score_paged(idx, batch, pool)
-        if logits.is_cuda:  # first-seen ties: the rows as they are (exact_topk), no host read
-            pos = exact_topk(logits, topk)
-        else:
-            seq = batch.context_lens[:, -1].tolist()
-            pos = torch.cat([exact_topk(logits[b * n:(b + 1) * n], topk, width or seq[b],
-                                        None if cols is None else cols[b]) for b in range(B)])
+        if not hf_rows:
+            return self.topk_paged(logits, batch, pool)
+        B, n = batch.context_lens.shape
+        pos = torch.cat([exact_topk(logits[b * n:(b + 1) * n], topk, cols.shape[1], cols[b]) for b in range(B)])
         ps, p = pool.page_size, pos.clamp(min=0)
         table = batch.block_table.long().repeat_interleave(n, dim=0)
         return torch.where(pos >= 0, table.gather(1, p // ps) * ps + p % ps, -1).to(torch.int32)

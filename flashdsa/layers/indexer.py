@@ -7,9 +7,10 @@ pages and the fp8 ops (``indexer_logits_ragged`` / ``_paged``) score them.
 ``precision="exact"`` is for studying DSA accuracy: Hugging Face's indexer (transformers'
 ``DeepseekV32Indexer`` / ``GlmMoeDsaIndexer``) op for op — LayerNorm and RoPE in the model dtype with HF's
 formulas and layout, no Hadamard, no fp8, fp32 scores ``sum_h w[t,h] relu((q[t,h] . k[s]) / sqrt(D))``
-with the scale applied before the ReLU as HF does — and HF's selection: :func:`exact_topk` takes
-``torch.topk`` over rows laid out as HF lays them out, so ties (ReLU makes exact zeros common) go the way
-HF's go on the same device. Its keys are kept in a float key store addressed by slot (the fp8 pages
+with the scale applied before the ReLU as HF does. Ties (the ReLU makes exact zeros common) go to the
+smaller position, as CUDA's ``torch.topk`` and flashdsa's top-k send them; where the caller lays its rows
+out as HF (``BatchMetadata.index_columns``: ``flashdsa.hf``), :func:`exact_topk` takes ``torch.topk`` over
+those rows, so they go as HF's do on the CPU too. Its keys are kept in a float key store addressed by slot (the fp8 pages
 cannot hold them) and scored by :func:`exact_logits_ragged` / :func:`exact_logits_paged` below. Switch
 precision between sequences: the keys already cached were written in the precision of their time.
 
@@ -289,27 +290,24 @@ def exact_topk(logits: torch.Tensor, topk: int, width: int | None = None,
     Returns:
         ``[r, topk] int64`` positions, ascending, -1 padded.
 
-    Ties (exact zeros from the ReLU are common) go as ``torch.topk`` sends them on this device. On CPU it
-    permutes ties by the whole row (a partial sort), so the row is rebuilt as HF's: ``width`` columns, the
-    masked ones -inf (HF's finfo.min compares the same). CUDA's ``torch.topk`` keeps the first of equal
-    values in column order, and positions run in column order, so there the rows are used as they are:
-    no host read, and a CUDA graph can capture it.
+    Ties (exact zeros from the ReLU are common) go as ``torch.topk`` sends them. On the CPU it permutes
+    them by a partial sort of the whole row, so the row is rebuilt as HF's — ``width`` columns, the masked
+    ones -inf (HF's finfo.min compares the same) — and its values must be HF's bits. (CUDA's keeps the
+    first of equal values in column order: the smaller position, flashdsa's own rule.)
     """
     r, L = logits.shape
-    if not logits.is_cuda:
-        W = L if width is None else width
-        if columns is None:
-            rows = logits[:, :W] if W <= L else torch.nn.functional.pad(logits, (0, W - L), value=float("-inf"))
-        else:
-            rows = logits.new_full((r, W), float("-inf"))
-            real = (columns >= 0).nonzero().squeeze(1)
-            rows[:, real] = logits[:, columns[real]]
-        vals, idx = rows.topk(min(topk, W), dim=-1)
-        pos = idx if columns is None else columns[idx]
+    W = L if width is None else width
+    if columns is None:
+        rows = logits[:, :W] if W <= L else torch.nn.functional.pad(logits, (0, W - L), value=float("-inf"))
     else:
-        vals, pos = logits.topk(min(topk, L), dim=-1)
+        rows = logits.new_full((r, W), float("-inf"))
+        real = (columns >= 0).nonzero().squeeze(1)
+        rows[:, real] = logits[:, columns[real]]
+    vals, idx = rows.topk(min(topk, W), dim=-1)
+    pos = idx if columns is None else columns[idx]
     pos = torch.where(vals > float("-inf"), pos, -1)
     # ascending positions, -1 last: the order flashdsa's top-k returns (the attention sums in this order)
-    pos = torch.where(pos < 0, torch.iinfo(torch.int64).max, pos).sort(dim=-1).values
-    pos = torch.where(pos == torch.iinfo(torch.int64).max, -1, pos)
+    big = torch.iinfo(torch.int64).max
+    pos = torch.where(pos < 0, big, pos).sort(dim=-1).values
+    pos = torch.where(pos == big, -1, pos)
     return torch.nn.functional.pad(pos, (0, topk - pos.shape[1]), value=-1)
