@@ -748,6 +748,10 @@ def format_table(rows: list[dict], timed: bool = True) -> str:
 
 
 def write_json(report: dict, path: str) -> None:
+    """The report to ``path``; ``"-"`` (``--json`` alone) prints it to stdout."""
+    if path == "-":
+        print(json.dumps(report, indent=1, default=str), flush=True)
+        return
     with open(path, "w") as fh:
         json.dump(report, fh, indent=1, default=str)
 
@@ -835,14 +839,15 @@ def replay(report_path: str, plot_path: str | None = None, out=None) -> int:
                                                        f"{str(report.get('date'))[:10]}"):
             say(f"wrote {plot_path}")
         else:
-            say("no plot: matplotlib does not import (pip install 'flashdsa[bench]')")
+            say("no plot: matplotlib does not import (pip install matplotlib)")
     return 0 if report.get("ok") else 1
 
 
 def run_bench(ops: str | tuple[str, ...] = OPS, quick: bool = False, json_path: str | None = None,
               plot_path: str | None = None, peer_libs: str | None = None, cpu_check: bool = False,
               graph: bool = True, from_json: str | None = None, out=None) -> int:
-    """``flashdsa bench``. Returns the exit code: 0, or 1 if a check failed. ValueError for bad arguments."""
+    """``flashdsa bench``. Returns the exit code: 0, or 1 if a check failed. ValueError for bad arguments.
+    ``json_path`` "-": the JSON report to stdout (the text goes to ``out``)."""
     out = out or sys.stdout
     ops = parse_ops(ops) if isinstance(ops, str) else parse_ops(",".join(ops))
     _check_out_path("json", json_path)
@@ -943,7 +948,7 @@ def run_bench(ops: str | tuple[str, ...] = OPS, quick: bool = False, json_path: 
         elif plot(rows, ceilings, plot_path, title=f"flashdsa bench on {info['name']}, {report['date'][:10]}"):
             say(f"wrote {plot_path}")
         else:
-            say("no plot: matplotlib does not import (pip install 'flashdsa[bench]')")
+            say("no plot: matplotlib does not import (pip install matplotlib)")
     return 0 if ok else 1
 
 

@@ -39,7 +39,8 @@ linear weights in ``dtype`` (bf16 by default).
 Only the shards that hold a wanted tensor are opened, memory-mapped (safetensors ``safe_open``), and
 each tensor is read, dequantised and moved on its own, so memory stays near the size of the chosen
 layers. Everything is checked before the first tensor is read: the config is DSA, every tensor is in
-the index, every shard exists and holds what the index says, every shape matches the config.
+the index, every shard exists, is safetensors and holds what the index says, every shape matches the
+config. Each tensor read must be finite (no NaN or inf).
 """
 
 from __future__ import annotations
@@ -186,11 +187,21 @@ def weight_map(checkpoint: str | os.PathLike) -> dict[str, str]:
         return wm
     single = os.path.join(root, SINGLE_FILE)
     if os.path.isfile(single):
-        from safetensors import safe_open
-
-        with safe_open(single, framework="pt", device="cpu") as f:
+        with _open(single) as f:
             return {name: SINGLE_FILE for name in f.keys()}
     raise FileNotFoundError(f"checkpoint: {root} has neither {INDEX_FILE} nor {SINGLE_FILE}")
+
+
+def _open(path: str):
+    """``safe_open`` of a shard; a file that is not safetensors (truncated, empty, another format) is a ValueError
+    naming it instead of safetensors' own error, which does not."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        return safe_open(path, framework="pt", device="cpu")
+    except SafetensorError as e:
+        raise ValueError(f"checkpoint: {path} is not a readable safetensors file ({e}); is it truncated or "
+                         f"corrupt? (re-download it)") from None
 
 
 # ---- what to read ------------------------------------------------------------------------------------
@@ -341,11 +352,10 @@ def load_layers(checkpoint: str | os.PathLike, layers: str | int | Sequence[int]
         progress:   a progress line on stderr; None = when stderr is a terminal and the load is > 64 MB.
 
     Returns a :class:`LoadedLayers`. Raises FileNotFoundError for a missing folder, ``config.json``, index
-    or shard (naming it), ValueError for a non-DSA config, a missing tensor (naming it), a shape that
-    does not match the config, an fp8 weight without its scales — all before any tensor is read.
+    or shard (naming it), ValueError for a non-DSA config, a shard that is not safetensors, a missing tensor
+    (naming it), a shape that does not match the config, an fp8 weight without its scales — all before any
+    tensor is read — and for a tensor holding NaN or inf once read (naming it and its shard).
     """
-    from safetensors import safe_open
-
     if dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"dtype: expected torch.bfloat16 or torch.float32, got {dtype}")
     root = os.fspath(checkpoint)
@@ -358,8 +368,7 @@ def load_layers(checkpoint: str | os.PathLike, layers: str | int | Sequence[int]
     by_shard = _check_index(root, wanted, wm)
     device = torch.device(device)
     with contextlib.ExitStack() as stack:
-        handles = {s: stack.enter_context(safe_open(os.path.join(root, s), framework="pt", device="cpu"))
-                   for s in sorted(by_shard)}
+        handles = {s: stack.enter_context(_open(os.path.join(root, s))) for s in sorted(by_shard)}
         for shard, held in by_shard.items():
             keys = set(handles[shard].keys())
             absent = [n for n in held if n not in keys]
@@ -410,6 +419,12 @@ def _read(t: _Tensor, handles: dict, wm: dict[str, str], block: tuple[int, int],
         w = dequant_fp8(w.to(device), s.to(device), block, t.dtype)
     else:
         w = w.to(device=device, dtype=t.dtype)
+    # a NaN weight makes every figure computed from it NaN or, through top-k and softmax, plausible nonsense
+    bad = ~torch.isfinite(w)
+    if bad.any():
+        raise ValueError(f"checkpoint: {t.name} in {wm[t.name]} holds {int(bad.sum())} non-finite value(s) "
+                         f"(NaN or inf{', after dequantising with its ' + SCALE_SUFFIX if scale_name in wm else ''}) "
+                         f"of {w.numel()}; the file is damaged or was saved from a diverged model")
     bar.add(nbytes)
     return w
 

@@ -5,11 +5,16 @@ A user error (a bad flag or value, a preset that does not fit) is one line on st
 never a traceback: argparse's errors and the ValueErrors the commands raise are both caught in
 :func:`main`, and a ValueError that names an argument (``"layers: ..."``) is shown with its flag
 (``"--layers: ..."``).
+
+``--json`` means one thing in every command: alone, the command's JSON object on stdout instead of its text;
+``--json PATH``, written to PATH beside the text. ``python -m flashdsa`` runs :func:`main` too (``torchrun ...
+-m flashdsa demo --cp P``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -20,23 +25,63 @@ class UsageError(Exception):
     """A bad command line, reported by :func:`main` as one line."""
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    # "(default: None)" / "(default: False)" would say nothing: those flags' help says what leaving them out does
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args, formatter_class=_Help, **kwargs):
+        super().__init__(*args, formatter_class=formatter_class, **kwargs)
+
     # argparse prints the whole usage block before its one-line error and exits; keep just the line.
     def error(self, message: str):
         raise UsageError(f"{self.prog}: {message} (see {self.prog} --help)")
 
 
+def _add_json(parser: argparse.ArgumentParser, what: str, text: str) -> None:
+    """``--json`` means one thing in every command: alone, ``what`` as one JSON object on stdout instead of the
+    ``text``; ``--json PATH``: written to PATH, the text printed as usual."""
+    parser.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
+                        help=f"print {what} as one JSON object to stdout instead of the {text} (--json PATH: write "
+                             f"it to PATH and print the {text} as usual)")
+
+
+def _check_out(flag: str, path: str | None) -> None:
+    """An output file's folder must exist before any work starts (``-``: stdout)."""
+    folder = os.path.dirname(os.path.abspath(path)) if path and path != "-" else None
+    if folder and not os.path.isdir(folder):
+        raise ValueError(f"{flag}: the folder of {path} does not exist")
+
+
+def _emit_json(obj, dest: str, indent: int | None = None) -> None:
+    """``--json``: ``-`` (the flag alone) prints ``obj`` to stdout, a path gets it written there."""
+    text = json.dumps(obj, indent=indent)
+    if dest == "-":
+        print(text)
+        return
+    with open(dest, "w") as f:
+        f.write(text + "\n")
+    print(f"wrote {dest}", file=sys.stderr)
+
+
 def _demo(args: argparse.Namespace) -> int:
     from flashdsa.demo import run_demo
 
+    _check_out("json", args.json)
     if args.cp is not None or args.dcp is not None:
         return _parallel_demo(args)
+    if args.cp_split is not None:
+        raise ValueError("cp_split: expected only with --cp (it splits the prompt over the --cp ranks)")
     report = run_demo(preset=args.preset, device=args.device, next_n=args.next_n, seed=args.seed,
                       backend=args.backend, layers=args.layers, kv_format=args.kv_format,
-                      log=None if args.json else print, force=args.force, offload=args.offload,
+                      log=None if args.json == "-" else print, force=args.force, offload=args.offload,
                       device_buffer=args.device_buffer, kpool=args.kpool)
     if args.json:
-        print(json.dumps(report))
+        _emit_json(report, args.json)
     return 0 if report["ok"] else 1
 
 
@@ -46,17 +91,25 @@ def _parallel_demo(args: argparse.Namespace) -> int:
 
     from flashdsa.demo import run_parallel_demo
 
+    # run_parallel_demo takes every other flag of demo; these it has no use for, so refuse them, never drop them
     if args.cp is not None and args.dcp is not None:
         raise ValueError("dcp: expected --cp or --dcp, not both (prefill CP writes the whole KV on every rank)")
     if args.force:
         raise ValueError("force: the parallel demo makes no memory estimate to force past")
+    if args.offload or args.device_buffer is not None:
+        flag = "offload" if args.offload else "device_buffer"
+        raise ValueError(f"{flag}: host offload (--offload, --device-buffer) with context parallelism (--cp / --dcp) "
+                         f"is not built; run one of them")
+    if args.dcp is not None and args.cp_split is not None:
+        raise ValueError("cp_split: expected only with --cp (--dcp shards the KV by position, it splits no prompt)")
     mode, world = ("cp", args.cp) if args.cp is not None else ("dcp", args.dcp)
     try:
-        report = run_parallel_demo(mode, world, split=args.cp_split, preset=args.preset, device=args.device,
-                                   next_n=args.next_n, seed=args.seed, backend=args.backend, layers=args.layers,
-                                   kv_format=args.kv_format, log=None if args.json else print, kpool=args.kpool)
+        report = run_parallel_demo(mode, world, split=args.cp_split or "zigzag", preset=args.preset,
+                                   device=args.device, next_n=args.next_n, seed=args.seed, backend=args.backend,
+                                   layers=args.layers, kv_format=args.kv_format,
+                                   log=None if args.json == "-" else print, kpool=args.kpool)
         if args.json and dist.get_rank() == 0:
-            print(json.dumps(report))
+            _emit_json(report, args.json)
         # every rank past its last collective before any rank tears its connections down: a rank that
         # closes early can abort a peer still finishing (seen once in CI: gloo, 3 ranks, SIGABRT at exit)
         dist.barrier()
@@ -73,9 +126,13 @@ def _plan(args: argparse.Namespace) -> int:
     cfg, source = load_config(preset=args.preset, config=args.config)
     if args.kpool is not None:
         cfg = with_kpool(cfg, args.kpool)
+    _check_out("json", args.json)
     report = plan(cfg, context=args.context, batch=args.batch, gpus=args.gpus, kv_format=args.kv_format,
                   parallel=args.parallel, source=source)
-    print(json.dumps(report, indent=2) if args.json else format_plan(report))
+    if args.json != "-":
+        print(format_plan(report))
+    if args.json:
+        _emit_json(report, args.json, indent=2)
     return 0
 
 
@@ -86,7 +143,7 @@ def _add_plan(sub) -> None:
     about = "the DSA cost model: KV bytes, FLOPs, crossover, TP vs CP traffic, memory"
     plan = sub.add_parser("plan", help=about, description=about)
     src = plan.add_mutually_exclusive_group()
-    src.add_argument("--preset", default=None, choices=sorted(PRESETS), help="a built-in model (default: v32)")
+    src.add_argument("--preset", default=None, choices=sorted(PRESETS), help="a built-in model (without --config: v32)")
     src.add_argument("--config", default=None, help="an HF config.json, or a folder holding one")
     plan.add_argument("--context", type=int, default=DEFAULT_CONTEXT, help="tokens per request (S)")
     plan.add_argument("--batch", type=int, default=1, help="requests (B), for the memory figure")
@@ -97,16 +154,20 @@ def _add_plan(sub) -> None:
                       help="memory: tp = whole KV on every GPU, cp = KV sharded over the GPUs (DCP)")
     plan.add_argument("--kpool", type=int, default=None, metavar="C",
                       help="index_kpool: one pooled index key per C tokens (default: the model's)")
-    plan.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    _add_json(plan, "the plan", "table")
     plan.set_defaults(func=_plan)
 
 
 def _bench(args: argparse.Namespace) -> int:
     from flashdsa.bench import run_bench
 
-    return run_bench(ops=args.ops, quick=args.quick, json_path=args.json, plot_path=args.plot,
-                     peer_libs=args.peer_libs, cpu_check=args.cpu_check, graph=not args.no_graph,
-                     from_json=args.from_json)
+    if args.json and args.from_json:
+        raise ValueError("json: --from-json measures nothing, so there is no new report to write")
+    # --json alone: stdout holds the JSON object only (the progress line stays on stderr)
+    with open(os.devnull, "w") if args.json == "-" else contextlib.nullcontext(sys.stdout) as out:
+        return run_bench(ops=args.ops, quick=args.quick, json_path=args.json, plot_path=args.plot,
+                         peer_libs=args.peer_libs, cpu_check=args.cpu_check, graph=not args.no_graph,
+                         from_json=args.from_json, out=out)
 
 
 def _add_bench(sub) -> None:
@@ -115,11 +176,11 @@ def _add_bench(sub) -> None:
     about = ("time our ops against the peers that import (DeepGEMM, FlashMLA, sgl-kernel fast_topk, torch) "
              "at the shapes of docs/DSA.md §9, checked first")
     bench = sub.add_parser("bench", help=about, description=about)
-    bench.add_argument("--ops", default=",".join(OPS), help=f"comma-separated subset of {','.join(OPS)} (default: all)")
+    bench.add_argument("--ops", default=",".join(OPS), help="a comma-separated subset")
     bench.add_argument("--quick", action="store_true", help="the smallest useful subset (under a minute on an H200)")
-    bench.add_argument("--json", default=None, metavar="OUT.json", help="write every row, the device and the ceilings")
+    _add_json(bench, "every row, the device and the ceilings", "table")
     bench.add_argument("--plot", default=None, metavar="OUT.png",
-                       help="time vs context, ours vs peers vs the roofline (needs matplotlib: flashdsa[bench])")
+                       help="time vs context, ours vs peers vs the roofline (needs matplotlib: pip install matplotlib)")
     bench.add_argument("--peer-libs", default=None, metavar="DIR",
                        help="load sgl-kernel's *.so from DIR (default: $FLASHDSA_SGL_KERNEL_LIBS, "
                             "else import sgl_kernel)")
@@ -134,26 +195,23 @@ def _add_bench(sub) -> None:
 def _report(args: argparse.Namespace) -> int:
     from flashdsa.report import format_report, plot_report, run_report
 
-    for flag, path in (("json", args.json), ("plot", args.plot)):
-        folder = os.path.dirname(os.path.abspath(path)) if path else None
-        if folder and not os.path.isdir(folder):
-            raise ValueError(f"{flag}: the folder of {path} does not exist")
+    _check_out("json", args.json)
+    _check_out("plot", args.plot)
     try:
         report = run_report(args.checkpoint, args.layers, contexts=args.context, device=args.device, hidden=args.hidden,
                             queries=args.queries, seed=args.seed, backend=args.backend,
                             log=lambda line: print(line, file=sys.stderr))
     except FileNotFoundError as e:  # a missing checkpoint file or --hidden: one line, like any bad argument
         raise ValueError(str(e)) from None
-    print(format_report(report))
+    if args.json != "-":
+        print(format_report(report))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
-        print(f"wrote {args.json}", file=sys.stderr)
+        _emit_json(report, args.json, indent=1)
     if args.plot:
         if plot_report(report, args.plot):
             print(f"wrote {args.plot}", file=sys.stderr)
         else:
-            print("no plot: matplotlib does not import (pip install 'flashdsa[bench]')", file=sys.stderr)
+            print("no plot: matplotlib does not import (pip install matplotlib)", file=sys.stderr)
     return 0
 
 
@@ -168,19 +226,21 @@ def _add_report(sub) -> None:
                      help="a DeepSeek-V3.2 / GLM-5 model folder (config.json, model.safetensors.index.json, shards)")
     rep.add_argument("--layers", required=True, metavar="A-B",
                      help="the layers to load and run (inclusive; the first must compute its own top-k)")
-    rep.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    rep.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     rep.add_argument("--context", type=int, nargs="+", default=None, metavar="N",
-                     help="context lengths, each > index_topk (default: 2, 4 and 8 x index_topk)")
+                     help="context lengths, each > index_topk (without it: 2, 4 and 8 x index_topk, those "
+                          "--hidden holds)")
     rep.add_argument("--hidden", default=None, metavar="FILE",
                      help="saved hidden states (.pt / .safetensors): [T, hidden] entering the first layer, or "
                           "[layers(+1), T, hidden] as HF's output_hidden_states (default: synthetic)")
     rep.add_argument("--queries", type=int, default=DEFAULT_QUERIES,
-                     help=f"query rows measured per context, the last ones (default {DEFAULT_QUERIES})")
+                     help="query rows measured per context, the last ones (at most context - index_topk)")
     rep.add_argument("--seed", type=int, default=0, help="seed of the synthetic hidden states")
     rep.add_argument("--backend", default=None, choices=["torch", "triton"],
                      help="force an op backend (default: triton on CUDA, torch on CPU)")
-    rep.add_argument("--json", default=None, metavar="OUT.json", help="also write the report as JSON")
-    rep.add_argument("--plot", default=None, metavar="OUT.png", help="also plot it (needs matplotlib: flashdsa[bench])")
+    _add_json(rep, "the report", "table")
+    rep.add_argument("--plot", default=None, metavar="OUT.png", help="also plot it (needs matplotlib: pip install "
+                                                                     "matplotlib)")
     rep.set_defaults(func=_report)
 
 
@@ -193,14 +253,17 @@ def _add_demo(sub) -> None:
         "; refuses a preset whose memory estimate (weights + KV caches + activations) exceeds the device's "
         "free memory, and says how many layers fit"))
     demo.add_argument("--preset", default="tiny", choices=sorted(PRESETS),
-                      help="model shapes: tiny (CPU, seconds), v32 (DeepSeek-V3.2) or glm5 (GLM-5); default tiny")
-    demo.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
-    demo.add_argument("--next-n", type=int, default=2, help="draft tokens per request in the MTP verify step (>= 1)")
+                      help="model shapes: tiny (CPU, seconds), v32 (DeepSeek-V3.2) or glm5 (GLM-5)")
+    demo.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    demo.add_argument("--next-n", type=int, default=2,
+                      help="draft tokens per request in the MTP verify step (>= 1; the longest request with its "
+                           "drafts must fit the preset's max_position_embeddings)")
     demo.add_argument("--backend", default=None, choices=["torch", "triton"],
                       help="force an op backend (default: triton on CUDA, torch on CPU)")
-    demo.add_argument("--layers", type=int, default=None, help="keep only the first N layers of the preset")
+    demo.add_argument("--layers", type=int, default=None, metavar="N",
+                      help="keep only the first N layers of the preset (without it: all)")
     demo.add_argument("--kv-format", default="fp8", choices=list(KV_FORMATS),
-                      help="MLA cache: fp8 = FlashMLA's 656-B layout (default), bf16 = 1152 B, fp8_raw = 576 B")
+                      help="MLA cache: fp8 = FlashMLA's 656-B layout, bf16 = 1152 B, fp8_raw = 576 B")
     demo.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompts")
     demo.add_argument("--kpool", type=int, default=None, metavar="C",
                       help="pool every C tokens' index keys into one (GLM-5.3's index_kpool; default: the preset's, 1)")
@@ -210,16 +273,17 @@ def _add_demo(sub) -> None:
                       help="serve with the MLA cache in host memory and small per-request device buffers, and "
                            "check it against the same scenario all on the device (bitwise)")
     demo.add_argument("--device-buffer", type=int, default=None, metavar="N",
-                      help="with --offload: device rows per request and layer, a multiple of 64 >= next_n * "
-                           "index_topk (default max(2, next_n) * index_topk)")
+                      help="with --offload: device rows per request and layer, a multiple of 64 from next_n x the "
+                           "tokens a row selects (or the longest request's tokens if fewer) to the pool's tokens "
+                           "(without it: max(2, next_n) x those tokens, rounded up to 64, at most the pool's)")
     demo.add_argument("--cp", type=int, default=None, metavar="P",
-                      help="prefill context parallelism on P ranks: run under torchrun --nproc-per-node P "
-                           "(gloo on --device cpu, NCCL on cuda); checked against one process")
-    demo.add_argument("--cp-split", default="zigzag", choices=["interleave", "zigzag"],
-                      help="how --cp splits the prompt tokens (default zigzag)")
+                      help="prefill context parallelism on P >= 1 ranks: run under torchrun --nproc-per-node P "
+                           "-m flashdsa (gloo on --device cpu, NCCL on cuda); checked against one process")
+    demo.add_argument("--cp-split", default=None, choices=["interleave", "zigzag"],
+                      help="how --cp splits the prompt tokens (without it: zigzag)")
     demo.add_argument("--dcp", type=int, default=None, metavar="P",
-                      help="decode context parallelism on P ranks (KV sharded), under torchrun like --cp")
-    demo.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
+                      help="decode context parallelism on P >= 1 ranks (KV sharded), under torchrun like --cp")
+    _add_json(demo, "the report", "log")
     demo.set_defaults(func=_demo)
 
 
@@ -252,7 +316,11 @@ def _parallel_error(e: BaseException) -> bool:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``flashdsa`` parser; its errors raise :class:`UsageError` instead of exiting."""
+    import flashdsa
+
     parser = _Parser(prog="flashdsa", description="DeepSeek Sparse Attention, end to end.")
+    # flashdsa.__version__ is pyproject.toml's version too (setuptools reads it from there)
+    parser.add_argument("--version", action="version", version=f"flashdsa {flashdsa.__version__}")
     sub = parser.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
     # One _add_<cmd>(sub) per subcommand, each wiring its own handler.
     for add in (_add_demo, _add_plan, _add_bench, _add_report):

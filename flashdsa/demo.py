@@ -102,9 +102,19 @@ def demo_config(preset: str, layers: int | None = None, kpool: int | None = None
     return cfg.replace(**keep)
 
 
-def _check_args(device: torch.device, next_n, seed, backend, kv_format) -> None:
-    if isinstance(next_n, bool) or not isinstance(next_n, int) or next_n < 1:
-        raise ValueError(f"next_n: expected an integer >= 1, got {next_n!r}")
+def max_next_n(cfg: DSAConfig) -> int:
+    """The most drafts the demo's verify step may take: the longest prompt, its decodes and the drafts must
+    stay within the model's context (``max_position_embeddings``)."""
+    return cfg.max_position_embeddings - max(_scenario(cfg, 1)[0].values()) - DECODE_STEPS
+
+
+def _check_args(cfg: DSAConfig, device: torch.device, next_n, seed, backend, kv_format) -> None:
+    hi = max_next_n(cfg)
+    if isinstance(next_n, bool) or not isinstance(next_n, int) or not 1 <= next_n <= hi:
+        raise ValueError(f"next_n: expected an integer 1 <= next_n <= {hi} (the longest prompt, its {DECODE_STEPS} "
+                         f"decodes and the drafts must fit the model's max_position_embeddings, "
+                         f"{cfg.max_position_embeddings}), "
+                         f"got {next_n!r}")
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 62:
         raise ValueError(f"seed: expected an integer in 0..2**62 - 1, got {seed!r}")
     if kv_format not in KV_FORMATS:
@@ -157,13 +167,16 @@ def _weights(cfg: DSAConfig) -> tuple[int, list[int], int]:
     return size(model) - sum(per_layer), per_layer, matmul
 
 
-def _activation_bytes(cfg: DSAConfig, lens: dict[str, int], cuts: list[int], kv_format: str, torch_ops: bool) -> int:
+def _activation_bytes(cfg: DSAConfig, lens: dict[str, int], cuts: list[int], kv_format: str, torch_ops: bool,
+                      next_n: int = 2) -> int:
     """The largest activations the demo holds at once, from its biggest terms.
 
-    Each phase holds some [rows, vocab] fp32 logits for a comparison while an extend of ``rows`` tokens
+    Each phase holds some [rows, vocab] fp32 logits for a comparison while a forward of ``rows`` tokens
     runs: its LM head makes bf16 logits and their fp32 copy, and one layer's temporaries live meanwhile
-    (MLP, the queries before and after absorption, the indexer's fp32 queries and its logits budget, and
+    (MLP, the queries before and after absorption, the indexer's fp32 queries and its logits, and
     on the torch reference the dense fallback's fp32 scores of the longest context that fits top-k).
+    An extend scores its keys within a 1 GiB budget; the verify step's paged indexer logits ``[B next_n,
+    context]`` fp32 come in one piece (on the torch reference with one request's per-head scores beside them).
     """
     V, h, k = cfg.vocab_size, cfg.num_attention_heads, cfg.index_topk
     dense_ok = kv_format != "fp8_raw"
@@ -171,18 +184,25 @@ def _activation_bytes(cfg: DSAConfig, lens: dict[str, int], cuts: list[int], kv_
     first = lens["short"] + lens["at_topk"] + cuts[1]
     chunk = max(b - a for a, b in zip(cuts, cuts[1:]))
 
-    def layer(rows: int, keys: int, dense: bool) -> int:
+    def layer(rows: int, keys: int, dense: bool, verify: bool = False) -> int:
         per_row = (3 * 2 * cfg.intermediate_size + 2 * h * (cfg.qk_head_dim + cfg.kv_lora_rank + cfg.kv_cache_dim)
                    + 4 * 2 * cfg.index_n_heads * cfg.index_head_dim + 2 * 4 * cfg.hidden_size)
         scores = 3 * 4 * h * k * k if dense and torch_ops else 0  # scores, mask fill, softmax
+        if verify:
+            per_head = 4 * rows // B * cfg.index_n_heads * keys if torch_ops else 0  # one request's rows
+            return rows * per_row + 4 * rows * keys + per_head
         return rows * per_row + min(1 << 30, 4 * rows * keys) + scores
 
-    # (logits held for a comparison, rows of the running extend, its keys, whether it takes the dense path)
-    phases = [(0, first, lens["at_topk"], dense_ok),                  # serving, first chunk
-              (0, lens["long"], lens["long"], False),                 # the long prompt in one extend
-              (lens["long"], chunk, lens["long"], False),             # chunked, one-shot logits held
-              (fit if dense_ok else 0, fit, lens["at_topk"], False)]  # sparse, dense logits held
-    return max(4 * held * V + 6 * rows * V + layer(rows, keys, dense) for held, rows, keys, dense in phases)
+    B, context = len(lens), lens["long"] + DECODE_STEPS + next_n
+    # (logits held for a comparison, rows of the running forward, its keys, the dense path, a verify step)
+    phases = [(0, first, lens["at_topk"], dense_ok, False),                  # serving, first chunk
+              (0, lens["long"], lens["long"], False, False),                 # the long prompt in one extend
+              (lens["long"], chunk, lens["long"], False, False),             # chunked, one-shot logits held
+              (fit if dense_ok else 0, fit, lens["at_topk"], False, False),  # sparse, dense logits held
+              (0, B * next_n, context, False, True),                         # the verify step
+              (3 * B * next_n, B, context, False, True)]  # verify check: verify + decodes' logits (list, stacked)
+    return max(4 * held * V + 6 * rows * V + layer(rows, keys, dense, verify)
+               for held, rows, keys, dense, verify in phases)
 
 
 def memory_estimate(cfg: DSAConfig, kv_format: str = "fp8", next_n: int = 2, torch_ops: bool = True) -> dict:
@@ -200,7 +220,7 @@ def memory_estimate(cfg: DSAConfig, kv_format: str = "fp8", next_n: int = 2, tor
 def _estimate(cfg: DSAConfig, kv_format: str, next_n: int, torch_ops: bool, weights: int) -> dict:
     lens, cuts, pages = _scenario(cfg, next_n)
     est = {"weights": weights, "kv": LIVE_POOLS * pages * page_bytes(cfg, kv_format),
-           "activations": _activation_bytes(cfg, lens, cuts, kv_format, torch_ops)}
+           "activations": _activation_bytes(cfg, lens, cuts, kv_format, torch_ops, next_n)}
     est["total"] = sum(est.values())
     return est
 
@@ -255,6 +275,8 @@ def _fit_message(preset: str, cfg: DSAConfig, device: torch.device, est: dict, a
         hints.append(f"--layers N fits for N <= {layers} (--layers 1: about {_gb(one['total'])})")
     else:
         hints.append(f"even --layers 1 needs about {_gb(one['total'])}")
+    if next_n > 2:
+        hints.append(f"a smaller --next-n ({next_n}: the verify step's logits grow with it)")
     if device.type == "cpu":
         hints.append("a GPU fits more (--device cuda)")
     hints.append("--force runs it anyway")
@@ -307,10 +329,10 @@ def _fmt_check(diff: _Diff | None, why: str = "") -> str:
 
 # ---- host offload ------------------------------------------------------------------------------------
 
-def _offload_config(cfg: DSAConfig, offload, device_buffer, next_n: int, requests: int) -> OffloadConfig | None:
+def _offload_config(cfg: DSAConfig, offload, device_buffer, next_n: int) -> OffloadConfig | None:
     """The demo's OffloadConfig (None without offload): one device buffer per scenario request, of
-    ``device_buffer`` rows (default ``max(2, next_n) * index_topk``), which must hold a verify step's
-    ``next_n * index_topk`` selected tokens."""
+    ``device_buffer`` rows (default ``max(2, next_n)`` times the tokens a query row selects, at most the pool's
+    tokens), which must hold a verify step's selections and cannot exceed the pool's tokens."""
     if not isinstance(offload, bool):
         raise ValueError(f"offload: expected True or False, got {offload!r}")
     if not offload:
@@ -320,12 +342,17 @@ def _offload_config(cfg: DSAConfig, offload, device_buffer, next_n: int, request
         return None
     k = cfg.selected_tokens  # the tokens one row selects (kpool: the tail group too)
     page = layouts.PAGE_SIZE
-    rows = -(-max(2, next_n) * k // page) * page if device_buffer is None else device_buffer
-    if isinstance(rows, bool) or not isinstance(rows, int) or rows < next_n * k or rows % layouts.PAGE_SIZE:
-        raise ValueError(f"device_buffer: expected a multiple of {layouts.PAGE_SIZE} >= next_n * index_topk "
-                         f"({next_n} * {k} = {next_n * k}: the tokens one verify step of a request may select), "
-                         f"got {rows!r}")
-    return OffloadConfig(device_buffer=rows, max_requests=requests)
+    lens, _, pages = _scenario(cfg, next_n)
+    # a verify step's rows select up to next_n * k distinct tokens, never more than their request holds; no
+    # request holds more than the pool
+    lo, hi = min(next_n * k, max(lens.values()) + DECODE_STEPS + next_n), pages * cfg.page_size
+    rows = min(-(-max(2, next_n) * k // page) * page, hi) if device_buffer is None else device_buffer
+    if isinstance(rows, bool) or not isinstance(rows, int) or not lo <= rows <= hi or rows % page:
+        selects = "index_topk" if cfg.index_kpool == 1 else "(index_topk + index_kpool - 1)"
+        raise ValueError(f"device_buffer: expected a multiple of {page} from {lo} (next_n * {selects} = {next_n} * "
+                         f"{k}, or the longest request's tokens if fewer: what one verify step of a request may "
+                         f"select) to {hi} (the pool's tokens), got {rows!r}")
+    return OffloadConfig(device_buffer=rows, max_requests=len(lens))
 
 
 def _offload_report(off_cfg: OffloadConfig | None, kv_mem: dict, swap: dict | None, diff: _Diff | None,
@@ -385,8 +412,8 @@ def run_demo(preset: str = "tiny", device: str = "cpu", next_n: int = 2, seed: i
     log = log or (lambda *_: None)
     dev = parse_device(device)
     cfg = demo_config(preset, layers, kpool)
-    _check_args(dev, next_n, seed, backend, kv_format)
-    off_cfg = _offload_config(cfg, offload, device_buffer, next_n, len(_scenario(cfg, next_n)[0]))
+    _check_args(cfg, dev, next_n, seed, backend, kv_format)
+    off_cfg = _offload_config(cfg, offload, device_buffer, next_n)
     torch_ops = (backend or ("triton" if dev.type == "cuda" else "torch")) == "torch"
 
     fixed, per_layer, matmul_params = _weights(cfg)
@@ -614,6 +641,9 @@ def run_parallel_demo(mode: str, world: int, split: str = "zigzag", preset: str 
 
     if mode not in PARALLEL_MODES:
         raise ValueError(f"mode: expected one of {PARALLEL_MODES}, got {mode!r}")
+    # 1 is meaningful: one rank runs the parallel code path (its overhead, BENCHMARKS.md)
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        raise ValueError(f"{mode}: expected an integer >= 1 (ranks, one process each under torchrun), got {world!r}")
     if mode == "cp" and split not in SPLITS:
         raise ValueError(f"cp_split: expected one of {SPLITS}, got {split!r}")
     dev = parse_device(device)
@@ -621,13 +651,14 @@ def run_parallel_demo(mode: str, world: int, split: str = "zigzag", preset: str 
     if mode == "dcp" and cfg.index_kpool > 1:
         raise ValueError(f"kpool: decode context parallelism (--dcp) with kpool is not built (a pooled group's "
                          f"tokens would sit on several ranks); --cp supports it, got kpool {cfg.index_kpool}")
-    _check_args(dev, next_n, seed, backend, kv_format)
+    _check_args(cfg, dev, next_n, seed, backend, kv_format)
     if "WORLD_SIZE" not in os.environ:
-        raise ValueError(f"{mode}: expected one process per rank: torchrun --nproc-per-node {world} -m flashdsa.cli "
+        raise ValueError(f"{mode}: expected one process per rank: torchrun --nproc-per-node {world} -m flashdsa "
                          f"demo --{mode} {world} ... (no torchrun environment here)")
+    if world != int(os.environ["WORLD_SIZE"]):
+        raise ValueError(f"{mode}: expected the number of processes torchrun started ({os.environ['WORLD_SIZE']}), "
+                         f"got {world}")
     comm = init(dev)
-    if isinstance(world, bool) or not isinstance(world, int) or world != comm.world:
-        raise ValueError(f"{mode}: expected the number of processes torchrun started ({comm.world}), got {world!r}")
     dev = comm.device
     rank0 = comm.rank == 0
     log = (log or (lambda *_: None)) if rank0 else (lambda *_: None)

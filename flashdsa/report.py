@@ -268,9 +268,13 @@ def read_hidden(path: str | os.PathLike, cfg: DSAConfig) -> tuple[torch.Tensor, 
     if not os.path.isfile(path):
         raise FileNotFoundError(f"hidden: {path} does not exist")
     if path.endswith(".safetensors"):
+        from safetensors import SafetensorError
         from safetensors.torch import load_file
 
-        tensors = load_file(path)
+        try:
+            tensors = load_file(path)
+        except SafetensorError as e:
+            raise ValueError(f"hidden: {path} is not a readable safetensors file ({e})") from None
         if "hidden_states" in tensors:
             t = tensors["hidden_states"]
         elif len(tensors) == 1:
@@ -320,10 +324,12 @@ def run_report(checkpoint: str | os.PathLike, layers: str | Sequence[int], *, co
     """Load ``layers`` of ``checkpoint`` and measure them at each context (module docstring).
 
     Args:
-        contexts: context lengths N, each > index_topk (default :func:`default_contexts`).
+        contexts: context lengths N, each > index_topk (default: those of :func:`default_contexts` that
+                  ``hidden`` holds, or all its tokens if it holds none of them).
         device:   "cpu", "cuda" or "cuda:N".
         hidden:   a saved hidden-state file, or None for synthetic tokens (``seed``).
-        queries:  query rows measured per context (the last ones), clipped to N - index_topk.
+        queries:  query rows measured per context (the last ones), clipped to N - index_topk (each row says
+                  how many it measured).
         progress: the loader's progress line (None = on a terminal); ``log``: one line per context.
 
     Returns a JSON-ready dict: ``checkpoint``, ``architectures``, ``layers``, ``index_topk``, ``hidden``
@@ -359,6 +365,11 @@ def run_report(checkpoint: str | os.PathLike, layers: str | Sequence[int], *, co
     else:
         h, per_layer = read_hidden(hidden, cfg)
         T = h.shape[-2]
+        if contexts is None:  # the defaults the file holds, else all of it: never refuse a length nobody asked for
+            if T <= cfg.index_topk:
+                raise ValueError(f"hidden: expected more than index_topk ({cfg.index_topk}) tokens (at or below it "
+                                 f"top-k keeps every token), got {T} in {os.fspath(hidden)}")
+            ctxs = [n for n in ctxs if n <= T] or [T]
         if ctxs[-1] > T:
             raise ValueError(f"context: {ctxs[-1]} exceeds the {T} tokens of --hidden {os.fspath(hidden)}")
         source = (f"{os.fspath(hidden)}: every layer's own input" if per_layer else
@@ -389,11 +400,19 @@ def _f(x) -> str:
     return "-" if x is None else f"{x:.3f}"
 
 
+def _measured_rows(report: dict) -> str:
+    """The query rows measured, from the rows themselves (``--queries`` is clipped to N - index_topk)."""
+    per_context = {r["context"]: r["queries"] for r in report["rows"]}
+    if len(set(per_context.values())) == 1:
+        return f"the last {next(iter(per_context.values()))} query rows per context"
+    return "the last " + ", ".join(f"{q} (N={n})" for n, q in sorted(per_context.items())) + " query rows"
+
+
 def format_report(report: dict) -> str:
     """The report as a table: one line per layer and context (the fp8 indexer's overlap and reuse)."""
     head = (f"flashdsa report: {report['checkpoint']} ({', '.join(report['architectures'])}), layers "
-            f"{report['layers'][0]}-{report['layers'][-1]}, index_topk {report['index_topk']}, the last "
-            f"{report['queries']} query rows per context, {report['device']}")
+            f"{report['layers'][0]}-{report['layers'][-1]}, index_topk {report['index_topk']}, "
+            f"{_measured_rows(report)}, {report['device']}")
     cols = ("layer", "context", "mass exact", "mass fp8", "oracle", "fp8∩exact", "out diff fp8", "overlap prev",
             "reuse mass")
     keys = ("mass_exact", "mass_fp8", "mass_oracle", "fp8_recall", "out_diff_fp8", "overlap_prev_fp8", "reuse_mass_fp8")

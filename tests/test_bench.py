@@ -299,6 +299,26 @@ def test_from_json_redraws_table_and_plot(tmp_path, capsys):
     assert rc == 2 and err.startswith("flashdsa bench: --from-json:")
 
 
+@cpu_only
+def test_json_alone_prints_only_the_json_object(capsys):
+    rc, out, err = run_cli(["bench", "--quick", "--ops", "topk", "--json"], capsys)
+    assert rc == 0, err
+    report = json.loads(out)  # one JSON object and nothing else on stdout: the table is not printed
+    assert report["measured"] is False and {c["op"] for c in report["cases"]} == {"topk"}
+    rc, out, err = run_cli(["bench", "--from-json", "r.json", "--json"], capsys)
+    assert rc == 2 and err.startswith("flashdsa bench: --json: --from-json measures nothing"), err
+
+
+def test_missing_matplotlib_names_an_install_that_works(tmp_path, monkeypatch, capsys):
+    """flashdsa is not on a package index: 'pip install flashdsa[bench]' cannot work, matplotlib itself can."""
+    path = tmp_path / "gpu.json"
+    B.write_json({"device": {"name": "H200"}, "date": "2026-11-29", "ceilings": CEILINGS, "measured": True,
+                  "ok": True, "rows": sweep_rows()}, str(path))
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    rc, out, _ = run_cli(["bench", "--from-json", str(path), "--plot", str(tmp_path / "x.png")], capsys)
+    assert rc == 0 and "no plot: matplotlib does not import (pip install matplotlib)" in out, out
+
+
 def test_plot_without_matplotlib_says_no(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
     assert B.plot(sweep_rows(), CEILINGS, str(tmp_path / "x.png")) is False

@@ -385,3 +385,43 @@ def test_parse_layers():
     assert ck.parse_layers(" 2 ", 4) == [2]
     assert ck.parse_layers([3, 1, 1], 4) == [1, 3]
     assert ck.parse_layers(0, 4) == [0]
+
+
+@pytest.mark.parametrize("damage", ["empty", "truncated", "not safetensors"])
+def test_a_damaged_shard_is_named(copy, written, damage):
+    _, _, wm = written
+    shard = copy / wm["model.layers.1.self_attn.q_a_proj.weight"]
+    data = shard.read_bytes()
+    bad = {"empty": b"", "truncated": data[: len(data) // 2], "not safetensors": b"<html>404</html>"}
+    shard.write_bytes(bad[damage])
+    ck.load_layers(copy, "2-3")      # not needed: fine
+    with pytest.raises(ValueError, match=rf"^checkpoint: {shard} is not a readable safetensors file \(.*\); is it "
+                                         r"truncated or corrupt\?"):
+        ck.load_layers(copy, "0-1")
+
+
+def test_a_single_file_that_is_not_safetensors_is_named(tmp_path):
+    (tmp_path / ck.SINGLE_FILE).write_bytes(b"")
+    with pytest.raises(ValueError, match=r"^checkpoint: .*model\.safetensors is not a readable safetensors file"):
+        ck.weight_map(tmp_path)
+
+
+@pytest.mark.parametrize("name", ["self_attn.q_a_proj.weight", "self_attn.kv_a_layernorm.weight",
+                                  "self_attn.q_a_proj.weight_scale_inv"])
+def test_non_finite_weights_are_named(copy, written, name):
+    """A NaN weight (or scale) would give plausible-looking figures downstream: refused, naming the tensor and shard."""
+    from safetensors.torch import load_file
+
+    _, _, wm = written
+    full = "model.layers.1." + name
+    shard = copy / wm[full]
+    tensors = load_file(str(shard))
+    t = tensors[full]
+    if t.dtype == torch.float8_e4m3fn:
+        t.view(torch.uint8).fill_(0x7F)  # e4m3's NaN code
+    else:
+        t[0] = float("nan")
+    save_file(tensors, str(shard))
+    weight = full.removesuffix("_scale_inv")
+    with pytest.raises(ValueError, match=rf"^checkpoint: {weight} in {wm[full]} holds \d+ non-finite value"):
+        ck.load_layers(copy, "1")

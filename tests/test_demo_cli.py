@@ -84,6 +84,9 @@ def test_checks_that_do_not_apply_say_na_and_force_runs_past_the_refusal(monkeyp
     (["demo", "--layers", "5"], "--layers"),  # the tiny preset has 4
     (["demo", "--next-n", "0"], "--next-n"),
     (["demo", "--next-n", "two"], "--next-n"),
+    (["demo", "--next-n", "100000"], "--next-n"),  # past the model's context: refused, not out of memory
+    (["demo", "--kpool", "3"], "--kpool"),  # index_topk (64) is not a multiple of 3
+    (["demo", "--kpool", "128"], "--kpool"),
     (["demo", "--seed", "-1"], "--seed"),
     (["demo", "--preset", "v4"], "--preset"),
     (["demo", "--kv-format", "fp4"], "--kv-format"),
@@ -96,6 +99,26 @@ def test_checks_that_do_not_apply_say_na_and_force_runs_past_the_refusal(monkeyp
 def test_bad_flag_is_one_line(capsys, argv, flag):
     err = _one_line_error(capsys, argv)
     assert flag in err
+
+
+def test_next_n_is_bounded_by_the_model_context(capsys, monkeypatch):
+    """The longest prompt (3 index_topk + 7 = 199 tokens), its 4 decodes and the drafts must fit the tiny preset's
+    max_position_embeddings (4096): 3893 drafts at most, said before anything is built."""
+    monkeypatch.setattr(demo.DSAModel, "random", None)
+    assert demo.max_next_n(demo_config("tiny")) == 4096 - 199 - 4
+    err = _one_line_error(capsys, ["demo", "--next-n", "3894"])
+    assert err.startswith("flashdsa demo: --next-n: expected an integer 1 <= next_n <= 3893 ") and "4096" in err, err
+
+
+def test_memory_estimate_counts_the_verify_step(capsys, monkeypatch):
+    """The verify step's indexer logits [3 next_n, context] fp32 grow with next_n squared: 3000 drafts need about
+    0.6 GB on the tiny preset (0.13 GB without them). The refusal names --next-n before anything is built."""
+    monkeypatch.setattr(demo, "available_memory", lambda device: 300 * 10 ** 6)
+    monkeypatch.setattr(demo.DSAModel, "random", None)
+    tiny = demo_config("tiny")
+    assert memory_estimate(tiny, next_n=3000)["total"] > 300e6 > memory_estimate(tiny)["total"]
+    err = _one_line_error(capsys, ["demo", "--next-n", "3000"])
+    assert "a smaller --next-n (3000" in err, err
 
 
 def test_triton_backend_without_cuda_is_refused_before_building(capsys, monkeypatch):

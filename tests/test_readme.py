@@ -63,8 +63,10 @@ def _flashdsa_commands() -> list[list[str]]:
             words = shlex.split(line, comments=True)
             if words and words[0].endswith("flashdsa"):
                 cmds.append(words[1:])
-            elif words and words[0] == "torchrun" and "flashdsa.cli" in words:  # one process per rank
-                cmds.append(words[words.index("flashdsa.cli") + 1:])
+            elif words and words[0] == "torchrun" and "-m" in words:  # one process per rank
+                module = words.index("-m") + 1
+                assert words[module] in ("flashdsa", "flashdsa.cli"), line
+                cmds.append(words[module + 1:])
     return cmds
 
 

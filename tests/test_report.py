@@ -397,3 +397,63 @@ def test_cli_errors(ckpt, per_layer_hidden, tmp_path, capsys):
     for argv, pattern in cases:
         err = _one_line_error(capsys, argv)
         assert re.search(pattern, err), (argv, err)
+
+
+def test_default_contexts_are_those_the_hidden_states_hold(ckpt, tmp_path):
+    """Without --context the defaults (2, 4, 8 x index_topk = 128, 256, 512) are cut to the tokens of --hidden, or
+    are all of them when it holds none: a length nobody asked for is never refused."""
+    x = torch.randn(300, CFG.hidden_size, generator=torch.Generator().manual_seed(5))
+    for T, want in ((300, [128, 256]), (100, [100])):
+        torch.save(x[:T].clone(), tmp_path / f"h{T}.pt")
+        report = rp.run_report(ckpt, "0", hidden=tmp_path / f"h{T}.pt", queries=4)
+        assert report["contexts"] == want and sorted({r["context"] for r in report["rows"]}) == want
+    torch.save(x[:TOPK].clone(), tmp_path / "short.pt")
+    with pytest.raises(ValueError, match=r"^hidden: expected more than index_topk \(64\) tokens .* got 64 in "):
+        rp.run_report(ckpt, "0", hidden=tmp_path / "short.pt")
+
+
+def test_header_states_the_query_rows_measured(ckpt):
+    """--queries is clipped to N - index_topk per context: the header says what was measured, not what was asked."""
+    report = rp.run_report(ckpt, "0", contexts=[72, 80], queries=128)
+    assert [r["queries"] for r in report["rows"]] == [8, 16]
+    head = rp.format_report(report).splitlines()[0]
+    assert "the last 8 (N=72), 16 (N=80) query rows," in head and "128" not in head, head
+    one = rp.run_report(ckpt, "0", contexts=[72], queries=128)
+    assert "the last 8 query rows per context," in rp.format_report(one).splitlines()[0]
+
+
+def test_json_alone_prints_only_the_report(ckpt, capsys, monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    rc = main(["report", "--checkpoint", str(ckpt), "--layers", "0", "--context", "72", "--queries", "2", "--json",
+               "--plot", str(tmp_path / "r.png")])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    report = json.loads(captured.out)  # one JSON object and nothing else on stdout
+    assert report["contexts"] == [72] and "wrote" not in captured.err
+    # flashdsa is not on a package index: the hint names an install that works
+    assert "no plot: matplotlib does not import (pip install matplotlib)" in captured.err, captured.err
+
+
+def test_damaged_checkpoint_is_one_line(ckpt, tmp_path, capsys):
+    """A NaN weight or a truncated shard: one line naming the tensor / the file, exit code 2, no figures."""
+    from safetensors.torch import load_file
+
+    nan = tmp_path / "nan"
+    shutil.copytree(ckpt, nan)
+    wm = json.loads((nan / "model.safetensors.index.json").read_text())["weight_map"]
+    name = "model.layers.0.self_attn.q_a_proj.weight"
+    tensors = load_file(str(nan / wm[name]))
+    tensors[name].view(torch.uint8).fill_(0x7F)  # every fp8 code NaN
+    save_file(tensors, str(nan / wm[name]))
+    err = _one_line_error(capsys, ["report", "--checkpoint", str(nan), "--layers", "0-1", "--context", "72"])
+    assert err.startswith(f"flashdsa report: --checkpoint: {name} in {wm[name]} holds") and "non-finite" in err, err
+    cut = tmp_path / "cut"
+    shutil.copytree(ckpt, cut)
+    shard = cut / wm[name]
+    shard.write_bytes(shard.read_bytes()[:100])
+    err = _one_line_error(capsys, ["report", "--checkpoint", str(cut), "--layers", "0-1", "--context", "72"])
+    assert err.startswith(f"flashdsa report: --checkpoint: {shard} is not a readable safetensors file"), err
+    (tmp_path / "h.safetensors").write_bytes(b"")
+    err = _one_line_error(capsys, ["report", "--checkpoint", str(ckpt), "--layers", "0-1", "--hidden",
+                                   str(tmp_path / "h.safetensors")])
+    assert "--hidden: " in err and "is not a readable safetensors file" in err, err

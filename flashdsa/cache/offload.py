@@ -63,13 +63,17 @@ class OffloadConfig:
     """Host offload of the MLA cache.
 
     Args:
-        device_buffer: device rows per request and layer, a multiple of 64 and >= ``index_topk``; None means
-                       ``2 * index_topk``. A step's selection must fit: decode needs ``min(index_topk,
-                       context)`` rows, MTP verify with next_n rows per request up to ``next_n * index_topk``
-                       (a batch that might not fit is refused before any row moves). Rows beyond the
-                       selection keep recently used tokens, so the next step swaps fewer in.
+        device_buffer: device rows per request and layer, a multiple of 64 and >= the tokens a query row selects
+                       (``index_topk``, plus ``index_kpool - 1`` with kpool), at most the pool's tokens; None
+                       means twice the tokens a row selects. A step's selection must fit: decode needs
+                       ``min(index_topk, context)`` rows, MTP verify with next_n rows per request up to ``next_n
+                       * index_topk`` (a batch that might not fit is refused before any row moves). Rows beyond
+                       the selection keep recently used tokens, so the next step swaps fewer in.
         max_requests:  requests holding a device buffer at once (the buffers are allocated up front:
                        ``max_requests * device_buffer * layers * row bytes`` on the device).
+
+    ``max_requests * device_buffer`` must stay below 2**31: the resident map and the translated selections
+    address the device rows as int32.
     """
 
     device_buffer: int | None = None
@@ -81,13 +85,23 @@ class OffloadConfig:
             _fail("device_buffer", f"None or a multiple of {layouts.PAGE_SIZE} (>= {layouts.PAGE_SIZE})", repr(b))
         if not (_is_int(self.max_requests) and self.max_requests >= 1):
             _fail("max_requests", "an int >= 1", repr(self.max_requests))
+        if b is not None and b * self.max_requests >= 2 ** 31:
+            _fail("device_buffer", f"max_requests ({self.max_requests}) x device_buffer < 2**31 (the device rows are "
+                  f"addressed as int32)", repr(b))
 
-    def rows(self, index_topk: int) -> int:
-        """Device rows per request and layer for a model selecting ``index_topk`` tokens."""
-        n = 2 * index_topk if self.device_buffer is None else self.device_buffer
+    def rows(self, index_topk: int, kpool: int = 1, capacity: int | None = None) -> int:
+        """Device rows per request and layer for a model selecting ``index_topk`` tokens (plus ``kpool - 1``, the
+        unfinished tail group, with kpool), in a pool of ``capacity`` tokens (None: unchecked)."""
+        selected = index_topk + kpool - 1
+        n = 2 * selected if self.device_buffer is None else self.device_buffer
         n = -(-n // layouts.PAGE_SIZE) * layouts.PAGE_SIZE
-        if n < index_topk:
-            _fail("device_buffer", f">= index_topk ({index_topk}): one step's selection must fit", n)
+        if n < selected:
+            what = f"index_topk ({index_topk})" if kpool == 1 else \
+                f"index_topk + index_kpool - 1 ({index_topk} + {kpool} - 1 = {selected})"
+            _fail("device_buffer", f">= {what}, the tokens one query row selects: one step's selection must fit", n)
+        # a request never holds more tokens than the pool, so rows past that would never be filled
+        if capacity is not None and self.device_buffer is not None and n > capacity:
+            _fail("device_buffer", f"<= {capacity}, the pool's tokens (no request can hold more)", n)
         return n
 
 
@@ -255,14 +269,14 @@ class OffloadKVPool(KVPool):
         offload = OffloadConfig() if offload is None else offload
         if not isinstance(offload, OffloadConfig):
             _fail("offload", "an OffloadConfig or None", type(offload).__name__)
-        if isinstance(config, DSAConfig):
-            offload.rows(config.selected_tokens)  # checked before the host caches are made
+        if isinstance(config, DSAConfig) and _is_int(num_pages):  # checked before the host caches are made
+            offload.rows(config.index_topk, config.index_kpool, num_pages * config.page_size)
         # Pinned host memory makes the copies DMA transfers; without CUDA there is nothing to pin.
         self._pinned = torch.device(device).type == "cuda"
         super().__init__(config, num_pages, kv_format, device, kv_scale, **kpool)
         self.offload = offload
         # a row selects index_topk tokens, plus the tail group's c - 1 with kpool
-        self.buffer_rows = n = offload.rows(config.selected_tokens)
+        self.buffer_rows = n = offload.rows(config.index_topk, config.index_kpool)
         self.max_requests = r = offload.max_requests
         width, dtype = self.mla_caches[0].shape[-1], self.mla_caches[0].dtype
         self.buffers: list[torch.Tensor] = [torch.zeros(r * n, width, dtype=dtype, device=self.device)
@@ -311,7 +325,8 @@ class OffloadKVPool(KVPool):
             most = min(n * topk, self.allocator.seq_len(r))
             if most > self.buffer_rows:
                 _fail("device_buffer", f">= {most} rows: request {r!r} has {self.allocator.seq_len(r)} tokens and "
-                      f"{n} row(s) of top-{topk} this step", f"{self.buffer_rows} (raise OffloadConfig.device_buffer)")
+                      f"{n} row(s) selecting up to {topk} each this step",
+                      f"{self.buffer_rows} (raise OffloadConfig.device_buffer)")
         self.resident.acquire(batch.req_ids)
         ids = [self.resident.buffer(r) for r in batch.req_ids]
         self._batch, self._batch_buffers = batch, torch.tensor(ids, dtype=torch.int64).to(self.device)

@@ -72,6 +72,9 @@ class Runner:
             config, device = model.config, next(model.parameters()).device
         elif config is None or device is None:
             raise ValueError("model: expected a DSAModel, or model=None with config= and device= (Runner.for_layers)")
+        if parallel is not None and not isinstance(parallel, Parallel):
+            raise ValueError(f"parallel: expected None or a flashdsa.parallel mode (ContextParallel(comm, split) or "
+                             f"DecodeContextParallel(comm)), got {parallel!r}")
         if parallel is not None and model is None:
             raise ValueError("parallel: context parallelism needs the runner's own layer loop (Runner(model, ...)), "
                              "which hands each rank its tokens and gathers the hidden states; for_layers callers "
@@ -207,9 +210,6 @@ class Runner:
         Returns ``[T, vocab] float32`` logits of every new token, requests in dict order.
         """
         ids = {r: self._token_ids(f"chunks[{r!r}]", t) for r, t in _check_batch("chunks", chunks).items()}
-        empty = [r for r, t in ids.items() if t.numel() == 0]
-        if empty:
-            raise ValueError(f"chunks: expected >= 1 token per request, got none for {empty[:8]!r}")
         with self._batch({r: t.numel() for r, t in ids.items()}, EXTEND, force_sparse=force_sparse) as meta:
             return self.forward(torch.cat(list(ids.values())).to(self.pool.device), meta)
 
@@ -230,15 +230,15 @@ class Runner:
             raise ValueError(f"mode: expected {TARGET_VERIFY!r} or {DRAFT_EXTEND!r}, got {mode!r}")
         rows = {r: self._token_ids(f"drafts[{r!r}]", d) for r, d in _check_batch("drafts", drafts).items()}
         n = {t.numel() for t in rows.values()}
-        if len(n) != 1 or 0 in n:
-            raise ValueError(f"drafts: expected the same number (>= 1) of tokens per request, got "
+        if len(n) != 1:
+            raise ValueError(f"drafts: expected the same number of tokens per request, got "
                              f"{[t.numel() for t in rows.values()]}")
         n = n.pop()
         with self._batch({r: n for r in rows}, mode) as meta:
             return self.forward(torch.cat(list(rows.values())).to(self.pool.device), meta).view(len(rows), n, -1)
 
     def _token_ids(self, name: str, tokens) -> torch.Tensor:
-        """Token ids as ``[n] int64`` on the host, each in ``[0, vocab_size)``; ValueError naming ``name``."""
+        """Token ids as ``[n >= 1] int64`` on the host, each in ``[0, vocab_size)``; ValueError naming ``name``."""
         if isinstance(tokens, torch.Tensor):
             t = tokens
         else:
@@ -246,6 +246,8 @@ class Runner:
                 t = torch.as_tensor(tokens)
             except (TypeError, ValueError, RuntimeError) as e:
                 raise ValueError(f"{name}: expected integer token ids, got {type(tokens).__name__} ({e})") from None
+        if t.numel() == 0:  # before the dtype check: torch.as_tensor([]) is float32
+            raise ValueError(f"{name}: expected at least one token id, got none")
         if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool or t.dim() > 1:
             raise ValueError(f"{name}: expected integer token ids (a 1-D sequence), got {t.dtype} {list(t.shape)}")
         t = t.reshape(-1).to("cpu", torch.int64)

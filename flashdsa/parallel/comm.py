@@ -79,11 +79,14 @@ def init(device: str | torch.device = "cpu", timeout_s: float = DEFAULT_TIMEOUT_
     ``device``: "cpu" (gloo) or "cuda" (NCCL on ``cuda:LOCAL_RANK``; "cuda:N" is taken as is). Raises
     ValueError naming ``device`` when torchrun's variables are missing or the GPU does not exist.
     """
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):  # torch's own message does not name the argument
+        raise ValueError(f"device: expected 'cpu', 'cuda', 'cuda:N' or a torch.device, got {device!r}") from None
     missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
     if missing and not dist.is_initialized():
         raise ValueError(f"device: context parallelism runs one process per rank under torchrun "
-                         f"(torchrun --nproc-per-node P -m flashdsa.cli ...); {', '.join(missing)} not set")
-    device = torch.device(device)
+                         f"(torchrun --nproc-per-node P -m flashdsa ...); {', '.join(missing)} not set")
     if device.type == "cuda":
         if device.index is None:
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
@@ -92,7 +95,7 @@ def init(device: str | torch.device = "cpu", timeout_s: float = DEFAULT_TIMEOUT_
                              f"{torch.cuda.device_count() if torch.cuda.is_available() else 0} CUDA device(s)")
         torch.cuda.set_device(device)
     elif device.type != "cpu":
-        raise ValueError(f"device: expected 'cpu' or 'cuda', got {device}")
+        raise ValueError(f"device: expected 'cpu', 'cuda', 'cuda:N' or a torch.device, got {device}")
     if not dist.is_initialized():
         kw = {"device_id": device} if device.type == "cuda" else {}
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo",

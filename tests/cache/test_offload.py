@@ -180,7 +180,9 @@ def test_acquire_is_all_or_nothing_and_release_reuses_buffers():
 
 
 @pytest.mark.parametrize("bad", [dict(device_buffer=100), dict(device_buffer=0), dict(device_buffer=True),
-                                 dict(max_requests=0), dict(max_requests=2.0)])
+                                 dict(max_requests=0), dict(max_requests=2.0),
+                                 dict(device_buffer=2 ** 40),  # rows are addressed as int32
+                                 dict(device_buffer=2 ** 27, max_requests=16)])
 def test_offload_config_rejects_bad_values(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         OffloadConfig(**bad)
@@ -192,6 +194,20 @@ def test_device_buffer_must_hold_one_selection():
         OffloadKVPool(CFG.replace(index_topk=128), 8, offload=OffloadConfig(device_buffer=64))
     with pytest.raises(ValueError, match="offload"):
         OffloadKVPool(CFG, 8, offload={"device_buffer": 64})
+    # with kpool a row selects index_topk + c - 1 = 67 tokens: the message says which number it means
+    with pytest.raises(ValueError,
+                       match=r"^device_buffer: expected >= index_topk \+ index_kpool - 1 \(64 \+ 4 - 1 = 67\)"):
+        OffloadKVPool(CFG.replace(index_kpool=4), 8, offload=OffloadConfig(device_buffer=64))
+    with pytest.raises(ValueError, match=r"^device_buffer: expected >= index_topk \(128\)"):
+        OffloadKVPool(CFG.replace(index_topk=128), 8, offload=OffloadConfig(device_buffer=64))
+
+
+def test_device_buffer_cannot_exceed_the_pool():
+    """No request holds more tokens than the pool (8 pages x 64), so more rows would never be filled: refused
+    before the host caches are made."""
+    assert OffloadKVPool(CFG, 8, offload=OffloadConfig(device_buffer=512)).buffer_rows == 512
+    with pytest.raises(ValueError, match=r"^device_buffer: expected <= 512, the pool's tokens"):
+        OffloadKVPool(CFG, 8, offload=OffloadConfig(device_buffer=576))
 
 
 # ---- the pool against the on-device pool ------------------------------------------------------------

@@ -303,9 +303,11 @@ def test_kpool_with_host_offload_is_bitwise_the_on_device_run(model):
 
 def test_kpool_with_decode_context_parallelism_is_refused(model):
     """DCP would put a pooled group's tokens on several ranks; prefill CP runs kpool (tests/parallel)."""
-    class Sharded:
+    from flashdsa.parallel import Parallel
+
+    class Sharded(Parallel):
         shards_kv = True
 
     with pytest.raises(ValueError, match=r"^parallel: decode context parallelism \(DCP\) with index_kpool = 4 is "
                                          "not built"):
-        Runner(model, 8, "fp8", parallel=Sharded())  # refused before the plan is used
+        Runner(model, 8, "fp8", parallel=Sharded(None))  # refused before the plan (or the group) is used

@@ -185,13 +185,28 @@ def test_demo_reports_offload(capsys):
 
 @pytest.mark.parametrize("argv, flag", [(["--device-buffer", "64"], "--device-buffer"),
                                         (["--offload", "--device-buffer", "100"], "--device-buffer"),
-                                        (["--offload", "--device-buffer", "64"], "--device-buffer")])
+                                        (["--offload", "--device-buffer", "64"], "--device-buffer"),
+                                        # more rows than the pool's tokens: refused before anything is allocated
+                                        (["--offload", "--device-buffer", str(2 ** 40)], "--device-buffer")])
 def test_demo_refuses_bad_offload_flags(capsys, argv, flag):
     from flashdsa.cli import main
 
     assert main(["demo", "--layers", "1", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"flashdsa demo: {flag}: ") and "\n" not in err, err
+
+
+@pytest.mark.parametrize("next_n", [1, 2, 8, 100])
+def test_demo_default_device_buffer_is_one_the_pool_takes(next_n):
+    """The default (max(2, next_n) x the tokens a row selects) is cut to the pool's tokens: never a refusal of a
+    --device-buffer the user did not pass, and the pool accepts it."""
+    from flashdsa.demo import _offload_config, _scenario, demo_config
+
+    for cfg in (demo_config("tiny", 1), demo_config("tiny", 1, kpool=4)):
+        pages = _scenario(cfg, next_n)[2]
+        off = _offload_config(cfg, True, None, next_n)
+        assert off.device_buffer <= pages * cfg.page_size
+        assert off.rows(cfg.index_topk, cfg.index_kpool, pages * cfg.page_size) == off.device_buffer
 
 
 def test_demo_without_offload_says_so():

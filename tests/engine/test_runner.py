@@ -194,3 +194,21 @@ def test_layer_ops_skip_value_checks_but_public_calls_keep_them(model, monkeypat
     assert _checks.value_checks_enabled()
     with pytest.raises(ValueError, match="lengths"):
         real(torch.randn(2, 8), torch.tensor([3, 9], dtype=torch.int32), 4)
+
+
+def test_an_empty_request_says_it_has_no_token_ids(model):
+    """``torch.as_tensor([])`` is float32: an empty list must be called empty, not "not integer ids"."""
+    r = Runner(model, 16, "fp8")
+    for chunk in ([], torch.tensor([], dtype=torch.int64)):
+        with pytest.raises(ValueError, match=r"^chunks\['e'\]: expected at least one token id, got none$"):
+            r.extend({"e": chunk})
+    r.extend({"a": prompt(5)})
+    with pytest.raises(ValueError, match=r"^drafts\['a'\]: expected at least one token id, got none$"):
+        r.verify({"a": []})
+    assert "e" not in r.alloc and r.alloc.seq_len("a") == 5
+
+
+@pytest.mark.parametrize("parallel", ["cp", 2, object()])
+def test_parallel_must_be_a_parallel_mode(model, parallel):
+    with pytest.raises(ValueError, match=r"^parallel: expected None or a flashdsa\.parallel mode \(ContextParallel"):
+        Runner(model, 16, "fp8", parallel=parallel)

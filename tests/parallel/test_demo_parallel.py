@@ -33,7 +33,7 @@ def torchrun(nproc: int, *args: str) -> dict:
 
     def run():
         return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                               str(nproc), "-m", "flashdsa.cli", "demo", "--layers", "3", "--json", *args],
+                               str(nproc), "-m", "flashdsa", "demo", "--layers", "3", "--json", *args],
                               cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     proc = run()
     if proc.returncode != 0 and _GLOO_ABORT in proc.stderr:
@@ -99,12 +99,31 @@ def test_demo_under_torchrun_says_ok_and_agrees_with_the_plan(nproc, args):
     (["demo", "--cp", "2", "--cp-split", "ring"], "flashdsa demo: argument --cp-split: invalid choice"),
     (["demo", "--dcp", "2", "--kpool", "4"], "flashdsa demo: --kpool: decode context parallelism (--dcp) with kpool "
                                              "is not built"),
-], ids=["no-torchrun", "both", "bad-split", "dcp-kpool"])
+    # flags the parallel demo has no use for are refused, never dropped
+    (["demo", "--cp", "2", "--offload"], "flashdsa demo: --offload: host offload (--offload, --device-buffer) with "
+                                         "context parallelism (--cp / --dcp) is not built"),
+    (["demo", "--dcp", "2", "--device-buffer", "128"], "flashdsa demo: --device-buffer: host offload"),
+    (["demo", "--dcp", "2", "--cp-split", "zigzag"], "flashdsa demo: --cp-split: expected only with --cp"),
+    (["demo", "--cp-split", "interleave"], "flashdsa demo: --cp-split: expected only with --cp"),
+    (["demo", "--cp", "0"], "flashdsa demo: --cp: expected an integer >= 1"),
+    (["demo", "--dcp", "-1"], "flashdsa demo: --dcp: expected an integer >= 1"),
+], ids=["no-torchrun", "both", "bad-split", "dcp-kpool", "cp-offload", "dcp-device-buffer", "dcp-split",
+        "split-alone", "cp0", "dcp-negative"])
 def test_bad_parallel_launches_are_one_line_errors(capsys, monkeypatch, argv, start):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(start) and "\n" not in err, err
+
+
+def test_rank_count_must_be_torchrun_s_before_joining(capsys, monkeypatch):
+    import flashdsa.parallel as par
+
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setattr(par, "init", None)  # joining the group would fail loudly
+    assert main(["demo", "--cp", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "flashdsa demo: --cp: expected the number of processes torchrun started (3), got 2", err
 
 
 @pytest.mark.gpu

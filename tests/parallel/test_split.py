@@ -145,3 +145,14 @@ def test_pack_rows_round_trips_any_dtype_and_empty():
     assert [t.shape for t in empty] == [(0, 576), (0, 128), (0,)]
     with pytest.raises(ValueError, match="like"):
         unpack_rows(rows, layout(kv, k))
+
+
+@pytest.mark.parametrize("device", ["gpu", "cuda:x", None, 3, "meta"], ids=repr)  # (an id "gpu" would be a marker)
+def test_init_names_a_bad_device(device, monkeypatch):
+    """Refused before the group is joined, as torchrun's environment would have it."""
+    from flashdsa.parallel import init
+
+    for var, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "1")):
+        monkeypatch.setenv(var, value)
+    with pytest.raises(ValueError, match=r"^device: expected 'cpu', 'cuda', 'cuda:N' or a torch\.device, got "):
+        init(device)
