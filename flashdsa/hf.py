@@ -95,7 +95,8 @@ try:
     import transformers
     from transformers.cache_utils import Cache, CacheLayerMixin
 except ImportError as e:  # pragma: no cover - the optional dependency is missing
-    raise ImportError("flashdsa.hf needs transformers >= 5.23: pip install 'flashdsa[hf]'") from e
+    raise ImportError("flashdsa.hf needs transformers >= 5.23: pip install 'transformers>=5.23' (in a checkout: "
+                      "pip install -e '.[hf]')") from e
 
 from flashdsa.cache.allocator import OutOfPagesError
 from flashdsa.cache.layouts import INDEX_DIM, MLA_DIM
