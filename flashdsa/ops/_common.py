@@ -18,6 +18,7 @@ import torch
 from flashdsa._checks import (DEVICE, HOST, check_errors, check_finite, check_mode_and_capture,  # noqa: F401 (re-exported)
                               check_range, fail, is_cuda, raise_deferred, set_value_checks, value_check_mode,
                               value_checks_enabled)
+from flashdsa.ops._shared import INT32_MAX, remember  # noqa: F401 (re-exported)
 
 BACKENDS = ("torch", "triton", "gluon")  # gluon: the ops that have a Gluon kernel (sparse_mla_decode)
 _Tensor = torch.Tensor
@@ -87,9 +88,6 @@ def check_int(name: str, x, lo: int) -> int:
     return x
 
 
-INT32_MAX = 2 ** 31 - 1
-
-
 def check_translation(R: int, device: torch.device, page_table, out_offsets) -> None:
     """The output translation of ``topk_transform`` / ``kpool_expand`` (shapes, dtypes, devices): at most
     one of ``page_table [R / g, maxp] int32`` (g rows share a table row) and ``out_offsets [R] int32``."""
@@ -146,15 +144,6 @@ def pick_backend(backend: str | None, impls: dict[str, Callable], device: torch.
     if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(f"backend: 'triton' needs CUDA tensors (or TRITON_INTERPRET=1 for CPU tensors), got {device}")
     return impls[backend]
-
-
-def remember(cache: dict, key, value, cap: int):
-    """``cache[key] = value`` with at most ``cap`` entries (the oldest goes first); returns ``value``. The host
-    paths' per-shape caches: a decode loop has a handful of keys, so the bound only stops a runaway."""
-    if len(cache) >= cap:
-        cache.pop(next(iter(cache)))
-    cache[key] = value
-    return value
 
 
 def facts(t) -> tuple | None:

@@ -27,7 +27,7 @@ import triton.language as tl
 
 from flashdsa._checks import E4M3_NAN, error_code, error_flag, error_word
 from flashdsa.cache.layouts import PAGE_SIZE
-from flashdsa.ops._common import INT32_MAX
+from flashdsa.ops._shared import INT32_MAX
 from flashdsa.ops._launch import KernelLauncher, aligned
 from flashdsa.ops._triton_utils import cdiv
 

@@ -32,7 +32,7 @@ from typing import Callable
 import torch
 from triton import knobs
 
-from flashdsa.ops._common import remember
+from flashdsa.ops._shared import remember
 
 # Plans kept per kernel; a decode loop has a handful of shapes, a new max_context_len every 64 tokens.
 MAX_PLANS = 256
