@@ -47,3 +47,17 @@ def test_topk_decode_sweep_smoke():
     rows = [line for line in run.stdout.splitlines() if line.startswith("3x700")]
     assert [r.split("|")[1].strip() for r in rows] == ["default", "split chunks 1"], run.stdout[-2000:]
     assert all(r.split("|")[2].strip() == "True" for r in rows), run.stdout[-2000:]
+
+
+def test_sparse_decode_grid_smoke():
+    """``sparse_decode_grid.py --smoke`` on the CPU interpreter: every top-k split of the Triton kernel gives the
+    default's output (the script's own check, which its GPU run relies on) and the table prints."""
+    import os
+    import subprocess
+    import sys
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(root))
+    run = subprocess.run([sys.executable, str(root / "benchmarks" / "sparse_decode_grid.py"), "--smoke"],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "triton-s32" in run.stdout and run.stdout.rstrip().splitlines()[-1].startswith("1 | 16"), run.stdout[-2000:]

@@ -116,7 +116,10 @@ def default_launch_config(h_q: int, fmt: str, rows: int, topk: int, device: torc
         tiles = dict(kernel="heads_m", block_h=16, block_n=32, num_warps=4, num_stages=3)
         ctas_per_sm = 2
     programs = rows * cdiv(h_q, tiles["block_h"])
-    splits = pick_num_splits(programs, topk, num_sms(device), ctas_per_sm) if split else 1
+    # 16-head tiles (two CTAs an SM) gain from splits down to 128 tokens at B <= 4, the 64-head ones lose
+    # there (H200, benchmarks/sparse_decode_grid.py, 2026-12-03: B1 h16 16 splits 38.7 vs 8 44.1 us; h64 48.5 vs 46.0)
+    min_tokens = 128 if ctas_per_sm == 2 else 256
+    splits = pick_num_splits(programs, topk, num_sms(device), ctas_per_sm, min_tokens) if split else 1
     default = SparseMLAConfig(**tiles, block_dv=512, slots_ahead=fmt not in ("bf16", "fp32"), num_splits=splits)
     if config is None:
         return default
