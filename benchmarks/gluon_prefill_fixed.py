@@ -2,7 +2,10 @@
 top-k 128 / 512 / 2048 (1 / 4 / 16 block pairs a CTA); a line through the three gives the cost per pair and
 what a CTA costs besides its pairs (barrier set-up, Q load, epilogue, wave tails), next to FlashMLA's.
 
-    PYTHONPATH=. python benchmarks/gluon_prefill_fixed.py [--variants ws2-os-ql2,ws2-os-ql2-persist]
+    PYTHONPATH=. python benchmarks/gluon_prefill_fixed.py
+
+The variants once timed here (the persistent grid, the first version) are in git history: gluon_bf16.py at
+e14c64d holds them as its ``VARIANTS`` table, and this script at that commit takes ``--variants``.
 """
 
 from __future__ import annotations
@@ -17,10 +20,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def main() -> int:
-    import argparse
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--variants", default="ws2-os-ql2,ws2-os-ql2-persist")
-    variants = ap.parse_args().variants.split(",")
     from _common import load_sgl_ops, timed
     from flashdsa.ops.sparse_mla import gluon_bf16 as G
     from flashdsa.testing.inputs import prefill_indices, randn
@@ -30,19 +29,18 @@ def main() -> int:
     T, N, h = 4096, 8192, 128
     kv, q = randn((N, 576), g, dev, torch.bfloat16), randn((T, h, 576), g, dev, torch.bfloat16)
     peer_ok = load_sgl_ops()
+    names = ["gluon_bf16", "FlashMLA"]
     rows = []
     out = torch.empty(T, h, 512, dtype=torch.bfloat16, device=dev)
     lse = torch.empty(T, h, dtype=torch.float32, device=dev)
     for k in (128, 512, 2048):
         idx = prefill_indices(T, N, k, g, dev)
-        row = [k // 128]
-        for v in variants:
-            grid, kw = G.kernel_args(q, kv, 64 * 576, 576, N, idx, 576 ** -0.5, out, lse, v)
-            row.append(timed(lambda: G.sparse_mla_bf16_ws_kernel[grid](**kw), "cuda", True))
-        row.append(timed(flashmla_prefill(q, kv, idx, 576 ** -0.5), "cuda", True) if peer_ok else float("nan"))
+        grid, kw = G.kernel_args(q, kv, 64 * 576, 576, N, idx, 576 ** -0.5, out, lse)
+        row = [k // 128, timed(lambda: G.sparse_mla_bf16_ws_kernel[grid](**kw), "cuda", True),
+               timed(flashmla_prefill(q, kv, idx, 576 ** -0.5), "cuda", True) if peer_ok else float("nan")]
         rows.append(row)
-        print(f"topk {k}: " + ", ".join(f"{n} {t:.1f} us" for n, t in zip(variants + ["FlashMLA"], row[1:])), flush=True)
-    for col, name in enumerate(variants + ["FlashMLA"], start=1):
+        print(f"topk {k}: " + ", ".join(f"{n} {t:.1f} us" for n, t in zip(names, row[1:])), flush=True)
+    for col, name in enumerate(names, start=1):
         p0, p1 = rows[0][0], rows[-1][0]
         t0, t1 = rows[0][col], rows[-1][col]
         per_pair = (t1 - t0) / (p1 - p0)

@@ -1,25 +1,28 @@
 """Probe of the Gluon sparse MLA decode kernel (flashdsa/ops/sparse_mla/gluon.py, issue #16) on one H200.
 
-    PYTHONPATH=. python benchmarks/gluon_sparse_mla_probe.py [--variants ws-pipe-pf2,ws] [--child-timeout 90]
-    PYTHONPATH=/path/to/triton-3.6:. python benchmarks/gluon_sparse_mla_probe.py --compile-only   # no GPU
+    PYTHONPATH=. python benchmarks/gluon_sparse_mla_probe.py [--child-timeout 150]
+    PYTHONPATH=. python benchmarks/gluon_sparse_mla_probe.py --compile-only [--sass-dir D]   # no GPU
 
 GPU run, in this order:
   1. Baselines in this process: our Triton default (``flashdsa.ops.sparse_mla.triton``) and FlashMLA
      (skipped when sgl-kernel's ops do not load) timed on the three decode shapes below, and the Triton
      default on the correctness cases (a yardstick for the Gluon kernel's errors).
-  2. Each Gluon variant (gluon.VARIANTS) in its own child process (a deadlocked kernel only loses its own
-     child, killed after ``--child-timeout`` s): compile stats (n_regs / n_spills / shared / setmaxnreg),
-     correctness on fresh random inputs against ``reference.py`` (outputs NaN-poisoned first, so unwritten
-     elements fail; ``ok`` is the Triton tests' tolerance, see :func:`check`), then the three timings
-     (CUDA-graph replay, median; the big cases also checked on a few rows) and, for the first shape,
-     "hot64" (every step on the same 64 rows: the kernel without DRAM latency). Variants named ``diag-*``
-     compute wrong results on purpose and are only timed.
-  3. Per-variant timings, then the table last (case | best correct Gluon variant | us | Triton us |
-     FlashMLA us | ratios), and JSON in $OUT/gluon_sparse_mla_probe.json.
+  2. The shipped Gluon kernel in a child process (a deadlocked kernel only loses the child, killed after
+     ``--child-timeout`` s): compile stats (n_regs / n_spills / shared / setmaxnreg), correctness on fresh
+     random inputs against ``reference.py`` (outputs NaN-poisoned first, so unwritten elements fail; ``ok``
+     is the Triton tests' tolerance, see :func:`check`), then the three timings (CUDA-graph replay, median;
+     the big cases also checked on a few rows) and, for the first shape, "hot64" (every step on the same 64
+     rows: the kernel without DRAM latency).
+  3. The table last (case | Gluon us | hot64 us | Triton us | FlashMLA us | ratios), and JSON in
+     $OUT/gluon_sparse_mla_probe.json.
 
---compile-only compiles every variant for sm_90 with the Triton on the path (Gluon of 3.6 wanted) and
-prints shared memory, setmaxnreg budgets, ptxas spills, HGMMA / WARPGROUP.DEPBAR counts and ptxas's
-wgmma-serialisation notes.
+--compile-only compiles the kernel for sm_90 with the Triton on the path and prints shared memory,
+setmaxnreg budgets, ptxas spills, HGMMA / WARPGROUP.DEPBAR counts, named barriers and ptxas's
+wgmma-serialisation notes (``--sass-dir``: its SASS and LLVM IR, with debug locations, too).
+
+The schedules measured on the way to this kernel (sparse_mla/README.md lists what lost and by how much) are
+in git history: gluon.py at e14c64d holds them as its ``VARIANTS`` table, and this probe at that commit
+checks and times any of them (``--variants``).
 """
 
 from __future__ import annotations
@@ -41,10 +44,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 SM_SCALE = 576 ** -0.5
 TIMING_CASES = [(64, 1, 128), (64, 2, 128), (128, 2, 64)]   # (B, s_q, h_q), topk 2048, 32K context
-DEFAULT_VARIANTS = ["ws-pipe-pf2-os-ql-pr-sv-ks-pa6-qs-hp", "ws-pipe-pf2-os-ql-pr-sv-ks-pa6",
-                    "ws-pipe-pf2-os-ql-pr-sv-ks-pa2", "ws-pipe-pf2-os-ql-pr-sv",
-                    "ws-pipe-pf2-os-ql-pr", "ws-pipe-pf2-os-ql-dq4", "ws-pipe-pf2-os-ql",
-                    "ws-pipe-pf2", "ws-pipe-pf2-dq4", "ws-ovl-pipe-pf2-dq4", "ws", "diag-nodeq", "diag-ovl-nodeq"]
 
 
 # ---- correctness inputs ---------------------------------------------------------------------------------
@@ -132,27 +131,27 @@ def check(out, lse, q, cache, idx, tol) -> dict:
     return info
 
 
-# ---- the child: one Gluon variant --------------------------------------------------------------------
+# ---- the child: the Gluon kernel -------------------------------------------------------------------------
 
-def run_child(variant: str, result_path: str) -> None:
+def run_child(result_path: str) -> None:
     from _common import timed
     from bench_sparse_mla import DECODE_TOL, decode_inputs
     from flashdsa.ops.sparse_mla import gluon as G
     from flashdsa.testing.inputs import rows_subset
     dev = torch.device("cuda")
-    res = {"variant": variant, "constexprs": G.VARIANTS[variant], "cases": [], "timing": []}
+    res = {"cases": [], "timing": []}
 
     def save():
         with open(result_path, "w") as f:
             json.dump(res, f, indent=1)
 
     def say(msg):
-        print(f"[{variant}] {msg}", flush=True)
+        print(f"[gluon] {msg}", flush=True)
 
     t0 = time.time()
     try:
         q, cache, idx = small_case(2, 1, 64, 128, "full", 0, dev)
-        k = G.compiled_kernel(q, cache, idx, SM_SCALE, variant)
+        k = G.compiled_kernel(q, cache, idx, SM_SCALE)
         torch.cuda.synchronize()
         res["compile"] = dict(n_regs=k.n_regs, n_spills=k.n_spills, shared=k.metadata.shared,
                               wgmma="wgmma" in k.asm["ptx"],
@@ -165,14 +164,13 @@ def run_child(variant: str, result_path: str) -> None:
         return
     save()
 
-    diag = variant.startswith("diag")
-    for seed, (B, s_q, h_q, topk, kind) in enumerate([] if diag else CORRECTNESS_CASES):
+    for seed, (B, s_q, h_q, topk, kind) in enumerate(CORRECTNESS_CASES):
         name = f"B{B} s_q{s_q} h{h_q} topk{topk} {kind}"
         try:
             q, cache, idx = small_case(B, s_q, h_q, topk, kind, 100 + seed, dev)
             out = torch.full((B, s_q, h_q, 512), float("nan"), dtype=torch.bfloat16, device=dev)
             lse = torch.full((B, s_q, h_q), float("nan"), dtype=torch.float32, device=dev)
-            G.sparse_mla_decode_gluon(q, cache, idx, SM_SCALE, 512, variant, out=out, lse=lse)
+            G.sparse_mla_decode_gluon(q, cache, idx, SM_SCALE, 512, out=out, lse=lse)
             torch.cuda.synchronize()
             info = check(out, lse, q, cache, idx, DECODE_TOL)
         except Exception as e:  # noqa: BLE001
@@ -185,17 +183,17 @@ def run_child(variant: str, result_path: str) -> None:
         name = f"B{B} s_q{s_q} h{h_q} topk2048"
         try:
             q, cache, idx = decode_inputs(B, s_q, h_q, dev)
-            out, lse = G.sparse_mla_decode_gluon(q, cache, idx, SM_SCALE, 512, variant)
+            out, lse = G.sparse_mla_decode_gluon(q, cache, idx, SM_SCALE)
             sub = rows_subset(B, 4, dev)
             torch.cuda.synchronize()
-            info = dict(diag=True) if diag else check(out[sub], lse[sub], q[sub], cache, idx[sub], DECODE_TOL)
-            us = timed(lambda: G.sparse_mla_decode_gluon(q, cache, idx, SM_SCALE, 512, variant), "cuda", True)
+            info = check(out[sub], lse[sub], q[sub], cache, idx[sub], DECODE_TOL)
+            us = timed(lambda: G.sparse_mla_decode_gluon(q, cache, idx, SM_SCALE), "cuda", True)
             row = dict(case=name, us=round(us, 1), **info)
             if (B, s_q, h_q) == TIMING_CASES[0]:
                 # every step gathers the same 64 rows (L1 / L2 hits): the kernel without DRAM latency
                 hot = (torch.arange(idx.shape[-1], device=dev, dtype=torch.int32) % 64).expand_as(idx).contiguous()
-                row["hot64_us"] = round(timed(lambda: G.sparse_mla_decode_gluon(q, cache, hot, SM_SCALE, 512, variant),
-                                              "cuda", True), 1)
+                row["hot64_us"] = round(timed(lambda: G.sparse_mla_decode_gluon(q, cache, hot, SM_SCALE), "cuda",
+                                              True), 1)
         except Exception as e:  # noqa: BLE001
             row = dict(case=name, error=repr(e)[:300])
         res["timing"].append(row)
@@ -258,7 +256,7 @@ def triton_on_cases() -> list[dict]:
     return res
 
 
-def run_parent(variants: list[str], child_timeout: float, budget: float) -> int:
+def run_parent(child_timeout: float) -> int:
     t0 = time.time()
     print(f"{torch.cuda.get_device_name()} torch {torch.__version__}", end=" ")
     import triton
@@ -266,154 +264,113 @@ def run_parent(variants: list[str], child_timeout: float, budget: float) -> int:
     rows: dict = {}
     try:
         baselines(rows)
-    except Exception as e:  # noqa: BLE001 - the Gluon variants still run
+    except Exception as e:  # noqa: BLE001 - the Gluon kernel still runs
         print(f"[baseline] FAILED: {e!r}"[:500], flush=True)
     try:
         triton_cases = triton_on_cases()
     except Exception as e:  # noqa: BLE001
         triton_cases = []
         print(f"[triton] correctness cases FAILED: {e!r}"[:500], flush=True)
-    results = []
-    for v in variants:
-        left = budget - (time.time() - t0)
-        if left < 40:
-            print(f"[{v}] skipped: {left:.0f} s of the run's budget left", flush=True)
-            results.append({"variant": v, "skipped": True})
-            continue
-        with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
-            path = f.name
-        cmd = [sys.executable, __file__, "--child", v, "--result", path]
-        try:
-            subprocess.run(cmd, timeout=min(child_timeout, left - 10), check=False)
-            timed_out = False
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            print(f"[{v}] TIMED OUT (hang?) after {min(child_timeout, left - 10):.0f} s", flush=True)
-        try:
-            with open(path) as f:
-                r = json.load(f)
-        except Exception:  # noqa: BLE001
-            r = {"variant": v}
-        r["timed_out"] = timed_out
-        results.append(r)
-        if timed_out and not r.get("cases"):
-            child_timeout = min(child_timeout, 90)   # a hang before any case: later variants get less time
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        path = f.name
+    try:
+        subprocess.run([sys.executable, __file__, "--child", "--result", path], timeout=child_timeout, check=False)
+        timed_out = False
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        print(f"[gluon] TIMED OUT (hang?) after {child_timeout:.0f} s", flush=True)
+    try:
+        with open(path) as f:
+            r = json.load(f)
+    except Exception:  # noqa: BLE001
+        r = {}
+    r["timed_out"] = timed_out
     # ---- the table
     print()
-    for r in results:
-        v = r["variant"]
-        cases = r.get("cases", [])
+    for name, cases in (("gluon", r.get("cases", [])), ("triton (yardstick)", triton_cases)):
         n_ok = sum(1 for c in cases if c.get("ok"))
         n_strict = sum(1 for c in cases if c.get("ref_ok"))
         worst = max((c.get("ref_max_abs", 0.0) for c in cases), default=float("nan"))
         worst_cd = max((c.get("ref_cos_diff", 0.0) for c in cases), default=float("nan"))
-        print(f"== {v}: compile {r.get('compile', r.get('compile_error', '-'))}; correctness {n_ok}/{len(cases)} ok "
-              f"(strict per-element rule {n_strict}/{len(cases)}){' (TIMED OUT)' if r.get('timed_out') else ''}; "
+        print(f"== {name}: correctness {n_ok}/{len(cases)} ok (strict per-element rule {n_strict}/{len(cases)}); "
               f"worst max_abs {worst:.3g}, worst cos_diff {worst_cd:.3g}")
         for c in cases:
-            if not c.get("ok"):
-                print(f"   FAIL {c}")
-        for t in r.get("timing", []):
-            row = rows.setdefault(t["case"], {"case": t["case"]})
-            row[f"{v}_us"] = t.get("us")
-            row[f"{v}_ok"] = t.get("ok")
-            if "hot64_us" in t:
-                row[f"{v}_hot64_us"] = t["hot64_us"]
-    if triton_cases:
-        n_ok = sum(1 for c in triton_cases if c.get("ok"))
-        n_strict = sum(1 for c in triton_cases if c.get("ref_ok"))
-        worst = max((c.get("ref_max_abs", 0.0) for c in triton_cases), default=float("nan"))
-        print(f"== triton (yardstick): correctness {n_ok}/{len(triton_cases)} ok (strict {n_strict}/"
-              f"{len(triton_cases)}); worst max_abs {worst:.3g}")
-        for c in triton_cases:
             print(f"   {c['case']}: max_abs {c.get('ref_max_abs', float('nan')):.3g} ok {c.get('ok')} "
-                  f"strict {c.get('ref_ok')}")
-    print("\n== per variant, us (CUDA-graph replay median); hot64: B64 s_q1 h128 with every step on the same 64 rows")
-    for v in variants:
-        cells = [f"{name}: {row.get(f'{v}_us', '-')}{'' if row.get(f'{v}_ok') else ' (not ok)'}"
-                 for name, row in rows.items()]
-        hot = next((row[f"{v}_hot64_us"] for row in rows.values() if f"{v}_hot64_us" in row), "-")
-        print(f"  {v:22s} " + " | ".join(cells) + f" | hot64 {hot}")
-    print("\n== sparse MLA decode fp8, topk 2048, H200: best correct Gluon variant vs our Triton default and FlashMLA")
-    head = ["case", "gluon variant", "gluon us", "triton us", "FlashMLA us", "gluon/FlashMLA", "gluon/triton"]
+                  f"strict {c.get('ref_ok')}" + ("" if c.get("ok") else f" FAIL {c}"))
+    print(f"== gluon compile: {r.get('compile', r.get('compile_error', '-'))}{' (TIMED OUT)' if timed_out else ''}")
+    for t in r.get("timing", []):
+        row = rows.setdefault(t["case"], {"case": t["case"]})
+        row.update(gluon_us=t.get("us"), gluon_ok=t.get("ok"), gluon_hot64_us=t.get("hot64_us"))
+    print("\n== sparse MLA decode fp8, topk 2048, H200: the Gluon kernel vs our Triton default and FlashMLA "
+          "(us, CUDA-graph replay median; hot64: every step on the same 64 rows)")
+    head = ["case", "gluon us", "ok", "hot64 us", "triton us", "FlashMLA us", "gluon/FlashMLA", "gluon/triton"]
     table = [head]
     for name, row in rows.items():
-        ok = [(row[f"{v}_us"], v) for v in variants if row.get(f"{v}_us") and row.get(f"{v}_ok")]
-        best, bv = min(ok) if ok else (None, "-")
-        fm, tr = row.get("flashmla_us"), row.get("triton_us")
-        row.update(best_gluon_variant=bv, best_gluon_us=best,
-                   best_over_flashmla=round(best / fm, 3) if best and fm else None,
-                   best_over_triton=round(best / tr, 3) if best and tr else None)
-        table.append([name, bv] + [str(x) for x in (best, tr, fm, row["best_over_flashmla"], row["best_over_triton"])])
+        g, fm, tr = row.get("gluon_us"), row.get("flashmla_us"), row.get("triton_us")
+        row.update(gluon_over_flashmla=round(g / fm, 3) if g and fm else None,
+                   gluon_over_triton=round(g / tr, 3) if g and tr else None)
+        table.append([name] + [str(row.get(k)) for k in ("gluon_us", "gluon_ok", "gluon_hot64_us", "triton_us",
+                                                         "flashmla_us", "gluon_over_flashmla", "gluon_over_triton")])
     widths = [max(len(r[i]) for r in table) for i in range(len(head))]
-    for r in table:
-        print(" | ".join(c.ljust(w) for c, w in zip(r, widths)))
+    for line in table:
+        print(" | ".join(c.ljust(w) for c, w in zip(line, widths)))
     print(f"total {time.time() - t0:.0f} s")
     out = os.environ.get("OUT")
     if out:
         with open(os.path.join(out, "gluon_sparse_mla_probe.json"), "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                       "triton": triton.__version__, "variants": results, "rows": list(rows.values()),
+                       "triton": triton.__version__, "gluon": r, "rows": list(rows.values()),
                        "triton_cases": triton_cases}, f, indent=1)
     return 0
 
 
 # ---- no GPU: compile for sm_90 ---------------------------------------------------------------------------
 
-def compile_only(variants: list[str], sass_dir: str | None = None, compile_sm90=None) -> int:
-    """Compile each variant for sm_90 (no GPU) and report what ptxas made of it (``sass_dir``: also write each
-    variant's SASS and LLVM IR there). ``compile_sm90``: the kernel module's (default: gluon.py's; the prefill
-    probe passes gluon_bf16.py's)."""
+def compile_only(compile_sm90, name: str, sass_dir: str | None = None) -> int:
+    """Compile a Gluon kernel for sm_90 (no GPU; ``compile_sm90``: its module's, gluon.py's here, gluon_bf16.py's
+    from the prefill probe) and report what ptxas made of it; ``sass_dir``: also write its SASS and LLVM IR
+    there as ``name``.sass / .llir."""
     import triton
     from sass_report import ptxas_and_sass
-    if compile_sm90 is None:
-        from flashdsa.ops.sparse_mla.gluon import compile_sm90
     print(f"triton {triton.__version__} ({triton.__file__})")
-    for v in variants:
-        try:
-            k = compile_sm90(v)
-        except Exception as e:  # noqa: BLE001
-            print(f"{v}: FAILED {e!r}"[:2000])
-            continue
-        ptxas, sass = ptxas_and_sass(k)
-        if sass_dir:
-            Path(sass_dir).mkdir(parents=True, exist_ok=True)
-            (Path(sass_dir) / f"{v}.sass").write_text(sass)
-            # LLVM IR with debug locations: which source line each barrier.cta.sync stands in front of
-            (Path(sass_dir) / f"{v}.llir").write_text(k.asm["llir"])
-        notes = [ln.split(": ", 1)[-1] for ln in ptxas.splitlines() if "C75" in ln]
-        spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", ptxas)
-        regs = re.findall(r"setmaxnreg[.]\w+[.]sync[.]aligned[.]u32\s+(\d+)", k.asm["ptx"])
-        # named barriers by id (each partition syncs its own warps on its own id)
-        bars = re.findall(r"BAR\.SYNC\.DEFER_BLOCKING (0x[0-9a-f]+)", sass)
-        print(f"{v}: shared {k.metadata.shared} B, setmaxnreg {regs}, "
-              f"spill st/ld {spill.groups() if spill else '?'} B, HGMMA {sass.count('HGMMA')}, "
-              f"DEPBAR {len(re.findall(r'WARPGROUP.DEPBAR', sass))}, LDG.128 {sass.count('LDG.E.128')}, "
-              f"STS.128 {sass.count('STS.128')}, named barriers {dict(sorted((b, bars.count(b)) for b in set(bars)))}, "
-              f"notes {notes or 'none'}")
+    k = compile_sm90()
+    ptxas, sass = ptxas_and_sass(k)
+    if sass_dir:
+        Path(sass_dir).mkdir(parents=True, exist_ok=True)
+        (Path(sass_dir) / f"{name}.sass").write_text(sass)
+        # LLVM IR with debug locations: which source line each barrier.cta.sync stands in front of
+        (Path(sass_dir) / f"{name}.llir").write_text(k.asm["llir"])
+    notes = [ln.split(": ", 1)[-1] for ln in ptxas.splitlines() if "C75" in ln]
+    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", ptxas)
+    regs = re.findall(r"setmaxnreg[.]\w+[.]sync[.]aligned[.]u32\s+(\d+)", k.asm["ptx"])
+    # named barriers by id (each partition syncs its own warps on its own id)
+    bars = re.findall(r"BAR\.SYNC\.DEFER_BLOCKING (0x[0-9a-f]+)", sass)
+    print(f"{name}: shared {k.metadata.shared} B, setmaxnreg {regs}, "
+          f"spill st/ld {spill.groups() if spill else '?'} B, HGMMA {sass.count('HGMMA')}, "
+          f"DEPBAR {len(re.findall(r'WARPGROUP.DEPBAR', sass))}, LDG.128 {sass.count('LDG.E.128')}, "
+          f"STS.128 {sass.count('STS.128')}, named barriers {dict(sorted((b, bars.count(b)) for b in set(bars)))}, "
+          f"notes {notes or 'none'}")
     return 0
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS))
     ap.add_argument("--child-timeout", type=float, default=150.0)
-    ap.add_argument("--budget", type=float, default=540.0, help="seconds for the whole run")
     ap.add_argument("--compile-only", action="store_true")
-    ap.add_argument("--sass-dir", default=None, help="with --compile-only: write each variant's SASS here")
-    ap.add_argument("--child")
-    ap.add_argument("--result")
+    ap.add_argument("--sass-dir", default=None, help="with --compile-only: write the kernel's SASS and LLVM IR here")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--result", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    variants = [v for v in args.variants.split(",") if v]
     if args.compile_only:
-        return compile_only(variants, args.sass_dir)
+        from flashdsa.ops.sparse_mla.gluon import compile_sm90
+        return compile_only(compile_sm90, "gluon", args.sass_dir)
     if args.child:
-        run_child(args.child, args.result)
+        run_child(args.result)
         return 0
     if not torch.cuda.is_available():
         print("needs a CUDA GPU (or --compile-only)")
         return 1
-    return run_parent(variants, args.child_timeout, args.budget)
+    return run_parent(args.child_timeout)
 
 
 if __name__ == "__main__":

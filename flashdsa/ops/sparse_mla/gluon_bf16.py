@@ -1,95 +1,39 @@
 """Sparse MLA over bf16 KV rows (prefill's gathered KV, the bf16 paged cache) as a warp-specialised Gluon
-kernel for Hopper (sm_90), after FlashMLA's sm90 sparse prefill schedule (issue #16).
-
-Math: ``reference.py`` (s = sm_scale q.k over 576 dims, softmax over the valid selected tokens, out = P V
-over the first 512 dims, lse natural log; index -1 / negative / >= N skipped; a row with no valid index
-gives out 0 and lse -inf). P is rounded to bf16 for the P V product, as FlashMLA does.
+kernel for Hopper (sm_90), after FlashMLA's sm90 sparse prefill schedule (issue #16). Math: ``reference.py``;
+P is rounded to bf16 for the P V product, as FlashMLA does.
 
 One CTA owns one query row and 64 heads and walks the top-k list in PAIRS of 64-token blocks with three
-warpgroups (``gl.warp_specialize``, registers moved by setmaxnreg):
+warpgroups (``gl.warp_specialize``, registers moved by setmaxnreg: 208 / 208 / 88):
 
-* **producer** (worker, 4 warps, few registers): copies the rows of block 2j into buffer 0 and of block
-  2j + 1 into buffer 1 with ``cp.async`` (16 B per thread, zero-filled for skipped slots, no registers
-  held), each buffer in two halves with their own barriers — L = latent dims 0..255, R = dims 256..511 +
-  rope — in the order the consumers free them (0L, 1R, 0R, 1L), so a half is refilled as soon as the
-  last reader of that half is done with it. ``cp.async.mbarrier.arrive`` signals a half ready.
-* **consumer 0** (default partition) computes S over block 2j, **consumer 1** (worker) over block 2j + 1:
-  each a full [64 heads, 64 tokens] x 576 QK (36 async m64n64k16 wgmma). The running row max is chained
-  through shared memory (consumer 0 publishes its max, consumer 1 takes the max with its own and
-  publishes the pair's max), so both halves of O see one max per pair. Consumer 0 owns O[:, :256],
-  consumer 1 O[:, 256:]: each multiplies its own P (registers) by its half of its own block's V and the
-  other's P (shared memory) by its half of the other block's V. Both consumers are busy with tensor work
-  the same share of the time (the fp8 decode kernel's consumer 1 only ever does P V).
-* P of block 2j is staged in buffer 0's rope tile (consumer 0's QK is the only reader of it and is done
-  by then; FlashMLA's trick), P of block 2j + 1 in its own tile. Shared memory: Q 72 KB + 2 x 72 KB K/V
-  + 8 KB P + barriers and the max / sum exchange.
+* producer (worker): copies the rows of block 2j into buffer 0 and of block 2j + 1 into buffer 1 with
+  ``cp.async`` (16 B a thread, zero-filled for skipped slots, no registers held), each buffer in two halves
+  with their own barriers, L = latent dims 0..255 and R = dims 256..511 + rope, in the order the consumers
+  free them (0L, 1R, 0R, 1L), so a half is refilled as soon as its last reader is done with it; every
+  producer thread's ``cp.async.mbarrier.arrive`` signals a half ready. Slots are loaded a pair ahead.
+* consumer 0 (default partition) computes S over block 2j, consumer 1 (worker) over block 2j + 1: each a
+  full [64 heads, 64 tokens] x 576 QK (36 async m64n64k16 wgmma). The running row max is chained through
+  shared memory (consumer 0 publishes its block's max, consumer 1 takes the max with its own and publishes
+  the pair's), so both halves of O see one max per pair. Consumer 0 owns O[:, :256], consumer 1 O[:, 256:]:
+  each multiplies its own P (registers) by its half of its own block's V and the other's P (shared memory)
+  by its half of the other block's V, so both do the same tensor work (gluon.py's consumer 1 only P V).
+* P of block 2j is staged in buffer 0's rope tile (consumer 0's QK, its only reader, is done by then;
+  FlashMLA's trick), P of block 2j + 1 in a tile of its own.
 
-The skip mask is computed by each consumer from the indices itself (a [64] load issued before it waits
-for the rows), so nothing but cp.async writes the K/V buffers. Each consumer loads half of Q (every load
-of its half issued before its stores) and, at the end, writes its half of O through its half of the Q
-tiles (free by then) so that the global stores are whole 16-B pieces of 256-B rows. Shared memory
-230,832 B; registers 208 / 208 / 88 (consumer 0 / consumer 1 / producer), 12 B of spills (ptxas -v,
-Triton 3.6). Buffer indices are written as values of the loop counter (``j >> 30``, always 0): with
-constant indices LLVM hoists every wgmma's shared-memory descriptor out of the loop (1.2 KB of spills).
+Shared memory 230,832 B: Q 72 KB + 2 x 72 KB of K/V + 8 KB of P + the max / sum exchange and barriers.
+Each consumer computes its skip mask from the indices itself (a [64] load issued before it waits for the
+rows), so nothing but cp.async writes the K/V buffers. Each consumer loads half of Q (every load before
+its stores) and at the end writes its half of O through its half of the Q tiles, as whole 16-B stores:
+that took the fixed cost of 8192 CTAs from 542 to 362 us (FlashMLA 267-276). Buffer indices are values of
+the loop counter (``j >> 30``, always 0): with constant indices LLVM hoists every wgmma's shared-memory
+descriptor out of the loop (1.2 KB of spills; 12 B without).
 
-Measured on the H200 (Triton 3.6, CUDA-graph replay, ``benchmarks/gluon_prefill_probe.py`` and
-``gluon_prefill_fixed.py``, FlashMLA and our Triton kernels in the same runs; top-2048; the machine is
-shared, so a figure moves by a few per cent between runs, ratios within a run much less):
-
-* Correct: every probe case (ragged / mixed -1, -7, >= N / all-empty rows / NaN row never selected /
-  top-k 0, 1, 64, 65, 100 ... 2048 / h 64, 128, 192 / NaN-poisoned outputs) within
-  ``|out - ref| <= 2^-8 (max |v| + |ref|)``, the same max error as the Triton kernels case by case.
-* Default ``ws2-os-ql2``, two runs. Prefill T 4096, h 128: N 8K 4734 / 4780 us vs FlashMLA 4060 / 4069
-  (0.858 / 0.851x its throughput; the Triton kernels 8280, 0.49x); N 32K 4770 / 4962 vs 4117 / 4150
-  (0.863 / 0.836x). h 64, N 32K: 2465 / 2406 vs 2276 / 2274 (0.92 / 0.95x). Decode over the bf16 cache,
-  32K: B 64 h 128 89.7 / 90.5 us, B 128 s_q 2 h 64 195.4 / 197.7 us; FlashMLA has no bf16-cache sparse
-  decode, its fp8 one on the same slots takes 94.6-94.9 / 234-235 us (0.95x / 0.84x); the Triton kernels
-  163 / 327 us.
-* Fixed cost per CTA (time at top-k 128 / 512 / 2048 on a line, all CTAs): the first version 542-548 us
-  of set-up, Q load and epilogue (11 % of its top-2048 time) against FlashMLA's 267-276 us; staging O
-  through shared memory for 16-B stores -> 463 us, Q's loads issued before its stores -> 383 us (split
-  over both consumers: 362 us). Per pair of blocks: 263-281 us against FlashMLA's 230-242.
-* What bounds the main loop: the consumers alone (``diag-nocopy``: no copies) take 3700 us at N 8K h 128,
-  0.94x FlashMLA's whole kernel; the copies add ~1150 us, and every row hot in L2 (64 keys only) removes
-  just ~150 us of it, so it is not the gathers' latency.
-* Won: the next pair's slots loaded a pair ahead and a rope layout with the latent's rows (no layout
-  conversion): 5640 -> 4904 us (the first version loaded each half's slots right before its wait); then
-  the fixed cost above: -> 4734-4780.
-* No gain (within the noise, not kept as default): FlashMLA's exact order (``ws2-os-ql2-pipe``: the next QK
-  issued under the last P V; 4725 / 4814 us in the second run, but h 64 and decode 3-4 % slower); Q copied
-  by the producer's cp.async instead of the consumers' loads; no proxy fence after the cp.async barrier
-  (FlashMLA has none); producer 72 / 80 registers (spills). Lost: ``evict_last`` on the copies (+6 %).
-* No clear gain either: ``ws2-os-ql2-persist``, a persistent grid (one CTA per SM walking tiles pid,
-  pid + grid, ...; every barrier phase counts over the CTA's tiles), so the next tile's first K halves are
-  copied while this tile's consumers finish. 4714 / 4863 / 2423 us against the default's 4746 / 4818 /
-  2531 (N 8K h 128 / N 32K h 128 / N 32K h 64, one run); fixed cost per CTA 345 against 355 us
-  (FlashMLA 265). 48 B of spills.
-* No gain from fewer barriers among a warpgroup's warps (2026-12-02, two probe runs in opposite orders,
-  N 8K h 128 / N 32K h 128 over FlashMLA's time): ``ws2-os-ql2-ks``, the K / V tiles in one shared allocation
-  per latent group (``gluon._klat``; Triton's shared-memory hazard analysis works per allocation, so with one
-  allocation it puts a barrier among the producer's warps between cp.async groups: 8 named barriers in the
-  producer's sm_90 SASS against 4), 1.17-1.21 against the default's 1.16-1.19 in the same runs. Two more,
-  measured and then removed from the code: the consumers releasing the halves thread by thread (``-ks-pa``,
-  what made the fp8 decode kernel 4 % faster: consumer barriers 20 / 17 -> 17 / 14, spills 32 -> 52 B)
-  1.174-1.179 / 1.186-1.189 against 1.156-1.168 / 1.168-1.192, and bf16 decode 91.3-91.6 against 89.5 us;
-  every mbarrier and exchange row an allocation of its own (``-sb``: the hazard analysis counts an mbarrier
-  wait as a write, so waits on two members of one allocation get a barrier between them; with ``-ks-pa`` the
-  named barriers fell to 11 / 11 / 2) 1.165-1.167 / 1.167-1.178, no different from the default. The
-  prefill kernel is not bound by these barriers.
-* No gain from named barriers (``bar.arrive`` / ``bar.sync`` over both consumers' 256 threads, FlashMLA's
-  hand-off) for the pair's max and P exchanges (``ws2-os-ql2-nb``, 2026-12-02, one probe run; consumer
-  barriers 20 / 17 -> 18 / 14, spills 32 -> 36 B): prefill 4695.5 / 4782.2 / 2478.1 us against the default's
-  4602.9 / 4846.6 / 2461.5 (N 8K h 128 / N 32K h 128 / N 32K h 64), bf16 decode 91.0 against 89.5. Removed
-  (sparse_mla/README.md has the decode kernel's twin).
-* Tried for the fp8 656-B cache with the producer dequantising (loads issued before the free wait,
-  gluon._dequant, L2 prefetch of the next pair): 137.5-164.1 us at B 64 h 128, against 116.8 for
-  ``gluon.py`` (one producer warpgroup cannot dequantise a half in the time the consumers take to free
-  the next one with two buffers), so fp8 stays on ``gluon.py``.
-
-SASS figures in this docstring up to 2026-12-02 (eighth session) came from a compile that gave every integer
-argument the divisibility-16 hint, the kernel's ``do_not_specialize`` ones too; since the ninth session
-``compile_sm90`` (``flashdsa/ops/_gluon.py``) specialises as Triton's launcher does, and the default compiles
-(Triton 3.6) to 12 / 12 B of spills (was quoted 32 B), named barriers 20 / 11 / 17 / 8.
+What bounds it: the consumers alone (no copies) take 3700 us at T 4096 N 8K h 128, 0.94x FlashMLA's whole
+kernel; the copies add ~1150 us, and not by their latency (every row hot in L2 removes only ~150 us).
+Measured on the H200 (Triton 3.6, CUDA-graph replay, 2026-12-02, two runs, top-2048): prefill T 4096 h 128
+N 8K 4734 / 4780 us against FlashMLA's 4060 / 4069 (0.86 / 0.85x its throughput), N 32K h 64 0.92 / 0.95x;
+decode over the bf16 cache B 64 h 128 89.7 / 90.5 us (FlashMLA's fp8 decode on the same slots 94.6-94.9).
+What was tried and lost: sparse_mla/README.md. ``benchmarks/gluon_prefill_probe.py`` checks this kernel
+against ``reference.py`` and times it next to FlashMLA; ``--compile-only`` compiles it without a GPU.
 """
 
 from __future__ import annotations
@@ -103,12 +47,22 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from flashdsa.ops._gluon import compile_sm90 as compile_sm90_kernel
 from flashdsa.ops._launch import KernelLauncher, aligned, capability
-from flashdsa.ops._triton_utils import cdiv, num_sms
-from flashdsa.ops.sparse_mla.gluon import (BLOCK_H, BLOCK_N, LN2, LOG2E, MAXNREG, _klat, load_q,
-                                           mma_layout, store_o, tile_smem)
+from flashdsa.ops._triton_utils import cdiv
+from flashdsa.ops.sparse_mla.gluon import BLOCK_H, BLOCK_N, LN2, LOG2E, MAXNREG, load_q, mma_layout, store_o, tile_smem
 
 # global -> shared cp.async: ``async_copy_global_to_shared`` in Triton 3.6, renamed ``async_load`` by 3.9
 _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+# consumer 1 gets REGS_C1, consumer 0 3 x MAXNREG - REGS_C1 - REGS_PROD = 208; the producer 88 (72: 80 B of spills)
+REGS_C1 = gl.constexpr(208)
+REGS_PROD = gl.constexpr(88)
+
+
+@gluon.jit
+def _klat(k_lat, b, g: gl.constexpr):
+    # the [64, 128] bf16 latent tile of group g in K/V buffer b. One allocation for all: gluon.py's one per
+    # group (fewer barriers among the producer's warps between its cp.async groups) was no faster here
+    return k_lat.index(b * 4 + g)
+
 
 # ---- producer -----------------------------------------------------------------------------------------
 
@@ -121,7 +75,7 @@ def _slots(p_idx, blk, topk, L: gl.constexpr):
 
 @gluon.jit
 def _copy_half(k_lat, k_rope, buf, RIGHT: gl.constexpr, slot, n_slots, kv, stride_kv_page, stride_kv_row, free, ready,
-               phase, DIAG: gl.constexpr, KSPLIT: gl.constexpr = False):
+               phase):
     """Wait until half (buf, RIGHT) is free, then cp.async the rows of ``slot`` ([64], SliceLayout(1, LG)) into
     that half's dims and have its ``ready`` barrier track the copies (count 128: every producer thread arrives).
     Skipped slots (-1 past the list, < 0, >= n_slots) are masked: cp.async zero-fills them, nothing is read."""
@@ -134,64 +88,39 @@ def _copy_half(k_lat, k_rope, buf, RIGHT: gl.constexpr, slot, n_slots, kv, strid
     o_c = gl.arange(0, 128, gl.SliceLayout(0, LG))
     h = buf * 2 + RIGHT
     mbarrier.wait(free.index(h), phase)
-    if DIAG == 0:
-        g0: gl.constexpr = 2 * RIGHT
-        for g in gl.static_range(2):
-            _cp_async(_klat(k_lat, buf, g0 + g, KSPLIT), p_row[:, None] + (g0 + g) * 128 + o_c[None, :],
-                      mask=valid[:, None])
-        if RIGHT:
-            o_r = gl.arange(0, 64, gl.SliceLayout(0, LR))
-            p_r = gl.convert_layout(p_row, gl.SliceLayout(1, LR))
-            v_r = gl.convert_layout(valid, gl.SliceLayout(1, LR))
-            _cp_async(k_rope.index(buf), p_r[:, None] + 512 + o_r[None, :], mask=v_r[:, None])
+    g0: gl.constexpr = 2 * RIGHT
+    for g in gl.static_range(2):
+        _cp_async(_klat(k_lat, buf, g0 + g), p_row[:, None] + (g0 + g) * 128 + o_c[None, :], mask=valid[:, None])
+    if RIGHT:
+        o_r = gl.arange(0, 64, gl.SliceLayout(0, LR))
+        p_r = gl.convert_layout(p_row, gl.SliceLayout(1, LR))
+        v_r = gl.convert_layout(valid, gl.SliceLayout(1, LR))
+        _cp_async(k_rope.index(buf), p_r[:, None] + 512 + o_r[None, :], mask=v_r[:, None])
     async_copy.mbarrier_arrive(ready.index(h), increment_count=False)
 
 
 @gluon.jit
-def _prod_tile(t, tc, kv, idx, stride_kv_page, stride_kv_row, stride_i_row, n_slots, topk, n_pairs, n_hb, k_lat, k_rope,
-               ready, free, DIAG: gl.constexpr, KSPLIT: gl.constexpr = False):
-    """The producer on tile ``t`` (query row t // n_hb), the CTA's tile number ``tc``: barrier phases count
-    pairs over the CTA's tiles."""
+def _producer(kv, idx, stride_kv_page, stride_kv_row, stride_i_row, n_slots, topk, n_pairs, n_hb, k_lat, k_rope,
+              ready, free):
     SG: gl.constexpr = gl.SliceLayout(1, gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0]))   # _copy_half's rows
-    i_row = (t // n_hb).to(gl.int64)
+    i_row = (gl.program_id(0) // n_hb).to(gl.int64)
     p_idx = idx + i_row * stride_i_row
-    g0 = tc * n_pairs
     s_a = _slots(p_idx, 0, topk, SG)
     s_b = _slots(p_idx, 1, topk, SG)
     for j in range(n_pairs):
-        ph = ((g0 + j) & 1) ^ 1   # a fresh barrier's "previous phase" has completed: the first waits pass
+        ph = (j & 1) ^ 1   # a fresh barrier's "previous phase" has completed: the first waits pass
         # the next pair's slots first: their load latency is then not in front of a refill (loaded after
         # this pair's copies instead: +1 %; loaded per half right before its wait, the first version: +15 %)
         n_a = _slots(p_idx, 2 * j + 2, topk, SG)
         n_b = _slots(p_idx, 2 * j + 3, topk, SG)
         # the order the halves are freed in: 0L (consumer 0's own P V), 1R (consumer 1's own P V),
         # 0R (consumer 1's P V on the other P; buffer 0's rope tile held that P), 1L (consumer 0's)
-        _copy_half(k_lat, k_rope, 0, False, s_a, n_slots, kv, stride_kv_page, stride_kv_row, free, ready, ph, DIAG,
-                   KSPLIT)
-        _copy_half(k_lat, k_rope, 1, True, s_b, n_slots, kv, stride_kv_page, stride_kv_row, free, ready, ph, DIAG,
-                   KSPLIT)
-        _copy_half(k_lat, k_rope, 0, True, s_a, n_slots, kv, stride_kv_page, stride_kv_row, free, ready, ph, DIAG,
-                   KSPLIT)
-        _copy_half(k_lat, k_rope, 1, False, s_b, n_slots, kv, stride_kv_page, stride_kv_row, free, ready, ph, DIAG,
-                   KSPLIT)
+        _copy_half(k_lat, k_rope, 0, False, s_a, n_slots, kv, stride_kv_page, stride_kv_row, free, ready, ph)
+        _copy_half(k_lat, k_rope, 1, True, s_b, n_slots, kv, stride_kv_page, stride_kv_row, free, ready, ph)
+        _copy_half(k_lat, k_rope, 0, True, s_a, n_slots, kv, stride_kv_page, stride_kv_row, free, ready, ph)
+        _copy_half(k_lat, k_rope, 1, False, s_b, n_slots, kv, stride_kv_page, stride_kv_row, free, ready, ph)
         s_a = n_a
         s_b = n_b
-
-
-@gluon.jit
-def _producer(kv, idx, stride_kv_page, stride_kv_row, stride_i_row, n_slots, topk, n_pairs, n_hb, n_tiles, k_lat,
-              k_rope, ready, free, DIAG: gl.constexpr, PERSIST: gl.constexpr, KSPLIT: gl.constexpr = False):
-    if PERSIST:
-        # tiles pid, pid + grid, ...: the first halves of the next tile are copied while the consumers
-        # finish this one (set-up, Q load and epilogue of a tile no longer stand alone)
-        tc = 0
-        for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-            _prod_tile(t, tc, kv, idx, stride_kv_page, stride_kv_row, stride_i_row, n_slots, topk, n_pairs, n_hb, k_lat,
-                       k_rope, ready, free, DIAG, KSPLIT)
-            tc += 1
-    else:
-        _prod_tile(gl.program_id(0), 0, kv, idx, stride_kv_page, stride_kv_row, stride_i_row, n_slots, topk, n_pairs,
-                   n_hb, k_lat, k_rope, ready, free, DIAG, KSPLIT)
 
 
 # ---- consumers ----------------------------------------------------------------------------------------
@@ -204,17 +133,16 @@ def _bias(p_idx, blk, topk, n_slots, L: gl.constexpr):
 
 
 @gluon.jit
-def _qk_half(s, q_lat, q_rope, k_lat, k_rope, buf, z, RIGHT: gl.constexpr, ready, phase, FIRST: gl.constexpr,
-             KSPLIT: gl.constexpr = False):
+def _qk_half(s, q_lat, q_rope, k_lat, k_rope, buf, z, RIGHT: gl.constexpr, ready, phase, FIRST: gl.constexpr):
     """Wait for half (buf, RIGHT) of the K tile, then issue its share of S += Q K^T (async, not waited).
     ``z`` is 0 as a value of the loop counter (see :func:`_c0_pair`): it keeps Q's descriptors in the loop."""
     mbarrier.wait(ready.index(buf * 2 + RIGHT), phase)
     # cp.async wrote the tile through the generic proxy; wgmma reads it through the async proxy
     fence_async_shared()
     g0: gl.constexpr = 2 * RIGHT
-    s = warpgroup_mma(q_lat.index(g0 + z), _klat(k_lat, buf, g0, KSPLIT).permute((1, 0)), s, use_acc=not FIRST,
+    s = warpgroup_mma(q_lat.index(g0 + z), _klat(k_lat, buf, g0).permute((1, 0)), s, use_acc=not FIRST,
                       is_async=True)
-    s = warpgroup_mma(q_lat.index(g0 + 1 + z), _klat(k_lat, buf, g0 + 1, KSPLIT).permute((1, 0)), s, is_async=True)
+    s = warpgroup_mma(q_lat.index(g0 + 1 + z), _klat(k_lat, buf, g0 + 1).permute((1, 0)), s, is_async=True)
     if RIGHT:
         s = warpgroup_mma(q_rope.index(z), k_rope.index(buf).permute((1, 0)), s, is_async=True)
     return s
@@ -233,7 +161,7 @@ def _exp_scores(s, bias, qk_scale, m_run):
 
 @gluon.jit
 def _finish(out, lse, stride_o_row, stride_o_h, stride_l_row, h_q, i_row, i_hb, o_a, o_b, m_i, l_i, l_s, l_bar,
-            q_lat, WG: gl.constexpr, OSTAGE: gl.constexpr, tc):
+            q_lat, WG: gl.constexpr):
     """Sum the two consumers' softmax denominators (each holds its own blocks' share, both against the
     same final max) through shared memory, then store this consumer's half of out (value dims 256 WG ..,
     and, consumer 0, lse)."""
@@ -241,7 +169,7 @@ def _finish(out, lse, stride_o_row, stride_o_h, stride_l_row, h_q, i_row, i_hb, 
     M128: gl.constexpr = mma_layout(128)
     l_s.index(WG).store(l_i)
     mbarrier.arrive(l_bar.index(WG), count=1)
-    mbarrier.wait(l_bar.index(1 - WG), tc & 1)   # tc: the CTA's tile count (persistent grid)
+    mbarrier.wait(l_bar.index(1 - WG), 0)
     l_tot = l_i + l_s.index(1 - WG).load(gl.SliceLayout(1, M64))
     # empty rows (no valid index): l = 0 -> out 0 (O is 0), lse -inf
     empty = l_tot == 0.0
@@ -251,13 +179,12 @@ def _finish(out, lse, stride_o_row, stride_o_h, stride_l_row, h_q, i_row, i_hb, 
         gl.store(lse + i_row * stride_l_row + o_hl, gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * LN2),
                  mask=o_hl < h_q)
     inv = gl.convert_layout(1.0 / l_safe, gl.SliceLayout(1, M128))
-    # OSTAGE: through this consumer's half of the Q tiles (free: the other consumer has finished too, l_bar)
-    store_o(out, i_row, i_hb, stride_o_row, stride_o_h, h_q, o_a, o_b, inv, 256 * WG, M128, q_lat, OSTAGE)
+    # through this consumer's half of the Q tiles (free: the other consumer has finished too, l_bar)
+    store_o(out, i_row, i_hb, stride_o_row, stride_o_h, h_q, o_a, o_b, inv, 256 * WG, q_lat)
 
 
 @gluon.jit
-def _c0_pair(j, s, bias, m_i, l_i, o0, o1, qk_scale, k_lat, k_rope, p1_s, m_s, m_bar, s_bar, free,
-             KSPLIT: gl.constexpr = False):
+def _c0_pair(j, s, bias, m_i, l_i, o0, o1, qk_scale, k_lat, k_rope, p1_s, m_s, m_bar, s_bar, free):
     """Consumer 0 on pair j from its S = Q K_{2j}^T (complete): softmax, the pair's max from consumer 1, O[:, :256]
     += P0 V0 (local P) and P1 V1 (consumer 1's P, issued and NOT waited: 2 wgmma groups in flight)."""
     M64: gl.constexpr = mma_layout(64)
@@ -278,8 +205,8 @@ def _c0_pair(j, s, bias, m_i, l_i, o0, o1, qk_scale, k_lat, k_rope, p1_s, m_s, m
     o0 = o0 * a_o[:, None]
     o1 = o1 * a_o[:, None]
     pa = gl.convert_layout(p.to(gl.bfloat16), PA)
-    o0 = warpgroup_mma(pa, _klat(k_lat, b0, 0, KSPLIT), o0, is_async=True)
-    o1 = warpgroup_mma(pa, _klat(k_lat, b0, 1, KSPLIT), o1, is_async=True)
+    o0 = warpgroup_mma(pa, _klat(k_lat, b0, 0), o0, is_async=True)
+    o1 = warpgroup_mma(pa, _klat(k_lat, b0, 1), o1, is_async=True)
     # the pair's max from consumer 1: P rescaled to it, rounded to bf16 once (from fp32), staged for
     # consumer 1 in buffer 0's rope tile (this QK, its only reader, has completed)
     mbarrier.wait(m_bar.index(1), ph)
@@ -297,109 +224,73 @@ def _c0_pair(j, s, bias, m_i, l_i, o0, o1, qk_scale, k_lat, k_rope, p1_s, m_s, m
     o1 = o1 * a_o[:, None]
     # O[:, :256] += P1 V1[:, :256], P1 from consumer 1 through shared memory
     mbarrier.wait(s_bar.index(1), ph)
-    o0 = warpgroup_mma(p1_s, _klat(k_lat, b1, 0, KSPLIT), o0, is_async=True)
-    o1 = warpgroup_mma(p1_s, _klat(k_lat, b1, 1, KSPLIT), o1, is_async=True)
+    o0 = warpgroup_mma(p1_s, _klat(k_lat, b1, 0), o0, is_async=True)
+    o1 = warpgroup_mma(p1_s, _klat(k_lat, b1, 1), o1, is_async=True)
     return m1, l_i, o0, o1
 
 
 @gluon.jit
-def _c0_tile(t, tc, q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, stride_o_row, stride_o_h, stride_l_row,
-             n_slots, h_q, topk, n_pairs, n_hb, qk_scale, q_lat, q_rope, k_lat, k_rope, p1_s, m_s, l_s, ready, free,
-             q_bar, m_bar, s_bar, l_bar, PIPE: gl.constexpr, OSTAGE: gl.constexpr, QL: gl.constexpr,
-             KSPLIT: gl.constexpr = False):
-    """Consumer 0 on tile ``t``, the CTA's tile number ``tc`` (barrier phases count pairs / tiles over the
-    CTA's tiles)."""
+def _consumer0(q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, stride_o_row, stride_o_h, stride_l_row,
+               n_slots, h_q, topk, n_pairs, n_hb, qk_scale, q_lat, q_rope, k_lat, k_rope, p1_s, m_s, l_s, ready, free,
+               q_bar, m_bar, s_bar, l_bar):
     M64: gl.constexpr = mma_layout(64)
     M128: gl.constexpr = mma_layout(128)
+    t = gl.program_id(0)
     i_hb = t % n_hb
     i_row = (t // n_hb).to(gl.int64)
     p_idx = idx + i_row * stride_i_row
-    g0 = tc * n_pairs
-    if QL == 2:
-        load_q(q, stride_q_row, stride_q_h, h_q, i_row, i_hb, q_lat, q_rope.index(0), QL, 1)
-        mbarrier.arrive(q_bar, count=1)
-        mbarrier.wait(q_bar, tc & 1)
-    else:
-        load_q(q, stride_q_row, stride_q_h, h_q, i_row, i_hb, q_lat, q_rope.index(0), QL)
-        mbarrier.arrive(q_bar, count=1)
+    # latent groups 0 and 1 of Q; consumer 1 loads the rest, and both wait for both halves
+    load_q(q, stride_q_row, stride_q_h, h_q, i_row, i_hb, q_lat, q_rope.index(0), 1)
+    mbarrier.arrive(q_bar, count=1)
+    mbarrier.wait(q_bar, 0)
 
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, M64))
     l_i = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(1, M64))
     o0 = gl.zeros([BLOCK_H, 128], gl.float32, M128)
     o1 = gl.zeros([BLOCK_H, 128], gl.float32, M128)
-    if PIPE:
-        # S of the next pair is issued before this pair's last P V is waited for (FlashMLA's order): the
-        # tensor cores get the next QK while the P V drains
-        bias = _bias(p_idx, 0, topk, n_slots, gl.SliceLayout(0, M64))
-        s = _qk_half(gl.zeros([BLOCK_H, BLOCK_N], gl.float32, M64), q_lat, q_rope, k_lat, k_rope, 0, 0, False, ready,
-                     g0 & 1, True, KSPLIT)
-        s = _qk_half(s, q_lat, q_rope, k_lat, k_rope, 0, 0, True, ready, g0 & 1, False, KSPLIT)
+    for j in range(n_pairs):
+        b0 = j >> 30
+        bias = _bias(p_idx, 2 * j, topk, n_slots, gl.SliceLayout(0, M64))
+        # made in the loop: a zero accumulator carried across it would hold 32 registers
+        s = _qk_half(gl.zeros([BLOCK_H, BLOCK_N], gl.float32, M64), q_lat, q_rope, k_lat, k_rope, b0, b0, False,
+                     ready, j & 1, True)
+        s = _qk_half(s, q_lat, q_rope, k_lat, k_rope, b0, b0, True, ready, j & 1, False)
         s = warpgroup_mma_wait(0, deps=(s,))
-        # the last pair is peeled: an in-flight accumulator cannot cross an if
-        for j in range(n_pairs - 1):
-            m_i, l_i, o0, o1 = _c0_pair(g0 + j, s, bias, m_i, l_i, o0, o1, qk_scale, k_lat, k_rope, p1_s, m_s, m_bar,
-                                        s_bar, free, KSPLIT)
-            b0 = (g0 + j) >> 30
-            bias = _bias(p_idx, 2 * j + 2, topk, n_slots, gl.SliceLayout(0, M64))
-            s = _qk_half(gl.zeros([BLOCK_H, BLOCK_N], gl.float32, M64), q_lat, q_rope, k_lat, k_rope, b0, b0, False,
-                         ready, (g0 + j + 1) & 1, True, KSPLIT)
-            # the two P1 V1 groups retire first: 1L is free while the QK goes on
-            o0, o1 = warpgroup_mma_wait(2, deps=(o0, o1))
-            mbarrier.arrive(free.index(2), count=1)   # 1L
-            s = _qk_half(s, q_lat, q_rope, k_lat, k_rope, b0, b0, True, ready, (g0 + j + 1) & 1, False, KSPLIT)
-            s = warpgroup_mma_wait(0, deps=(s,))
-        m_i, l_i, o0, o1 = _c0_pair(g0 + n_pairs - 1, s, bias, m_i, l_i, o0, o1, qk_scale, k_lat, k_rope, p1_s, m_s,
-                                    m_bar, s_bar, free, KSPLIT)
+        m_i, l_i, o0, o1 = _c0_pair(j, s, bias, m_i, l_i, o0, o1, qk_scale, k_lat, k_rope, p1_s, m_s, m_bar, s_bar,
+                                    free)
         o0, o1 = warpgroup_mma_wait(0, deps=(o0, o1))
-        mbarrier.arrive(free.index(2), count=1)
-    else:
-        for j in range(n_pairs):
-            gj = g0 + j
-            b0 = gj >> 30
-            bias = _bias(p_idx, 2 * j, topk, n_slots, gl.SliceLayout(0, M64))
-            # made in the loop: a zero accumulator carried across it would hold 32 registers
-            s = _qk_half(gl.zeros([BLOCK_H, BLOCK_N], gl.float32, M64), q_lat, q_rope, k_lat, k_rope, b0, b0, False,
-                         ready, gj & 1, True, KSPLIT)
-            s = _qk_half(s, q_lat, q_rope, k_lat, k_rope, b0, b0, True, ready, gj & 1, False, KSPLIT)
-            s = warpgroup_mma_wait(0, deps=(s,))
-            m_i, l_i, o0, o1 = _c0_pair(gj, s, bias, m_i, l_i, o0, o1, qk_scale, k_lat, k_rope, p1_s, m_s, m_bar, s_bar,
-                                        free, KSPLIT)
-            o0, o1 = warpgroup_mma_wait(0, deps=(o0, o1))
-            mbarrier.arrive(free.index(2), count=1)   # 1L
-    _finish(out, lse, stride_o_row, stride_o_h, stride_l_row, h_q, i_row, i_hb, o0, o1, m_i, l_i, l_s, l_bar, q_lat, 0,
-            OSTAGE, tc)
+        mbarrier.arrive(free.index(2), count=1)   # 1L
+    _finish(out, lse, stride_o_row, stride_o_h, stride_l_row, h_q, i_row, i_hb, o0, o1, m_i, l_i, l_s, l_bar, q_lat, 0)
 
 
 @gluon.jit
-def _c1_tile(t, tc, q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, stride_o_row, stride_o_h, stride_l_row,
-             n_slots, h_q, topk, n_pairs, n_hb, qk_scale, q_lat, q_rope, k_lat, k_rope, p1_s, m_s, l_s, ready, free,
-             q_bar, m_bar, s_bar, l_bar, PIPE: gl.constexpr, OSTAGE: gl.constexpr, QL: gl.constexpr,
-             KSPLIT: gl.constexpr = False):
+def _consumer1(q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, stride_o_row, stride_o_h, stride_l_row,
+               n_slots, h_q, topk, n_pairs, n_hb, qk_scale, q_lat, q_rope, k_lat, k_rope, p1_s, m_s, l_s, ready, free,
+               q_bar, m_bar, s_bar, l_bar):
     M64: gl.constexpr = mma_layout(64)
     M128: gl.constexpr = mma_layout(128)
     PA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=M128, k_width=2)
+    t = gl.program_id(0)
     i_hb = t % n_hb
     i_row = (t // n_hb).to(gl.int64)
     p_idx = idx + i_row * stride_i_row
-    g0 = tc * n_pairs
-    if QL == 2:
-        load_q(q, stride_q_row, stride_q_h, h_q, i_row, i_hb, q_lat, q_rope.index(0), QL, 2)
-        mbarrier.arrive(q_bar, count=1)
-    mbarrier.wait(q_bar, tc & 1)
+    load_q(q, stride_q_row, stride_q_h, h_q, i_row, i_hb, q_lat, q_rope.index(0), 2)
+    mbarrier.arrive(q_bar, count=1)
+    mbarrier.wait(q_bar, 0)
 
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, M64))
     l_i = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(1, M64))
     o2 = gl.zeros([BLOCK_H, 128], gl.float32, M128)
     o3 = gl.zeros([BLOCK_H, 128], gl.float32, M128)
     for j in range(n_pairs):
-        ph = (g0 + j) & 1
-        b0 = (g0 + j) >> 30   # 0 and 1, see _c0_pair
+        ph = j & 1
+        b0 = j >> 30   # 0 and 1, see _c0_pair
         b1 = b0 + 1
         bias = _bias(p_idx, 2 * j + 1, topk, n_slots, gl.SliceLayout(0, M64))
         # the right half first: it is freed first (by this consumer's own P V)
         s = _qk_half(gl.zeros([BLOCK_H, BLOCK_N], gl.float32, M64), q_lat, q_rope, k_lat, k_rope, b1, b0, True, ready,
-                     ph, True, KSPLIT)
-        s = _qk_half(s, q_lat, q_rope, k_lat, k_rope, b1, b0, False, ready, ph, False, KSPLIT)
+                     ph, True)
+        s = _qk_half(s, q_lat, q_rope, k_lat, k_rope, b1, b0, False, ready, ph, False)
         s = warpgroup_mma_wait(0, deps=(s,))
         mbarrier.wait(m_bar.index(0), ph)
         m0 = m_s.index(0).load(gl.SliceLayout(1, M64))
@@ -414,69 +305,22 @@ def _c1_tile(t, tc, q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, st
         o3 = o3 * a_o[:, None]
         p16 = p.to(gl.bfloat16)
         pa = gl.convert_layout(p16, PA)
-        o2 = warpgroup_mma(pa, _klat(k_lat, b1, 2, KSPLIT), o2, is_async=True)
-        o3 = warpgroup_mma(pa, _klat(k_lat, b1, 3, KSPLIT), o3, is_async=True)
+        o2 = warpgroup_mma(pa, _klat(k_lat, b1, 2), o2, is_async=True)
+        o3 = warpgroup_mma(pa, _klat(k_lat, b1, 3), o3, is_async=True)
         # P1 for consumer 0. Its P1 V1 of the previous pair has completed: consumer 0 waits for it before it
         # computes the softmax whose max (m_bar 0) this consumer waited for above.
         p1_s.store(p16)
         fence_async_shared()
         mbarrier.arrive(s_bar.index(1), count=1)
-        if PIPE:
-            # O[:, 256:] += P0 V0[:, 256:] issued behind the local P V, waited in order
-            mbarrier.wait(s_bar.index(0), ph)
-            o2 = warpgroup_mma(k_rope.index(b0), _klat(k_lat, b0, 2, KSPLIT), o2, is_async=True)
-            o3 = warpgroup_mma(k_rope.index(b0), _klat(k_lat, b0, 3, KSPLIT), o3, is_async=True)
-            pa = warpgroup_mma_wait(2, deps=(pa,))
-            mbarrier.arrive(free.index(3), count=1)   # 1R
-            o2, o3 = warpgroup_mma_wait(0, deps=(o2, o3))
-            mbarrier.arrive(free.index(1), count=1)   # 0R (and P0 with it)
-        else:
-            o2, o3, pa = warpgroup_mma_wait(0, deps=(o2, o3, pa))
-            mbarrier.arrive(free.index(3), count=1)   # 1R
-            # O[:, 256:] += P0 V0[:, 256:], P0 from consumer 0 in buffer 0's rope tile
-            mbarrier.wait(s_bar.index(0), ph)
-            o2 = warpgroup_mma(k_rope.index(b0), _klat(k_lat, b0, 2, KSPLIT), o2, is_async=True)
-            o3 = warpgroup_mma(k_rope.index(b0), _klat(k_lat, b0, 3, KSPLIT), o3, is_async=True)
-            o2, o3 = warpgroup_mma_wait(0, deps=(o2, o3))
-            mbarrier.arrive(free.index(1), count=1)   # 0R (and P0 with it)
-    _finish(out, lse, stride_o_row, stride_o_h, stride_l_row, h_q, i_row, i_hb, o2, o3, m_i, l_i, l_s, l_bar, q_lat, 1,
-            OSTAGE, tc)
-
-
-@gluon.jit
-def _tile(WG: gl.constexpr, t, tc, q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, stride_o_row, stride_o_h,
-          stride_l_row, n_slots, h_q, topk, n_pairs, n_hb, qk_scale, q_lat, q_rope, k_lat, k_rope, p1_s, m_s, l_s, ready,
-          free, q_bar, m_bar, s_bar, l_bar, PIPE: gl.constexpr, OSTAGE: gl.constexpr, QL: gl.constexpr,
-             KSPLIT: gl.constexpr = False):
-    if WG == 0:
-        _c0_tile(t, tc, q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, stride_o_row, stride_o_h, stride_l_row,
-                 n_slots, h_q, topk, n_pairs, n_hb, qk_scale, q_lat, q_rope, k_lat, k_rope, p1_s, m_s, l_s, ready, free,
-                 q_bar, m_bar, s_bar, l_bar, PIPE, OSTAGE, QL, KSPLIT)
-    else:
-        _c1_tile(t, tc, q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, stride_o_row, stride_o_h, stride_l_row,
-                 n_slots, h_q, topk, n_pairs, n_hb, qk_scale, q_lat, q_rope, k_lat, k_rope, p1_s, m_s, l_s, ready, free,
-                 q_bar, m_bar, s_bar, l_bar, PIPE, OSTAGE, QL, KSPLIT)
-
-
-@gluon.jit
-def _consumer(WG: gl.constexpr, q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, stride_o_row, stride_o_h,
-              stride_l_row, n_slots, h_q, topk, n_pairs, n_hb, n_tiles, qk_scale, q_lat, q_rope, k_lat, k_rope, p1_s, m_s,
-              l_s, ready, free, q_bar, m_bar, s_bar, l_bar, PIPE: gl.constexpr, OSTAGE: gl.constexpr, QL: gl.constexpr,
-              PERSIST: gl.constexpr, KSPLIT: gl.constexpr = False):
-    """Consumer ``WG`` (0: :func:`_c0_tile`, 1: :func:`_c1_tile`; a function cannot be a partition argument) on
-    its CTA's tiles: one, or with PERSIST the tiles pid, pid + grid, ... (the producer copies the next tile's
-    first halves while this one finishes)."""
-    if PERSIST:
-        tc = 0
-        for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-            _tile(WG, t, tc, q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, stride_o_row, stride_o_h,
-                  stride_l_row, n_slots, h_q, topk, n_pairs, n_hb, qk_scale, q_lat, q_rope, k_lat, k_rope, p1_s, m_s, l_s,
-                  ready, free, q_bar, m_bar, s_bar, l_bar, PIPE, OSTAGE, QL, KSPLIT)
-            tc += 1
-    else:
-        _tile(WG, gl.program_id(0), 0, q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, stride_o_row,
-              stride_o_h, stride_l_row, n_slots, h_q, topk, n_pairs, n_hb, qk_scale, q_lat, q_rope, k_lat, k_rope, p1_s,
-              m_s, l_s, ready, free, q_bar, m_bar, s_bar, l_bar, PIPE, OSTAGE, QL, KSPLIT)
+        o2, o3, pa = warpgroup_mma_wait(0, deps=(o2, o3, pa))
+        mbarrier.arrive(free.index(3), count=1)   # 1R
+        # O[:, 256:] += P0 V0[:, 256:], P0 from consumer 0 in buffer 0's rope tile
+        mbarrier.wait(s_bar.index(0), ph)
+        o2 = warpgroup_mma(k_rope.index(b0), _klat(k_lat, b0, 2), o2, is_async=True)
+        o3 = warpgroup_mma(k_rope.index(b0), _klat(k_lat, b0, 3), o3, is_async=True)
+        o2, o3 = warpgroup_mma_wait(0, deps=(o2, o3))
+        mbarrier.arrive(free.index(1), count=1)   # 0R (and P0 with it)
+    _finish(out, lse, stride_o_row, stride_o_h, stride_l_row, h_q, i_row, i_hb, o2, o3, m_i, l_i, l_s, l_bar, q_lat, 1)
 
 
 # ---- the kernel ---------------------------------------------------------------------------------------
@@ -486,8 +330,6 @@ def sparse_mla_bf16_ws_kernel(
     q, kv, idx, out, lse,
     stride_q_row, stride_q_h, stride_kv_page, stride_kv_row, stride_i_row, stride_o_row, stride_o_h, stride_l_row,
     n_slots, h_q, topk, n_pairs, n_hb, n_tiles, qk_scale,
-    REGS_C1: gl.constexpr, REGS_PROD: gl.constexpr, PIPE: gl.constexpr, DIAG: gl.constexpr, OSTAGE: gl.constexpr,
-    QL: gl.constexpr, PERSIST: gl.constexpr, KSPLIT: gl.constexpr = False,
 ):
     """Warp-specialised sparse MLA over bf16 rows, one (query row, 64 heads) per CTA (module docstring).
 
@@ -495,21 +337,15 @@ def sparse_mla_bf16_ws_kernel(
     kv   bf16 rows of 576: slot -> kv + (slot // 64) * stride_kv_page + (slot % 64) * stride_kv_row
          (element strides, multiples of 8: rows 16-byte aligned); prefill's [N, 576] with page stride 64 x row
     out  [R, h_q, 512] bf16 (unit stride last)           lse [R, h_q] fp32, natural log
-    n_pairs = max(1, cdiv(topk, 128)); n_hb = cdiv(h_q, 64); n_tiles = R * n_hb (the grid, or with PERSIST
-    a grid of at most one CTA per SM walking tiles pid, pid + grid, ...); qk_scale = sm_scale * log2(e).
+    n_pairs = max(1, cdiv(topk, 128)); n_hb = cdiv(h_q, 64); qk_scale = sm_scale * log2(e). n_tiles = R * n_hb,
+    the grid, is not read: it keeps qk_scale's place in the parameter block, so the SASS is the one measured.
     """
     T: gl.constexpr = tile_smem(BLOCK_N, 128)
     TR: gl.constexpr = tile_smem(BLOCK_N, 64)
     V1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     q_lat = gl.allocate_shared_memory(gl.bfloat16, [4, BLOCK_H, 128], T)
     q_rope = gl.allocate_shared_memory(gl.bfloat16, [1, BLOCK_H, 64], TR)
-    if KSPLIT:   # one allocation per latent group g, [buffer, 64, 128] each (gluon._klat)
-        k_lat = (gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, 128], T),
-                 gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, 128], T),
-                 gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, 128], T),
-                 gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, 128], T))
-    else:
-        k_lat = gl.allocate_shared_memory(gl.bfloat16, [8, BLOCK_N, 128], T)    # buffer b, latent group g: b * 4 + g
+    k_lat = gl.allocate_shared_memory(gl.bfloat16, [8, BLOCK_N, 128], T)    # buffer b, latent group g: b * 4 + g
     k_rope = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, 64], TR)   # buffer 0's also stages P0
     p1_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, BLOCK_N], TR)
     m_s = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], V1)
@@ -528,87 +364,55 @@ def sparse_mla_bf16_ws_kernel(
         mbarrier.init(m_bar.index(w), count=1)
         mbarrier.init(s_bar.index(w), count=1)
         mbarrier.init(l_bar.index(w), count=1)
-    mbarrier.init(q_bar, count=2 if QL == 2 else 1)
+    mbarrier.init(q_bar, count=2)   # each consumer's half of Q
     fence_async_shared()
 
     gl.warp_specialize([
-        (_consumer, (0, q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, stride_o_row, stride_o_h, stride_l_row,
-                      n_slots, h_q, topk, n_pairs, n_hb, n_tiles, qk_scale, q_lat, q_rope, k_lat, k_rope, p1_s, m_s, l_s,
-                      ready, free, q_bar, m_bar, s_bar, l_bar, PIPE, OSTAGE, QL, PERSIST, KSPLIT)),
-        (_consumer, (1, q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, stride_o_row, stride_o_h, stride_l_row,
-                      n_slots, h_q, topk, n_pairs, n_hb, n_tiles, qk_scale, q_lat, q_rope, k_lat, k_rope, p1_s, m_s, l_s,
-                      ready, free, q_bar, m_bar, s_bar, l_bar, PIPE, OSTAGE, QL, PERSIST, KSPLIT)),
-        (_producer, (kv, idx, stride_kv_page, stride_kv_row, stride_i_row, n_slots, topk, n_pairs, n_hb, n_tiles, k_lat,
-                     k_rope, ready, free, DIAG, PERSIST, KSPLIT)),
+        (_consumer0, (q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, stride_o_row, stride_o_h, stride_l_row,
+                      n_slots, h_q, topk, n_pairs, n_hb, qk_scale, q_lat, q_rope, k_lat, k_rope, p1_s, m_s, l_s,
+                      ready, free, q_bar, m_bar, s_bar, l_bar)),
+        (_consumer1, (q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, stride_o_row, stride_o_h, stride_l_row,
+                      n_slots, h_q, topk, n_pairs, n_hb, qk_scale, q_lat, q_rope, k_lat, k_rope, p1_s, m_s, l_s,
+                      ready, free, q_bar, m_bar, s_bar, l_bar)),
+        (_producer, (kv, idx, stride_kv_page, stride_kv_row, stride_i_row, n_slots, topk, n_pairs, n_hb, k_lat, k_rope,
+                     ready, free)),
     ], [4, 4], [REGS_C1, REGS_PROD])
 
 
 # ---- launcher -----------------------------------------------------------------------------------------
 
-def _variant(pipe=False, diag=0, ostage=False, ql=0, persist=False, ksplit=False):
-    # consumer 0 gets 3 x MAXNREG - REGS_C1 - REGS_PROD = 208; the producer 88 (72: 80 B of spills). A
-    # persistent CTA loads the next tile's Q while the other consumer may still stage its O through the Q
-    # tiles: only safe when each consumer loads its own half (ql 2)
-    assert not persist or ql == 2
-    return dict(REGS_C1=208, REGS_PROD=88, PIPE=pipe, DIAG=diag, OSTAGE=ostage, QL=ql, PERSIST=persist, KSPLIT=ksplit)
-
-
-# variant name -> constexprs; measured on the H200 (module docstring)
-VARIANTS = {
-    # the default: O through shared memory into whole 16-B stores, Q loaded by both consumers (half each)
-    "ws2-os-ql2": _variant(ostage=True, ql=2),
-    # the same with FlashMLA's exact order: the next pair's QK issued under this pair's last P V
-    "ws2-os-ql2-pipe": _variant(ostage=True, ql=2, pipe=True),
-    # the default with one shared allocation per latent group (gluon._klat: Triton's hazard analysis then puts
-    # fewer barriers among the producer's warps between its cp.async groups); no faster (module docstring)
-    "ws2-os-ql2-ks": _variant(ostage=True, ql=2, ksplit=True),
-    # persistent grid (one CTA per SM walking tiles): 4714 / 4863 / 2423 us against the default's 4746 / 4818 /
-    # 2531 in one run (N8K h128 / N32K h128 / N32K h64), fixed cost per CTA 345 vs 355 us: no clear gain
-    "ws2-os-ql2-persist": _variant(ostage=True, ql=2, persist=True),
-    # the first version: Q loaded by consumer 0 alone, O stored from the wgmma layout
-    "ws2": _variant(),
-    # diagnostic (wrong results, timed only): no copies, the consumers and their exchanges alone
-    "diag-nocopy": _variant(diag=1),
-}
-DEFAULT_VARIANT = "ws2-os-ql2"
-
-
-def kernel_args(q3, kv, stride_kv_page, stride_kv_row, n_slots, i2, sm_scale, o3, l2, variant: str = DEFAULT_VARIANT):
+def kernel_args(q3, kv, stride_kv_page, stride_kv_row, n_slots, i2, sm_scale, o3, l2):
     """(grid, kwargs) of one launch over R rows: q3 [R, h_q, 576], kv bf16 rows, i2 [R, topk], o3 [R, h_q, 512],
     l2 [R, h_q]."""
     R, h_q, _ = q3.shape
     topk = i2.shape[-1]
     n_hb = cdiv(h_q, 64)
-    n_tiles = R * n_hb
-    grid = n_tiles
-    if VARIANTS[variant]["PERSIST"]:
-        grid = min(n_tiles, num_sms(q3.device) if q3.is_cuda else 132)   # 132: the compile-only check
-    return (grid,), dict(
-        q=q3, kv=kv, idx=i2, out=o3, lse=l2, n_tiles=n_tiles,
+    return (R * n_hb,), dict(
+        q=q3, kv=kv, idx=i2, out=o3, lse=l2, n_tiles=R * n_hb,
         stride_q_row=q3.stride(0), stride_q_h=q3.stride(1), stride_kv_page=stride_kv_page, stride_kv_row=stride_kv_row,
         stride_i_row=i2.stride(0), stride_o_row=o3.stride(0), stride_o_h=o3.stride(1), stride_l_row=l2.stride(0),
         n_slots=n_slots, h_q=h_q, topk=topk, n_pairs=max(1, cdiv(topk, 128)), n_hb=n_hb, qk_scale=sm_scale * LOG2E,
-        **VARIANTS[variant], num_warps=4, maxnreg=MAXNREG)
+        num_warps=4, maxnreg=MAXNREG)
 
 
-def compiled_kernel(q3, kv, idx, sm_scale, variant: str = DEFAULT_VARIANT):
+def compiled_kernel(q3, kv, idx, sm_scale):
     """Launch once over prefill-shaped inputs (q3 [T, h_q, 576], kv [N, 576], idx [T, topk]) and return the
     compiled kernel (``n_regs``, ``n_spills``, ``metadata.shared``)."""
     T, h_q, _ = q3.shape
     out = torch.empty(T, h_q, 512, dtype=torch.bfloat16, device=q3.device)
     lse = torch.empty(T, h_q, dtype=torch.float32, device=q3.device)
-    grid, kw = kernel_args(q3, kv, 64 * kv.stride(0), kv.stride(0), kv.shape[0], idx, sm_scale, out, lse, variant)
+    grid, kw = kernel_args(q3, kv, 64 * kv.stride(0), kv.stride(0), kv.shape[0], idx, sm_scale, out, lse)
     return sparse_mla_bf16_ws_kernel[grid](**kw)
 
 
-def compile_sm90(variant: str = DEFAULT_VARIANT):
-    """The kernel of ``variant`` compiled for sm_90 without a GPU (prefill-shaped: T 4, h_q 128, N 4096,
-    top-2048): the CPU test's check and the prefill probe's ``--compile-only``."""
+def compile_sm90():
+    """The kernel compiled for sm_90 without a GPU (prefill-shaped: T 4, h_q 128, N 4096, top-2048): the CPU
+    test's check and the prefill probe's ``--compile-only``."""
     q3 = torch.empty(4, 128, 576, dtype=torch.bfloat16)
     kv = torch.empty(4096, 576, dtype=torch.bfloat16)
     i2 = torch.empty(4, 2048, dtype=torch.int32)
     o3, l2 = torch.empty(4, 128, 512, dtype=torch.bfloat16), torch.empty(4, 128)
-    _, kw = kernel_args(q3, kv, 64 * kv.stride(0), kv.stride(0), kv.shape[0], i2, 576 ** -0.5, o3, l2, variant)
+    _, kw = kernel_args(q3, kv, 64 * kv.stride(0), kv.stride(0), kv.shape[0], i2, 576 ** -0.5, o3, l2)
     return compile_sm90_kernel(sparse_mla_bf16_ws_kernel, kw)
 
 
