@@ -24,7 +24,7 @@ fp32 math on the dequantised inputs (paged: every row; ragged: a subsample of ro
 repeat, cosine diff against DeepGEMM inside each row's valid range, and (information: the fp8
 quantisation error, DeepGEMM's test bar is < 1e-3) cosine diff against fp32 math on the unquantised
 bf16 inputs. ``--sweep`` times a few launch shapes of ours (results go to
-the table; the defaults live in flashdsa/ops/indexer/paged.py / ragged.py: PagedConfig / RaggedConfig).
+the table; the defaults live in flashdsa/ops/indexer/paged_config.py / ragged.py: PagedConfig / RaggedConfig).
 ``--smoke`` runs the same code on tiny shapes (on CPU through the Triton interpreter when there is no
 GPU) to check the script itself; its times mean nothing.
 """

@@ -4,7 +4,7 @@ without device value checks, and with ``backend="gluon"``).
 Triton's interpreter cannot run Gluon, so its numerics are tested on an sm_90 GPU (``-m gpu``): the fp32
 reference on the same fp8 inputs, NaN-poisoned outputs, junk (NaN) keys and scales past every length and junk
 page ids past each request's pages, lengths 0 / 1 / 64 / 65 / 700 / 2049 / 3000, next_n 1..4, several items a
-persistent CTA, and each launch knob. Tolerance as for the compiled Triton kernel (test_indexer_triton.py):
+persistent CTA. Tolerance as for the compiled Triton kernel (test_indexer_triton.py):
 Hopper's fp8 wgmma accumulates in less than fp32 (~2e-4 of the largest logit measured), so 1e-3 of it
 elementwise and a cosine diff of 1e-6, with the exact -inf pattern. On the CPU: the kernel compiles for sm_90
 through Triton's code generator and ptxas, without ptxas serialising its wgmma; the config and argument errors.
@@ -30,24 +30,10 @@ SEQ_LENS = [3000, 1, 64, 65, 700, 0, 2049]
 @needs_sm90
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
 @pytest.mark.parametrize("config", [
-    {}, {"chunk_pages": 1, "max_ctas": 3}, {"chunk_pages": 2, "ctas_per_sm": 1}, {"pages_in_flight": 1},
-    {"joint": True, "wide": False, "chunk_pages": 4, "max_ctas": 2}, {"scales_gmem": True, "chunk_pages": 2, "max_ctas": 3},
-    {"consumers": 4}, {"consumers": 4, "chunk_pages": 1, "max_ctas": 3}, {"consumers": 4, "nbuf": 16},
-    {"consumers": 4, "wide": True}, {"consumers": 4, "wide": True, "scales_gmem": True, "chunk_pages": 2},
-    {"wide": True}, {"wide": True, "nbuf": 16, "chunk_pages": 1, "max_ctas": 3}, {"wide": False},
-    {"wide": False, "consumers": 2, "nbuf": 8, "chunk_pages": 2, "max_ctas": 3},
-    {"per_thread_release": True}, {"per_thread_release": True, "chunk_pages": 1, "max_ctas": 3},
-    {"per_thread_release": True, "wide": False, "chunk_pages": 2, "max_ctas": 3},
-    {"per_thread_release": False, "consumers": 4, "wide": True},
-], ids=["default", "one-page-items-3-ctas", "one-cta-an-sm", "one-page-in-flight", "joint", "scales-gmem",
-        "four-consumers", "four-consumers-one-page-items", "four-consumers-16-buffers", "four-consumers-wide",
-        "four-consumers-wide-scales-gmem", "wide", "wide-one-page-items", "rounds", "rounds-small-items",
-        "per-thread-release", "per-thread-release-one-page-items", "per-thread-release-rounds",
-        "one-thread-release-four-consumers-wide"])
+    {}, {"chunk_pages": 1, "max_ctas": 3}, {"chunk_pages": 2, "max_ctas": 3}, {"chunk_pages": 4, "max_ctas": 2},
+], ids=["default", "one-page-items-3-ctas", "two-page-items-3-ctas", "four-page-items-2-ctas"])
 def test_gluon_paged_matches_reference(n, config):
     from flashdsa.ops.indexer.gluon import indexer_logits_paged_gluon
-    if config.get("consumers") == 4 and n > 2 or config.get("wide") and n < 2:
-        pytest.skip("four consumers take next_n <= 2 (registers), the paired chains next_n >= 2")
     q, cache, w, ctx, bt, width = _paged_inputs(SEQ_LENS, n, 64, None, 77, seed=n * 7 + 64, device="cuda")
     q = q.contiguous()
     out = indexer_logits_paged_gluon(q, cache, w, ctx, bt, width, out=poison((q.shape[0] * n, width), device="cuda"),
@@ -185,64 +171,37 @@ def test_launch_config_errors_and_defaults():
     pytest.importorskip("triton.experimental.gluon")
     from flashdsa.ops.indexer.gluon import launch_config
     cpu = torch.device("cpu")
-    with pytest.raises(ValueError, match="pages_in_flight"):
-        launch_config(64, 4, 32768, cpu, pages_in_flight=2)
-    with pytest.raises(ValueError, match="ctas_per_sm"):
-        launch_config(64, 1, 32768, cpu, ctas_per_sm=3)
     with pytest.raises(ValueError, match="chunk_pages"):
         launch_config(64, 1, 32768, cpu, chunk_pages=0)
-    with pytest.raises(ValueError, match="consumers"):
-        launch_config(64, 1, 32768, cpu, consumers=3)
-    with pytest.raises(ValueError, match="consumers=4"):
-        launch_config(64, 3, 32768, cpu, consumers=4)
-    with pytest.raises(ValueError, match="consumers=4"):
-        launch_config(64, 1, 32768, cpu, consumers=4, ctas_per_sm=2)
-    with pytest.raises(ValueError, match="nbuf"):
-        launch_config(64, 1, 32768, cpu, consumers=4, nbuf=6)
-    with pytest.raises(ValueError, match="wide"):
-        launch_config(64, 1, 32768, cpu, consumers=4, wide=True)
-    four = launch_config(64, 2, 32768, cpu, consumers=4)
-    # 20 warps x 96 registers = the whole register file; setmaxnreg's split must not ask for more
-    assert (four["ctas"], four["DP"], four["NC"]) == (1, 1, 4)
-    assert 4 * 128 * four["REGS_C"] + 128 * four["REGS_P"] <= 20 * 32 * four["maxnreg"] <= 65536
-    one = launch_config(64, 1, 32768, cpu)
-    assert (one["ctas"], one["DP"], one["maxnreg"], one["WIDE"], one["NBUF"]) == (2, 2, 80, 0, 8)   # two CTAs an SM
-    two = launch_config(64, 2, 32768, cpu)
-    assert (two["NC"], two["WIDE"], two["NBUF"], two["maxnreg"]) == (4, 1, 16, 96)
-    for n in (3, 4):
+    with pytest.raises(ValueError, match="next_n"):
+        launch_config(64, 5, 32768, cpu)
+    want = {1: (2, 2, 0, 8, 2, 8), 2: (4, 1, 1, 16, 1, None), 3: (2, 1, 0, 16, 1, None), 4: (2, 1, 0, 16, 1, None)}
+    for n, (nc, dp, pta, nbuf, ctas, chunk) in want.items():
         c = launch_config(64, n, 32768, cpu)
-        assert (c["ctas"], c["DP"], c["NC"], c["WIDE"], c["NBUF"], c["maxnreg"]) == (1, 1, 2, 1, 16, 168)
-        assert 8 <= c["CHUNK_PAGES"] <= 64
-    for n, dp in ((2, 2), (3, 1), (4, 1)):   # the round-based path
-        c = launch_config(64, n, 32768, cpu, wide=False)
-        assert (c["ctas"], c["DP"], c["NC"], c["maxnreg"]) == (1, dp, 2, 168) and c["DP"] * n <= 4
-    # that path's own knobs select it (the paired chains would ignore joint and refuse the others)
-    for kw in ({"joint": True}, {"pages_in_flight": 2}, {"ctas_per_sm": 2, "pages_in_flight": 1}):
-        c = launch_config(64, 2, 32768, cpu, **kw)
-        assert (c["WIDE"], c["NC"], c["JOINT"]) == (0, 2, int("joint" in kw))
-    with pytest.raises(ValueError, match="wide"):
-        launch_config(64, 3, 32768, cpu, wide=True, pages_in_flight=2)
+        assert (c["NC"], c["DP"], c["PTA"], c["NBUF"], c["ctas"]) == (nc, dp, pta, nbuf, ctas)
+        assert (c["CHUNK_PAGES"] == chunk) if chunk else (8 <= c["CHUNK_PAGES"] <= 64)
+        assert c["NBUF"] % c["NC"] == 0   # four consumers: a ring of NBUF / 4 each
+        # the consumers' warpgroups and the producers' (padded to one): setmaxnreg's split must fit what the
+        # launch reserved, and the launch's CTAs an SM the register file
+        warps = 4 * c["NC"] + 4
+        assert c["NC"] * 128 * c["REGS_C"] + 128 * c["REGS_P"] <= warps * 32 * c["maxnreg"]
+        assert c["ctas"] * warps * 32 * c["maxnreg"] <= 65536
+    assert launch_config(64, 2, 32768, cpu, chunk_pages=3)["CHUNK_PAGES"] == 3
 
 
 _COMPILE_SCRIPT = PTXAS_NOTES + r'''
 from flashdsa.ops.indexer import gluon as G
-for n, cfg in ((1, {}), (2, {}), (3, {}), (4, {}), (2, {"joint": True, "wide": False}), (4, {"wide": False}),
-               (1, {"ctas_per_sm": 1}),
-               (2, {"scales_gmem": True}), (1, {"consumers": 4}), (2, {"consumers": 4, "nbuf": 16}),
-               (2, {"consumers": 4, "wide": True}), (3, {"wide": True}), (4, {"wide": True}),
-               (1, {"per_thread_release": True}), (4, {"per_thread_release": True}),
-               (2, {"per_thread_release": False, "consumers": 4, "wide": True})):
-    k = G.compile_sm90(n, **cfg)
-    assert k.asm["cubin"] and "setmaxnreg" in k.asm["ptx"], (n, cfg)
+for n in (1, 2, 3, 4):
+    k = G.compile_sm90(n)
+    assert k.asm["cubin"] and "setmaxnreg" in k.asm["ptx"], n
     notes = ptxas_notes(k)
-    assert "C7514" not in notes and "C7515" not in notes, (n, cfg, notes[-2000:])
+    assert "C7514" not in notes and "C7515" not in notes, (n, notes[-2000:])
 print("compiled")
 '''
 
 
 def test_gluon_kernel_compiles_for_hopper():
-    """Every next_n and the knobs compile for sm_90 through Triton's code generator and ptxas without a GPU,
-    and ptxas does not serialise the wgmma chains (the C7514 note a chain in flight across the loop's back
-    edge causes)."""
+    """Every next_n compiles for sm_90 through Triton's code generator and ptxas without a GPU, and ptxas does
+    not serialise the wgmma chains (the C7514 note a chain in flight across the loop's back edge causes)."""
     pytest.importorskip("triton.experimental.gluon")
     compile_without_interpreter(_COMPILE_SCRIPT)

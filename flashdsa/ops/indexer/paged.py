@@ -8,13 +8,12 @@ draft rows are split into 1, 2 or 4 dots of GS rows that share the step's keys (
 accumulators, and a padded row's dot is compiled out); the inner step is ``common.py``'s.
 
 The kernels write every output element (logits below each row's length, -inf elsewhere), use no atomics and
-a fixed reduction order: the same input and launch shape give the same bits. Design and measurements:
-README.md next to this file.
+a fixed reduction order: the same input and launch shape give the same bits. The launch shapes:
+``paged_config.py``; design and measurements: README.md next to this file.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -27,9 +26,11 @@ from flashdsa.cache.layouts import INDEX_KEY_BYTES, INDEX_PAGE_BYTES, PAGE_SIZE
 from flashdsa.ops._device_checks import PAGED_CODE0, flag_range, flag_word
 from flashdsa.ops._common import remember
 from flashdsa.ops._launch import Address, KernelLauncher, aligned, capability
-from flashdsa.ops._triton_utils import cdiv, interpreting, next_pow2, num_sms, prev_pow2
+from flashdsa.ops._triton_utils import cdiv, interpreting
 from flashdsa.ops.indexer.common import (MAX_DOT_N, e4m3_bits_to_f16, fill_neg_inf, fp8_dot_supported, gated_relu_sum,
                                          logits_buffer)
+# the launch configuration; PagedConfig, paged_config and MAX_DOT_N are what tests and benchmarks reach here
+from flashdsa.ops.indexer.paged_config import PagedConfig, PagedShape, paged_config
 
 # an indexer page as rows of one key (128 B): 64 rows of keys, then 2 of scales (TMA kernel's cache view)
 PAGE_ROWS = INDEX_PAGE_BYTES // (INDEX_KEY_BYTES // PAGE_SIZE)  # 66
@@ -403,94 +404,6 @@ def indexer_logits_paged_tma_kernel(
             _score_page(key_desc, scales, p_bt, t0 + PAGE, reach, o_n, g0, g1, g2, g3, c1,
                         NEXT_N, GS, SUB, HP, PAGE, PAGE_ROWS, PAGE_WORDS, KEY_WORDS, CHAIN, ASM_STORE)
     _fill_groups(g0, g1, g2, g3, end, c1, BLOCK_N, NEXT_N, GS, SUB)
-
-
-@dataclass(frozen=True)
-class PagedConfig:
-    """Launch configuration of the paged kernels, what tests and benchmarks pass; ``None`` fields are chosen by
-    :func:`paged_config` (the defaults, measured on an H200 at B 64, H 64, ctx ~32K: README.md "Measured").
-
-    TMA kernel (the default on sm_90): one page a step, a 64-column dot per draft row (n = 4: one
-    256-column dot over 8 warps), 6 stages, logits stored from registers, chunks for ~16 programs a SM
-    (~8 at 8 warps), at least 8 pages. Pointer kernel (other GPUs, and the interpreter unless ``tma=True``):
-    n = 1: one 64-column dot, two pages a step; n = 2: two 64-column dots sharing two pages a step; n = 3:
-    three 64-column dots with the fma-chain head sum; n = 4: one 256-column dot, one page a step; 4 warps,
-    6 stages, ~8 programs a SM.
-
-    Tuning knobs (benchmark sweeps): every field but the test hooks. Test hooks, off the default path: ``tma``
-    (True runs the TMA kernel in the interpreter), ``fp8_dot`` (False runs the fp16-upcast path of GPUs
-    before sm_89 on any device). ``chain`` and ``asm_store`` are compile-time switches; their defaults
-    compile the measured kernels.
-    """
-    block_n: int | None = None   # key positions per loop step (64 = one page); None: see above
-    chunk: int | None = None     # output columns per program (a multiple of block_n)
-    rows: int | None = None      # draft rows per program (G); n > rows re-reads the pages once per group
-    sub_rows: int | None = None  # draft rows per dot (GS); G / GS in {1, 2, 4} dots a step share the keys
-    chain: bool | None = None    # head sum as an explicit fma chain (64-head groups only), else tl.sum
-    num_warps: int | None = None  # None: 8 for a 256-column dot on the TMA path, else 4
-    num_stages: int = 6
-    programs_per_sm: int | None = None  # the default chunk gives about this many programs a SM; None: above
-    max_regs: int | None = None  # ptxas register cap (maxnreg); n = 4 at 168 spills and runs 2.2x slower
-    tma: bool | None = None      # keys by TMA copies (whole-page steps); None: on sm_90 CUDA devices
-    asm_store: bool = True       # TMA path: store the logits from registers by inline PTX (not interpreted)
-    fp8_dot: bool | None = None  # e4m3 tensor-core dots; None: where the GPU has them (sm_89+), False: fp16
-
-
-class PagedShape(NamedTuple):
-    G: int          # draft rows per program
-    GS: int         # draft rows per dot
-    HP: int         # heads padded to a power of two >= 16
-    block_n: int    # key positions per loop step
-    chunk: int      # output columns per program
-    chain: bool     # fma-chain head sum
-    num_warps: int
-
-
-def paged_config(B: int, n: int, H: int, max_len: int, device: torch.device, cfg: PagedConfig | None = None,
-                 tma: bool = False) -> PagedShape:
-    """Launch shape: G draft rows x HP heads per program, scored as G / GS dots of GS rows a step; columns
-    split into chunks so that about ``programs_per_sm`` programs per SM exist, chunks of 2 .. 64 steps
-    (TMA path: at least 8 pages)."""
-    cfg = cfg or PagedConfig()
-    HP = max(16, next_pow2(H))
-    G = cfg.rows or min(next_pow2(n), max(1, MAX_DOT_N // HP))
-    width = G * HP
-    padded = width == MAX_DOT_N and n < G  # e.g. n = 3 at H 64: one of the group's 4 rows is padding
-    if tma:
-        # measured (H 64): a dot per draft row, except a full 256-column group: one dot over two warpgroups
-        GS = cfg.sub_rows or (G if width == MAX_DOT_N and not padded else max(1, min(G, 64 // HP)))
-        bn = cfg.block_n or PAGE_SIZE
-        chain = bool(cfg.chain) and HP == 64  # tl.sum lowers to an fma chain on triton 3.6 already
-        warps = cfg.num_warps or (8 if GS * HP == MAX_DOT_N else 4)
-        # ~16 programs a SM, ~8 for the 8-warp dot (both measured against the other count)
-        per_sm, min_chunk = cfg.programs_per_sm or (8 if warps == 8 else 16), 8 * PAGE_SIZE
-    else:
-        if cfg.sub_rows is not None:
-            GS = cfg.sub_rows
-        elif padded:
-            GS = max(1, G // 4)  # 64-column dots (at H 64): the padded row's dot is compiled out
-        elif width == MAX_DOT_N // 2:
-            GS = max(1, G // 2)  # n = 2 at H 64: two 64-column dots a step
-        else:
-            GS = G
-        bn = cfg.block_n or (128 if width <= 128 or padded else 64)
-        chain = (padded if cfg.chain is None else cfg.chain) and HP == 64
-        warps = cfg.num_warps or 4
-        per_sm, min_chunk = cfg.programs_per_sm or 8, 0
-    if cfg.chunk is not None:
-        chunk = cfg.chunk
-    else:
-        groups = cdiv(n, G)
-        per_prog = B * groups * max(max_len, 1) // (per_sm * num_sms(device))
-        chunk = prev_pow2(per_prog)
-        chunk = min(max(chunk, 2 * bn, min_chunk), 64 * bn)
-    if bn < 16 or bn & (bn - 1) or chunk % bn:
-        raise ValueError(f"config: block_n must be a power of two >= 16 dividing chunk, got {bn}, {chunk}")
-    if tma and bn not in (PAGE_SIZE, 2 * PAGE_SIZE):
-        raise ValueError(f"config: the TMA kernel steps whole pages, block_n 64 or 128, got {bn}")
-    if GS < 1 or G % GS or G // GS not in (1, 2, 4):
-        raise ValueError(f"config: sub_rows must divide rows into 1, 2 or 4 dots, got {GS} of {G}")
-    return PagedShape(G, GS, HP, bn, chunk, chain, warps)
 
 
 def _use_tma(cfg: PagedConfig, index_cache: torch.Tensor, fp8_dot: bool) -> bool:
