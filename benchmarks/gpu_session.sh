@@ -7,12 +7,12 @@
 # tests/ops (about 8 min on 2026-12-02: a 400-s timeout cut it at ~85 %; tests-ops1 / tests-ops2 split it by name,
 # a-i / j-z) / everything else (about 3 min), for runs of a few minutes), <op> (benchmarks/bench_<op>.py),
 # demo (flashdsa demo on v32, few layers), hf (benchmarks/bench_hf.py), gluon (the Gluon sparse-MLA probes:
-# every variant of gluon.py's fp8 decode and gluon_bf16.py's prefill / bf16 decode checked against the
-# reference and timed next to FlashMLA, and the bf16 kernel's fixed cost per CTA; about 4 min), ncu (Nsight
+# the shipped fp8 decode and bf16 prefill / decode kernels checked against the reference and timed next to
+# FlashMLA, and the bf16 kernel's fixed cost per CTA; about 4 min), ncu (Nsight
 # Compute sections of our Gluon sparse-MLA kernels and FlashMLA's, decode and prefill: $OUT/ncu*.txt; and our
 # kernels' per-SASS-instruction counters, summarised by benchmarks/ncu_sass_top.py: $OUT/ncu-sass*.txt),
-# gluon-indexer (the experimental Gluon paged indexer checked and timed next to the Triton kernel and DeepGEMM,
-# with the launch variants in GLUON_INDEXER_VARIANTS; under a minute), selection / layer / host (`flashdsa bench
+# gluon-indexer (the Gluon paged indexer checked and timed next to the Triton kernel and DeepGEMM; under a
+# minute), grid (benchmarks/sparse_decode_grid.py: sparse decode over batch x heads), selection / layer / host (`flashdsa bench
 # --ops <stage>`: decode selection against DeepGEMM -> fast_topk_transform_fused, the decode step per stage, the
 # host cost of plain calls; SGL_LIBS=.anchors/sglk by default when that folder exists).
 # BENCH_ARGS go to every bench.
@@ -40,16 +40,15 @@ for stage in "$@"; do
                   | tee "$OUT/tests-rest.log" | tail -25 ;;
     demo)  timeout 300 python3 -m flashdsa.cli demo --preset v32 --device cuda --layers ${DEMO_LAYERS:-4} --json 2>&1 | tee "$OUT/demo.json" | tail -3 ;;
     hf)    timeout 300 python3 benchmarks/bench_hf.py ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_hf.log" | tail -30 ;;
-    gluon) timeout 200 python3 benchmarks/gluon_sparse_mla_probe.py --variants ws-pipe-pf2-os-ql-pr-sv-ks-pa6-qs-hp,ws-pipe-pf2-os-ql-pr-sv-ks-pa6 --budget 180 \
-             2>&1 | tee "$OUT/gluon_fp8.log" | tail -8
+    gluon) timeout 200 python3 benchmarks/gluon_sparse_mla_probe.py --child-timeout 150 2>&1 | tee "$OUT/gluon_fp8.log" | tail -8
            timeout 200 python3 benchmarks/gluon_prefill_probe.py --child-timeout 60 2>&1 | tee "$OUT/gluon_bf16.log" | tail -22
            timeout 100 python3 benchmarks/gluon_prefill_fixed.py 2>&1 | tee "$OUT/gluon_fixed.log" | tail -6 ;;
     selection|layer|host)   # flashdsa bench's op of that name (peers from .anchors/sglk when present)
            timeout 300 python3 -m flashdsa.cli bench --ops $stage ${SGL_LIBS:+--peer-libs $SGL_LIBS} \
              --json "$OUT/bench_$stage.json" 2>&1 | grep -v "case/s" | tee "$OUT/bench_$stage.log" | tail -30 ;;
     gluon-indexer)
-           timeout 280 python3 benchmarks/gluon_indexer_probe.py ${GLUON_INDEXER_VARIANTS:+--variants "$GLUON_INDEXER_VARIANTS"} \
-             2>&1 | tee "$OUT/gluon_indexer.log" | tail -22 ;;
+           timeout 280 python3 benchmarks/gluon_indexer_probe.py 2>&1 | tee "$OUT/gluon_indexer.log" | tail -22 ;;
+    grid)  timeout 400 python3 benchmarks/sparse_decode_grid.py 2>&1 | tee "$OUT/sparse_decode_grid.log" | tail -20 ;;
     ncu)   for mode in "" --prefill; do
              timeout 150 ncu --kernel-name regex:'ws_kernel|mla|sparse' --launch-count 12 --section SpeedOfLight \
                --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \
