@@ -639,7 +639,7 @@ EDGES = {
         ("inf-weights", _put("weights", (2, 1), INF), "ok"),
     ],
     "indexer_quant": [
-        ("interleave-int", _set(interleave=1), "interleave"),
+        ("interleave-int2", _set(interleave=2), "interleave"),  # 0 / 1 are bools (as torch.ops takes them)
         ("large-x", _put("x", (0, 1, slice(0, 128)), 2.0 ** 118), "ok"),  # the bound: all intermediates finite
         ("huge-x", _put("x", (0, 1, slice(0, 64)), 3e38), "x"),  # finite, but the Hadamard sums overflow
         ("huge-cos", _put("cos", (1, 0), 2.5), "cos"),

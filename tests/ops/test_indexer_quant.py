@@ -263,7 +263,7 @@ def _args(**over):
     pytest.param(dict(cos=torch.rand(3, 32).double()), "cos", id="cos-f64"),
     pytest.param(dict(sin=torch.rand(3, 16)), "sin", id="sin-16"),
     pytest.param(dict(sin=torch.rand(3, 1, 32)), "sin", id="sin-3d"),
-    pytest.param(dict(interleave=1), "interleave", id="interleave-int"),
+    pytest.param(dict(interleave=2), "interleave", id="interleave-int2"),
 ])
 def test_bad_arguments(over, name):
     with pytest.raises(ValueError, match=f"^{name}:"):

@@ -343,7 +343,7 @@ def _decode_args():
     ("sm_scale", dict(sm_scale=-0.1)),
     ("sm_scale", dict(sm_scale=float("inf"))),
     ("sm_scale", dict(sm_scale=True)),
-    ("sm_scale", dict(sm_scale=torch.tensor(0.1))),
+    ("sm_scale", dict(sm_scale=torch.tensor([0.1, 0.2]))),  # (a one-element tensor is a float, as torch.ops takes it)
     ("d_v", dict(d_v=0)),
     ("d_v", dict(d_v=513)),
     ("d_v", dict(d_v=512.0)),
