@@ -45,11 +45,11 @@ def main() -> None:
              "chain": time_us(lambda: ops.topk_transform(ops.indexer_logits_paged(q, cache, w, lens, bt, max_len),
                                                          rows_len, k, page_table=bt))}
         if status.get("fast_topk_transform_fused", {}).get("ok"):
-            from flashdsa.bench import _token_table
+            from flashdsa.bench.checks import _token_table
             topk = peers.fast_topk_transform_fused(rows_len, _token_table(bt, max_len), k)
             r["peer_topk"] = time_us(lambda: topk(x))
             if status.get("DeepGEMM", {}).get("ok"):
-                from flashdsa.bench import _deepgemm_paged
+                from flashdsa.bench.checks import _deepgemm_paged
                 dg = _deepgemm_paged(q, cache, w, lens, bt, max_len, lambda: x)()[0]
                 r["peer_logits"] = time_us(dg)
                 r["peer_chain"] = time_us(lambda: topk(dg()))

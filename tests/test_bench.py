@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from flashdsa import bench as B
+from flashdsa.bench import checks, runner
+from flashdsa.testing import peers
 from flashdsa.cli import main
 
 HAS_CUDA = torch.cuda.is_available()
@@ -31,7 +33,7 @@ def fake_timer(monkeypatch, us=10.0):
         fn()
         calls.append(fn)
         return us
-    monkeypatch.setattr(B, "time_us", time_us)
+    monkeypatch.setattr(runner, "time_us", time_us)  # where run_case looks it up
     return calls
 
 
@@ -148,20 +150,20 @@ def test_cpu_check_of_decode_runs_the_kernels(capsys, monkeypatch):
 
 def test_checks_can_fail():
     x = torch.randn(3, 50)
-    assert B._check_logits(x, x.clone())["ok"]
+    assert checks._check_logits(x, x.clone())["ok"]
     y = x.clone()
     y[0, 0] = float("-inf")
-    assert not B._check_logits(y, x)["ok"]  # -inf pattern
-    assert not B._check_logits(x + 0.1 * torch.randn(3, 50), x)["ok"]  # cosine
+    assert not checks._check_logits(y, x)["ok"]  # -inf pattern
+    assert not checks._check_logits(x + 0.1 * torch.randn(3, 50), x)["ok"]  # cosine
     lengths = torch.tensor([50, 50, 20], dtype=torch.int32)
     top = torch.topk(torch.where(torch.arange(50) < lengths[:, None], x, float("-inf")), 8, dim=1).indices
-    assert B._topk_exact(x, lengths, top, 8)["exact"]
+    assert checks._topk_exact(x, lengths, top, 8)["exact"]
     worst = torch.argsort(x[:, :20], dim=1)[:, :1]  # swap one pick for the row's (in-range) lowest score
-    assert not B._topk_exact(x, lengths, torch.cat((top[:, 1:], worst), 1), 8)["exact"]
-    assert not B._topk_exact(x, lengths, torch.cat((top[:, :-1], top[:, :1]), 1), 8)["exact"]  # duplicate
+    assert not checks._topk_exact(x, lengths, torch.cat((top[:, 1:], worst), 1), 8)["exact"]
+    assert not checks._topk_exact(x, lengths, torch.cat((top[:, :-1], top[:, :1]), 1), 8)["exact"]  # duplicate
     out, lse = torch.randn(2, 4, 16), torch.randn(2, 4)
-    assert B._check_attention(out, lse, out.clone(), lse.clone())["ok"]
-    assert not B._check_attention(out, lse + 0.01, out, lse)["ok"]
+    assert checks._check_attention(out, lse, out.clone(), lse.clone())["ok"]
+    assert not checks._check_attention(out, lse + 0.01, out, lse)["ok"]
 
 
 # ---- the timed path, timer faked ---------------------------------------------------------------------
@@ -169,7 +171,7 @@ def test_checks_can_fail():
 @cpu_only
 def test_timed_rows_table_and_roofline(monkeypatch):
     calls = fake_timer(monkeypatch, us=10.0)
-    status = B.peer_status()
+    status = peers.peer_status()
     topk = [c for c in B.cases(tiny=True) if c.kind == "topk" and not c.params["pages"]][0]
     (row,) = B.run_case(topk, torch.device("cpu"), status, CEILINGS)
     R, L, k = topk.params["R"], topk.params["L"], topk.params["k"]
@@ -195,14 +197,14 @@ def test_timed_rows_table_and_roofline(monkeypatch):
 def test_translated_topk_peer_helpers():
     # the per-token page table fast_topk_transform_fused reads: position p of request b -> its slot
     bt = torch.tensor([[3, 0], [1, 2]], dtype=torch.int32)
-    table = B._token_table(bt, 128)
+    table = checks._token_table(bt, 128)
     assert table.shape == (2, 128) and table.dtype == torch.int32
     assert table[0, 5] == 3 * 64 + 5 and table[0, 64] == 0 and table[1, 127] == 2 * 64 + 63
     # the peer's slots in its own order within a row: compared with ours as sets
     mine = torch.tensor([[1, 5, 9], [2, 4, 6]])
-    assert B._same_slot_sets(torch.tensor([[9, 1, 5], [6, 2, 4]]), mine)["summary"].startswith(
+    assert checks._same_slot_sets(torch.tensor([[9, 1, 5], [6, 2, 4]]), mine)["summary"].startswith(
         "same slots (as sets) in 100.0%")
-    assert "in 50.0%" in B._same_slot_sets(torch.tensor([[9, 1, 5], [6, 2, 7]]), mine)["summary"]
+    assert "in 50.0%" in checks._same_slot_sets(torch.tensor([[9, 1, 5], [6, 2, 7]]), mine)["summary"]
 
 
 @cpu_only
@@ -221,11 +223,11 @@ def test_translating_topk_peer_wired_into_the_layer_and_selection(monkeypatch):
             out[:, :slots.shape[1]] = slots.flip(1)
             return out
         return call
-    monkeypatch.setattr(B.peers, "fast_topk_transform_fused", fake)
+    monkeypatch.setattr(peers, "fast_topk_transform_fused", fake)
     preset = DSAConfig.preset
     monkeypatch.setattr(DSAConfig, "preset", classmethod(lambda cls, name: preset(name).replace(index_topk=2048)))
     fake_timer(monkeypatch, us=10.0)
-    status = {name: dict(v) for name, v in B.peer_status().items()}
+    status = {name: dict(v) for name, v in peers.peer_status().items()}
     status["fast_topk_transform_fused"] = {"ok": True, "why": "a torch stand-in"}
     layer = B.Case("layer", "layer", "tiny decode B2 ctx 200 top-2048", dict(preset="tiny", B=2, ctx=200))
     rows = B.run_case(layer, torch.device("cpu"), status, CEILINGS)
@@ -348,11 +350,11 @@ def test_unknown_option_exits_2(capsys):
 def test_peer_libs_folder_without_libraries(tmp_path, monkeypatch):
     if hasattr(torch.ops.sgl_kernel, "sparse_decode_fwd"):
         pytest.skip("sgl-kernel's ops are already loaded in this process")
-    status = B.peer_status(str(tmp_path))
+    status = peers.peer_status(str(tmp_path))
     assert status["FlashMLA"]["ok"] is False and "no *.so" in status["FlashMLA"]["why"]
     assert status["torch.topk"]["ok"] is True
     monkeypatch.setenv("FLASHDSA_SGL_KERNEL_LIBS", str(tmp_path))  # the env var is the default folder
-    assert str(tmp_path) in B.peer_status()["fast_topk"]["why"]
+    assert str(tmp_path) in peers.peer_status()["fast_topk"]["why"]
 
 
 # ---- GPU -----------------------------------------------------------------------------------------------

@@ -15,8 +15,10 @@ from pathlib import Path
 import pytest
 
 import flashdsa.demo as demo
+import flashdsa.demo.run as demo_run  # run_demo's own names: where a test swaps available_memory
 from flashdsa.cli import main
 from flashdsa.demo import demo_config, memory_estimate, run_demo
+from flashdsa.engine import DSAModel
 from flashdsa.plan import attention_params
 
 REPO = Path(__file__).resolve().parents[1]
@@ -60,7 +62,7 @@ def test_demo_json(capsys):
 def test_checks_that_do_not_apply_say_na_and_force_runs_past_the_refusal(monkeypatch):
     """fp8_raw never takes the dense path and 2 layers have no skip-top-k layer: both checks are None in
     the report (null in JSON) and "n/a" in the text, never 0. A device too small only warns with --force."""
-    monkeypatch.setattr(demo, "available_memory", lambda device: 1000)
+    monkeypatch.setattr(demo_run, "available_memory", lambda device: 1000)
     lines: list[str] = []
     report = run_demo(kv_format="fp8_raw", layers=2, log=lines.append, force=True)
     text = "\n".join(lines)
@@ -104,7 +106,7 @@ def test_bad_flag_is_one_line(capsys, argv, flag):
 def test_next_n_is_bounded_by_the_model_context(capsys, monkeypatch):
     """The longest prompt (3 index_topk + 7 = 199 tokens), its 4 decodes and the drafts must fit the tiny preset's
     max_position_embeddings (4096): 3893 drafts at most, said before anything is built."""
-    monkeypatch.setattr(demo.DSAModel, "random", None)
+    monkeypatch.setattr(DSAModel, "random", None)
     assert demo.max_next_n(demo_config("tiny")) == 4096 - 199 - 4
     err = _one_line_error(capsys, ["demo", "--next-n", "3894"])
     assert err.startswith("flashdsa demo: --next-n: expected an integer 1 <= next_n <= 3893 ") and "4096" in err, err
@@ -113,8 +115,8 @@ def test_next_n_is_bounded_by_the_model_context(capsys, monkeypatch):
 def test_memory_estimate_counts_the_verify_step(capsys, monkeypatch):
     """The verify step's indexer logits [3 next_n, context] fp32 grow with next_n squared: 3000 drafts need about
     0.6 GB on the tiny preset (0.13 GB without them). The refusal names --next-n before anything is built."""
-    monkeypatch.setattr(demo, "available_memory", lambda device: 300 * 10 ** 6)
-    monkeypatch.setattr(demo.DSAModel, "random", None)
+    monkeypatch.setattr(demo_run, "available_memory", lambda device: 300 * 10 ** 6)
+    monkeypatch.setattr(DSAModel, "random", None)
     tiny = demo_config("tiny")
     assert memory_estimate(tiny, next_n=3000)["total"] > 300e6 > memory_estimate(tiny)["total"]
     err = _one_line_error(capsys, ["demo", "--next-n", "3000"])
@@ -123,7 +125,7 @@ def test_memory_estimate_counts_the_verify_step(capsys, monkeypatch):
 
 def test_triton_backend_without_cuda_is_refused_before_building(capsys, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the suite interprets Triton on the CPU
-    monkeypatch.setattr(demo.DSAModel, "random", None)  # building the model would fail loudly
+    monkeypatch.setattr(DSAModel, "random", None)  # building the model would fail loudly
     err = _one_line_error(capsys, ["demo", "--backend", "triton"])
     assert "--backend" in err and "cuda" in err
 
@@ -131,8 +133,8 @@ def test_triton_backend_without_cuda_is_refused_before_building(capsys, monkeypa
 def test_preset_too_big_is_refused_with_the_numbers(capsys, monkeypatch):
     """v32 on a 24 GB CPU: refused before anything is allocated, with the estimate, the memory there is,
     and how to proceed (the layer count that fits, a GPU, --force)."""
-    monkeypatch.setattr(demo, "available_memory", lambda device: 24 * 10 ** 9)
-    monkeypatch.setattr(demo.DSAModel, "random", None)
+    monkeypatch.setattr(demo_run, "available_memory", lambda device: 24 * 10 ** 9)
+    monkeypatch.setattr(DSAModel, "random", None)
     err = _one_line_error(capsys, ["demo", "--preset", "v32"])
     m = re.search(r"needs about ([\d.]+) GB \(weights ([\d.]+) GB, KV caches ([\d.]+) GB, activations ([\d.]+) GB\) "
                   r"but 24.0 GB is available", err)

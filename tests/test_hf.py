@@ -23,12 +23,13 @@ import gc
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers", minversion="5.23")  # flashdsa.hf._MIN_TRANSFORMERS
+transformers = pytest.importorskip("transformers", minversion="5.23")  # flashdsa.hf.patch._MIN_TRANSFORMERS
 
 from transformers import (DeepseekV32Config, DeepseekV32ForCausalLM, DynamicCache,  # noqa: E402
                           GlmMoeDsaConfig, GlmMoeDsaForCausalLM, LlamaConfig, LlamaForCausalLM)
 
 import flashdsa.hf as fh  # noqa: E402
+import flashdsa.hf.graphs as fh_graphs  # noqa: E402  (the CUDA-graph hooks the stand-ins replace)
 from flashdsa import ops  # noqa: E402
 from flashdsa.config import DSAConfig, is_dsa  # noqa: E402
 from flashdsa.engine import DSAModel, Runner  # noqa: E402
@@ -527,7 +528,7 @@ class _StandInGraph:
 
 
 def _stand_in(monkeypatch, model):
-    monkeypatch.setattr(fh, "_graphs_possible", lambda device: True)
+    monkeypatch.setattr(fh_graphs, "_graphs_possible", lambda device: True)
 
     def capture(run, device):
         _StandInGraph.captures += 1
@@ -536,7 +537,7 @@ def _stand_in(monkeypatch, model):
         g.out = run()
         return g, g.out
 
-    monkeypatch.setattr(fh, "_capture", capture)
+    monkeypatch.setattr(fh_graphs, "_capture", capture)
     _StandInGraph.captures = 0
 
 
@@ -578,13 +579,13 @@ def test_graph_decode_falls_back_when_capture_fails(ref, patched, monkeypatch):
     """A decoder that cannot be captured (here: the capture raises) warns once and decodes eagerly: the same
     tokens, the cache intact, graphs off for the patch."""
     model, ids = ref["model"], ref["ids"]
-    monkeypatch.setattr(fh, "_graphs_possible", lambda device: True)
+    monkeypatch.setattr(fh_graphs, "_graphs_possible", lambda device: True)
 
     def capture(run, device):
         run()  # the warm-up ran (and wrote this step's KV) before the capture failed
         raise RuntimeError("operation not permitted when stream is capturing")
 
-    monkeypatch.setattr(fh, "_capture", capture)
+    monkeypatch.setattr(fh_graphs, "_capture", capture)
     patch = patched(indexer="exact")
     with pytest.warns(RuntimeWarning, match="decoding eagerly"):
         got = _generate(model, ids)

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from flashdsa.cli import main
-from flashdsa.demo import _scenario, demo_config
+from flashdsa.demo.scenario import _scenario, demo_config
 
 
 def test_demo_kpool_json(capsys):

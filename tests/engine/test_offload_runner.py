@@ -200,7 +200,7 @@ def test_demo_refuses_bad_offload_flags(capsys, argv, flag):
 def test_demo_default_device_buffer_is_one_the_pool_takes(next_n):
     """The default (max(2, next_n) x the tokens a row selects) is cut to the pool's tokens: never a refusal of a
     --device-buffer the user did not pass, and the pool accepts it."""
-    from flashdsa.demo import _offload_config, _scenario, demo_config
+    from flashdsa.demo.scenario import _offload_config, _scenario, demo_config
 
     for cfg in (demo_config("tiny", 1), demo_config("tiny", 1, kpool=4)):
         pages = _scenario(cfg, next_n)[2]
@@ -210,7 +210,7 @@ def test_demo_default_device_buffer_is_one_the_pool_takes(next_n):
 
 
 def test_demo_without_offload_says_so():
-    from flashdsa.demo import _offload_report
+    from flashdsa.demo.run import _offload_report
 
     mem = {"mla": 10, "index": 3, "exact_index": 0, "total": 13}
     rep = _offload_report(None, mem, None, None, 4, 3)

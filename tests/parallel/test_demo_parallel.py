@@ -16,7 +16,7 @@ import pytest
 from flashdsa import plan as cost
 from flashdsa.cli import main
 from flashdsa.config import DSAConfig
-from flashdsa.demo import _scenario
+from flashdsa.demo.scenario import _scenario
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -1,0 +1,330 @@
+"""What each kind of case measures: one setup function per kind (:data:`SETUPS`) builds the inputs, our
+call, its check, the peers' calls and the valid work (bytes, FLOPs), as :class:`~flashdsa.bench.checks.Bench`.
+
+Inputs are random (never zeros), built on the device in our byte layouts (flashdsa.testing.inputs): DeepGEMM
+reads our indexer pages viewed ``[P, 64, 1, 132]``, FlashMLA our 656-B pages viewed ``[P, 64, 1, 656]``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flashdsa.bench.checks import (Bench, _check_attention, _check_logits, _check_same, _deepgemm_paged,
+                                   _flashmla_decode, _masked_cos, _same_slot_sets, _token_table, _topk_peers)
+from flashdsa.cache.layouts import MLA_BF16_BYTES, MLA_FP8_BYTES
+from flashdsa.testing import peers
+from flashdsa.testing.inputs import (CHUNK_PAGES, decode_slots, index_cache, mla_cache, paged_batch, prefill_indices,
+                                     randn, rows_subset)
+
+SM_SCALE = 576 ** -0.5
+
+
+def _setup_paged(p: dict, dev, status) -> list[tuple[str, Bench]]:
+    from flashdsa import ops
+    from flashdsa.quant import FP8
+    B, n, ctx, H = p["B"], p["n"], p["ctx"], p["H"]
+    g = torch.Generator(device=dev).manual_seed(ctx + n)
+    seq, bt, P = paged_batch(B, ctx, n, g, dev)
+    cache = index_cache(P, g, dev)
+    lens = (seq[:, None] - n + 1 + torch.arange(n, device=dev)[None, :]).to(torch.int32)  # verify rows
+    max_len = bt.shape[1] * 64
+    q, w = randn((B, n, H, 128), g, dev, FP8), randn((B * n, H), g, dev)
+    # the default backend on CUDA (the Gluon kernel from next_n 4 on on sm_90, else Triton: the op's rule); the
+    # Triton kernel on the CPU (interpreted: the CPU default is the torch reference itself)
+    backend = None if q.is_cuda else "triton"
+    ours = lambda: ops.indexer_logits_paged(q, cache, w, lens, bt, max_len, backend=backend)  # noqa: E731
+
+    def check():
+        sub = rows_subset(B, 4, dev)
+        rows = (sub[:, None] * n + torch.arange(n, device=dev)).flatten()
+        ref = ops.indexer_logits_paged(q[sub], cache, w[rows], lens[sub], bt[sub], max_len, backend="torch")
+        return _check_logits(ours()[rows], ref)
+
+    pairs = int(lens.sum())
+    peer = {"DeepGEMM": _deepgemm_paged(q, cache, w, lens, bt, max_len, ours)} \
+        if status["DeepGEMM"]["ok"] and n <= 2 else {}  # DeepGEMM: next_n <= 2 on Hopper
+    return [("", Bench(ours, check, peer, bytes=q.numel() + 4 * w.numel() + 132 * int(seq.sum()) + 4 * pairs,
+                       flops=2 * pairs * H * 128, dtype="fp8"))]
+
+
+def _setup_ragged(p: dict, dev, status) -> list[tuple[str, Bench]]:
+    from flashdsa import ops
+    from flashdsa.quant import FP8
+    T, N, H = p["T"], p["N"], p["H"]
+    g = torch.Generator(device=dev).manual_seed(T + N)
+    q, k = randn((T, H, 128), g, dev, FP8), randn((N, 128), g, dev, FP8)
+    k_scale, w = torch.rand(N, generator=g, device=dev) + 0.5, randn((T, H), g, dev)
+    ks = torch.zeros(T, dtype=torch.int32, device=dev)
+    ke = (torch.arange(T, device=dev) + N - T + 1).to(torch.int32)  # row i: the N - T prefix keys and itself
+    ours = lambda: ops.indexer_logits_ragged(q, k, k_scale, w, ks, ke, backend="triton")  # noqa: E731
+
+    def check():
+        sub = rows_subset(T, 32, dev)
+        ref = ops.indexer_logits_ragged(q[sub], k, k_scale, w[sub], ks[sub], ke[sub], backend="torch")
+        return _check_logits(ours()[sub], ref)
+
+    peer = {}
+    if status["DeepGEMM"]["ok"]:
+        def make():
+            fn = peers.deepgemm_ragged(q, k, k_scale, w, ks, ke)
+            out = ours()
+            return fn, _masked_cos(out, fn(), torch.isfinite(out))
+        peer["DeepGEMM"] = make
+    pairs = int((ke - ks).sum())
+    return [("", Bench(ours, check, peer, bytes=q.numel() + 4 * w.numel() + 132 * N + 4 * pairs,
+                       flops=2 * pairs * H * 128, dtype="fp8"))]
+
+
+def _setup_topk(p: dict, dev, status) -> list[tuple[str, Bench]]:
+    from flashdsa import ops
+    R, L, k = p["R"], p["L"], p["k"]
+    g = torch.Generator(device=dev).manual_seed(R + L)
+    x = randn((R, L), g, dev)
+    lengths = torch.full((R,), L, dtype=torch.int32, device=dev)
+    pt = torch.randperm(R * -(-L // 64), generator=g, device=dev).view(R, -1).to(torch.int32) if p["pages"] else None
+    ours = lambda: ops.topk_transform(x, lengths, k, page_table=pt, backend="triton")  # noqa: E731
+
+    def check():
+        sub = rows_subset(R, 16, dev)
+        ref = ops.topk_transform(x[sub], lengths[sub], k, page_table=None if pt is None else pt[sub], backend="torch")
+        return _check_same(ours()[sub], ref)
+
+    peer = _topk_peers(x, lengths, k, status) if pt is None else {}
+    return [("", Bench(ours, check, peer, bytes=4 * R * L + 4 * R * k))]
+
+
+def _attention_work(n_valid: int, h: int, row_bytes: int, q: torch.Tensor, idx: torch.Tensor) -> dict:
+    rows = q.numel() // q.shape[-1]
+    return dict(bytes=n_valid * row_bytes + 2 * q.numel() + rows * (2 * 512 + 4) + 4 * idx.numel(),
+                flops=2 * h * (576 + 512) * n_valid, dtype="bf16")
+
+
+def _setup_decode(p: dict, dev, status) -> list[tuple[str, Bench]]:
+    """Sparse MLA decode over fp8 656-B pages (``fmt`` "fp8") or bf16 pages ("bf16"); FlashMLA always reads
+    fp8 pages of the same tokens (its sparse decode has no bf16 cache: SGLang's bf16-cache decode on the
+    H200 is the case this compares)."""
+    from flashdsa import ops
+    B, s_q, h, topk, ctx, fmt = p["B"], p["s_q"], p["h"], p["topk"], p["ctx"], p.get("fmt", "fp8")
+    g = torch.Generator(device=dev).manual_seed(ctx)
+    per_req = -(-ctx // 64)
+    cache = mla_cache(B * per_req, g, dev, fmt)
+    bt = torch.randperm(B * per_req, generator=g, device=dev).view(B, per_req)
+    idx = decode_slots(bt, ctx, s_q, topk, g)
+    q = randn((B, s_q, h, 576), g, dev, torch.bfloat16)
+    # the default backend on CUDA: on sm_90 the Gluon kernel, elsewhere the Triton ones (ops.sparse_mla_decode's
+    # rule); the Triton kernels on the CPU (interpreted: the CPU default is the torch reference itself)
+    backend = None if q.is_cuda else "triton"
+    ours = lambda: ops.sparse_mla_decode(q, cache, idx, SM_SCALE, backend=backend)  # noqa: E731
+
+    def check():
+        sub = rows_subset(B, 4, dev)
+        out, lse = ours()
+        return _check_attention(out[sub], lse[sub], *ops.sparse_mla_decode(q[sub], cache, idx[sub], SM_SCALE,
+                                                                         backend="torch"))
+
+    peer = {}
+    if status["FlashMLA"]["ok"] and h in (64, 128):
+        seqlens = torch.full((B,), ctx, dtype=torch.int32, device=dev)
+        # the same tokens as fp8 pages: a generator in the state ``cache`` was drawn from
+        peer_cache = cache if fmt == "fp8" else mla_cache(B * per_req, torch.Generator(device=dev).manual_seed(ctx),
+                                                           dev)
+        peer["FlashMLA" if fmt == "fp8" else "FlashMLA (fp8 pages)"] = _flashmla_decode(q, peer_cache, idx, SM_SCALE,
+                                                                                         seqlens, ours)
+    row_bytes = MLA_FP8_BYTES if fmt == "fp8" else MLA_BF16_BYTES
+    return [("", Bench(ours, check, peer, **_attention_work(idx.numel(), h, row_bytes, q, idx)))]
+
+
+def _setup_prefill(p: dict, dev, status) -> list[tuple[str, Bench]]:
+    from flashdsa import ops
+    T, N, h, topk = p["T"], p["N"], p["h"], p["topk"]
+    g = torch.Generator(device=dev).manual_seed(T + N)
+    kv, q = randn((N, 576), g, dev, torch.bfloat16), randn((T, h, 576), g, dev, torch.bfloat16)
+    idx = prefill_indices(T, N, topk, g, dev)
+    # the default backend on CUDA (on sm_90 the bf16 Gluon kernel where it applies, elsewhere Triton); the
+    # Triton kernels on the CPU (interpreted)
+    backend = None if q.is_cuda else "triton"
+    ours = lambda: ops.sparse_mla_prefill(q, kv, idx, SM_SCALE, backend=backend)  # noqa: E731
+
+    def check():
+        sub = rows_subset(T, 16, dev)
+        out, lse = ours()
+        return _check_attention(out[sub], lse[sub], *ops.sparse_mla_prefill(q[sub], kv, idx[sub], SM_SCALE,
+                                                                          backend="torch"))
+
+    peer = {}
+    if status["FlashMLA"]["ok"] and h % 64 == 0 and topk % 128 == 0:
+        def make():
+            fn = peers.flashmla_prefill(q, kv, idx, SM_SCALE)
+            out = ours()[0]
+            return fn, _masked_cos(out.float(), fn()[0], torch.ones_like(out, dtype=torch.bool))
+        peer["FlashMLA"] = make
+    return [("", Bench(ours, check, peer, **_attention_work(idx.numel(), h, 1152, q, idx)))]
+
+
+def selection_inputs(B: int, ctx: int, H: int, dev) -> tuple:
+    """Decode selection's inputs at next_n 1, seeded by ``ctx``: ``(q [B, 1, H, 128] fp8, index cache, weights
+    [B, H] f32, context_lens [B, 1] i32, block table [B, pages] i32, max_len, seq [B])``, contexts ~U(0.7, 1.3)
+    x ctx (``paged_batch``)."""
+    from flashdsa.quant import FP8
+    g = torch.Generator(device=dev).manual_seed(ctx + 17)
+    seq, bt, P = paged_batch(B, ctx, 1, g, dev)
+    cache = index_cache(P, g, dev)
+    q, w = randn((B, 1, H, 128), g, dev, FP8), randn((B, H), g, dev)
+    return q, cache, w, seq.view(B, 1).to(torch.int32), bt, bt.shape[1] * 64, seq
+
+
+def _setup_selection(p: dict, dev, status) -> list[tuple[str, Bench]]:
+    """Decode selection at next_n 1: paged logits -> top-k -> physical slots, ours as the runner chains them
+    (``indexer_logits_paged`` then ``topk_transform`` through the block table), against DeepGEMM's paged
+    logits -> sgl-kernel's ``fast_topk_transform_fused`` (what SGLang's DSA decode runs; its page table is
+    per token). Checked: the logits against the torch reference (a few requests), and the slots against the
+    torch top-k on our logits; the peer's slots are compared with ours as sets (information)."""
+    from flashdsa import ops
+    B, ctx, H, k = p["B"], p["ctx"], p["H"], p.get("k", 2048)
+    q, cache, w, lens, bt, max_len, seq = selection_inputs(B, ctx, H, dev)
+    rows_len = lens.view(-1).contiguous()
+    backend = None if q.is_cuda else "triton"
+
+    def logits():
+        return ops.indexer_logits_paged(q, cache, w, lens, bt, max_len, backend=backend)
+
+    def ours():
+        return ops.topk_transform(logits(), rows_len, k, page_table=bt, backend=backend)
+
+    def check():
+        sub = rows_subset(B, 4, dev)
+        ref = ops.indexer_logits_paged(q[sub], cache, w[sub], lens[sub], bt[sub], max_len, backend="torch")
+        x = logits()
+        got = _check_logits(x[sub], ref)
+        same = _check_same(ours()[sub], ops.topk_transform(x[sub], rows_len[sub], k, page_table=bt[sub],
+                                                           backend="torch"))
+        return {"ok": got["ok"] and same["ok"], "summary": f"logits {got['summary']}; slots {same['summary']}"}
+
+    peer = {}
+    if status["DeepGEMM"]["ok"] and status["fast_topk_transform_fused"]["ok"] and k == 2048:
+        def make():
+            dg = _deepgemm_paged(q, cache, w, lens, bt, max_len, logits)()[0]
+            topk = peers.fast_topk_transform_fused(rows_len, _token_table(bt, max_len), k)
+            chain = lambda: topk(dg())  # noqa: E731
+            return chain, _same_slot_sets(chain(), ours())
+        peer["DeepGEMM+fast_topk_transform_fused"] = make
+    pairs = int(lens.sum())
+    return [("", Bench(ours, check, peer,
+                       bytes=q.numel() + 4 * w.numel() + 132 * int(seq.sum()) + 2 * 4 * pairs + 4 * B * k,
+                       flops=2 * pairs * H * 128, dtype="fp8"))]
+
+
+def _setup_layer(p: dict, dev, status) -> list[tuple[str, Bench]]:
+    """One decode step of one layer on a KVPool, through the layer's own step (``DSAAttention.score_paged``
+    -> ``topk_paged`` -> ``attend``, what ``DSAAttention.forward`` runs at decode) on random inputs."""
+    import dataclasses
+
+    from flashdsa.cache.metadata import DECODE, build_decode
+    from flashdsa.cache.pool import KVPool
+    from flashdsa.config import DSAConfig
+    from flashdsa.layers.attention import DSAAttention
+    from flashdsa.layers.indexer import IndexerOutput
+    from flashdsa.quant import FP8
+    cfg = DSAConfig.preset(p["preset"]).replace(num_hidden_layers=1)  # the caches of one layer
+    B, ctx, page, topk = p["B"], p["ctx"], cfg.page_size, cfg.index_topk
+    H_I, h = cfg.index_n_heads, cfg.num_attention_heads
+    g = torch.Generator(device=dev).manual_seed(ctx)
+    with torch.device("meta"):  # the step's stages read the caches and the inputs, not the weights
+        attn = DSAAttention(cfg, 0)
+    pool = KVPool(cfg, B * -(-(ctx + 1) // page), "fp8", dev)
+    alloc, reqs = pool.allocator, list(range(B))
+    for r in reqs:
+        alloc.allocate(r, 0)
+    for start in range(0, ctx, 16 * page):  # requests grow in turns, so their pages interleave
+        for r in reqs:
+            alloc.extend(r, min(16 * page, ctx - start))
+
+    def write(slots):  # random MLA rows and indexer keys through the pool's writers
+        for i in range(0, slots.numel(), CHUNK_PAGES * 64):
+            s = slots[i:i + CHUNK_PAGES * 64]
+            pool.write(0, s, randn((s.numel(), 576), g, dev, torch.bfloat16), randn((s.numel(), 128), g, dev, FP8),
+                       torch.rand(s.numel(), generator=g, device=dev) + 0.5)
+    write(torch.cat([alloc.slots(r) for r in reqs]))
+    for r in reqs:
+        alloc.extend(r, 1)  # this step's token, written before attending as the layer does
+    meta = build_decode(alloc, reqs, 1, DECODE)  # default backends (sparse MLA: Gluon on sm_90)
+    if torch.device(dev).type != "cuda":  # the CPU default is the torch reference itself: interpret the kernels
+        meta = dataclasses.replace(meta, backend="triton")
+    write(meta.slot_mapping)
+    idx = IndexerOutput(randn((B, H_I, 128), g, dev, FP8), randn((B, H_I), g, dev) * H_I ** -0.5, None, None)
+    q = randn((B, h, 576), g, dev, torch.bfloat16)
+    lens, bt, max_len = meta.context_lens, meta.block_table, meta.max_context_len
+    sub = rows_subset(B, 4, dev)
+    # the torch reference on a few requests: the same step with the rows' metadata and backend="torch"
+    ref_meta = dataclasses.replace(meta, context_lens=lens[sub], block_table=bt[sub], backend="torch")
+    ref_idx = IndexerOutput(idx.q[sub], idx.weights[sub], None, None)
+
+    def indexer():
+        return attn.score_paged(idx, meta, pool)
+
+    def select(logits):
+        return attn.topk_paged(logits, meta, pool)
+
+    def attend(sel):
+        return attn.attend(q, sel, meta, pool)
+
+    logits = indexer()  # the fixed inputs of the later stages
+    sel = select(logits)
+    done: dict[str, dict] = {}
+
+    def checked(name, fn):
+        def run():
+            done[name] = fn()
+            return done[name]
+        return run
+
+    def check_attention():
+        out, lse = attend(sel)
+        return _check_attention(out[sub], lse[sub], *attn.attend(q[sub], sel[sub], ref_meta, pool))
+
+    mla = pool.mla_pages(0)
+    stages = {
+        "indexer": Bench(indexer, checked("indexer", lambda: _check_logits(
+            indexer()[sub], attn.score_paged(ref_idx, ref_meta, pool))),
+            bytes=idx.q.numel() + 4 * idx.weights.numel() + 132 * int(lens.sum()) + 4 * int(lens.sum()),
+            flops=2 * int(lens.sum()) * H_I * 128, dtype="fp8"),
+        "top-k": Bench(lambda: select(logits), checked("top-k", lambda: _check_same(
+            select(logits)[sub], attn.topk_paged(logits[sub], ref_meta, pool))), bytes=4 * logits.numel() + 4 * B * topk),
+        "attention": Bench(lambda: attend(sel), checked("attention", check_attention),
+                           **_attention_work(sel.numel(), h, 656, q, sel)),
+    }
+    seqlens = lens.view(-1).contiguous()
+    q_fp8, w = idx.q.view(B, 1, H_I, 128), idx.weights
+    if status["DeepGEMM"]["ok"]:
+        stages["indexer"].peers["DeepGEMM"] = _deepgemm_paged(q_fp8, pool.index_cache(0), w, lens, bt, max_len, indexer)
+    if status["fast_topk_transform_fused"]["ok"] and topk == 2048:
+        def make_topk():  # SGLang's decode call: top-k with the slot translation fused, like ours
+            fn = peers.fast_topk_transform_fused(seqlens, _token_table(bt, max_len), topk)
+            return (lambda: fn(logits)), _same_slot_sets(fn(logits), select(logits))
+        stages["top-k"].peers["fast_topk_transform_fused"] = make_topk
+    elif status["fast_topk"]["ok"] and topk == 2048:  # an sgl-kernel without it: positions, untranslated
+        stages["top-k"].peers["fast_topk"] = _topk_peers(logits, seqlens, topk, status)["fast_topk"]
+    if status["FlashMLA"]["ok"] and h in (64, 128):
+        stages["attention"].peers["FlashMLA"] = _flashmla_decode(q.view(B, 1, h, 576), mla, sel.view(B, 1, topk),
+                                                                 attn.softmax_scale, seqlens,
+                                                                 lambda: (attend(sel)[0].view(B, 1, h, -1),))
+
+    def step():
+        return attend(select(indexer()))
+
+    def step_check():
+        bad = [n for n in stages if not done.get(n, {}).get("ok")]
+        return {"ok": not bad, "summary": "stages ok" if not bad else f"failed: {', '.join(bad)}"}
+
+    total = Bench(step, step_check, bytes=sum(s.bytes for s in stages.values()),
+                  flops=sum(s.flops for s in stages.values()), parts=tuple(stages.values()))
+    if all(s.peers for s in stages.values()):
+        def make_chain():  # the peers' three ops back to back
+            fns = [make()[0] for s in stages.values() for make in s.peers.values()]
+            return (lambda: [f() for f in fns]), {"summary": "the three in a row"}
+        total.peers["+".join(p for s in stages.values() for p in s.peers)] = make_chain
+    return [(f": {n}", b) for n, b in stages.items()] + [(": step", total)]
+
+
+SETUPS = {"paged": _setup_paged, "ragged": _setup_ragged, "topk": _setup_topk, "selection": _setup_selection,
+          "decode": _setup_decode, "prefill": _setup_prefill, "layer": _setup_layer}
