@@ -253,17 +253,23 @@ def test_gather_layouts_load_whole_lines_and_share_rows(linear):
 @pytest.mark.gpu
 @needs_sm90
 def test_default_backend_is_gluon_where_it_applies(monkeypatch):
-    """On sm_90 the default picks Gluon for fp8 h_q 128 and Triton for h_q 16; the same bits as forcing it."""
-    q, cache, idx = _inputs("cuda", 2, 1, 128, 256, 8)
+    """On sm_90 the default picks Gluon for fp8 h_q 128 where its CTAs cover a third of the SMs (B 64), the
+    Triton kernels (which split the top-k list) for a small batch (B 2) and for h_q 16; the same bits as
+    forcing the backend."""
+    q, cache, idx = _inputs("cuda", 64, 1, 128, 256, 8)
     forced = sparse_mla_decode(q, cache, idx, SM_SCALE, backend="gluon")
     default = sparse_mla_decode(q, cache, idx, SM_SCALE)
     assert torch.equal(forced[0], default[0]) and torch.equal(forced[1], default[1])
+    small = sparse_mla_decode(q[:2].contiguous(), cache, idx[:2].contiguous(), SM_SCALE)
+    triton = sparse_mla_decode(q[:2].contiguous(), cache, idx[:2].contiguous(), SM_SCALE, backend="triton")
+    assert torch.equal(small[0], triton[0]) and torch.equal(small[1], triton[1])
     calls = []
     real = gluon.sparse_mla_decode
-    monkeypatch.setattr(gluon, "sparse_mla_decode", lambda *a, **k: calls.append(a[0].shape[2]) or real(*a, **k))
+    monkeypatch.setattr(gluon, "sparse_mla_decode", lambda *a, **k: calls.append(a[0].shape[:3]) or real(*a, **k))
     sparse_mla_decode(q, cache, idx, SM_SCALE)
+    sparse_mla_decode(q[:2].contiguous(), cache, idx[:2].contiguous(), SM_SCALE)
     sparse_mla_decode(q[:, :, :16].contiguous(), cache, idx, SM_SCALE)
-    assert calls == [128]
+    assert calls == [(64, 1, 128)]
 
 
 PREFILL_CASES = [
@@ -302,8 +308,9 @@ def test_gluon_prefill_matches_reference(T, N, h_q, topk):
 @pytest.mark.gpu
 @needs_sm90
 def test_default_backend_is_gluon_for_bf16_where_it_applies(monkeypatch):
-    """bf16 pages and prefill KV: the default picks the bf16 Gluon kernel at h_q 64 / 128, Triton at h_q 16."""
-    q, cache, idx = _inputs("cuda", 2, 1, 128, 256, 8, "bf16")
+    """bf16 pages and prefill KV: the default picks the bf16 Gluon kernel at h_q 64 / 128 (decode: at B 64, where
+    its CTAs cover a third of the SMs), Triton at h_q 16."""
+    q, cache, idx = _inputs("cuda", 64, 1, 128, 256, 8, "bf16")
     kv = cache.view(-1, 576)
     qp, ip = q[:, 0].contiguous(), idx[:, 0].contiguous()
     calls = []

@@ -61,17 +61,32 @@ def _gluon_unsupported(mod: str, *args) -> str | None:
     return _GLUONS.unsupported(mod, *args)
 
 
-def _pick(backend, impls, triton_impl, gluon_impl, why_not, dev, name):
-    """The one rule: Gluon wherever its kernel applies (``why_not()`` is None), Triton elsewhere on CUDA;
-    ``backend`` forces one (a forced Gluon it does not apply to is a ValueError naming what is missing)."""
+def _pick(backend, impls, triton_impl, gluon_impl, why_not, dev, name, fills=None):
+    """The one rule: Gluon wherever its kernel applies (``why_not()`` is None) and, by default, fills the GPU
+    (``fills()``, when given, is True), Triton elsewhere on CUDA; ``backend`` forces one (a forced Gluon it does
+    not apply to is a ValueError naming what is missing)."""
     impl = pick_backend(backend, impls, dev, name)
     if impl is triton_impl and backend is None or impl is gluon_impl:
         why = why_not()
-        if why is None:
+        if why is None and (impl is gluon_impl or fills is None or fills()):
             return gluon_impl
         if impl is gluon_impl:
             fail("backend", f"'gluon' for a call it supports: it needs {why}", "'gluon'")
     return impl
+
+
+def _gluon_decode_fills(q: torch.Tensor) -> bool:
+    """Whether the Gluon decode kernels' CTAs — one per (query row, 64 heads), the top-k list not split — cover
+    a third of the SMs. Below that the Triton kernels, which split the list over CTAs (flash-decoding), are
+    faster: H200, benchmarks/sparse_decode_grid.py, 2026-12-03, h 128 top-2048: B 1 51 vs 100 us, B 16 72 vs
+    100; B 64 h 64 (64 CTAs) Gluon 100 vs 110."""
+    B, s_q, h_q, _ = q.shape
+    return 3 * B * s_q * -(-h_q // 64) >= _sms(q.device)
+
+
+@functools.lru_cache(maxsize=None)
+def _sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 _DECODE = {"torch": reference.sparse_mla_decode, "triton": _triton_decode, "gluon": _gluon_decode}
@@ -138,8 +153,9 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Te
 
     Backends: on an sm_90 GPU with the fp8 656-B or the bf16 cache (16-byte aligned rows), h_q a multiple of
     64 and d_v 512, a warp-specialised Gluon kernel (``gluon.py`` for fp8, ``gluon_bf16.py`` for bf16; about
-    0.6x the Triton kernels' time at B 64 h 128 on the H200); everywhere else on CUDA (other GPUs, caches,
-    head counts, the interpreter) the Triton kernels. All round P and the output to bf16, as FlashMLA does:
+    0.6x the Triton kernels' time at B 64 h 128 on the H200) when its CTAs, one per (query row, 64 heads),
+    cover a third of the SMs; everywhere else on CUDA (other GPUs, caches, head counts, small batches, the
+    interpreter) the Triton kernels, which split the top-k list over CTAs where the rows do not fill the GPU. All round P and the output to bf16, as FlashMLA does:
     ``|out - ref| <= 2^-8 (max |v| + |ref|)`` of the fp32 reference. Every backend dequantises the fp8
     cache with the reference's arithmetic (e4m3 -> fp32, times the fp32 scale, rounded once to bf16), for
     any scale.
@@ -185,7 +201,8 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Te
         why_not = lambda: _gluon_unsupported(_GLUON_BF16, q, kv_cache, d_v)  # noqa: E731
     else:
         why_not = lambda: _gluon_unsupported(_GLUON_FP8, q, kv_cache, fmt, d_v)  # noqa: E731
-    impl = _pick(backend, _DECODE, _triton_decode, _gluon_decode, why_not, dev, "sparse_mla_decode")
+    impl = _pick(backend, _DECODE, _triton_decode, _gluon_decode, why_not, dev, "sparse_mla_decode",
+                 lambda: _gluon_decode_fills(q))
     res = impl(q, kv_cache, indices, scale, d_v, kv_scale)
     name = next((n for n, f in _DECODE.items() if f is impl), None)
     # remembered where nothing was converted (q widened, indices made contiguous) and the kernel picked is the
