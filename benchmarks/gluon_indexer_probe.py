@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
 import sys
 from pathlib import Path
@@ -39,7 +38,7 @@ def compile_only(ns=(1, 2, 3, 4), sass_dir: str | None = None) -> int:
     """Compile for sm_90 (no GPU) and report what ptxas made of it (``sass_dir``: also write each next_n's SASS
     and PTX there)."""
     import triton
-    from sass_report import ptxas_and_sass
+    from sass_report import gluon_report
 
     from flashdsa.ops.indexer import gluon as G
     print(f"triton {triton.__version__} ({triton.__file__})")
@@ -49,17 +48,7 @@ def compile_only(ns=(1, 2, 3, 4), sass_dir: str | None = None) -> int:
         except Exception as e:  # noqa: BLE001
             print(f"n{n}: FAILED {type(e).__name__}: " + " | ".join(str(e).splitlines()[-3:])[-800:])
             continue
-        ptxas, sass = ptxas_and_sass(k)
-        if sass_dir:
-            Path(sass_dir).mkdir(parents=True, exist_ok=True)
-            (Path(sass_dir) / f"n{n}.sass").write_text(sass)
-            (Path(sass_dir) / f"n{n}.ptx").write_text(k.asm["ptx"])
-        notes = [ln.split(": ", 1)[-1] for ln in ptxas.splitlines() if "C75" in ln]
-        spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", ptxas)
-        regs = re.findall(r"setmaxnreg[.]\w+[.]sync[.]aligned[.]u32\s+(\d+)", k.asm["ptx"])
-        print(f"n{n}: shared {k.metadata.shared} B, setmaxnreg {regs}, spill st/ld {spill.groups() if spill else '?'} B,"
-              f" QGMMA {sass.count('QGMMA')}, DEPBAR {len(re.findall(r'WARPGROUP.DEPBAR', sass))}, "
-              f"BAR.SYNC {sass.count('BAR.SYNC')}, notes {notes or 'none'}")
+        print(gluon_report(k, f"n{n}", sass_dir, ir="ptx"))
     return 0
 
 

@@ -331,25 +331,9 @@ def compile_only(compile_sm90, name: str, sass_dir: str | None = None) -> int:
     from the prefill probe) and report what ptxas made of it; ``sass_dir``: also write its SASS and LLVM IR
     there as ``name``.sass / .llir."""
     import triton
-    from sass_report import ptxas_and_sass
+    from sass_report import gluon_report
     print(f"triton {triton.__version__} ({triton.__file__})")
-    k = compile_sm90()
-    ptxas, sass = ptxas_and_sass(k)
-    if sass_dir:
-        Path(sass_dir).mkdir(parents=True, exist_ok=True)
-        (Path(sass_dir) / f"{name}.sass").write_text(sass)
-        # LLVM IR with debug locations: which source line each barrier.cta.sync stands in front of
-        (Path(sass_dir) / f"{name}.llir").write_text(k.asm["llir"])
-    notes = [ln.split(": ", 1)[-1] for ln in ptxas.splitlines() if "C75" in ln]
-    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", ptxas)
-    regs = re.findall(r"setmaxnreg[.]\w+[.]sync[.]aligned[.]u32\s+(\d+)", k.asm["ptx"])
-    # named barriers by id (each partition syncs its own warps on its own id)
-    bars = re.findall(r"BAR\.SYNC\.DEFER_BLOCKING (0x[0-9a-f]+)", sass)
-    print(f"{name}: shared {k.metadata.shared} B, setmaxnreg {regs}, "
-          f"spill st/ld {spill.groups() if spill else '?'} B, HGMMA {sass.count('HGMMA')}, "
-          f"DEPBAR {len(re.findall(r'WARPGROUP.DEPBAR', sass))}, LDG.128 {sass.count('LDG.E.128')}, "
-          f"STS.128 {sass.count('STS.128')}, named barriers {dict(sorted((b, bars.count(b)) for b in set(bars)))}, "
-          f"notes {notes or 'none'}")
+    print(gluon_report(compile_sm90(), name, sass_dir))
     return 0
 
 

@@ -77,6 +77,26 @@ def ptxas_and_sass(k) -> tuple[str, str]:
     return ptxas, sass
 
 
+def gluon_report(k, name: str, sass_dir: str | None = None, ir: str = "llir") -> str:
+    """One line of what ptxas made of a compiled (Gluon) kernel ``k``: shared memory, setmaxnreg, spills, the
+    tensor-core and barrier counts, ptxas' C75xx notes; ``sass_dir``: also write its SASS and ``ir`` (llir with
+    debug locations: which source line each barrier stands in front of; or ptx) there as ``name``.sass / .ir."""
+    ptxas, sass = ptxas_and_sass(k)
+    if sass_dir:
+        Path(sass_dir).mkdir(parents=True, exist_ok=True)
+        (Path(sass_dir) / f"{name}.sass").write_text(sass)
+        (Path(sass_dir) / f"{name}.{ir}").write_text(k.asm[ir])
+    notes = [ln.split(": ", 1)[-1] for ln in ptxas.splitlines() if "C75" in ln]
+    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", ptxas)
+    regs = re.findall(r"setmaxnreg[.]\w+[.]sync[.]aligned[.]u32\s+(\d+)", k.asm["ptx"])
+    # named barriers by id (each partition syncs its own warps on its own id)
+    bars = re.findall(r"BAR\.SYNC\.DEFER_BLOCKING (0x[0-9a-f]+)", sass)
+    return (f"{name}: shared {k.metadata.shared} B, setmaxnreg {regs}, spill st/ld {spill.groups() if spill else '?'} B, "
+            f"HGMMA {sass.count('HGMMA')}, QGMMA {sass.count('QGMMA')}, DEPBAR {len(re.findall(r'WARPGROUP.DEPBAR', sass))}, "
+            f"LDG.128 {sass.count('LDG.E.128')}, STS.128 {sass.count('STS.128')}, named barriers "
+            f"{dict(sorted((b, bars.count(b)) for b in set(bars)))}, notes {notes or 'none'}")
+
+
 def report(name: str, k, sass_path: str | None = None) -> dict:
     ptx = k.asm["ptx"]
     with tempfile.TemporaryDirectory() as d:

@@ -99,6 +99,22 @@ def _attention_work(n_valid: int, h: int, row_bytes: int, q: torch.Tensor, idx: 
                 flops=2 * h * (576 + 512) * n_valid, dtype="bf16")
 
 
+def _attention_calls(op, q, kv, idx, rows: int):
+    """Sparse MLA ``op`` (decode or prefill) as the bench calls it — the default backend on CUDA (ops' rule: Gluon
+    where it applies on sm_90, else Triton), the Triton kernels on the CPU (interpreted: the CPU default is the
+    torch reference itself) — and its check on ``rows`` random query rows against the torch reference."""
+    backend = None if q.is_cuda else "triton"
+
+    def ours():
+        return op(q, kv, idx, SM_SCALE, backend=backend)
+
+    def check():
+        sub = rows_subset(q.shape[0], rows, q.device)
+        out, lse = ours()
+        return _check_attention(out[sub], lse[sub], *op(q[sub], kv, idx[sub], SM_SCALE, backend="torch"))
+    return ours, check
+
+
 def _setup_decode(p: dict, dev, status) -> list[tuple[str, Bench]]:
     """Sparse MLA decode over fp8 656-B pages (``fmt`` "fp8") or bf16 pages ("bf16"); FlashMLA always reads
     fp8 pages of the same tokens (its sparse decode has no bf16 cache: SGLang's bf16-cache decode on the
@@ -111,16 +127,7 @@ def _setup_decode(p: dict, dev, status) -> list[tuple[str, Bench]]:
     bt = torch.randperm(B * per_req, generator=g, device=dev).view(B, per_req)
     idx = decode_slots(bt, ctx, s_q, topk, g)
     q = randn((B, s_q, h, 576), g, dev, torch.bfloat16)
-    # the default backend on CUDA: on sm_90 the Gluon kernel, elsewhere the Triton ones (ops.sparse_mla_decode's
-    # rule); the Triton kernels on the CPU (interpreted: the CPU default is the torch reference itself)
-    backend = None if q.is_cuda else "triton"
-    ours = lambda: ops.sparse_mla_decode(q, cache, idx, SM_SCALE, backend=backend)  # noqa: E731
-
-    def check():
-        sub = rows_subset(B, 4, dev)
-        out, lse = ours()
-        return _check_attention(out[sub], lse[sub], *ops.sparse_mla_decode(q[sub], cache, idx[sub], SM_SCALE,
-                                                                         backend="torch"))
+    ours, check = _attention_calls(ops.sparse_mla_decode, q, cache, idx, 4)
 
     peer = {}
     if status["FlashMLA"]["ok"] and h in (64, 128):
@@ -140,16 +147,7 @@ def _setup_prefill(p: dict, dev, status) -> list[tuple[str, Bench]]:
     g = torch.Generator(device=dev).manual_seed(T + N)
     kv, q = randn((N, 576), g, dev, torch.bfloat16), randn((T, h, 576), g, dev, torch.bfloat16)
     idx = prefill_indices(T, N, topk, g, dev)
-    # the default backend on CUDA (on sm_90 the bf16 Gluon kernel where it applies, elsewhere Triton); the
-    # Triton kernels on the CPU (interpreted)
-    backend = None if q.is_cuda else "triton"
-    ours = lambda: ops.sparse_mla_prefill(q, kv, idx, SM_SCALE, backend=backend)  # noqa: E731
-
-    def check():
-        sub = rows_subset(T, 16, dev)
-        out, lse = ours()
-        return _check_attention(out[sub], lse[sub], *ops.sparse_mla_prefill(q[sub], kv, idx[sub], SM_SCALE,
-                                                                          backend="torch"))
+    ours, check = _attention_calls(ops.sparse_mla_prefill, q, kv, idx, 16)
 
     peer = {}
     if status["FlashMLA"]["ok"] and h % 64 == 0 and topk % 128 == 0:
