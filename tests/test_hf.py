@@ -278,13 +278,13 @@ def test_exact_topk_takes_hf_rows():
     hf_rows = torch.full((5, 50), float("-inf"))
     hf_rows[:, 10:] = scores
     want = columns[hf_rows.topk(topk).indices].sort(-1).values
-    got = exact_topk(scores, topk, 50, columns)
+    got = exact_topk(scores, topk, columns)
     assert torch.equal(got, want)
     by_position = torch.stack([torch.tensor(sorted(sorted(range(30), key=lambda p: (-float(r[p]), p))[:topk]))
                                for r in scores])
     assert not torch.equal(got, by_position)
     # a row shorter than topk: every visible position, then -1; no padding columns: the positions' row
-    short = exact_topk(scores[:, :12], 16)
+    short = exact_topk(scores[:, :12], 16, torch.arange(12))
     assert torch.equal(short[:, :12], torch.arange(12).expand(5, 12)) and (short[:, 12:] == -1).all()
 
 

@@ -43,6 +43,7 @@ from flashdsa.cache.metadata import EXTEND, BatchMetadata
 from flashdsa.cache.pool import KVPool
 from flashdsa.config import DSAConfig
 from flashdsa.layers.indexer import Indexer, IndexerOutput, exact_logits_paged, exact_logits_ragged, exact_topk
+from flashdsa.ops.topk.reference import translate
 from flashdsa.quant import apply_rope
 
 
@@ -204,19 +205,15 @@ class DSAAttention(nn.Module):
                 return ops.topk_transform(logits, batch.ke - batch.ks, topk, row_starts=batch.ks,
                                           out_offsets=batch.ks, backend=be)
             cq, ckv = batch.cu_seqlens_q.tolist(), batch.cu_seqlens_kv.tolist()
-            out = []
-            for b in range(len(cq) - 1):  # request b: its rows over its own keys
-                pos = exact_topk(logits[cq[b]:cq[b + 1], ckv[b]:ckv[b + 1]], topk, cols.shape[1], cols[b])
-                out.append(torch.where(pos >= 0, pos + ckv[b], -1))
-            return torch.cat(out).to(torch.int32)
+            # request b: its rows over its own keys; positions then offset by its first key (= its rows' ks)
+            pos = [exact_topk(logits[cq[b]:cq[b + 1], ckv[b]:ckv[b + 1]], topk, cols[b]) for b in range(len(cq) - 1)]
+            return translate(torch.cat(pos), None, batch.ks, pool.page_size)
         logits = self.score_paged(idx, batch, pool)
         if not hf_rows:
             return self.topk_paged(logits, batch, pool)
-        B, n = batch.context_lens.shape
-        pos = torch.cat([exact_topk(logits[b * n:(b + 1) * n], topk, cols.shape[1], cols[b]) for b in range(B)])
-        ps, p = pool.page_size, pos.clamp(min=0)
-        table = batch.block_table.long().repeat_interleave(n, dim=0)
-        return torch.where(pos >= 0, table.gather(1, p // ps) * ps + p % ps, -1).to(torch.int32)
+        n = batch.context_lens.shape[1]
+        pos = [exact_topk(logits[b * n:(b + 1) * n], topk, cols[b]) for b in range(cols.shape[0])]
+        return translate(torch.cat(pos), batch.block_table, None, pool.page_size)
 
     # ---- kpool (docs/DSA.md §7): a second kind of store and select ----------------------------------
     def store_kpool(self, kv_rows: torch.Tensor, idx: IndexerOutput, batch: BatchMetadata, pool: KVPool) -> None:

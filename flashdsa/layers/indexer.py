@@ -276,36 +276,29 @@ def exact_logits_paged(q: torch.Tensor, key_store: torch.Tensor, weights: torch.
 
 # ---- exact selection (precision="exact"): HF's torch.topk ---------------------------------------------
 
-def exact_topk(logits: torch.Tensor, topk: int, width: int | None = None,
-               columns: torch.Tensor | None = None) -> torch.Tensor:
+def exact_topk(logits: torch.Tensor, topk: int, columns: torch.Tensor) -> torch.Tensor:
     """HF's top-k of one request's rows: ``torch.topk`` over the rows as HF lays them out.
 
     Args:
         logits:  ``[r, L] float32`` the request's rows by position, ``-inf`` where a row sees no key.
         topk:    ``index_topk``.
-        width:   HF's row width: the columns of HF's forward (cached + new, padding included); None: L.
-        columns: ``[W] int64`` the position each of HF's columns holds, -1 for padding; None: column =
-                 position.
+        columns: ``[W] int64`` the position each of the W columns of HF's forward (cached + new, padding
+                 included) holds, -1 for padding.
 
     Returns:
         ``[r, topk] int64`` positions, ascending, -1 padded.
 
     Ties (exact zeros from the ReLU are common) go as ``torch.topk`` sends them. On the CPU it permutes
-    them by a partial sort of the whole row, so the row is rebuilt as HF's — ``width`` columns, the masked
-    ones -inf (HF's finfo.min compares the same) — and its values must be HF's bits. (CUDA's keeps the
-    first of equal values in column order: the smaller position, flashdsa's own rule.)
+    them by a partial sort of the whole row, so the row is rebuilt as HF's — W columns, the masked ones
+    -inf (HF's finfo.min compares the same) — and its values must be HF's bits. (CUDA's keeps the first of
+    equal values in column order: the smaller position, flashdsa's own rule.)
     """
-    r, L = logits.shape
-    W = L if width is None else width
-    if columns is None:
-        rows = logits[:, :W] if W <= L else torch.nn.functional.pad(logits, (0, W - L), value=float("-inf"))
-    else:
-        rows = logits.new_full((r, W), float("-inf"))
-        real = (columns >= 0).nonzero().squeeze(1)
-        rows[:, real] = logits[:, columns[real]]
+    W = columns.shape[0]
+    rows = logits.new_full((logits.shape[0], W), float("-inf"))
+    real = (columns >= 0).nonzero().squeeze(1)
+    rows[:, real] = logits[:, columns[real]]
     vals, idx = rows.topk(min(topk, W), dim=-1)
-    pos = idx if columns is None else columns[idx]
-    pos = torch.where(vals > float("-inf"), pos, -1)
+    pos = torch.where(vals > float("-inf"), columns[idx], -1)
     # ascending positions, -1 last: the order flashdsa's top-k returns (the attention sums in this order)
     big = torch.iinfo(torch.int64).max
     pos = torch.where(pos < 0, big, pos).sort(dim=-1).values

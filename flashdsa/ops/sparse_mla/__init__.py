@@ -11,6 +11,7 @@ from flashdsa._library import op
 from flashdsa.cache.layouts import MLA_DIM, MLA_LATENT, PAGE_SIZE, mla_cache_format
 from flashdsa.ops._common import check_scalar, check_tensor, dense, facts, fail, pick_backend, raise_deferred, remember
 from flashdsa.ops._gluon import GluonKernels
+from flashdsa.ops._triton_utils import num_sms  # torch only: no triton import
 from flashdsa.ops.sparse_mla import reference
 
 # imported on first use: importing triton is slow and CPU-only users never need it
@@ -81,12 +82,7 @@ def _gluon_decode_fills(q: torch.Tensor) -> bool:
     faster: H200, benchmarks/sparse_decode_grid.py, 2026-12-03, h 128 top-2048: B 1 51 vs 100 us, B 16 72 vs
     100; B 64 h 64 (64 CTAs) Gluon 100 vs 110."""
     B, s_q, h_q, _ = q.shape
-    return 3 * B * s_q * -(-h_q // 64) >= _sms(q.device)
-
-
-@functools.lru_cache(maxsize=None)
-def _sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return 3 * B * s_q * -(-h_q // 64) >= num_sms(q.device)
 
 
 _DECODE = {"torch": reference.sparse_mla_decode, "triton": _triton_decode, "gluon": _gluon_decode}
@@ -155,7 +151,8 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Te
     64 and d_v 512, a warp-specialised Gluon kernel (``gluon.py`` for fp8, ``gluon_bf16.py`` for bf16; about
     0.6x the Triton kernels' time at B 64 h 128 on the H200) when its CTAs, one per (query row, 64 heads),
     cover a third of the SMs; everywhere else on CUDA (other GPUs, caches, head counts, small batches, the
-    interpreter) the Triton kernels, which split the top-k list over CTAs where the rows do not fill the GPU. All round P and the output to bf16, as FlashMLA does:
+    interpreter) the Triton kernels, which split the top-k list over CTAs where the rows do not fill the GPU.
+    All round P and the output to bf16, as FlashMLA does:
     ``|out - ref| <= 2^-8 (max |v| + |ref|)`` of the fp32 reference. Every backend dequantises the fp8
     cache with the reference's arithmetic (e4m3 -> fp32, times the fp32 scale, rounded once to bf16), for
     any scale.
@@ -177,6 +174,8 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Te
         hit = key = None
     if hit is not None and _DECODE[hit[0]] is hit[1]:  # (tests stand other kernels in there)
         return hit[1](q, kv_cache, indices, hit[2], d_v, hit[3])
+    if torch.Tensor in (type(sm_scale), type(kv_scale)):  # not remembered: the key would hold the object,
+        key = None                                       # whose value may change
     check_tensor("q", q, dtype=(torch.bfloat16, torch.float32), ndim=4)
     B, s_q, h_q, d = q.shape
     dev = q.device
@@ -207,10 +206,8 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Te
     name = next((n for n, f in _DECODE.items() if f is impl), None)
     # remembered where nothing was converted (q widened, indices made contiguous) and the kernel picked is the
     # one that ran (a Gluon kernel whose first launch failed fell back to Triton: not remembered)
-    # (not with a tensor scale: the key would hold the object, whose value may change)
     if key is not None and name is not None and given[0] is q and given[1] is indices and not (
-            impl is _gluon_decode and _gluon_decode_module(kv_cache) in _GLUONS.failed) and torch.Tensor not in (
-            key[4], key[8]):
+            impl is _gluon_decode and _gluon_decode_module(kv_cache) in _GLUONS.failed):
         remember(_FAST, key, (name, impl, scale, kv_scale), 256)
     return res
 

@@ -30,10 +30,16 @@ def select_positions(logits: torch.Tensor, lengths: torch.Tensor, topk: int, row
 
 
 def topk_transform(logits, lengths, topk, page_table, row_starts, out_offsets, page_size):
-    pos = select_positions(logits, lengths, topk, row_starts)
+    return translate(select_positions(logits, lengths, topk, row_starts), page_table, out_offsets, page_size)
+
+
+def translate(pos: torch.Tensor, page_table: torch.Tensor | None, out_offsets: torch.Tensor | None,
+              page_size: int) -> torch.Tensor:
+    """``pos [R, k] int64`` row-relative positions (-1: none) -> ``[R, k] int32``: physical slots through
+    ``page_table [R / g, maxp]`` (g rows a table row), ``p + out_offsets [R]``, or the positions; -1 stays."""
     valid = pos >= 0
     if page_table is not None:
-        rows_per_table = logits.shape[0] // max(1, page_table.shape[0])
+        rows_per_table = pos.shape[0] // max(1, page_table.shape[0])
         table = page_table.long().repeat_interleave(rows_per_table, dim=0)
         if table.shape[1] == 0:  # valid when no row has a candidate; gather still needs a column to read
             table = table.new_zeros(table.shape[0], 1)
