@@ -24,13 +24,33 @@ DSA_ARCHITECTURES = (
     "DeepseekV3ForCausalLM",
     "DeepseekV3ForCausalLMNextN",
     "GlmMoeDsaForCausalLM",
+    "Glm5NextForConditionalGeneration",
 )
 
 # A config built in code (``DeepseekV32Config(...).to_dict()``) has ``architectures: None``; its
 # ``model_type`` then names the architecture.
-_ARCH_OF_MODEL_TYPE = {"deepseek_v32": "DeepseekV32ForCausalLM", "glm_moe_dsa": "GlmMoeDsaForCausalLM"}
+_ARCH_OF_MODEL_TYPE = {"deepseek_v32": "DeepseekV32ForCausalLM", "glm_moe_dsa": "GlmMoeDsaForCausalLM",
+                       "glm5_next": "Glm5NextForConditionalGeneration",
+                       "glm5_next_text": "Glm5NextForConditionalGeneration"}
+# Per-layer attention kinds of a hybrid stack (GLM-5.3-Flash's ``layer_types``): DSA layers are flashdsa's,
+# the others (KDA linear attention) stay the model's. HF maps "full_attention" to "indexed_attention".
+DSA_LAYER = "indexed_attention"
+LAYER_TYPES = (DSA_LAYER, "linear_attention")
 # Architectures whose indexer RoPE is interleaved by definition (HF's GLM config has no such key).
 _INTERLEAVED_INDEXER_ROPE = ("GlmMoeDsaForCausalLM",)
+
+
+def _text_config(hf_config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A multimodal config (GLM-5.3-Flash: ``glm5_next``) keeps the language model's keys in ``text_config``;
+    flat checkpoints keep them at the top. The text keys, with the top level's architecture."""
+    text = hf_config.get("text_config")
+    if not isinstance(text, Mapping):
+        return hf_config
+    merged = dict(text)
+    for key in ("architectures", "model_type"):
+        if hf_config.get(key) is not None:
+            merged[key] = hf_config[key]
+    return merged
 
 
 def _architectures(hf_config: Mapping[str, Any]) -> list[str]:
@@ -45,6 +65,7 @@ def is_dsa(hf_config: Mapping[str, Any]) -> bool:
 
     Without ``architectures`` (a config built in code), ``model_type`` "deepseek_v32" / "glm_moe_dsa" names it.
     """
+    hf_config = _text_config(hf_config)
     archs = _architectures(hf_config)
     return any(a in DSA_ARCHITECTURES for a in archs) and hf_config.get("index_topk") is not None
 
@@ -90,10 +111,14 @@ def _skip_rule(
 
 @dataclass(frozen=True)
 class DSAConfig:
-    """The DSA-relevant part of a DeepSeek-V3.2 / GLM-5 config (docs/DSA.md §2). All sizes are per layer.
+    """The DSA-relevant part of a DeepSeek-V3.2 / GLM-5 / GLM-5.3-Flash config (docs/DSA.md §2). All sizes
+    are per layer.
 
     MLA in absorbed form: the cache holds ``kv_lora_rank`` latent + ``qk_rope_head_dim`` rope dims per
-    token (576 for both V3.2 and GLM-5), the value is the latent (``kv_lora_rank`` = 512).
+    token (576 for both V3.2 and GLM-5), the value is the latent (``kv_lora_rank`` = 512). GLM-5.3-Flash
+    is NoPE (``qk_rope_head_dim`` 0: 512 dims, no RoPE in MLA nor in the indexer) and a hybrid stack:
+    ``layer_types`` names the DSA layers ("indexed_attention") among linear-attention ones; the caches and
+    the engine take :meth:`dsa_stack`, the DSA layers alone.
     """
 
     architectures: tuple[str, ...]
@@ -122,17 +147,21 @@ class DSAConfig:
     rope_theta: float = 10000.0
     rope_scaling: Mapping[str, Any] | None = field(default=None, compare=False)
     max_position_embeddings: int = 163840
+    layer_types: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         positive = (
             "num_hidden_layers", "hidden_size", "num_attention_heads", "q_lora_rank", "kv_lora_rank",
-            "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "index_n_heads", "index_head_dim",
+            "qk_nope_head_dim", "v_head_dim", "index_n_heads", "index_head_dim",
             "index_topk", "index_kpool", "vocab_size", "intermediate_size", "max_position_embeddings",
         )
         for key in positive:
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{key}: expected a positive integer, got {value!r}")
+        rope = self.qk_rope_head_dim
+        if isinstance(rope, bool) or not isinstance(rope, int) or rope < 0 or rope % 2:
+            raise ValueError(f"qk_rope_head_dim: expected an even integer >= 0 (0: NoPE), got {rope!r}")
         for key in ("rope_theta", "rms_norm_eps"):
             value = getattr(self, key)
             number = not isinstance(value, bool) and isinstance(value, (int, float))
@@ -172,9 +201,22 @@ class DSAConfig:
             raise ValueError(f"index_topk_freq: expected an integer >= 1, got {self.index_topk_freq!r}")
         if self.index_skip_topk_offset is not None and (isinstance(self.index_skip_topk_offset, bool) or not isinstance(self.index_skip_topk_offset, int) or self.index_skip_topk_offset < 0):
             raise ValueError(f"index_skip_topk_offset: expected an integer >= 0, got {self.index_skip_topk_offset!r}")
-        if self.skip_topk_layers and self.skip_topk_layers[0] == 0:
-            raise ValueError("indexer_types/index_topk_pattern/index_topk_freq: layer 0 cannot skip top-k "
-                             "(a skip layer reuses the previous layer's selection)")
+        if self.layer_types is not None:
+            if len(self.layer_types) != n:
+                raise ValueError(f"layer_types: expected {n} entries (num_hidden_layers), got {len(self.layer_types)}")
+            bad = sorted({t for t in self.layer_types if t not in LAYER_TYPES})
+            if bad:
+                raise ValueError(f"layer_types: expected each of {list(LAYER_TYPES)}, got {bad}")
+            if DSA_LAYER not in self.layer_types:
+                raise ValueError(f"layer_types: no {DSA_LAYER!r} layer, so nothing of this model is DSA")
+        rule = _skip_rule(n, self.indexer_types, self.index_topk_pattern, self.index_topk_freq,
+                          self.index_skip_topk_offset)
+        dsa = self.dsa_layers
+        for i in dsa:
+            # HF hands a shared layer the selection of the decoder layer just before it
+            if rule[i] and (i == 0 or i - 1 not in dsa):
+                raise ValueError(f"indexer_types/index_topk_pattern/index_topk_freq: layer {i} reuses the previous "
+                                 "layer's top-k ('shared'), but the layer before it is not a DSA layer with one")
         for key in ("index_kpool_compress", "index_kpool_always_select_tail"):
             if not isinstance(getattr(self, key), bool):
                 raise ValueError(f"{key}: expected true/false, got {getattr(self, key)!r}")
@@ -195,17 +237,35 @@ class DSAConfig:
 
     # ---- derived -------------------------------------------------------------------------------
     @property
+    def dsa_layers(self) -> list[int]:
+        """Sorted layer ids that are DSA attention: every layer, or the "indexed_attention" ones of
+        ``layer_types``."""
+        if self.layer_types is None:
+            return list(range(self.num_hidden_layers))
+        return [i for i, t in enumerate(self.layer_types) if t == DSA_LAYER]
+
+    @property
     def skip_topk_layers(self) -> list[int]:
-        """Sorted layer ids that reuse the previous layer's top-k (no indexer, no indexer cache)."""
+        """Sorted DSA layer ids that reuse the previous layer's top-k (no indexer, no indexer cache)."""
         rule = _skip_rule(self.num_hidden_layers, self.indexer_types, self.index_topk_pattern,
                           self.index_topk_freq, self.index_skip_topk_offset)
-        return [i for i, skip in enumerate(rule) if skip]
+        return [i for i in self.dsa_layers if rule[i]]
 
     @property
     def topk_layers(self) -> list[int]:
-        """Sorted layer ids that run the indexer and compute top-k."""
+        """Sorted DSA layer ids that run the indexer and compute top-k."""
         skip = set(self.skip_topk_layers)
-        return [i for i in range(self.num_hidden_layers) if i not in skip]
+        return [i for i in self.dsa_layers if i not in skip]
+
+    def dsa_stack(self) -> "DSAConfig":
+        """The DSA layers alone, renumbered 0 .. n-1 (the layers flashdsa's caches and engine hold): this
+        config itself without ``layer_types``."""
+        if self.layer_types is None:
+            return self
+        dsa, skip = self.dsa_layers, set(self.skip_topk_layers)
+        return dataclasses.replace(self, num_hidden_layers=len(dsa), layer_types=None, index_topk_pattern=None,
+                                   index_topk_freq=None, index_skip_topk_offset=None,
+                                   indexer_types=tuple("shared" if i in skip else "full" for i in dsa))
 
     @property
     def kv_cache_dim(self) -> int:
@@ -248,7 +308,8 @@ class DSAConfig:
         """
         if not isinstance(config, Mapping):
             config = read_config_json(config)
-        for key in ("architectures", "indexer_types"):
+        config = _text_config(config)
+        for key in ("architectures", "indexer_types", "layer_types"):
             if config.get(key) is not None and not isinstance(config[key], (list, tuple)):
                 raise ValueError(f"{key}: expected a list, got {config[key]!r}")
         if not is_dsa(config):
@@ -272,6 +333,8 @@ class DSAConfig:
             kw["indexer_rope_interleave"] = True  # GLM's indexer RoPE is GPT-J style; HF's config omits the key
         if "indexer_types" in kw:
             kw["indexer_types"] = tuple(kw["indexer_types"])
+        if "layer_types" in kw:
+            kw["layer_types"] = tuple("indexed_attention" if t == "full_attention" else t for t in kw["layer_types"])
         if "indexer_rope_interleave" in kw and not isinstance(kw["indexer_rope_interleave"], bool):
             raise ValueError(f"indexer_rope_interleave: expected true/false, got {kw['indexer_rope_interleave']!r}")
         # transformers >= 5 moved rope_theta / rope_scaling under rope_parameters.

@@ -41,7 +41,7 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from flashdsa.cache.layouts import INDEX_DIM, MLA_DIM
+from flashdsa.cache.layouts import mla_rows_fit
 from flashdsa.checkpoint import LoadedLayers, load_layers, parse_layers, read_hf_config
 from flashdsa.config import DSAConfig
 from flashdsa.engine.runner import Runner
@@ -112,9 +112,9 @@ def check_window(cfg: DSAConfig, layers: Sequence[int]) -> None:
         start = max(l for l in cfg.topk_layers if l < layers[0])
         raise ValueError(f"layers: layer {layers[0]} reuses the top-k of the layer before it (skip-top-k); start "
                          f"the range at layer {start}, the last one that computes its own")
-    if cfg.kv_cache_dim != MLA_DIM or cfg.index_head_dim != INDEX_DIM:
-        raise ValueError(f"checkpoint: the engine's caches need kv_lora_rank + qk_rope_head_dim = {MLA_DIM} and "
-                         f"index_head_dim = {INDEX_DIM}, got {cfg.kv_cache_dim} and {cfg.index_head_dim}")
+    why = mla_rows_fit(cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.index_head_dim)
+    if why is not None:
+        raise ValueError(f"checkpoint: the engine's caches need {why}")
     if cfg.index_kpool > 1:
         raise ValueError(f"checkpoint: index_kpool = {cfg.index_kpool}: the report compares exact-precision indexer "
                          f"runs, which the pooled-key indexer (fp8 only) does not have yet")

@@ -252,7 +252,17 @@ def test_missing_key(key):
         DSAConfig.from_hf(_hf(**{key: None}))
 
 
-POSITIVE = REQUIRED + ("q_lora_rank", "index_topk", "index_kpool", "vocab_size", "intermediate_size")
+POSITIVE = tuple(k for k in REQUIRED if k != "qk_rope_head_dim") + (
+    "q_lora_rank", "index_topk", "index_kpool", "vocab_size", "intermediate_size")
+
+
+@pytest.mark.parametrize("bad", [-2, 3, 2.0, True, "8"], ids=["neg", "odd", "float", "bool", "str"])
+def test_rope_head_dim(bad):
+    """qk_rope_head_dim: an even integer >= 0; 0 is NoPE (GLM-5.3-Flash), which the caches store in their
+    576-dim rows with a zero rope part."""
+    with pytest.raises(ValueError, match="qk_rope_head_dim"):
+        DSAConfig.preset("tiny").replace(qk_rope_head_dim=bad)
+    assert DSAConfig.preset("tiny").replace(qk_rope_head_dim=0).kv_cache_dim == 512
 
 
 @pytest.mark.parametrize("key", POSITIVE)

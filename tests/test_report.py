@@ -380,7 +380,7 @@ def test_cli_errors(ckpt, per_layer_hidden, tmp_path, capsys):
         (base + ["--device", "tpu"], r"--device: expected 'cpu', 'cuda' or 'cuda:N'"),
         (base + ["--seed", "-1"], r"--seed: expected an integer >= 0"),
         (["report", "--checkpoint", str(kpool), "--layers", "0-1"], r"--checkpoint: index_kpool = 4"),
-        (["report", "--checkpoint", str(narrow), "--layers", "0-1"], r"--checkpoint: the engine's caches need .* got 320"),
+        (["report", "--checkpoint", str(narrow), "--layers", "0-1"], r"--checkpoint: the engine's caches need kv_lora_rank = 512 .* got 256 and 64"),
     ]
     torch.save(torch.randn(10, 7), tmp_path / "bad.pt")
     cases.append((base + ["--hidden", str(tmp_path / "bad.pt")], r"--hidden: expected \[T, 256\]"))

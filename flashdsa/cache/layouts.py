@@ -40,6 +40,20 @@ MLA_FP8_BYTES = MLA_LATENT + 4 * (MLA_LATENT // 128) + 2 * MLA_ROPE  # 656
 MLA_FP8_RAW_BYTES = MLA_DIM  # 576
 MLA_FP32_BYTES = 4 * MLA_DIM  # 2304
 
+
+
+def mla_rows_fit(kv_lora_rank: int, qk_rope_head_dim: int, index_head_dim: int) -> str | None:
+    """None if a model's MLA and indexer fit these rows, else why not. A NoPE model (``qk_rope_head_dim`` 0,
+    GLM-5.3-Flash) is stored in the same 576-dim rows with a zero rope part: its q . k is the same sum
+    (0 x 0 terms), every kernel unchanged, at 64 / 576 more bytes and FLOPs than 512-dim rows would take."""
+    if kv_lora_rank != MLA_LATENT or qk_rope_head_dim not in (0, MLA_ROPE):
+        return (f"kv_lora_rank = {MLA_LATENT} and qk_rope_head_dim = {MLA_ROPE} or 0 (NoPE), got {kv_lora_rank} "
+                f"and {qk_rope_head_dim}")
+    if index_head_dim != INDEX_DIM:
+        return f"index_head_dim = {INDEX_DIM}, got {index_head_dim}"
+    return None
+
+
 MLA_FORMATS = ("bf16", "fp8", "fp8_raw")       # what serving sizes and plans for
 ALL_MLA_FORMATS = MLA_FORMATS + ("fp32",)       # what the pool, the writers and the attention ops take
 BYTES_PER_TOKEN = {"bf16": MLA_BF16_BYTES, "fp8": MLA_FP8_BYTES, "fp8_raw": MLA_FP8_RAW_BYTES,

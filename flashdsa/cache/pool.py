@@ -94,12 +94,12 @@ class KVPool:
                  max_requests: int = 256, max_next_n: int = 8):
         if not isinstance(config, DSAConfig):
             _fail("config", "a DSAConfig", type(config).__name__)
-        if config.kv_cache_dim != layouts.MLA_DIM:
-            _fail("config", f"kv_lora_rank + qk_rope_head_dim == {layouts.MLA_DIM} (the cache layouts are fixed)",
-                  config.kv_cache_dim)
-        if config.index_head_dim != layouts.INDEX_DIM:
-            _fail("config", f"index_head_dim == {layouts.INDEX_DIM} (the indexer page layout is fixed)",
-                  config.index_head_dim)
+        why = layouts.mla_rows_fit(config.kv_lora_rank, config.qk_rope_head_dim, config.index_head_dim)
+        if why is not None:
+            raise ValueError(f"config: the cache layouts are fixed: expected {why}")
+        if config.layer_types is not None:
+            _fail("config", "the DSA layers alone (config.dsa_stack()): a pool holds DSA layers only",
+                  f"layer_types {list(config.layer_types)}")
         if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 1:
             _fail("num_pages", "an int >= 1", repr(num_pages))
         if kv_format not in layouts.ALL_MLA_FORMATS:
@@ -129,7 +129,7 @@ class KVPool:
         self.index_caches: dict[int, torch.Tensor] = {
             layer: torch.zeros(num_pages, layouts.INDEX_PAGE_BYTES, dtype=torch.uint8, device=self.device)
             for layer in config.topk_layers}
-        self.exact_index_caches: dict[int, torch.Tensor] = {}  # made on first use (exact_index_cache)
+        self.exact_index_caches: dict = {}  # layer (or (layer, "gate")) -> store, made on first use
         # kpool's tail ring (module docstring): made on a layer's first pooled write, in the model dtype
         self.tail_requests = max_requests  # (OffloadKVPool's max_requests counts its buffers)
         self.tail_len = self.kpool + max_next_n - 1
@@ -168,15 +168,17 @@ class KVPool:
                              f"no indexer cache; layers with one: {sorted(self.index_caches)}")
         return self.index_caches[layer]
 
-    def exact_index_cache(self, layer: int, dtype: torch.dtype) -> torch.Tensor:
+    def exact_index_cache(self, layer: int, dtype: torch.dtype, gate: bool = False) -> torch.Tensor:
         """The layer's float key store ``[P * page_size, 128]`` of ``dtype`` for an exact-precision indexer,
         addressed by MLA slot; made (zeroed) on first use, or remade if ``dtype`` changed (the keys of the
-        old dtype were written by an indexer that no longer runs). ValueError for a skip-top-k layer."""
+        old dtype were written by an indexer that no longer runs). ``gate=True``: kpool's second store, every
+        token's pooling gate (exact kpool pools at selection time). ValueError for a skip-top-k layer."""
         self.index_cache(layer)  # the same rule: only top-k layers keep indexer keys
-        store = self.exact_index_caches.get(layer)
+        key = (layer, "gate") if gate else layer
+        store = self.exact_index_caches.get(key)
         if store is None or store.dtype != dtype:
             store = torch.zeros(self.num_pages * self.page_size, layouts.INDEX_DIM, dtype=dtype, device=self.device)
-            self.exact_index_caches[layer] = store
+            self.exact_index_caches[key] = store
         return store
 
     def tail_ring(self, layer: int, dtype: torch.dtype) -> torch.Tensor:

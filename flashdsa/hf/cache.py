@@ -35,7 +35,7 @@ import weakref
 from dataclasses import dataclass
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionLayer
 
 from flashdsa.cache.allocator import OutOfPagesError
 from flashdsa.cache.metadata import DECODE, BatchMetadata
@@ -117,7 +117,10 @@ class FlashDSACache(Cache):
         if patch is None:
             raise ValueError("model: expected a model patched by flashdsa.hf.apply(model)")
         self._length = _Length()
-        super().__init__(layers=[_FlashDSALayer(self._length) for _ in range(patch.config.num_hidden_layers)])
+        # a hybrid stack's linear-attention layers keep their conv / recurrent state in HF's own layer objects
+        dsa = set(patch.hf_layers)
+        super().__init__(layers=[_FlashDSALayer(self._length) if i in dsa else LinearAttentionLayer()
+                                 for i in range(patch.num_hf_layers)])
         self.patch = patch
         self.uid = next(_uids)
         self.rows: list | None = None         # request ids in the pool, one per batch row
@@ -149,6 +152,11 @@ class FlashDSACache(Cache):
         self.rows, self._finalizer = None, None
         self._length.seen = 0
         self._real = torch.zeros(0, 0, dtype=torch.bool)
+        for layer in self._linear_layers():
+            layer.reset()
+
+    def _linear_layers(self) -> list:
+        return [layer for layer in self.layers if isinstance(layer, LinearAttentionLayer)]
 
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the last ``-tokens_to_remove`` columns (HF's convention: a negative count)."""
@@ -157,6 +165,9 @@ class FlashDSACache(Cache):
         keep = self.seen + tokens_to_remove
         if tokens_to_remove == 0 or self.rows is None:
             return
+        if self._linear_layers():
+            raise NotImplementedError("FlashDSACache: crop of a hybrid stack (its linear-attention layers keep a "
+                                      "recurrent state, which cannot be rolled back) is not supported")
         if keep < 0:
             raise ValueError(f"tokens_to_remove: the cache holds {self.seen} columns, cannot drop {-tokens_to_remove}")
         runner = self.patch.runner
@@ -214,7 +225,8 @@ class FlashDSACache(Cache):
         self._pending = self._new_real = None
 
     def _abort(self, runner: Runner) -> None:
-        """The forward failed: give its reservation back, so the cache is exactly as before it."""
+        """The forward failed: give its reservation back, so the cache is exactly as before it (its pages;
+        a hybrid stack's linear-attention layers may have stepped their state: HF's, not rolled back)."""
         if self._pending is not None:
             runner.undo(self._pending)
         if self._real.shape[1] == 0 and self.rows is not None:  # the failed forward was the first one

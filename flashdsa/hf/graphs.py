@@ -47,6 +47,8 @@ class _GraphDecode:
         """
         if not (self.cuda_graphs and self.graph_failure is None and _graphs_possible(device)):
             return None
+        if self.hybrid:  # HF's linear-attention layers step their state on every run, a capture's warm-up too
+            return None
         if self.backend == "torch" or self.record or S != 1 or real is not None or cache.rows is None:
             return None
         if B > _GRAPH_MAX_BATCH or set(kwargs) - _DECODE_KWARGS or kwargs.get("inputs_embeds") is not None:

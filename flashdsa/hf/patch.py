@@ -36,7 +36,7 @@ import torch
 import transformers
 from transformers.cache_utils import Cache
 
-from flashdsa.cache.layouts import INDEX_DIM, MLA_DIM
+from flashdsa.cache.layouts import mla_rows_fit
 from flashdsa.config import DSAConfig, is_dsa
 from flashdsa.engine.runner import Runner
 from flashdsa.hf.cache import FlashDSACache, _Forward, _NoMasks, get_patch
@@ -48,6 +48,7 @@ _MIN_TRANSFORMERS = (5, 23)
 _MLA_PARTS = ("q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj",
               "o_proj")
 _INDEXER_PARTS = ("wq_b", "wk", "k_norm", "weights_proj")
+_KPOOL_PARTS = ("index_kpool_compress_gate", "index_kpool_compress_ape")
 KV_FORMATS = ("auto", "bf16", "fp8", "fp32")
 
 
@@ -62,8 +63,10 @@ def _version(v: str) -> tuple[int, int]:
 class Patch(_GraphDecode):
     """What :func:`apply` installed on a model (``get_patch(model)``).
 
-    ``calls[i]``: forwards of attention layer i through flashdsa (each layer once per model forward, a
-    graph replay included). ``runner``: the :class:`Runner` owning the pool (made on the first forward, on
+    ``calls[i]``: forwards of DSA layer i through flashdsa (each layer once per model forward, a graph
+    replay included); ``config`` is the DSA layers alone (``DSAConfig.dsa_stack``), ``hf_layers[i]`` the
+    decoder layer DSA layer i is (all of them but a hybrid stack's linear-attention layers, which stay HF's
+    and keep their state in HF's cache layers inside the :class:`FlashDSACache`). ``runner``: the :class:`Runner` owning the pool (made on the first forward, on
     the model's device); with ``record=True`` its ``selections`` hold each layer's last selection.
     ``cuda_graphs``: decode steps replay CUDA graphs (may be switched off at any time);
     ``graphs``: the captured ones by ``(batch, block-table pages)``; ``graph_replays``: steps they ran (the
@@ -78,6 +81,8 @@ class Patch(_GraphDecode):
     backend: str | None
     record: bool
     attentions: list[DSAAttention]
+    hf_layers: list[int] = field(default_factory=list)
+    num_hf_layers: int = 0
     cuda_graphs: bool = True
     calls: list[int] = field(default_factory=list)
     runner: Runner | None = None
@@ -117,6 +122,9 @@ class Patch(_GraphDecode):
         kwargs["cache"] = cache
         real = self._real_tokens(kwargs.get("attention_mask"), cache, B, S)
         kwargs["attention_mask"] = _NoMasks()
+        if self.hybrid and real is not None and S > 1:
+            # HF's linear-attention layers zero padded columns (create_recurrent_attention_mask); DSA's see none
+            kwargs["attention_mask"]["linear_attention"] = real.to(ref.device)
         runner = self._runner_for(ref.device)
         if self.record:
             runner.selections = {}
@@ -187,6 +195,11 @@ class Patch(_GraphDecode):
             attn.mla_dtype = torch.float32 if fmt == "fp32" else torch.bfloat16
         return self.runner
 
+    @property
+    def hybrid(self) -> bool:
+        """Linear-attention layers between the DSA ones (GLM-5.3-Flash)."""
+        return len(self.hf_layers) != self.num_hf_layers
+
     def cache_format(self) -> str:
         """The MLA cache format in use: ``kv_format`` as given, or for "auto" "fp32" while the model's
         attention weights are fp32 and "bf16" otherwise."""
@@ -204,7 +217,10 @@ class Patch(_GraphDecode):
         if fwd.tok_idx is not None:
             x = x.index_select(0, fwd.tok_idx)
         if fwd.cos is None:
-            fwd.cos, fwd.sin = (_rope_half(t, B, S, fwd.tok_idx) for t in position_embeddings)
+            if self.config.qk_rope_head_dim == 0:  # NoPE: HF hands no position_embeddings
+                fwd.cos = fwd.sin = x.new_empty(x.shape[0], 0, dtype=torch.float32)
+            else:
+                fwd.cos, fwd.sin = (_rope_half(t, B, S, fwd.tok_idx) for t in position_embeddings)
         with torch.no_grad():
             out, fwd.prev = self.attentions[lid](x, fwd.cos, fwd.sin, fwd.meta, self.runner.pool, fwd.prev)
         if self.record:
@@ -235,15 +251,19 @@ def _attention_forward(patch: Patch, lid: int, returns_topk: bool):
 # ---- installing it -----------------------------------------------------------------------------------
 
 def _decoder(model):
-    base = getattr(model, "model", model)
-    if not isinstance(getattr(base, "layers", None), torch.nn.ModuleList):
-        raise ValueError(f"model: expected an HF decoder-only model with .model.layers (or .layers), "
-                         f"got {type(model).__name__}")
-    return base
+    """The module holding the decoder layers: ``model.model`` / ``model`` or, in a multimodal model
+    (GLM-5.3-Flash), its ``language_model``."""
+    for base in (getattr(model, "model", None), model):
+        for m in (base, getattr(base, "language_model", None)):
+            if isinstance(getattr(m, "layers", None), torch.nn.ModuleList):
+                return m
+    raise ValueError(f"model: expected an HF decoder-only model with .model.layers (or .layers, or "
+                     f".model.language_model.layers), got {type(model).__name__}")
 
 
 def _adopt(hf_attn, cfg: DSAConfig, lid: int, precision: str) -> DSAAttention:
-    """A DSAAttention whose submodules are the HF layer's own (built on meta, then every part replaced)."""
+    """A DSAAttention whose submodules are the HF layer's own (built on meta, then every part replaced).
+    ``cfg`` is the DSA stack, ``lid`` the layer's place in it."""
     missing = [p for p in _MLA_PARTS + ("scaling",) if not hasattr(hf_attn, p)]
     if missing:
         raise ValueError(f"model: layer {lid}'s attention ({type(hf_attn).__name__}) is not DSA's MLA: it lacks "
@@ -261,7 +281,11 @@ def _adopt(hf_attn, cfg: DSAConfig, lid: int, precision: str) -> DSAAttention:
         missing = [p for p in _INDEXER_PARTS if not hasattr(hf_indexer, p)]
         if missing:
             raise ValueError(f"model: layer {lid}'s indexer lacks {missing}")
-        for name in _INDEXER_PARTS:
+        parts = _INDEXER_PARTS + (_KPOOL_PARTS if cfg.index_kpool > 1 else ())
+        missing = [p for p in parts if not hasattr(hf_indexer, p)]
+        if missing:
+            raise ValueError(f"model: layer {lid}'s indexer lacks {missing} (index_kpool = {cfg.index_kpool})")
+        for name in parts:
             setattr(attn.indexer, name, getattr(hf_indexer, name))
         attn.indexer.precision = precision
     assert not any(p.is_meta for p in attn.parameters()), "every part of the adapter is the HF layer's"
@@ -270,7 +294,8 @@ def _adopt(hf_attn, cfg: DSAConfig, lid: int, precision: str) -> DSAAttention:
 
 def apply(model, indexer: str = "fp8", *, kv_format: str = "auto", max_tokens: int = 32768,
           backend: str | None = None, record: bool = False, cuda_graphs: bool = True) -> Patch:
-    """Patch an HF DSA model (``DeepseekV32ForCausalLM``, ``GlmMoeDsaForCausalLM``) in place.
+    """Patch an HF DSA model (``DeepseekV32ForCausalLM``, ``GlmMoeDsaForCausalLM``,
+    ``Glm5NextForConditionalGeneration``) in place.
 
     Args:
         model:      the HF model (the ``*ForCausalLM`` or its decoder ``*Model``).
@@ -305,25 +330,24 @@ def apply(model, indexer: str = "fp8", *, kv_format: str = "auto", max_tokens: i
     d = hf_config.to_dict() if hasattr(hf_config, "to_dict") else {}
     if not is_dsa(d):
         raise ValueError(f"model: {type(model).__name__} is not a DSA model (flashdsa.hf patches DeepSeek-V3.2 / "
-                         f"GLM-5 models: a DSA architecture with index_topk; got model_type "
+                         f"GLM-5 / GLM-5.3-Flash models: a DSA architecture with index_topk; got model_type "
                          f"{d.get('model_type')!r}, index_topk {d.get('index_topk')!r})")
-    cfg = DSAConfig.from_hf(d)
-    if cfg.kv_cache_dim != MLA_DIM or cfg.index_head_dim != INDEX_DIM:
-        raise ValueError(f"model: flashdsa's caches need kv_lora_rank + qk_rope_head_dim = {MLA_DIM} and "
-                         f"index_head_dim = {INDEX_DIM}, got {cfg.kv_cache_dim} and {cfg.index_head_dim}")
-    if cfg.index_kpool > 1:
-        raise ValueError("model: index_kpool > 1 is not supported by flashdsa.hf yet")
+    full = DSAConfig.from_hf(d)
+    why = mla_rows_fit(full.kv_lora_rank, full.qk_rope_head_dim, full.index_head_dim)
+    if why is not None:
+        raise ValueError(f"model: flashdsa's caches need {why}")
     base = _decoder(model)
-    if len(base.layers) != cfg.num_hidden_layers:
-        raise ValueError(f"model: {len(base.layers)} layers, the config says {cfg.num_hidden_layers}")
+    if len(base.layers) != full.num_hidden_layers:
+        raise ValueError(f"model: {len(base.layers)} layers, the config says {full.num_hidden_layers}")
     if get_patch(model) is not None:
         unapply(model)
-    attentions = [_adopt(layer.self_attn, cfg, i, indexer) for i, layer in enumerate(base.layers)]
+    cfg, hf_layers = full.dsa_stack(), full.dsa_layers
+    attentions = [_adopt(base.layers[h].self_attn, cfg, i, indexer) for i, h in enumerate(hf_layers)]
     patch = Patch(model=model, config=cfg, indexer=indexer, kv_format=kv_format, max_tokens=max_tokens,
-                  backend=backend, record=record, attentions=attentions, cuda_graphs=cuda_graphs,
-                  calls=[0] * cfg.num_hidden_layers)
-    for i, layer in enumerate(base.layers):
-        hf_attn = layer.self_attn
+                  backend=backend, record=record, attentions=attentions, hf_layers=hf_layers,
+                  num_hf_layers=full.num_hidden_layers, cuda_graphs=cuda_graphs, calls=[0] * len(hf_layers))
+    for i, h in enumerate(hf_layers):
+        hf_attn = base.layers[h].self_attn
         returns_topk = "prev_topk_indices" in inspect.signature(type(hf_attn).forward).parameters
         hf_attn.forward = _attention_forward(patch, i, returns_topk)
         patch._patched.append(hf_attn)

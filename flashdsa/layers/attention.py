@@ -39,10 +39,12 @@ from torch import nn
 
 from flashdsa import ops
 from flashdsa._checks import trusted_inputs
+from flashdsa.cache.layouts import MLA_DIM
 from flashdsa.cache.metadata import EXTEND, BatchMetadata
 from flashdsa.cache.pool import KVPool
 from flashdsa.config import DSAConfig
-from flashdsa.layers.indexer import Indexer, IndexerOutput, exact_logits_paged, exact_logits_ragged, exact_topk
+from flashdsa.layers.indexer import (Indexer, IndexerOutput, exact_kpool_groups, exact_logits_paged, exact_logits_ragged,
+                                     exact_topk, pool_as_hf)
 from flashdsa.ops.topk.reference import translate
 from flashdsa.quant import apply_rope
 
@@ -74,6 +76,8 @@ class DSAAttention(nn.Module):
         self.softmax_scale = cfg.softmax_scale
         self.index_topk = cfg.index_topk
         self.kpool = cfg.index_kpool
+        # NoPE (GLM-5.3-Flash): the 576-dim rows hold a zero rope part (cache.layouts.mla_rows_fit)
+        self.zero_rope = MLA_DIM - self.kv_lora_rank - self.rope
         self.q_a_proj = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=False, dtype=dtype)
         self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
         self.q_b_proj = nn.Linear(cfg.q_lora_rank, self.h * (self.nope + self.rope), bias=False, dtype=dtype)
@@ -104,10 +108,13 @@ class DSAAttention(nn.Module):
         # move 3x its bytes every decode step, and q is rounded to mla_dtype for the kernels anyway.
         q_lat = torch.einsum("thn,hnc->thc", q_nope.to(w_uk.dtype), w_uk)
         q_pe = apply_rope(q_pe, cos, sin, interleave=True)
-        q_abs = torch.cat((q_lat, q_pe), dim=-1).to(self.mla_dtype)
         kv = self.kv_a_proj_with_mqa(x)
         c, k_pe = kv.split([self.kv_lora_rank, self.rope], dim=-1)
         k_pe = apply_rope(k_pe, cos, sin, interleave=True)
+        if self.zero_rope:
+            q_pe = q_pe.new_zeros(T, self.h, self.zero_rope)
+            k_pe = k_pe.new_zeros(T, self.zero_rope)
+        q_abs = torch.cat((q_lat, q_pe), dim=-1).to(self.mla_dtype)
         kv_rows = torch.cat((self.kv_a_layernorm(c).float(), k_pe), dim=-1).to(self.mla_dtype)
         return q_abs, kv_rows, qr
 
@@ -162,12 +169,14 @@ class DSAAttention(nn.Module):
     def store(self, kv_rows: torch.Tensor, idx: IndexerOutput | None, batch: BatchMetadata, pool: KVPool) -> None:
         """Write the new tokens' cache rows ``kv_rows [T, 576]`` and index keys at ``batch.slot_mapping``."""
         lid = self.layer_id
-        if idx is not None and idx.pooled:
+        if idx is not None and idx.pooled and not idx.exact:
             return self.store_kpool(kv_rows, idx, batch, pool)
         if idx is None or idx.exact:
             pool.write(lid, batch.slot_mapping, kv_rows)
             if idx is not None:
                 pool.exact_index_cache(lid, idx.k.dtype)[batch.slot_mapping] = idx.k
+                if idx.pooled:  # exact kpool pools at selection time, from every token's key and gate
+                    pool.exact_index_cache(lid, idx.k.dtype, gate=True)[batch.slot_mapping] = idx.gate
         else:
             pool.write(lid, batch.slot_mapping, kv_rows, idx.k, idx.k_scale)
 
@@ -181,7 +190,7 @@ class DSAAttention(nn.Module):
         if batch.parallel is not None and batch.parallel.shards_kv:  # DCP: this rank holds part of the keys
             return batch.parallel.select(self, idx, batch, pool)
         if idx.pooled:
-            return self.select_kpool(idx, batch, pool)
+            return self.select_kpool_exact(idx, batch, pool) if idx.exact else self.select_kpool(idx, batch, pool)
         if idx.exact:
             return self.select_exact(idx, batch, pool)
         if batch.mode != EXTEND:
@@ -225,7 +234,7 @@ class DSAAttention(nn.Module):
         ring = pool.tail_ring(lid, idx.k.dtype)
         # every new token's position: under prefill CP the batch's own are this rank's query rows
         positions = batch.positions if batch.parallel is None else batch.parallel.new_positions
-        k_fp8, k_scale = ops.kpool_compress(idx.k, idx.gate, ring, self.indexer.index_kpool_compress_ape,
+        k_fp8, k_scale = ops.kpool_compress(idx.k, idx.gate, ring, self.indexer.index_kpool_compress_ape.float(),
                                             positions, batch.kpool_rows, batch.kpool_first,
                                             batch.kpool_anchors, backend=batch.backend)
         # pooled key g of a request sits at page block_table[g // 64], row g % 64: its token p = g c + i at
@@ -259,6 +268,40 @@ class DSAAttention(nn.Module):
         top = ops.topk_transform(logits, pooled_lens.view(-1), groups, backend=be)
         return ops.kpool_expand(top, batch.context_lens.view(-1), c, page_table=batch.block_table,
                                 page_size=pool.page_size, backend=be)
+
+    def select_kpool_exact(self, idx: IndexerOutput, batch: BatchMetadata, pool: KVPool) -> torch.Tensor:
+        """Exact precision's kpool selection, in :meth:`select_kpool`'s output: HF's ``Glm5NextTextIndexer``
+        — each request's complete groups pooled from the stored keys and gates (:func:`pool_as_hf`),
+        scored exactly, the top ``topk / c`` (:func:`exact_kpool_groups`; HF's ``torch.topk`` rows where
+        ``batch.index_columns`` lays them out off CUDA), expanded with the row's tail. Re-pools the whole
+        context each call: a study path, O(context) per layer and step."""
+        c, lid, be = self.kpool, self.layer_id, batch.backend
+        if batch.parallel is not None:
+            raise NotImplementedError("exact-precision kpool under context parallelism: the pooled keys are made "
+                                      "at selection time from one process's stores; use indexer='fp8'")
+        keys = pool.exact_index_cache(lid, idx.k.dtype)
+        gates = pool.exact_index_cache(lid, idx.k.dtype, gate=True)
+        ape = self.indexer.index_kpool_compress_ape
+        cols = batch.index_columns if not idx.q.is_cuda else None
+        width = None if cols is None else int(((cols.max(dim=1).values + 1) // c).max())
+        if batch.mode == EXTEND:
+            lengths = batch.ke - batch.ks
+            cq, ckv = batch.cu_seqlens_q.tolist(), batch.cu_seqlens_kv.tolist()
+            parts = [(slice(cq[b], cq[b + 1]), batch.kv_slots[ckv[b]:ckv[b + 1]]) for b in range(len(cq) - 1)]
+        else:
+            B, n = batch.context_lens.shape
+            lengths = batch.context_lens.view(-1)
+            ps = pool.page_size
+            parts = []
+            for b, L in enumerate(batch.context_lens.max(dim=1).values.tolist()):
+                p = torch.arange(L, device=keys.device)
+                parts.append((slice(b * n, (b + 1) * n), batch.block_table[b, p // ps].long() * ps + p % ps))
+        top = torch.cat([exact_kpool_groups(idx.q[rows], idx.weights[rows], pool_as_hf(keys[s], gates[s], ape),
+                                            lengths[rows], c, self.index_topk // c, width, backend=be)
+                         for rows, s in parts])
+        if batch.mode == EXTEND:
+            return ops.kpool_expand(top, lengths, c, out_offsets=batch.ks, backend=be)
+        return ops.kpool_expand(top, lengths, c, page_table=batch.block_table, page_size=pool.page_size, backend=be)
 
     def score_paged(self, idx: IndexerOutput, batch: BatchMetadata, pool: KVPool) -> torch.Tensor:
         """Decode / verify indexer logits ``[B * n, max_context_len] float32`` over the paged keys."""

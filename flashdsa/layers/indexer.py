@@ -14,10 +14,12 @@ those rows, so they go as HF's do on the CPU too. Its keys are kept in a float k
 cannot hold them) and scored by :func:`exact_logits_ragged` / :func:`exact_logits_paged` below. Switch
 precision between sequences: the keys already cached were written in the precision of their time.
 
-With kpool (``index_kpool`` = c > 1, docs/DSA.md §7, fp8 only) the layer also holds GLM-5.3's two pooling
+With kpool (``index_kpool`` = c > 1, docs/DSA.md §7) the layer also holds GLM-5.3's two pooling
 parameters, ``index_kpool_compress_gate [128, hidden]`` (model dtype) and ``index_kpool_compress_ape [c, 128]``
 (fp32), and hands back each token's key before rotation plus its gate (``IndexerOutput.gate``): the
-attention layer pools every c tokens' keys into the one key the indexer cache holds (``ops.kpool_compress``).
+attention layer pools every c tokens' keys into the one key the indexer cache holds (``ops.kpool_compress``);
+in exact precision it keeps every token's key and gate and pools them as HF's ``Glm5NextTextIndexer`` does,
+op for op (:func:`pool_as_hf`, :func:`exact_kpool_groups`), at each selection.
 
 Parameter names follow the Hugging Face DeepSeek-V3.2 checkpoint (``self_attn.indexer.*``).
 """
@@ -33,6 +35,7 @@ from flashdsa.config import DSAConfig
 from flashdsa.ops.indexer_quant import HEAD_DIM, ROPE_HALF, indexer_quant, rope_model_dtype
 from flashdsa.ops.indexer_quant.reference import indexer_quant as indexer_quant_reference
 from flashdsa.ops.indexer_quant.reference import rope_model_dtype as rope_model_dtype_reference
+from flashdsa.ops.topk import topk_transform
 from flashdsa.quant import FP8
 
 PRECISIONS = ("fp8", "exact")
@@ -49,9 +52,10 @@ class IndexerOutput(NamedTuple):
     ``k_scale`` None, ``weights [T, H] float32`` = weights_proj * H^-0.5 (HF's; the scorers apply D^-0.5
     to each head's dot product before the ReLU, as HF does).
 
-    kpool (c > 1, fp8): ``q``, ``weights`` as for fp8; ``k [T, D]`` in the model dtype, the key after
-    LayerNorm and RoPE and before the rotation (what ``ops.kpool_compress`` pools); ``k_scale`` None;
-    ``gate [T, D]`` in the model dtype, ``index_kpool_compress_gate`` applied to the hidden states.
+    kpool (c > 1): ``q``, ``weights`` as for the precision; ``k [T, D]`` in the model dtype, the key after
+    LayerNorm and RoPE and before the rotation (what ``ops.kpool_compress`` pools, or exact's
+    :func:`pool_as_hf`); ``k_scale`` None; ``gate [T, D]`` in the model dtype,
+    ``index_kpool_compress_gate`` applied to the hidden states.
     """
 
     q: torch.Tensor
@@ -88,8 +92,7 @@ def _check_precision(precision: str) -> str:
 class Indexer(nn.Module):
     """``x [T, hidden]``, ``qr [T, q_lora_rank]`` (the normed MLA query latent) -> :class:`IndexerOutput`.
 
-    ``precision`` ("fp8" | "exact", see the module docstring) can be changed on a live module; with kpool
-    (``self.kpool`` > 1) only "fp8" is built.
+    ``precision`` ("fp8" | "exact", see the module docstring) can be changed on a live module.
     """
 
     def __init__(self, cfg: DSAConfig, dtype: torch.dtype = torch.bfloat16, precision: str = "fp8"):
@@ -113,11 +116,7 @@ class Indexer(nn.Module):
 
     @precision.setter
     def precision(self, value: str) -> None:
-        value = _check_precision(value)
-        if value == "exact" and self.kpool > 1:
-            raise ValueError(f"precision: only 'fp8' is built for index_kpool = {self.kpool} (pooled keys are "
-                             "stored in the fp8 indexer pages), got 'exact'")
-        self._precision = value
+        self._precision = _check_precision(value)
 
     def forward(self, x: torch.Tensor, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> IndexerOutput:
         T = x.shape[0]
@@ -129,8 +128,11 @@ class Indexer(nn.Module):
             # HF's rounding: LayerNorm and RoPE in the model dtype, so the scores are HF's to the last bit
             k = nn.functional.layer_norm(self.wk(x), kn.normalized_shape, _as(kn.weight, x.dtype),
                                          _as(kn.bias, x.dtype), kn.eps)
+            pool_gate = None
+            if self.kpool > 1:  # HF's Glm5NextTextIndexer: the gate in the model dtype, the keys kept raw
+                pool_gate = nn.functional.linear(x, self.index_kpool_compress_gate.to(x.dtype))
             return IndexerOutput(rope_as_hf(q, cos, sin, self.interleave), gate,
-                                 rope_as_hf(k, cos, sin, self.interleave), None)
+                                 rope_as_hf(k, cos, sin, self.interleave), None, pool_gate)
         # deployment: LayerNorm in fp32 whatever dtype its parameters have, rounded to the model dtype
         k = nn.functional.layer_norm(self.wk(x).float(), kn.normalized_shape, _as(kn.weight, torch.float32),
                                      _as(kn.bias, torch.float32), kn.eps).to(x.dtype)
@@ -304,3 +306,57 @@ def exact_topk(logits: torch.Tensor, topk: int, columns: torch.Tensor) -> torch.
     pos = torch.where(pos < 0, big, pos).sort(dim=-1).values
     pos = torch.where(pos == big, -1, pos)
     return torch.nn.functional.pad(pos, (0, topk - pos.shape[1]), value=-1)
+
+
+# ---- exact kpool (precision="exact", c > 1): HF's Glm5NextTextIndexer ----------------------------------
+
+def pool_as_hf(keys: torch.Tensor, gates: torch.Tensor, ape: torch.Tensor) -> torch.Tensor:
+    """One request's pooled keys, op for op as HF's ``Glm5NextTextIndexer.get_pooled_states``.
+
+    Args:
+        keys:  ``[L, D]`` the request's index keys by position (model dtype, after LayerNorm).
+        gates: ``[L, D]`` their ``index_kpool_compress_gate`` projections (model dtype).
+        ape:   ``[c, D]`` ``index_kpool_compress_ape`` (any float dtype).
+
+    Returns:
+        ``[L // c, D]`` in ``keys.dtype``: group j pools tokens ``j c .. j c + c - 1`` with
+        ``softmax_i(gate_i + ape_i)`` computed in fp32, rounded to the model dtype, then the weighted sum in
+        the model dtype (HF's rounding; the fp8 path's ``ops.kpool_compress`` sums in fp32). Only complete
+        groups: an unfinished one is never scored (its tokens are the row's tail).
+    """
+    c, D = ape.shape
+    n = keys.shape[0] // c
+    k = keys[: n * c].reshape(1, n, c, D)
+    logits = gates[: n * c].reshape(1, n, c, D).float() + ape.float()[None, None]
+    p = torch.nan_to_num(logits.softmax(dim=2)).to(k.dtype)
+    return (p * k).sum(dim=2)[0]
+
+
+def exact_kpool_groups(q: torch.Tensor, weights: torch.Tensor, pooled: torch.Tensor, lengths: torch.Tensor,
+                       c: int, groups: int, width: int | None = None, backend: str | None = None) -> torch.Tensor:
+    """The top ``groups`` complete groups of one request's query rows by their pooled keys' exact scores.
+
+    Args:
+        q:       ``[r, H, D]`` float, an exact :class:`IndexerOutput`'s ``q``.
+        weights: ``[r, H] float32``.
+        pooled:  ``[n, D]`` the request's pooled keys (:func:`pool_as_hf`).
+        lengths: ``[r]`` int, the tokens each row sees; group j is selectable iff ``(j + 1) c <= length``
+                 (HF: a pool is selectable only when its last token is visible).
+        width:   HF's number of pool columns in this forward (the most complete groups of any batch row),
+                 or None. Given, ``torch.topk`` runs over rows of that width as HF's (:func:`exact_topk`:
+                 the CPU's ties go as HF's); None, ties go to the smaller group (``ops.topk_transform``).
+
+    Returns:
+        ``[r, groups] int32`` group ids, ascending, -1 padded.
+    """
+    n = pooled.shape[0]
+    W = n if width is None else width
+    if W < n:
+        raise ValueError(f"width: expected >= the request's {n} complete groups, got {W}")
+    keys = torch.cat((pooled, pooled.new_zeros(W - n, pooled.shape[1])))   # HF's row shape for the matmul
+    logits = _exact_scores(q, keys[None], weights)                           # [r, W]
+    visible = lengths.long()[:, None] // c
+    logits = torch.where(torch.arange(W, device=q.device)[None] < visible, logits, float("-inf"))
+    if width is None:
+        return topk_transform(logits, visible.squeeze(1).to(torch.int32), groups, backend=backend)
+    return exact_topk(logits, groups, torch.arange(W, device=q.device)).to(torch.int32)
