@@ -253,7 +253,8 @@ def _add_demo(sub) -> None:
         "; refuses a preset whose memory estimate (weights + KV caches + activations) exceeds the device's "
         "free memory, and says how many layers fit"))
     demo.add_argument("--preset", default="tiny", choices=sorted(PRESETS),
-                      help="model shapes: tiny (CPU, seconds), v32 (DeepSeek-V3.2) or glm5 (GLM-5)")
+                      help="model shapes: tiny (CPU, seconds), v32 (DeepSeek-V3.2), glm5 (GLM-5) or glm5-flash "
+                           "(GLM-5.3-Flash: its 11 DSA layers, NoPE, kpool 16)")
     demo.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     demo.add_argument("--next-n", type=int, default=2,
                       help="draft tokens per request in the MTP verify step (>= 1; the longest request with its "

@@ -347,7 +347,8 @@ class DSAConfig:
 
     @classmethod
     def preset(cls, name: str) -> "DSAConfig":
-        """``v32`` (DeepSeek-V3.2), ``glm5`` (GLM-5) or ``tiny`` (a small DSA model for CPU tests)."""
+        """``v32`` (DeepSeek-V3.2), ``glm5`` (GLM-5), ``glm5-flash`` (GLM-5.3-Flash: the whole hybrid stack;
+        ``dsa_stack()`` its DSA layers) or ``tiny`` (a small DSA model for CPU tests)."""
         if name not in PRESETS:
             raise ValueError(f"preset: expected one of {sorted(PRESETS)}, got {name!r}")
         return cls.from_hf(PRESETS[name])
@@ -371,6 +372,16 @@ PRESETS: dict[str, dict[str, Any]] = {
         qk_rope_head_dim=64, v_head_dim=256, index_n_heads=32, index_head_dim=128, index_topk=2048,
         indexer_rope_interleave=True, vocab_size=154880, intermediate_size=12288,
         rope_theta=1000000.0, max_position_embeddings=202752,
+    ),
+    # GLM-5.3-Flash (transformers' glm5_next defaults, the released model's shapes): every 4th layer DSA
+    # (NoPE MLA, kpool 16), the others KDA linear attention, which flashdsa does not run (dsa_stack()).
+    "glm5-flash": dict(
+        architectures=["Glm5NextForConditionalGeneration"], num_hidden_layers=45, hidden_size=4096,
+        num_attention_heads=64, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=256,
+        qk_rope_head_dim=0, v_head_dim=256, index_n_heads=32, index_head_dim=128, index_topk=2048,
+        index_kpool=16, vocab_size=154880, intermediate_size=12288, rms_norm_eps=1e-5,
+        max_position_embeddings=1048576,
+        layer_types=["indexed_attention" if i % 4 == 3 else "linear_attention" for i in range(45)],
     ),
     # Small enough for CPU, still every DSA feature: sparse (topk < context), a skip-top-k layer,
     # the real 576-dim MLA cache and 128-dim indexer keys so the byte layouts are the real ones.

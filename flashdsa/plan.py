@@ -345,10 +345,13 @@ def plan(cfg: DSAConfig, context: int = DEFAULT_CONTEXT, batch: int = 1, gpus: i
         _check_positive(name, value)
     _check_choice("kv_format", kv_format, MLA_FORMATS)
     _check_choice("parallel", parallel, PARALLEL_MODES)
+    hf_layers = cfg.num_hidden_layers
+    cfg = cfg.dsa_stack()  # a hybrid stack's linear-attention layers hold no KV of ours: costed apart, not here
     kv = kv_bytes_per_token(cfg)
     return {
         "config": source,
-        "model": {"architecture": cfg.architectures[0], "num_hidden_layers": cfg.num_hidden_layers,
+        "model": {"architecture": cfg.architectures[0], "num_hidden_layers": hf_layers,
+                  "dsa_layers": cfg.num_hidden_layers, "nope": cfg.qk_rope_head_dim == 0,
                   "indexer_layers": len(cfg.topk_layers), "index_topk": cfg.index_topk,
                   "index_kpool": cfg.index_kpool, "page_size": cfg.page_size},
         "inputs": {"context": context, "batch": batch, "gpus": gpus, "kv_format": kv_format,
@@ -393,8 +396,11 @@ def format_plan(report: dict[str, Any]) -> str:
     fmt = inp["kv_format"]
     S, p = inp["context"], inp["gpus"]
     lines = [
-        f"flashdsa plan: {m['architecture']} ({report['config']}): {m['num_hidden_layers']} layers, "
-        f"{m['indexer_layers']} with an indexer, top-{m['index_topk']}, kpool {m['index_kpool']}",
+        f"flashdsa plan: {m['architecture']} ({report['config']}): {m['num_hidden_layers']} layers"
+        + (f" ({m['dsa_layers']} DSA, the rest linear attention: 'all layers' below are the DSA ones)"
+           if m["dsa_layers"] != m["num_hidden_layers"] else "")
+        + f", {m['indexer_layers']} with an indexer, top-{m['index_topk']}, kpool {m['index_kpool']}"
+        + (", NoPE (512-dim latent, stored in 576-dim rows with a zero rope part)" if m["nope"] else ""),
         "",
         f"{'KV bytes per token':<26}{'per layer':>12}{'all layers':>14}",
     ]

@@ -102,6 +102,20 @@ def test_glm5_numbers():
     assert cm["tp_mla"] == 2 * 3 * 2 * 6144 * 4096 // 4 and cm["cp_mla"] == 3 * 1152 * 4096 // 4
 
 
+def test_glm5_flash_costs_its_dsa_layers():
+    """GLM-5.3-Flash: 45 layers, 11 of them DSA (the KDA layers hold no KV of ours); NoPE MLA over the
+    512-dim latent (FLOPs of the model's math), stored in 656-B rows; kpool 16: one pooled key per 16 tokens."""
+    cfg = DSAConfig.preset("glm5-flash")
+    report = P.plan(cfg, context=131072)
+    m = report["model"]
+    assert (m["num_hidden_layers"], m["dsa_layers"], m["indexer_layers"], m["nope"]) == (45, 11, 11, True)
+    kv = report["kv_bytes_per_token"]
+    assert kv["mla"]["fp8"] == 656 * 11 and kv["indexer"] == pytest.approx(11 * 132 / 16)
+    fl = report["flops_per_token"]
+    assert fl["per_history_token"]["mla"] == 2 * 64 * (512 + 512)
+    assert "11 DSA" in P.format_plan(report) and "NoPE" in P.format_plan(report)
+
+
 # ---- skip-top-k layers and kpool -------------------------------------------------------------------
 
 def test_skip_topk_layers_have_no_indexer_cache():

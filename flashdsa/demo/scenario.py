@@ -40,11 +40,11 @@ def parse_device(device: str) -> torch.device:
 
 
 def demo_config(preset: str, layers: int | None = None, kpool: int | None = None) -> DSAConfig:
-    """The preset's config, optionally cut to its first ``layers`` layers (skip-top-k rules cut alike) and with
+    """The preset's DSA layers (``dsa_stack``), optionally cut to the first ``layers`` of them (skip-top-k rules cut alike) and with
     ``index_kpool = kpool`` (None: the preset's)."""
     if preset not in PRESETS:
         raise ValueError(f"preset: expected one of {sorted(PRESETS)}, got {preset!r}")
-    cfg = DSAConfig.preset(preset)
+    cfg = DSAConfig.preset(preset).dsa_stack()  # GLM-5.3-Flash: its DSA layers (the engine runs no KDA)
     if kpool is not None:
         if isinstance(kpool, bool) or not isinstance(kpool, int) or kpool < 1:
             raise ValueError(f"kpool: expected an integer >= 1 (tokens per pooled index key), got {kpool!r}")

@@ -126,6 +126,27 @@ def test_decode_across_group_boundaries_equals_prefill(model):
         close(r.decode({"a": int(p[n0 + i])})[0], full[n0 + i])
 
 
+@pytest.mark.parametrize("precision", ["fp8", "exact"])
+def test_nope_kpool_16_decode_equals_prefill(precision):
+    """GLM-5.3-Flash's shape of the step: NoPE (no RoPE in MLA or the indexer; the rows' rope part zero) and
+    c = 16, in both indexer precisions: decode across group boundaries equals a prefill of the same tokens,
+    and the stored rows' rope part stays zero."""
+    cfg = DSAConfig.preset("tiny").replace(qk_rope_head_dim=0, index_kpool=16)
+    m = DSAModel.random(cfg, seed=1)
+    for layer in m.layers:
+        if layer.self_attn.indexer is not None:
+            layer.self_attn.indexer.precision = precision
+    n0, steps = cfg.index_topk + 20, 18  # 84 = 4 mod 16: the 12th decode completes a group
+    p = token_ids(n0 + steps, cfg.vocab_size, 5)
+    full = Runner(m, 4, "bf16").extend({"a": p}, force_sparse=True)
+    r = Runner(m, 4, "bf16")
+    r.extend({"a": p[:n0]}, force_sparse=True)
+    for i in range(steps):
+        close(r.decode({"a": int(p[n0 + i])})[0], full[n0 + i])
+    rows = r.pool.read(0, r.pool.slots("a"))
+    assert rows.shape[1] == 576 and torch.equal(rows[:, 512:], torch.zeros_like(rows[:, 512:]))
+
+
 @pytest.mark.parametrize("n", [1, 3, 5])
 def test_verify_equals_sequential_decodes(model, n):
     # a: 137 = 1 mod 4 (drafts 137.. cross the boundary at 140); b: 61, shorter than top-k
