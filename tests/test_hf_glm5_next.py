@@ -279,3 +279,38 @@ def test_hybrid_cache():
         cache.crop(-1)
     cache.reset()
     assert not cache.layers[0].has_previous_state[0] and cache.seen == 0
+
+
+def test_graph_decode_plumbing_with_linear_layers(monkeypatch):
+    """Decode steps from (stand-in, CPU) CUDA graphs in the hybrid stack give the eager tokens: the capture's
+    warm-up runs step the linear-attention layers' state, which must be put back before the replay makes the
+    step (the stand-in's capture runs the forward once, as a warm-up does); one graph per cache object."""
+    import flashdsa.hf.graphs as fh_graphs
+
+    model = _model(0)
+    ids, mask = _prompts(0)
+    patch = fh.apply(model, indexer="exact", max_tokens=16384, cuda_graphs=False)
+    with torch.no_grad():
+        eager = model.generate(ids, max_new_tokens=NEW, do_sample=False)
+
+    class StandIn:
+        def __init__(self, run):
+            self.run, self.out = run, run()
+
+        def replay(self):
+            saved = patch._fwd, list(patch.calls)  # a real replay runs no Python: no forward of ours counted
+            out = self.run()
+            patch._fwd, patch.calls[:] = saved
+            self.out["last_hidden_state"].copy_(out["last_hidden_state"])
+
+    captures = []
+    monkeypatch.setattr(fh_graphs, "_graphs_possible", lambda device: True)
+    monkeypatch.setattr(fh_graphs, "_capture", lambda run, device: (captures.append(StandIn(run)) or captures[-1],
+                                                                    captures[-1].out))
+    patch.cuda_graphs = True
+    with torch.no_grad():
+        for n in (1, 2):
+            got = model.generate(ids, max_new_tokens=NEW, do_sample=False)
+            assert torch.equal(got, eager)
+            assert len(captures) == n and len(patch.graphs) == 1  # a new cache, a new graph; the old one dropped
+    assert patch.graph_replays == 2 * (NEW - 1)

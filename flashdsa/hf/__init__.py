@@ -3,7 +3,7 @@
     from transformers import AutoModelForCausalLM
     import flashdsa.hf
 
-    model = AutoModelForCausalLM.from_pretrained(...)      # DeepseekV32ForCausalLM or GlmMoeDsaForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(...)      # DeepSeek-V3.2, GLM-5 or GLM-5.3-Flash
     flashdsa.hf.apply(model, indexer="fp8")                # or "exact"; kv_format="auto", cuda_graphs=True
     model.generate(input_ids, max_new_tokens=64)           # unchanged
 
@@ -17,8 +17,13 @@ The KV lives in a :class:`FlashDSACache` (a ``transformers.Cache`` over flashdsa
 ``max_tokens``) that ``model(...)`` and ``generate()`` hand around; an empty HF cache is replaced by one.
 Batches: any size; padding given by a 2-D ``attention_mask`` (left padding, as generate() makes) is never
 written nor attended; ``crop`` works. Not supported (clear errors): beam / contrastive search, static or
-compiled caches (4-D masks), kpool, training (inference only). Decode steps of up to 16 rows replay CUDA
+compiled caches (4-D masks), training (inference only). Decode steps of up to 16 rows replay CUDA
 graphs on CUDA. :func:`unapply` restores HF's attention.
+
+GLM-5.3-Flash (``Glm5NextForConditionalGeneration``): its DSA layers (NoPE MLA, kpool) run through flashdsa,
+its KDA linear-attention layers stay HF's with their state in HF's own cache layers inside the
+``FlashDSACache`` (crop is refused there: a recurrent state cannot be rolled back). ``indexer="exact"`` pools
+and selects as HF's ``Glm5NextTextIndexer`` (the same tokens, ties included).
 
 The parts: :mod:`flashdsa.hf.patch` (apply / unapply, adopting HF's modules, the numerics),
 :mod:`flashdsa.hf.cache` (the cache, and why it is ours), :mod:`flashdsa.hf.graphs` (decode from CUDA graphs).

@@ -41,19 +41,21 @@ class _GraphDecode:
                      device: torch.device) -> int | None:
         """The block-table width (pages) of the graph that will run this forward, or None to run it eagerly.
 
-        A graph runs plain decode steps: one new real token per live row, token ids in, nothing asked of the
+        A graph runs plain decode steps: one new real token per live row, token ids (or embeddings) in, nothing
+        asked of the
         decoder but its last hidden state. The width is a power of two >= 16 pages covering every row after
         this step, capped at the pool: one graph per (batch, width), a new one only when a row outgrows it.
         """
         if not (self.cuda_graphs and self.graph_failure is None and _graphs_possible(device)):
             return None
-        if self.hybrid:  # HF's linear-attention layers step their state on every run, a capture's warm-up too
-            return None
         if self.backend == "torch" or self.record or S != 1 or real is not None or cache.rows is None:
             return None
-        if B > _GRAPH_MAX_BATCH or set(kwargs) - _DECODE_KWARGS or kwargs.get("inputs_embeds") is not None:
+        # anything else asked of the decoder must be off (GLM-5.3-Flash's wrapper passes output_router_logits=False)
+        if B > _GRAPH_MAX_BATCH or any(kwargs[k] not in (None, False) for k in set(kwargs) - _DECODE_KWARGS):
             return None
-        if not isinstance(kwargs.get("input_ids"), torch.Tensor):
+        # token ids, or the embeddings a multimodal wrapper (GLM-5.3-Flash) hands its language model
+        ins = [kwargs.get(k) for k in ("input_ids", "inputs_embeds") if kwargs.get(k) is not None]
+        if len(ins) != 1 or not isinstance(ins[0], torch.Tensor):
             return None
         pos = kwargs.get("position_ids")
         if pos is not None and not (isinstance(pos, torch.Tensor) and tuple(pos.shape) in ((B, 1), (1, 1))):
@@ -73,6 +75,11 @@ class _GraphDecode:
         if fwd is None or fwd.graph_pages is None:
             return orig(*args, **kwargs)
         key = (len(fwd.cache.rows), fwd.graph_pages)
+        if self.hybrid:
+            # the linear-attention layers' state lives in the cache object: a graph per cache, the last one kept
+            key += (fwd.cache.uid,)
+            for old in [k for k in self.graphs if k[2:] != key[2:]]:
+                del self.graphs[old]
         graph = self.graphs.get(key)
         if graph is not None and graph.weights != self._weights():
             self.graphs.clear()  # the weights moved (model.to(...)): the graphs read the old ones
@@ -124,6 +131,16 @@ def _capture(run, device: torch.device):
     return graph, out
 
 
+def _linear_state(cache: FlashDSACache) -> list[torch.Tensor]:
+    """The tensors HF's linear-attention cache layers change in a decode step (none without such layers)."""
+    out = []
+    for layer in cache._linear_layers():
+        out.append(layer.cumulative_length_linear)
+        for states in (layer.conv_states, layer.recurrent_states):
+            out += [t for t in states.values() if t is not None]
+    return out
+
+
 class _DecodeGraph:
     """The decoder's forward for one decode step of B rows with a ``[B, pages]`` block table, captured once in
     a CUDA graph (HF's embedding, norms and MLPs, flashdsa's attention) and replayed per token.
@@ -133,7 +150,9 @@ class _DecodeGraph:
     ``context_lens [B, 1]``) that :meth:`FlashDSACache._advance` built for the step with the same width.
     Everything else it reads stays where it was at capture: the weights (``Patch._weights`` notices when
     they move) and the pool's caches (a new pool drops the graphs). Nothing inside the graph depends on a
-    value read on the host, so the one graph serves every cache object and every length up to the width.
+    value read on the host, so the one graph serves every cache object and every length up to the width —
+    except in a hybrid stack (GLM-5.3-Flash), whose linear-attention layers' state tensors belong to the cache
+    object: there a graph serves one cache (the patch keeps the latest cache's graphs).
     """
 
     def __init__(self, patch, orig, fwd: _Forward, kwargs: dict):  # patch: flashdsa.hf.patch.Patch
@@ -142,10 +161,12 @@ class _DecodeGraph:
         with torch.inference_mode(False):
             self.meta = dataclasses.replace(m, positions=m.positions.clone(), slot_mapping=m.slot_mapping.clone(),
                                             block_table=m.block_table.clone(), context_lens=m.context_lens.clone())
-            self.ids = kwargs["input_ids"].clone()
-            self.pos = torch.empty_like(self.ids)
+            self.name = "input_ids" if kwargs.get("input_ids") is not None else "inputs_embeds"
+            self.ids = kwargs[self.name].clone()   # token ids [B, 1], or embeddings [B, 1, hidden]
+            self.pos = torch.empty(self.ids.shape[:2], dtype=torch.long, device=self.ids.device)
         self._positions(kwargs.get("position_ids"), fwd.cache)
-        static = dict(input_ids=self.ids, position_ids=self.pos, attention_mask=_NoMasks(), cache=fwd.cache,
+        off = {k: v for k, v in kwargs.items() if k not in _DECODE_KWARGS}  # None / False (_graph_pages)
+        static = dict(off, **{self.name: self.ids}, position_ids=self.pos, attention_mask=_NoMasks(), cache=fwd.cache,
                       use_cache=kwargs.get("use_cache"))
 
         def run():
@@ -155,7 +176,14 @@ class _DecodeGraph:
                 return orig(**static)
 
         self.weights = patch._weights()
-        self.graph, out = _capture(run, self.ids.device)
+        # A hybrid stack's linear-attention layers step their state (in place: HF keeps it at static addresses
+        # for graphs) on every run, the warm-up's too: put it back, the replay that follows makes the step.
+        state = [(t, t.clone()) for t in _linear_state(fwd.cache)]
+        try:
+            self.graph, out = _capture(run, self.ids.device)
+        finally:
+            for t, saved in state:
+                t.copy_(saved)
         extra = [k for k, v in out.items() if v is not None and k != "last_hidden_state" and v is not fwd.cache]
         if extra:
             raise ValueError(f"the decoder returned {extra}; a graph replays the last hidden state only")
@@ -175,7 +203,7 @@ class _DecodeGraph:
         for name in ("positions", "slot_mapping", "block_table", "context_lens"):
             getattr(m, name).copy_(getattr(new, name))
         m.index_columns = new.index_columns  # host-side only: exact top-k reads it off CUDA, never in a graph
-        self.ids.copy_(kwargs["input_ids"])
+        self.ids.copy_(kwargs[self.name])
         self._positions(kwargs.get("position_ids"), fwd.cache)
         self.graph.replay()
         out = {"last_hidden_state": self.hidden.clone()}  # the buffer is the next replay's output too

@@ -16,6 +16,9 @@ Numerics:
       for V3.2, interleaved for GLM (``DSAConfig.indexer_rope_interleave``).
     * GLM's ``indexer_types``: a "shared" layer has no indexer (in HF as here) and reuses the previous
       layer's selection.
+    * GLM-5.3-Flash: NoPE (no ``position_embeddings``; the rows' rope part zero), kpool (exact: HF's pooling
+      and selection op for op, ``layers.indexer.pool_as_hf``; fp8: ``ops.kpool_compress``), a hybrid stack
+      (only the "indexed_attention" layers are patched).
     * The attention runs at the model's precision (``kv_format="auto"``): for an fp32 model the absorbed
       query, the MLA cache rows (the "fp32" format, 2304 B a token) and the attention kernels are fp32
       (IEEE products), so ``indexer="exact"`` reproduces HF's fp32 logits to fp32 rounding (~1e-6 of their
