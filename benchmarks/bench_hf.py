@@ -1,6 +1,14 @@
-"""generate() tokens/s of a small random HF DeepSeek-V3.2 model: HF eager vs patched by flashdsa.hf, same run.
+"""generate() tokens/s of a small random HF DeepSeek-V3.2 (or GLM-5.3-Flash) model: HF eager vs patched by
+flashdsa.hf, same run.
 
     PYTHONPATH=. python benchmarks/bench_hf.py [--quick] [--lens 4096,16384] [--batches 1,8] [--new 32] [--smoke]
+    PYTHONPATH=. python benchmarks/bench_hf.py --arch glm5-next ...
+
+``--arch glm5-next``: ``Glm5NextForConditionalGeneration``, bf16, 4 layers (KDA linear attention, DSA, KDA,
+DSA: the released model's pattern is 3 KDA to 1 DSA), hidden 1024, 16 heads, the released DSA layer's dims
+(NoPE: kv_lora 512, nope 256, v 256; 32 indexer heads of 128, index_topk 2048, kpool 16), dense MLPs,
+hyper-connections as the model has them. Its KDA layers are HF's in every row (transformers' torch fallback
+where flash-linear-attention is not installed), so the ratio is of the whole model.
 
 The model: ``DeepseekV32ForCausalLM`` from transformers with its default initialisation (nothing re-scaled),
 bf16, 4 layers, hidden 1024, 16 heads, the real MLA / indexer dims (kv_lora 512, rope 64, nope 128, v 128,
@@ -55,6 +63,16 @@ SMOKE = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_
              num_key_value_heads=4, q_lora_rank=64, kv_lora_rank=512, qk_nope_head_dim=32, qk_rope_head_dim=64,
              v_head_dim=32, index_n_heads=8, index_head_dim=128, index_topk=16, first_k_dense_replace=3,
              max_position_embeddings=1024)
+GLM5_NEXT = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, moe_intermediate_size=512,
+                 num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=16, n_routed_experts=8,
+                 num_experts_per_tok=2, q_lora_rank=384, kv_lora_rank=512, qk_nope_head_dim=256, v_head_dim=256,
+                 index_n_heads=32, index_head_dim=128, index_topk=2048, index_kpool=16,
+                 layer_types=["linear_attention", "indexed_attention"] * 2, mlp_layer_types=["dense"] * 4,
+                 linear_head_dim=128, linear_num_heads=8, max_position_embeddings=65536)
+GLM5_NEXT_SMOKE = dict(GLM5_NEXT, vocab_size=256, hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                       num_key_value_heads=4, q_lora_rank=64, qk_nope_head_dim=32, v_head_dim=32, index_n_heads=4,
+                       index_topk=16, index_kpool=4, linear_head_dim=32, linear_num_heads=2,
+                       max_position_embeddings=1024)
 IMPLS = {  # name -> flashdsa.hf.apply keywords (None: HF eager, unpatched)
     "hf-eager": None,
     "fd-fp8": dict(indexer="fp8"),
@@ -64,12 +82,22 @@ IMPLS = {  # name -> flashdsa.hf.apply keywords (None: HF eager, unpatched)
 HF_EAGER_MAX_SCORES = 64 << 30  # skip HF eager where its [B, S, heads, T] fp32 indexer scores exceed this
 
 
-def build(cfg: dict, device: str, dtype: torch.dtype):
+def build(cfg: dict, device: str, dtype: torch.dtype, arch: str = "v32"):
     torch.manual_seed(0)
     with torch.device(device):
-        model = DeepseekV32ForCausalLM(DeepseekV32Config(**cfg, pad_token_id=0, eos_token_id=None))
+        if arch == "glm5-next":
+            from transformers import Glm5NextConfig, Glm5NextForConditionalGeneration
+            config = Glm5NextConfig(text_config=dict(cfg, pad_token_id=0, eos_token_id=None))
+            config.text_config._attn_implementation = "eager"
+            model = Glm5NextForConditionalGeneration(config)
+        else:
+            model = DeepseekV32ForCausalLM(DeepseekV32Config(**cfg, pad_token_id=0, eos_token_id=None))
     model.config._attn_implementation = "eager"
     return model.to(dtype).eval()
+
+
+def text_config(model):
+    return getattr(model.config, "text_config", model.config)
 
 
 def sync(device: str) -> None:
@@ -115,7 +143,7 @@ def fp32_vs_hf(model, ids, new: int, max_tokens: int) -> tuple[float, int, str, 
 def check(model, vocab: int, prompt: int, device: str, max_tokens: int, new: int = 8) -> None:
     """The numerics against HF before any timing (module docstring); raises if they are off."""
     ids = torch.randint(1, vocab, (1, prompt), device=device, generator=torch.Generator(device).manual_seed(1))
-    dense = model.config.index_topk - new
+    dense = text_config(model).index_topk - new
     err32, same32, fmt32, _ = fp32_vs_hf(model, ids[:, :dense], new, max_tokens)
     print(f"[check] prompt {dense} (<= index_topk: nothing to select), fp32 model ({fmt32} cache): exact vs HF "
           f"max|diff| / max|HF| {err32:.2e} (bound 1e-4), greedy tokens equal {same32}/{new}")
@@ -160,7 +188,9 @@ def run(model, impl: str, ids, new: int, device: str, max_tokens: int) -> dict:
     B, L = ids.shape
     row = {"prompt": L, "batch": B, "impl": impl}
     kw = IMPLS[impl]
-    if kw is None and B * L * L * MODEL["index_n_heads"] * 4 > HF_EAGER_MAX_SCORES and device == "cuda":
+    tc = text_config(model)
+    scores = B * L * L * tc.index_n_heads * 4 // getattr(tc, "index_kpool", 1)
+    if kw is None and scores > HF_EAGER_MAX_SCORES and device == "cuda":
         row["prefill_ms"] = "skipped (HF's indexer scores > 64 GiB)"
         return row
     patch = fh.apply(model, max_tokens=max_tokens, **kw) if kw is not None else None
@@ -202,6 +232,7 @@ def main() -> None:
     ap.add_argument("--no-check", action="store_true", help="skip the numerics check against HF")
     ap.add_argument("--profile", action="store_true", help="also print torch.profiler's host-side table of "
                     "patched decode steps")
+    ap.add_argument("--arch", default="v32", choices=["v32", "glm5-next"])
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU: checks the script, times mean nothing")
     args = ap.parse_args()
     impls = args.impls.split(",")
@@ -209,18 +240,21 @@ def main() -> None:
     if unknown:
         sys.exit(f"bench_hf: unknown --impls {sorted(unknown)}; choose from {list(IMPLS)}")
     if args.smoke:
-        device, dtype, cfg, lens, batches, new, check_len = "cpu", torch.bfloat16, SMOKE, [48], [1, 2], 4, 40
+        device, dtype, lens, batches, new, check_len = "cpu", torch.bfloat16, [48], [1, 2], 4, 40
+        cfg = GLM5_NEXT_SMOKE if args.arch == "glm5-next" else SMOKE
     else:
         if not torch.cuda.is_available():
             sys.exit("bench_hf: needs a CUDA device (or --smoke)")
-        device, dtype, cfg = "cuda", torch.bfloat16, MODEL
+        device, dtype = "cuda", torch.bfloat16
+        cfg = GLM5_NEXT if args.arch == "glm5-next" else MODEL
         lens = [4096] if args.quick else [int(x) for x in args.lens.split(",")]
         batches = [1] if args.quick else [int(x) for x in args.batches.split(",")]
         new, check_len = (16 if args.quick else args.new), 3072
     cases = [(L, 1) for L in lens if 1 in batches] + [(min(lens), b) for b in batches if b > 1]
-    max_tokens = max([b * (L + new + 64) for L, b in cases] + [check_len + 64 + 8])
-    model = build(cfg, device, dtype)
-    print(f"model: DeepseekV32ForCausalLM {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M params, {dtype}, "
+    page = 64 * cfg.get("index_kpool", 1)  # every row rounds up to whole pages
+    max_tokens = max([b * -(-(L + new + 64) // page) * page for L, b in cases] + [check_len + 64 + 8])
+    model = build(cfg, device, dtype, args.arch)
+    print(f"model: {type(model).__name__} {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M params, {dtype}, "
           f"{device}, default initialisation; op backends: default (Triton on CUDA where a kernel exists)")
     if not args.no_check:
         check(model, cfg["vocab_size"], check_len, device, max_tokens)
@@ -250,7 +284,7 @@ def main() -> None:
     write_json(rows, "bench_hf")
     short = [{k: r.get(k, "") for k in ("prompt", "batch", "impl", "prefill_ms", "decode_tok_s", "decode_x",
                                         "gen_tok_s", "gen_x", "peak_GiB")} for r in rows]
-    print_table(short, f"generate() of a random bf16 DeepseekV32ForCausalLM, {new} new tokens, greedy; "
+    print_table(short, f"generate() of a random bf16 {type(model).__name__}, {new} new tokens, greedy; "
                        "decode_x / gen_x: vs hf-eager at the same prompt and batch")
 
 
