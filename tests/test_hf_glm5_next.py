@@ -289,7 +289,8 @@ def test_graph_decode_plumbing_with_linear_layers(monkeypatch):
 
     model = _model(0)
     ids, mask = _prompts(0)
-    patch = fh.apply(model, indexer="exact", max_tokens=16384, cuda_graphs=False)
+    # fp8: exact kpool (host-side lengths) decodes eagerly, graphs or not
+    patch = fh.apply(model, indexer="fp8", max_tokens=16384, cuda_graphs=False)
     with torch.no_grad():
         eager = model.generate(ids, max_new_tokens=NEW, do_sample=False)
 
@@ -314,3 +315,38 @@ def test_graph_decode_plumbing_with_linear_layers(monkeypatch):
             assert torch.equal(got, eager)
             assert len(captures) == n and len(patch.graphs) == 1  # a new cache, a new graph; the old one dropped
     assert patch.graph_replays == 2 * (NEW - 1)
+
+
+@pytest.mark.gpu
+def test_graph_decode_gpu_hybrid():
+    """On the GPU (Triton kernels): fp32, exact — HF's greedy tokens, eagerly (exact kpool decodes without
+    graphs); bf16, fp8 — the decode steps replayed from CUDA graphs, the linear-attention layers' state
+    stepped by the replay only, give the eager decode's tokens and logits (the same kernels on the same
+    values; bound: one bf16 ulp of the largest logit), twice (a new cache: a new graph)."""
+    model = _model(0).cuda()
+    ids, mask = (t.cuda() for t in _prompts(0))
+    with torch.no_grad():
+        want = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+        patch = fh.apply(model, indexer="exact", max_tokens=16384)
+        assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False), want)
+        assert not patch.graphs and patch.graph_failure is None
+        model = model.to(torch.bfloat16)
+
+        def steps(graphs: bool):
+            fh.apply(model, indexer="fp8", max_tokens=16384, cuda_graphs=graphs)
+            out = model(input_ids=ids, attention_mask=mask, use_cache=True)
+            rows, cache, m = [out.logits[:, -1].float()], out.cache, mask
+            for j in range(NEW):
+                tok = ids[:, -1 - j:ids.shape[1] - j]   # teacher-forced: the same tokens both ways
+                m = torch.cat((m, torch.ones_like(tok)), dim=1)
+                out = model(input_ids=tok, attention_mask=m, cache=cache, use_cache=True)
+                rows.append(out.logits[:, -1].float())
+            return torch.stack(rows)
+
+        eager = steps(False)
+        for n in (1, 2):
+            got = steps(True)
+            patch = fh.get_patch(model)
+            assert patch.graph_failure is None and patch.graph_replays == NEW and len(patch.graphs) == 1
+            ulp = float(eager.abs().max()) * 2 ** -8
+            assert float((got - eager).abs().max()) <= ulp, f"run {n}"

@@ -13,8 +13,8 @@ is a power of two >= 16 pages covering the rows (capped at the pool): the indexe
 positions (-inf past each row's length), so a row that outgrows it gets a wider graph. generate() and the
 caches are unchanged (prefill, padded steps and anything unusual run eagerly); left-padded batches replay
 graphs too. A model that cannot be captured (a host sync in a custom module) warns once and decodes
-eagerly; ``model.to(...)`` and a new pool drop the graphs. On CPU, with ``backend="torch"`` or
-``record=True``, every step is eager. ``get_patch(model).cuda_graphs = False`` (or ``apply(...,
+eagerly; ``model.to(...)`` and a new pool drop the graphs. On CPU, with ``backend="torch"``, exact kpool
+(GLM-5.3-Flash) or ``record=True``, every step is eager. ``get_patch(model).cuda_graphs = False`` (or ``apply(...,
 cuda_graphs=False)``) opts out.
 """
 
@@ -48,6 +48,8 @@ class _GraphDecode:
         """
         if not (self.cuda_graphs and self.graph_failure is None and _graphs_possible(device)):
             return None
+        if self.indexer == "exact" and self.config.index_kpool > 1:
+            return None  # exact kpool re-pools each request's context with host-side lengths: not capturable
         if self.backend == "torch" or self.record or S != 1 or real is not None or cache.rows is None:
             return None
         # anything else asked of the decoder must be off (GLM-5.3-Flash's wrapper passes output_router_logits=False)
