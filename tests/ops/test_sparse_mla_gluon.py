@@ -66,7 +66,7 @@ def _inputs(device, B, s_q, h_q, topk, pages, fmt="fp8"):
 
 @pytest.mark.parametrize("fmt,h_q,d_v,why", [
     ("fp8", 64, 512, "an sm_90 GPU"), ("bf16", 64, 512, "an sm_90 GPU"), ("fp8_raw", 64, 512, "the fp8 656-B cache"),
-    ("fp8", 32, 512, "h_q a multiple of 64"), ("bf16", 32, 512, "h_q a multiple of 64"),
+    ("fp8", 32, 512, "an sm_90 GPU"), ("bf16", 32, 512, "h_q a multiple of 64"),
     ("fp8", 128, 256, "d_v 512"), ("bf16", 128, 256, "d_v 512")])
 def test_rule_says_why_not(fmt, h_q, d_v, why):
     """``unsupported`` names the first requirement a call misses; a forced backend="gluon" raises it."""
@@ -253,23 +253,60 @@ def test_gather_layouts_load_whole_lines_and_share_rows(linear):
 @pytest.mark.gpu
 @needs_sm90
 def test_default_backend_is_gluon_where_it_applies(monkeypatch):
-    """On sm_90 the default picks Gluon for fp8 h_q 128 where its CTAs cover a third of the SMs (B 64), the
-    Triton kernels (which split the top-k list) for a small batch (B 2) and for h_q 16; the same bits as
-    forcing the backend."""
+    """On sm_90 the default picks the Gluon fp8 kernel for h_q 128 at any batch (B 64 whole lists, B 2 the list
+    split over CTAs, h_q 16 padded to 64 heads); the same bits as forcing the backend."""
     q, cache, idx = _inputs("cuda", 64, 1, 128, 256, 8)
-    forced = sparse_mla_decode(q, cache, idx, SM_SCALE, backend="gluon")
-    default = sparse_mla_decode(q, cache, idx, SM_SCALE)
-    assert torch.equal(forced[0], default[0]) and torch.equal(forced[1], default[1])
-    small = sparse_mla_decode(q[:2].contiguous(), cache, idx[:2].contiguous(), SM_SCALE)
-    triton = sparse_mla_decode(q[:2].contiguous(), cache, idx[:2].contiguous(), SM_SCALE, backend="triton")
-    assert torch.equal(small[0], triton[0]) and torch.equal(small[1], triton[1])
+    for b in (64, 2):
+        qb, ib = q[:b].contiguous(), idx[:b].contiguous()
+        forced = sparse_mla_decode(qb, cache, ib, SM_SCALE, backend="gluon")
+        default = sparse_mla_decode(qb, cache, ib, SM_SCALE)
+        assert torch.equal(forced[0], default[0]) and torch.equal(forced[1], default[1])
     calls = []
     real = gluon.sparse_mla_decode
     monkeypatch.setattr(gluon, "sparse_mla_decode", lambda *a, **k: calls.append(a[0].shape[:3]) or real(*a, **k))
     sparse_mla_decode(q, cache, idx, SM_SCALE)
     sparse_mla_decode(q[:2].contiguous(), cache, idx[:2].contiguous(), SM_SCALE)
     sparse_mla_decode(q[:, :, :16].contiguous(), cache, idx, SM_SCALE)
-    assert calls == [(64, 1, 128)]
+    assert calls == [(64, 1, 128), (2, 1, 128), (64, 1, 16)]
+
+
+def test_decode_splits_make_one_wave():
+    """The split rule (a pure function): slices double while the CTAs stay within one wave of the SMs, up to
+    16, each slice >= 128 tokens."""
+    assert [gluon.decode_splits(b, 128, 2048, 132) for b in (1, 2, 4, 8, 16, 32, 64)] == [16, 16, 16, 8, 4, 2, 1]
+    assert [gluon.decode_splits(b, 16, 2048, 132) for b in (1, 16, 64, 128)] == [16, 8, 2, 1]
+    assert gluon.decode_splits(1, 64, 2063, 132) == 16          # kpool's list: padded to 16 equal slices
+    assert gluon.decode_splits(1, 128, 300, 132) == 2           # slices of >= 128 tokens
+    assert gluon.decode_splits(1, 128, 255, 132) == 1
+    assert gluon.decode_splits(1, 128, 2048, 1) == 1
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("B,h_q", [(1, 16), (64, 16), (3, 32), (2, 96)])
+def test_gluon_decode_pads_heads(B, h_q):
+    """h_q not a multiple of 64 runs padded to whole 64-head CTAs (the padding heads computed and dropped):
+    the reference's numbers for the h_q heads asked, with and without a split of the list."""
+    q, cache, idx = _inputs("cuda", B, 1, h_q, 2048, 40)
+    ref_out, ref_lse = sparse_mla_decode(q, cache, idx, SM_SCALE, backend="torch")
+    for splits in (None, 1):
+        out, lse = gluon.sparse_mla_decode(q, cache, idx, SM_SCALE, 512, None, splits)
+        assert out.shape == (B, 1, h_q, 512)
+        check(out, lse, ref_out, ref_lse, cache)
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("splits,topk", [(2, 2048), (3, 2048), (16, 2048), (16, 2063), (4, 130)])
+def test_gluon_decode_splits_match_reference(splits, topk):
+    """The list in ``splits`` slices (bf16 partials merged by the combine kernel) against the fp32
+    reference, NaN-poisoned outputs, the all-invalid row empty, lists that do not divide (padded)."""
+    q, cache, idx = _inputs("cuda", 2, 2, 128, topk, 40)
+    ref_out, ref_lse = sparse_mla_decode(q, cache, idx, SM_SCALE, backend="torch")
+    assert torch.isneginf(ref_lse[0, 0]).all()
+    for _ in range(2):
+        out, lse = gluon.sparse_mla_decode(q, cache, idx, SM_SCALE, 512, None, splits)
+        check(out, lse, ref_out, ref_lse, cache)
 
 
 PREFILL_CASES = [
@@ -377,18 +414,21 @@ def test_gluon_kernels_compile_for_hopper():
 @pytest.mark.gpu
 @needs_sm90
 def test_gluon_kernels_repeat_and_rows_do_not_depend_on_s_q():
-    """Same input, same bits (10 repeats), for the fp8 decode and the bf16 prefill kernel; and a decode row's
-    bits do not depend on the rows beside it (s_q 2 against two calls of s_q 1): what lets verify equal
-    sequential decode. (Checked on the H200 on 2026-12-03 with 30 repeats while looking for why flashdsa
-    demo's verify vs decode check is not 0.)"""
+    """Same input, same bits (10 repeats), for the fp8 decode and the bf16 prefill kernel; and, for one split
+    count, a decode row's bits do not depend on the rows beside it (s_q 2 against two calls of s_q 1). The
+    default split count follows the number of query rows (``gluon.decode_splits``, as FlashMLA's follows the
+    batch), so by default a row of verify (s_q 2) and of decode (s_q 1) may differ by the partials' bf16
+    rounding. (Checked on the H200 on 2026-12-03 with 30 repeats before the split existed.)"""
     q, cache, idx = _inputs("cuda", 3, 2, 128, 2048, 64)
     first = sparse_mla_decode(q, cache, idx, SM_SCALE, backend="gluon")
     for _ in range(10):
         again = sparse_mla_decode(q, cache, idx, SM_SCALE, backend="gluon")
         assert torch.equal(again[0], first[0]) and torch.equal(again[1], first[1])
-    split = [sparse_mla_decode(q[:, j:j + 1].contiguous(), cache, idx[:, j:j + 1].contiguous(), SM_SCALE,
-                               backend="gluon") for j in range(2)]
-    assert torch.equal(torch.cat([s[0] for s in split], 1), first[0])
+    for splits in (1, 4):
+        both = gluon.sparse_mla_decode(q, cache, idx, SM_SCALE, 512, None, splits)
+        one = [gluon.sparse_mla_decode(q[:, j:j + 1].contiguous(), cache, idx[:, j:j + 1].contiguous(), SM_SCALE,
+                                       512, None, splits) for j in range(2)]
+        assert torch.equal(torch.cat([s[0] for s in one], 1), both[0])
     qp, kv = (torch.randn(n, *d, device="cuda").to(torch.bfloat16) for n, d in ((700, (128, 576)), (3000, (576,))))
     ip = make_indices((700, 2048), 3000, "cuda")
     first = sparse_mla_prefill(qp, kv, ip, SM_SCALE, backend="gluon")

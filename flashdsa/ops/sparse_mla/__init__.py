@@ -76,11 +76,13 @@ def _pick(backend, impls, triton_impl, gluon_impl, why_not, dev, name, fills=Non
     return impl
 
 
-def _gluon_decode_fills(q: torch.Tensor) -> bool:
-    """Whether the Gluon decode kernels' CTAs — one per (query row, 64 heads), the top-k list not split — cover
-    a third of the SMs. Below that the Triton kernels, which split the list over CTAs (flash-decoding), are
-    faster: H200, benchmarks/sparse_decode_grid.py, 2026-12-03, h 128 top-2048: B 1 51 vs 100 us, B 16 72 vs
-    100; B 64 h 64 (64 CTAs) Gluon 100 vs 110."""
+def _gluon_decode_fills(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """Whether the Gluon decode kernel fills the GPU: the fp8 kernel splits each query's top-k list over CTAs
+    where the queries are few (``gluon.decode_splits``), so always; the bf16-page kernel does not split, so
+    where its CTAs — one per (query row, 64 heads) — cover a third of the SMs (below that the Triton kernels,
+    which split the list: H200, benchmarks/sparse_decode_grid.py, 2026-12-03)."""
+    if _gluon_decode_module(kv_cache) == _GLUON_FP8:
+        return True
     B, s_q, h_q, _ = q.shape
     return 3 * B * s_q * -(-h_q // 64) >= num_sms(q.device)
 
@@ -147,11 +149,12 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Te
         kv_scale: per-tensor scale of the raw fp8 cache; None for the other formats.
         backend:  None (the rule below), "gluon", "triton" or "torch" (the fp32 reference).
 
-    Backends: on an sm_90 GPU with the fp8 656-B or the bf16 cache (16-byte aligned rows), h_q a multiple of
-    64 and d_v 512, a warp-specialised Gluon kernel (``gluon.py`` for fp8, ``gluon_bf16.py`` for bf16; about
-    0.6x the Triton kernels' time at B 64 h 128 on the H200) when its CTAs, one per (query row, 64 heads),
-    cover a third of the SMs; everywhere else on CUDA (other GPUs, caches, head counts, small batches, the
-    interpreter) the Triton kernels, which split the top-k list over CTAs where the rows do not fill the GPU.
+    Backends: on an sm_90 GPU with d_v 512 and 16-byte aligned rows, a warp-specialised Gluon kernel: over
+    the fp8 656-B cache ``gluon.py``, any h_q (padded to 64-head CTAs), the top-k list split over CTAs where
+    the queries are few (``gluon.decode_splits``: B 1 h_q 128 within 1.06x of FlashMLA on the H200); over
+    the bf16 cache ``gluon_bf16.py``, h_q a multiple of 64, where its CTAs (one per query row and 64 heads,
+    no split) cover a third of the SMs. Everywhere else on CUDA (other GPUs, caches, the interpreter) the
+    Triton kernels, which split the top-k list over CTAs where the rows do not fill the GPU.
     All round P and the output to bf16, as FlashMLA does:
     ``|out - ref| <= 2^-8 (max |v| + |ref|)`` of the fp32 reference. Every backend dequantises the fp8
     cache with the reference's arithmetic (e4m3 -> fp32, times the fp32 scale, rounded once to bf16), for
@@ -201,7 +204,7 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Te
     else:
         why_not = lambda: _gluon_unsupported(_GLUON_FP8, q, kv_cache, fmt, d_v)  # noqa: E731
     impl = _pick(backend, _DECODE, _triton_decode, _gluon_decode, why_not, dev, "sparse_mla_decode",
-                 lambda: _gluon_decode_fills(q))
+                 lambda: _gluon_decode_fills(q, kv_cache))
     res = impl(q, kv_cache, indices, scale, d_v, kv_scale)
     name = next((n for n, f in _DECODE.items() if f is impl), None)
     # remembered where nothing was converted (q widened, indices made contiguous) and the kernel picked is the

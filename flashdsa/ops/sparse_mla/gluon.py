@@ -50,7 +50,8 @@ from flashdsa.cache.layouts import MLA_FP8_BYTES
 from flashdsa.ops._gluon import compile_sm90 as compile_sm90_kernel
 from flashdsa.ops._gluon_sync import release as _release, warps_barrier as _warps_barrier
 from flashdsa.ops._launch import KernelLauncher, aligned, capability
-from flashdsa.ops._triton_utils import cdiv
+from flashdsa.ops._triton_utils import cdiv, num_sms
+from flashdsa.ops.sparse_mla.triton import combine_splits
 
 LOG2E = 1.4426950408889634
 LN2 = gl.constexpr(0.6931471805599453)
@@ -312,14 +313,14 @@ def load_q(q, stride_q_row, stride_q_h, h_q, i_row, i_hb, q_lat, q_rope, PART: g
 
 @gluon.jit
 def _consumer0(q, out, lse, stride_q_row, stride_q_h, stride_o_row, stride_o_h, stride_l_row, h_q, n_hb, n_steps,
-               qk_scale, q_lat, q_rope, k_lat, k_rope, k_bias, p_s, alpha_s, fin_s, k_ready, k_free, p_ready,
+               q_split, qk_scale, q_lat, q_rope, k_lat, k_rope, k_bias, p_s, alpha_s, fin_s, k_ready, k_free, p_ready,
                p_free, fin):
     M64: gl.constexpr = mma_layout(64)
     M128: gl.constexpr = mma_layout(128)
     PA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=M128, k_width=2)
     i_hb = gl.program_id(0) % n_hb
     i_row = (gl.program_id(0) // n_hb).to(gl.int64)
-    load_q(q, stride_q_row, stride_q_h, h_q, i_row, i_hb, q_lat, q_rope)
+    load_q(q, stride_q_row, stride_q_h, h_q, i_row // q_split, i_hb, q_lat, q_rope)
     # Q's stores must reach every warp's first S wgmma. Left to Triton's shared-memory hazard analysis, that
     # barrier lands in front of the S wgmma inside the loop (it cannot tell iteration 0 apart) and runs every
     # step; here it runs once.
@@ -406,15 +407,17 @@ def _consumer1(out, stride_o_row, stride_o_h, h_q, n_hb, n_steps, k_lat, p_s, al
 
 # sizes that vary per call are not specialised (one compile serves every batch and top-k); the address
 # strides stay specialised, so 16-byte alignment is known and the gathers are 16-byte loads
-@gluon.jit(do_not_specialize=["stride_i_row", "stride_l_row", "n_slots", "h_q", "topk", "n_steps", "n_hb"])
+@gluon.jit(do_not_specialize=["stride_i_row", "stride_l_row", "n_slots", "h_q", "topk", "n_steps", "n_hb", "q_split"])
 def sparse_mla_decode_ws_kernel(
     q, kv, idx, out, lse,
     stride_q_row, stride_q_h, stride_kv_page, stride_kv_row, stride_i_row, stride_o_row, stride_o_h, stride_l_row,
-    n_slots, h_q, topk, n_steps, n_hb, qk_scale,
+    n_slots, h_q, topk, n_steps, n_hb, q_split, qk_scale,
 ):
-    """Warp-specialised sparse MLA decode, one (query row, 64 heads) per CTA (module docstring).
+    """Warp-specialised sparse MLA decode, one (row, 64 heads) per CTA (module docstring).
 
-    q    [R, h_q, 576] bf16 (unit stride last)           idx [R, topk] int32 slots (unit stride last)
+    Rows are slices of a query's top-k list (flash-decoding): row r reads query ``r // q_split`` (q_split 1:
+    one row per query, the whole list).
+    q    [R / q_split, h_q, 576] bf16 (unit stride last)  idx [R, topk] int32 slots (unit stride last)
     kv   [P, 64, 656] uint8 cache: slot -> kv + (slot // 64) * stride_kv_page + (slot % 64) * stride_kv_row;
          row = 512 e4m3 | 4 fp32 scales (one per 128 dims) | 64 bf16 rope; strides multiples of 16
     out  [R, h_q, 512] bf16 (unit stride last)           lse [R, h_q] fp32, natural log
@@ -451,7 +454,7 @@ def sparse_mla_decode_ws_kernel(
 
     gl.warp_specialize([
         (_consumer0, (q, out, lse, stride_q_row, stride_q_h, stride_o_row, stride_o_h, stride_l_row, h_q, n_hb, n_steps,
-                      qk_scale, q_lat, q_rope, k_lat, k_rope, k_bias, p_s, alpha_s, fin_s, k_ready, k_free, p_ready,
+                      q_split, qk_scale, q_lat, q_rope, k_lat, k_rope, k_bias, p_s, alpha_s, fin_s, k_ready, k_free, p_ready,
                       p_free, fin)),
         (_consumer1, (out, stride_o_row, stride_o_h, h_q, n_hb, n_steps, k_lat, p_s, alpha_s, fin_s, k_free, p_ready,
                       p_free, fin, q_lat)),
@@ -462,13 +465,14 @@ def sparse_mla_decode_ws_kernel(
 
 # ---- launcher -----------------------------------------------------------------------------------------
 
-def kernel_args(q, cache_u8, indices, sm_scale, out, lse):
-    """(grid, kwargs) of one launch of :func:`sparse_mla_decode_ws_kernel` over R = B * s_q rows (also used by
-    the sm_90 compile check)."""
+def kernel_args(q, cache_u8, indices, sm_scale, out, lse, splits: int = 1):
+    """(grid, kwargs) of one launch of :func:`sparse_mla_decode_ws_kernel` over B * s_q queries, each one's
+    top-k list in ``splits`` slices (``out [B * s_q * splits, h_q, 512]``, ``lse [.., h_q]``: the partials) (also
+    used by the sm_90 compile check)."""
     B, s_q, h_q, _ = q.shape
-    R, topk = B * s_q, indices.shape[-1]
+    R, topk = B * s_q * splits, indices.shape[-1] // splits
     n_hb = cdiv(h_q, 64)
-    q3 = q.reshape(R, h_q, q.shape[-1])
+    q3 = q.reshape(B * s_q, h_q, q.shape[-1])
     i2 = indices.reshape(R, topk)
     o3 = out.view(R, h_q, out.shape[-1])
     l2 = lse.view(R, h_q)
@@ -478,7 +482,7 @@ def kernel_args(q, cache_u8, indices, sm_scale, out, lse):
         stride_kv_page=cache_u8.stride(0), stride_kv_row=cache_u8.stride(1), stride_i_row=i2.stride(0),
         stride_o_row=o3.stride(0), stride_o_h=o3.stride(1), stride_l_row=l2.stride(0),
         n_slots=cache_u8.shape[0] * cache_u8.shape[1], h_q=h_q, topk=topk, n_steps=max(1, cdiv(topk, 64)),
-        n_hb=n_hb, qk_scale=sm_scale * LOG2E, num_warps=4, maxnreg=MAXNREG)
+        n_hb=n_hb, q_split=splits, qk_scale=sm_scale * LOG2E, num_warps=4, maxnreg=MAXNREG)
 
 
 def sparse_mla_decode_gluon(q: torch.Tensor, cache_u8: torch.Tensor, indices: torch.Tensor, sm_scale: float,
@@ -545,15 +549,15 @@ _LAUNCHER = KernelLauncher(sparse_mla_decode_ws_kernel, ("q", "kv", "idx", "out"
 
 def unsupported(q: torch.Tensor, kv_cache: torch.Tensor, fmt: str, d_v: int) -> str | None:
     """Why this kernel cannot run a (validated) ``sparse_mla_decode`` call, or None when it can: an sm_90 GPU,
-    the fp8 656-B cache with 16-byte aligned rows, a bf16 query with h_q a multiple of 64 (whole 64-head
-    CTAs: at h_q <= 32 the Triton kernels' 16-head tiles do less wasted MMA work), d_v 512. Measured faster
-    than the Triton kernels at h_q 64 and 128 (README.md)."""
+    the fp8 656-B cache with 16-byte aligned rows, a bf16 query (any h_q: the kernel's CTAs take 64 heads, so
+    other counts run padded to a multiple of 64, as FlashMLA's callers pad; measured faster than the Triton
+    kernels' 16-head tiles even at h_q 16: README.md), d_v 512."""
     if fmt != "fp8":
         return f"the fp8 {MLA_FP8_BYTES}-B cache (got {fmt!r})"
     if d_v != 512:
         return f"d_v 512 (got {d_v})"
-    if q.dtype != torch.bfloat16 or q.shape[2] % 64:
-        return f"a bfloat16 q with h_q a multiple of 64 (got {q.dtype}, h_q {q.shape[2]})"
+    if q.dtype != torch.bfloat16:
+        return f"a bfloat16 q (got {q.dtype})"
     if q.device.type != "cuda" or capability(q.device) != (9, 0):
         return f"an sm_90 GPU (got {q.device})"
     if kv_cache.data_ptr() % 16 or kv_cache.stride(0) % 16 or kv_cache.stride(1) % 16:
@@ -561,27 +565,56 @@ def unsupported(q: torch.Tensor, kv_cache: torch.Tensor, fmt: str, d_v: int) -> 
     return None
 
 
-def sparse_mla_decode(q, kv_cache, indices, sm_scale, d_v, kv_scale):
+def decode_splits(queries: int, h_q: int, topk: int, sms: int) -> int:
+    """Slices of each query's top-k list (flash-decoding, merged by ``triton.combine_splits``) so the CTAs —
+    one per (slice, 64 heads) — make up to one wave: doubled while that stays <= ``sms``, up to 16 slices of
+    >= 128 tokens (a list that does not divide is padded with -1). h_q 128 top-2048 on 132 SMs: B 1-4 16,
+    B 8 8, B 16 4, B 32 2, from B 64 1 (no split). On the H200 (benchmarks/sparse_decode_grid.py,
+    2026-12-03) the fastest of 1-16 slices in each of the 12 cells B 1, 4, 16, 64 x h_q 16 (padded), 64, 128."""
+    ctas, s = queries * cdiv(h_q, 64), 1
+    while s < 16 and ctas * 2 * s <= sms and topk // (2 * s) >= 128:
+        s *= 2
+    return s
+
+
+def sparse_mla_decode(q, kv_cache, indices, sm_scale, d_v, kv_scale, splits: int | None = None):
     """The Gluon backend of :func:`flashdsa.ops.sparse_mla_decode` (inputs validated there, and
-    :func:`unsupported` None), launched from a plan (``ops/_launch.py``) after the first call of a shape."""
+    :func:`unsupported` None), launched from a plan (``ops/_launch.py``) after the first call of a shape.
+    ``splits``: top-k slices per query (None: :func:`decode_splits`); above 1 the kernel writes bf16 partials
+    that ``triton.combine_splits`` merges by their lse in fp32."""
     B, s_q, h_q, d = q.shape
     R, topk = B * s_q, indices.shape[-1]
     out = torch.empty(B, s_q, h_q, d_v, dtype=torch.bfloat16, device=q.device)
     lse = torch.empty(B, s_q, h_q, dtype=torch.float32, device=q.device)
     if R == 0 or h_q == 0:  # no program to launch (a grid of 0 is a launch error)
         return out, lse
+    S = decode_splits(R, h_q, topk, num_sms(q.device)) if splits is None else splits
     q3 = q.reshape(R, h_q, d) if q.stride(-1) == 1 else q.reshape(R, h_q, d).contiguous()
+    H = -(-h_q // 64) * 64
+    if H != h_q:  # whole 64-head CTAs: the padding heads are computed and dropped by the combine
+        q3 = torch.cat((q3, q3.new_zeros(R, H - h_q, d)), dim=1)
     i2 = indices.reshape(R, topk)
-    if i2.stride(-1) != 1:
+    if S > 1 and topk % S:  # kpool's topk + c - 1: equal slices of a list padded with skipped slots
+        i2 = torch.nn.functional.pad(i2, (0, S - topk % S), value=-1)
+        topk = i2.shape[1]
+    if i2.stride(-1) != 1 or (S > 1 and not i2.is_contiguous()):
         i2 = i2.contiguous()
+    partials = S > 1 or H != h_q
+    if partials:
+        part_o = torch.empty(R, S, H, d_v, dtype=torch.bfloat16, device=q.device)
+        part_l = torch.empty(R, S, H, dtype=torch.float32, device=q.device)
+    else:
+        part_o, part_l = out, lse
     ks = kv_cache.stride()
-    ptrs = (q3.data_ptr(), kv_cache.data_ptr(), i2.data_ptr(), out.data_ptr(), lse.data_ptr())
-    key = (q.device, R, h_q, topk, q3.stride(), ks, i2.stride()[0], kv_cache.shape[0], sm_scale) \
+    ptrs = (q3.data_ptr(), kv_cache.data_ptr(), i2.data_ptr(), part_o.data_ptr(), part_l.data_ptr())
+    key = (q.device, R, H, topk, q3.stride(), ks, i2.stride()[0], kv_cache.shape[0], sm_scale, S) \
         if aligned(*ptrs) else None
 
     def build():
-        return kernel_args(q3.view(R, 1, h_q, d), kv_cache, i2.view(R, 1, topk), sm_scale, out.view(R, 1, h_q, d_v),
-                           lse.view(R, 1, h_q))
+        return kernel_args(q3.view(R, 1, H, d), kv_cache, i2.view(R, 1, topk), sm_scale, part_o, part_l, S)
 
     _LAUNCHER(key, ptrs, build)
+    if partials:
+        combine_splits(part_o[:, :, :h_q], part_l[:, :, :h_q], out.view(R, h_q, d_v), lse.view(R, h_q),
+                       key and (key, h_q))
     return out, lse

@@ -269,26 +269,34 @@ def _launch(cfg: SparseMLAConfig, q, kv, stride_kv_page, stride_kv_row, n_slots,
 
     compiled = _MAIN[cfg.kernel](key, ptrs, build)
     if splits > 1:
-        CH = min(64, max(16, next_pow2(h_q)))
-        n_chb = cdiv(h_q, CH)
-        cptrs = (o_ptr, l_ptr, out.data_ptr(), lse.data_ptr())
-        ckey = key and (key, "combine")
-
-        def build_combine():
-            o = part[:R * splits * h_q * d_v].view(R, splits, h_q, d_v)
-            l = part[n_o:].view(R, splits, h_q)
-            return (R * n_chb,), dict(
-                part_out=o, part_lse=l, out=out, lse=lse,
-                stride_po_row=o.stride(0), stride_po_split=o.stride(1), stride_po_h=o.stride(2),
-                stride_pl_row=l.stride(0), stride_pl_split=l.stride(1),
-                stride_o_row=out.stride(0), stride_o_h=out.stride(1), stride_l_row=lse.stride(0),
-                h_q=h_q, num_splits=splits, num_head_blocks=n_chb,
-                D_V=d_v, BLOCK_H=CH, BLOCK_S=next_pow2(splits), BLOCK_D=128, UPCAST=upcast_bf16(),
-                num_warps=4,
-            )
-
-        _COMBINE(ckey if aligned(*cptrs) else None, cptrs, build_combine)
+        combine_splits(part[:R * splits * h_q * d_v].view(R, splits, h_q, d_v), part[n_o:].view(R, splits, h_q),
+                       out, lse, key)
     return compiled
+
+
+def combine_splits(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                   key=None) -> None:
+    """Merge top-k splits (flash-decoding) into ``out [R, h_q, d_v]`` / ``lse [R, h_q]``: ``part_out [R, S, h_q,
+    d_v]`` fp32 or bf16 normalised partials with unit-stride rows, ``part_lse [R, S, h_q]`` fp32 (natural log).
+    ``key``: the caller's plan key (None: no plan), so the launch is planned after the first call of a shape."""
+    R, splits, h_q, d_v = part_out.shape
+    CH = 16  # small head blocks and 128-column parts: enough programs at batch 1 (kernels.py)
+    n_chb = cdiv(h_q, CH)
+    cptrs = (part_out.data_ptr(), part_lse.data_ptr(), out.data_ptr(), lse.data_ptr())
+    ckey = key and (key, "combine", part_out.dtype)
+
+    def build_combine():
+        return (R * n_chb * cdiv(d_v, 128),), dict(
+            part_out=part_out, part_lse=part_lse, out=out, lse=lse,
+            stride_po_row=part_out.stride(0), stride_po_split=part_out.stride(1), stride_po_h=part_out.stride(2),
+            stride_pl_row=part_lse.stride(0), stride_pl_split=part_lse.stride(1),
+            stride_o_row=out.stride(0), stride_o_h=out.stride(1), stride_l_row=lse.stride(0),
+            h_q=h_q, num_splits=splits, num_head_blocks=n_chb,
+            D_V=d_v, BLOCK_H=CH, BLOCK_S=next_pow2(splits), BLOCK_D=128, UPCAST=upcast_bf16(),
+            num_warps=4,
+        )
+
+    _COMBINE(ckey if aligned(*cptrs) else None, cptrs, build_combine)
 
 
 def _unit_last(t: torch.Tensor) -> torch.Tensor:
