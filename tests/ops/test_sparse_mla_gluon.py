@@ -254,7 +254,7 @@ def test_gather_layouts_load_whole_lines_and_share_rows(linear):
 @needs_sm90
 def test_default_backend_is_gluon_where_it_applies(monkeypatch):
     """On sm_90 the default picks the Gluon fp8 kernel for h_q 128 at any batch (B 64 whole lists, B 2 the list
-    split over CTAs, h_q 16 padded to 64 heads); the same bits as forcing the backend."""
+    split over CTAs, h_q 16 in a 64-head CTA); the same bits as forcing the backend."""
     q, cache, idx = _inputs("cuda", 64, 1, 128, 256, 8)
     for b in (64, 2):
         qb, ib = q[:b].contiguous(), idx[:b].contiguous()
@@ -285,8 +285,8 @@ def test_decode_splits_make_one_wave():
 @needs_sm90
 @pytest.mark.parametrize("B,h_q", [(1, 16), (64, 16), (3, 32), (2, 96)])
 def test_gluon_decode_pads_heads(B, h_q):
-    """h_q not a multiple of 64 runs padded to whole 64-head CTAs (the padding heads computed and dropped):
-    the reference's numbers for the h_q heads asked, with and without a split of the list."""
+    """h_q not a multiple of 64 runs in whole 64-head CTAs (heads >= h_q read as 0, never stored): the
+    reference's numbers for the h_q heads asked, with and without a split of the list, NaN-poisoned outputs."""
     q, cache, idx = _inputs("cuda", B, 1, h_q, 2048, 40)
     ref_out, ref_lse = sparse_mla_decode(q, cache, idx, SM_SCALE, backend="torch")
     for splits in (None, 1):

@@ -549,9 +549,9 @@ _LAUNCHER = KernelLauncher(sparse_mla_decode_ws_kernel, ("q", "kv", "idx", "out"
 
 def unsupported(q: torch.Tensor, kv_cache: torch.Tensor, fmt: str, d_v: int) -> str | None:
     """Why this kernel cannot run a (validated) ``sparse_mla_decode`` call, or None when it can: an sm_90 GPU,
-    the fp8 656-B cache with 16-byte aligned rows, a bf16 query (any h_q: the kernel's CTAs take 64 heads, so
-    other counts run padded to a multiple of 64, as FlashMLA's callers pad; measured faster than the Triton
-    kernels' 16-head tiles even at h_q 16: README.md), d_v 512."""
+    the fp8 656-B cache with 16-byte aligned rows, a bf16 query (any h_q: a CTA takes 64 heads, those >= h_q
+    read as 0 and are not stored, as FlashMLA's callers pad to 64; measured faster than the Triton kernels'
+    16-head tiles even at h_q 16: README.md), d_v 512."""
     if fmt != "fp8":
         return f"the fp8 {MLA_FP8_BYTES}-B cache (got {fmt!r})"
     if d_v != 512:
@@ -590,31 +590,26 @@ def sparse_mla_decode(q, kv_cache, indices, sm_scale, d_v, kv_scale, splits: int
         return out, lse
     S = decode_splits(R, h_q, topk, num_sms(q.device)) if splits is None else splits
     q3 = q.reshape(R, h_q, d) if q.stride(-1) == 1 else q.reshape(R, h_q, d).contiguous()
-    H = -(-h_q // 64) * 64
-    if H != h_q:  # whole 64-head CTAs: the padding heads are computed and dropped by the combine
-        q3 = torch.cat((q3, q3.new_zeros(R, H - h_q, d)), dim=1)
     i2 = indices.reshape(R, topk)
     if S > 1 and topk % S:  # kpool's topk + c - 1: equal slices of a list padded with skipped slots
         i2 = torch.nn.functional.pad(i2, (0, S - topk % S), value=-1)
         topk = i2.shape[1]
     if i2.stride(-1) != 1 or (S > 1 and not i2.is_contiguous()):
         i2 = i2.contiguous()
-    partials = S > 1 or H != h_q
-    if partials:
-        part_o = torch.empty(R, S, H, d_v, dtype=torch.bfloat16, device=q.device)
-        part_l = torch.empty(R, S, H, dtype=torch.float32, device=q.device)
+    if S > 1:
+        part_o = torch.empty(R, S, h_q, d_v, dtype=torch.bfloat16, device=q.device)
+        part_l = torch.empty(R, S, h_q, dtype=torch.float32, device=q.device)
     else:
         part_o, part_l = out, lse
     ks = kv_cache.stride()
     ptrs = (q3.data_ptr(), kv_cache.data_ptr(), i2.data_ptr(), part_o.data_ptr(), part_l.data_ptr())
-    key = (q.device, R, H, topk, q3.stride(), ks, i2.stride()[0], kv_cache.shape[0], sm_scale, S) \
+    key = (q.device, R, h_q, topk, q3.stride(), ks, i2.stride()[0], kv_cache.shape[0], sm_scale, S) \
         if aligned(*ptrs) else None
 
     def build():
-        return kernel_args(q3.view(R, 1, H, d), kv_cache, i2.view(R, 1, topk), sm_scale, part_o, part_l, S)
+        return kernel_args(q3.view(R, 1, h_q, d), kv_cache, i2.view(R, 1, topk), sm_scale, part_o, part_l, S)
 
     _LAUNCHER(key, ptrs, build)
-    if partials:
-        combine_splits(part_o[:, :, :h_q], part_l[:, :, :h_q], out.view(R, h_q, d_v), lse.view(R, h_q),
-                       key and (key, h_q))
+    if S > 1:
+        combine_splits(part_o, part_l, out.view(R, h_q, d_v), lse.view(R, h_q), key)
     return out, lse
