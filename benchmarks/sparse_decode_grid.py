@@ -71,7 +71,8 @@ def grid_case(B: int, h: int, ctx: int, topk: int, dev: str, peer: bool) -> dict
     if peer:
         qp = q if h >= 64 else torch.cat((q, q.new_zeros(B, 1, 64 - h, 576)), dim=2)
         row["flashmla"] = timed(flashmla_decode(qp, cache, idx, SM_SCALE, seq.to(torch.int32)), dev, graph=True)
-    ours = {k: v for k, v in row.items() if (k.startswith("gluon") or k.startswith("triton-")) and not k.endswith("_cos")}
+    ours = {k: v for k, v in row.items()
+            if (k.startswith("gluon") or k.startswith("triton-")) and not k.endswith("_cos")}
     best = min(ours, key=ours.get)
     row["best"], row["best_us"] = best, ours[best]
     if peer:

@@ -40,8 +40,8 @@ def parse_device(device: str) -> torch.device:
 
 
 def demo_config(preset: str, layers: int | None = None, kpool: int | None = None) -> DSAConfig:
-    """The preset's DSA layers (``dsa_stack``), optionally cut to the first ``layers`` of them (skip-top-k rules cut alike) and with
-    ``index_kpool = kpool`` (None: the preset's)."""
+    """The preset's DSA layers (``dsa_stack``), optionally cut to the first ``layers`` of them (skip-top-k
+    rules cut alike) and with ``index_kpool = kpool`` (None: the preset's)."""
     if preset not in PRESETS:
         raise ValueError(f"preset: expected one of {sorted(PRESETS)}, got {preset!r}")
     cfg = DSAConfig.preset(preset).dsa_stack()  # GLM-5.3-Flash: its DSA layers (the engine runs no KDA)
