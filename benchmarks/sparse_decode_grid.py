@@ -1,7 +1,8 @@
 """Sparse MLA decode over the grid users run (issue #41): batch x heads, our kernels and their top-k splits
 against FlashMLA in the same run.
 
-    PYTHONPATH=. python benchmarks/sparse_decode_grid.py [--batches 1,4,16,64] [--heads 16,32,64,128]
+    PYTHONPATH=. python benchmarks/sparse_decode_grid.py [--batches 1,4,16,64] [--heads 16,32,64,128] [--s-q 1,2]
+        [--default-only]
     TRITON_INTERPRET=1 PYTHONPATH=. python benchmarks/sparse_decode_grid.py --smoke   # the script on the CPU
 
 One layer's attention of a decode step: q [B, 1, h, 576] bf16 over the fp8 656-B cache, top-2048 slots of
@@ -40,13 +41,14 @@ def gluon_split(q: torch.Tensor, cache: torch.Tensor, idx: torch.Tensor, splits:
     return gluon.sparse_mla_decode(q, cache, idx, SM_SCALE, 512, None, splits)
 
 
-def grid_case(B: int, h: int, ctx: int, topk: int, dev: str, peer: bool) -> dict:
+def grid_case(B: int, h: int, ctx: int, topk: int, dev: str, peer: bool, s_q: int = 1,
+              all_variants: bool = True) -> dict:
     g = torch.Generator(dev).manual_seed(B * 1000 + h)
-    seq, bt, P = paged_batch(B, ctx, 1, g, dev)
+    seq, bt, P = paged_batch(B, ctx, s_q, g, dev)
     cache = mla_cache(P, g, dev)
-    idx = decode_slots(bt, min(ctx, int(seq.min())), 1, topk, g)
-    q = torch.randn(B, 1, h, 576, generator=g, device=dev).to(torch.bfloat16)
-    row = {"B": B, "h": h}
+    idx = decode_slots(bt, min(ctx, int(seq.min())), s_q, topk, g)
+    q = torch.randn(B, s_q, h, 576, generator=g, device=dev).to(torch.bfloat16)
+    row = {"B": B, "s_q": s_q, "h": h}
     want, _ = ops.sparse_mla_decode(q, cache, idx, SM_SCALE)
     rows = torch.arange(min(B, 2), device=dev)
     ref, _ = reference.sparse_mla_decode(q[rows], cache, idx[rows], SM_SCALE, 512, None)
@@ -54,11 +56,11 @@ def grid_case(B: int, h: int, ctx: int, topk: int, dev: str, peer: bool) -> dict
     calls = {"default": lambda: ops.sparse_mla_decode(q, cache, idx, SM_SCALE)}
     if dev == "cuda":
         calls["gluon"] = lambda: ops.sparse_mla_decode(q, cache, idx, SM_SCALE, backend="gluon")
-    if dev == "cuda":
+    if dev == "cuda" and all_variants:
         for s in GLUON_SPLITS:
             if B * -(-h // 64) * s <= 4 * 132:
                 calls[f"gluon-s{s}"] = lambda s=s: gluon_split(q, cache, idx, s)
-    for s in SPLITS:
+    for s in SPLITS if all_variants else ():
         cfg = tri.SparseMLAConfig(num_splits=s)
         calls[f"triton-s{s}"] = lambda cfg=cfg: tri.sparse_mla_decode(q, cache, idx, SM_SCALE, 512, None, cfg)
     for name, fn in calls.items():
@@ -69,7 +71,7 @@ def grid_case(B: int, h: int, ctx: int, topk: int, dev: str, peer: bool) -> dict
             raise AssertionError(f"B {B} h {h} {name}: cos diff {err:.2e} against the default")
         row[name] = timed(fn, dev, graph=True)
     if peer:
-        qp = q if h >= 64 else torch.cat((q, q.new_zeros(B, 1, 64 - h, 576)), dim=2)
+        qp = q if h >= 64 else torch.cat((q, q.new_zeros(B, s_q, 64 - h, 576)), dim=2)
         row["flashmla"] = timed(flashmla_decode(qp, cache, idx, SM_SCALE, seq.to(torch.int32)), dev, graph=True)
     ours = {k: v for k, v in row.items()
             if (k.startswith("gluon") or k.startswith("triton-")) and not k.endswith("_cos")}
@@ -86,6 +88,8 @@ def main() -> None:
     ap.add_argument("--batches", default="1,4,16,64")
     ap.add_argument("--heads", default="16,32,64,128")
     ap.add_argument("--ctx", type=int, default=32768)
+    ap.add_argument("--s-q", default="1", help="comma-separated query rows a request (MTP verify: 2)")
+    ap.add_argument("--default-only", action="store_true", help="time the dispatch's default and FlashMLA only")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU interpreter: the script only")
     a = ap.parse_args()
     if a.smoke:
@@ -95,17 +99,17 @@ def main() -> None:
         batches, heads = [int(x) for x in a.batches.split(",")], [int(x) for x in a.heads.split(",")]
         peer = load_sgl_ops()
     rows = []
-    for B in batches:
-        for h in heads:
-            row = grid_case(B, h, ctx, topk, dev, peer)
+    for s_q in [int(x) for x in a.s_q.split(",")]:
+        for B, h in [(B, h) for B in batches for h in heads]:
+            row = grid_case(B, h, ctx, topk, dev, peer, s_q, not a.default_only)
             rows.append(row)
             print(row, flush=True)
     write_json(rows, "sparse_decode_grid")
-    keys = ["B", "h", "flashmla", "default", "gluon", "best", "best_us", "default_x", "best_x"]
+    keys = ["B", "s_q", "h", "flashmla", "default", "gluon", "best", "best_us", "default_x", "best_x"]
     keys += sorted({k for r in rows for k in r if k.startswith("gluon-s") and not k.endswith("_cos")},
                    key=lambda k: int(k[7:]))
     print_table([{k: r.get(k, "") for k in keys} for r in rows],
-                "sparse MLA decode, fp8 656, top-2048, ctx ~32K, µs (graph replay); x: ours / FlashMLA")
+                f"sparse MLA decode, fp8 656, top-2048, ctx ~{ctx // 1024}K, µs (graph replay); x: ours / FlashMLA")
 
 
 if __name__ == "__main__":
