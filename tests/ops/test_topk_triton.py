@@ -265,6 +265,21 @@ def test_split_one_launch(mode, g, chunks):
     assert torch.equal(again, got)
 
 
+def test_split_chunks_rule():
+    # H200 (132 SMs): many rows keep a chunk per 32K of row (more were slower at 64 rows); rows too few to
+    # fill the SMs so get a chunk per 4K of row while (row, chunk) programs stay within one wave, <= 16
+    chunks = lambda R, L: launch.default_config(R, L, 2048, 132, kind="split").chunks
+    assert [chunks(64, L) for L in (32768, 131072)] == [2, 4]
+    assert [chunks(R, 32768) for R in (1, 4, 16, 33, 66, 132)] == [8, 8, 8, 4, 2, 2]
+    assert [chunks(R, 131072) for R in (1, 4, 16)] == [16, 16, 8]
+    assert chunks(1, 4096) == 2 and chunks(200, 131072) == 2
+    for R in range(1, 133):
+        for L in (4096, 20000, 32768, 65536, 131072):
+            c = chunks(R, L)
+            assert 2 <= c <= 16 and c & (c - 1) == 0
+            assert c == 2 or R * c <= 4 * 132  # never more than the 4-programs-an-SM budget
+
+
 def test_registered_op_keeps_no_counters(monkeypatch):
     # Called as the registered op (what a compiled graph runs), split mode takes fresh arrival counters:
     # torch.compile's CUDA-graph trees route their warm-up's allocations into a private pool and check that

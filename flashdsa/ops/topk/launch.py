@@ -143,7 +143,9 @@ def default_config(R: int, L: int, K: int, sms: int, kind: str | None = None) ->
     than split (64 x ~8K of width 10 649: 30.6-33.5 against 24.1), so the launcher takes split there
     (:func:`_launch_shape`, which sees the logits).
     Few rows (R <= sms, L >= 4K), otherwise: split mode, ``chunks`` 8-warp programs a row, one per 32K of row and at
-    least 2 (more chunks, or more programs of fewer warps, were slower), 4 tiles a warp compacted at once,
+    least 2 (more chunks, or more programs of fewer warps, were slower at 64 rows), and where the rows are so few
+    that this leaves SMs idle, one per 4K of row within one wave of programs (H200, rows of ~32K: 1 row 8
+    chunks 26.1 us against 2 chunks' 31.1, 4 rows 16 chunks 26.0 against 30.6, 16 rows 8 chunks 28.4 against 32.4), 4 tiles a warp compacted at once,
     128 list entries a warp moved a step; the finisher's levels in registers up to cand 4096, streamed
     above (the register form needs 127 registers at cand 8192: two programs an SM, and the chunk
     programs ran in two waves).
@@ -162,7 +164,10 @@ def default_config(R: int, L: int, K: int, sms: int, kind: str | None = None) ->
         return TopkConfig(kind="rows", num_warps=16, maxnreg=0, unroll=1, move_step=128, stream=False,
                           sample_stream=False, block=128 * 16, bits=11, narrow=1, **sizes)
     if kind == "split":
-        chunks = max(2, min(16, L // 32768, prev_pow2(4 * sms // max(R, 1))))
+        # many rows: a chunk per 32K of row (more chunks were slower at 64 rows); rows that leave SMs idle
+        # even so: a chunk per 4K of row while the (row, chunk) grid stays within one wave
+        chunks = max(2, min(16, L // 32768, prev_pow2(4 * sms // max(R, 1))),
+                     min(16, L // 4096, prev_pow2(sms // max(R, 1))))
         return TopkConfig(kind="split", num_warps=8, maxnreg=0, unroll=4, move_step=128, stream=cand > 4096,
                           sample_stream=False, block=128 * 8, chunks=chunks, **sizes)
     if L <= 16384:
