@@ -167,20 +167,26 @@ def _bench(args: argparse.Namespace) -> int:
     with open(os.devnull, "w") if args.json == "-" else contextlib.nullcontext(sys.stdout) as out:
         return run_bench(ops=args.ops, quick=args.quick, json_path=args.json, plot_path=args.plot,
                          peer_libs=args.peer_libs, cpu_check=args.cpu_check, graph=not args.no_graph,
-                         from_json=args.from_json, out=out)
+                         from_json=args.from_json, out=out, grid=args.grid)
 
 
 def _add_bench(sub) -> None:
     from flashdsa.bench import OPS
+    from flashdsa.bench.suite import DEFAULT_OPS
 
     about = ("time our ops against the peers that import (DeepGEMM, FlashMLA, sgl-kernel fast_topk, torch) "
              "at the shapes of docs/DSA.md §9, checked first")
     bench = sub.add_parser("bench", help=about, description=about)
-    bench.add_argument("--ops", default=",".join(OPS), help="a comma-separated subset")
+    bench.add_argument("--ops", default=",".join(DEFAULT_OPS),
+                       help=f"a comma-separated subset of {','.join(OPS)} (decode-grid runs only when named)")
+    bench.add_argument("--grid", default=None, metavar="'B=1,4;h=16,128;ctx=32K;n=1'",
+                       help="the decode-grid's cells, a key left out taking every value (default: B 1-128 x h 16-128 "
+                            "x ctx 8K, 32K, 128K x n 1, 2; --quick: B 1, 4, 16, 64 x h 16, 128 x ctx 32K x n 1)")
     bench.add_argument("--quick", action="store_true", help="the smallest useful subset (under a minute on an H200)")
     _add_json(bench, "every row, the device and the ceilings", "table")
     bench.add_argument("--plot", default=None, metavar="OUT.png",
-                       help="time vs context, ours vs peers vs the roofline (needs matplotlib: pip install matplotlib)")
+                       help="time vs context, ours vs peers vs the roofline, and the decode-grid's heat map (needs "
+                            "matplotlib: pip install matplotlib)")
     bench.add_argument("--peer-libs", default=None, metavar="DIR",
                        help="load sgl-kernel's *.so from DIR (default: $FLASHDSA_SGL_KERNEL_LIBS, "
                             "else import sgl_kernel)")

@@ -51,12 +51,30 @@ def test_cases_cover_spec_shapes_and_quick_is_a_subset():
         assert want in names, want
     quick = B.cases(quick=True)
     assert {c.name for c in quick} < names
-    assert {c.op for c in quick} == set(B.OPS) - {"host"}  # host: no cases, flashdsa.testing.host_cost
+    assert {c.op for c in quick} == set(B.DEFAULT_OPS) - {"host"}  # host: no cases, flashdsa.testing.host_cost
     for sweep in B.PLOT_SWEEPS:  # the plot needs several context points in both modes
         assert len([c for c in quick if c.sweep == sweep]) >= 3
         assert all("ctx" in c.params for c in full if c.sweep == sweep)
     assert {c.kind for c in B.cases(tiny=True)} == set(B.SETUPS)  # the CPU check reaches every setup
     assert [c.op for c in B.cases(("topk",))] == ["topk"] * 4
+
+
+def test_decode_grid_cases_and_parse_grid():
+    assert "decode-grid" in B.OPS and "decode-grid" not in B.DEFAULT_OPS  # the grid runs when asked for
+    full = [c for c in B.cases(("decode-grid",))]
+    assert len(full) == 8 * 4 * 3 * 2 and {c.kind for c in full} == {"layer"}
+    assert {(c.params["B"], c.params["h"], c.params["ctx"], c.params["n"]) for c in full} == {
+        (b, h, ctx, n) for b in (1, 2, 4, 8, 16, 32, 64, 128) for h in (16, 32, 64, 128)
+        for ctx in (8192, 32768, 131072) for n in (1, 2)}
+    assert len(B.cases(("decode-grid",), quick=True)) == 4 * 2
+    assert B.parse_grid("B=1, 4;h=16;ctx=32K,128k") == dict(B.GRID, B=(1, 4), h=(16,), ctx=(32768, 131072))
+    assert B.parse_grid("") == B.GRID
+    g = B.parse_grid("B=3;ctx=100;n=2")
+    assert [c.name for c in B.cases(("decode-grid",), grid=g)][:2] == ["v32 decode B3 h16 n2 ctx 100",
+                                                                     "v32 decode B3 h32 n2 ctx 100"]
+    for bad in ("B=0", "x=1", "B", "B=1;h=", "ctx=32M", "n=-1"):
+        with pytest.raises(ValueError, match="^grid:"):
+            B.parse_grid(bad)
 
 
 def test_parse_ops():
@@ -105,12 +123,24 @@ def test_cpu_check_quick_runs_every_op_and_reports_ok(capsys, tmp_path):
     report = json.loads(path.read_text())
     assert report["ok"] is True and report["measured"] is False and report["ceilings"] is None
     assert report["device"]["name"] == "cpu"
-    assert {r["op"] for r in report["rows"]} == set(B.OPS) - {"host"}
+    assert {r["op"] for r in report["rows"]} == set(B.DEFAULT_OPS) - {"host"}
     assert report["host"] == {"measured": False} and "host: nothing to check on the CPU" in out
     for r in report["rows"]:
         assert r["check"]["ok"] is True and "ours_us" not in r
     stages = [r["case"].split(": ")[-1] for r in report["rows"] if r["op"] == "layer"]
     assert stages == ["indexer", "top-k", "attention", "step"]
+
+
+@cpu_only
+def test_cpu_check_of_the_decode_grid(capsys, tmp_path):
+    """The grid's cells at tiny sizes: a head count and rows a request other than the preset's, checked."""
+    path = tmp_path / "grid.json"
+    rc, out, _ = run_cli(["bench", "--cpu-check", "--ops", "decode-grid", "--grid", "B=1,3;h=8;ctx=150;n=2",
+                          "--json", str(path)], capsys)
+    assert rc == 0, out
+    rows = json.loads(path.read_text())["rows"]
+    assert len(rows) == 2 * 4 and all(r["check"]["ok"] for r in rows)
+    assert {(r["params"]["B"], r["params"]["h"], r["params"]["n"]) for r in rows} == {(1, 8, 2), (3, 8, 2)}
 
 
 @cpu_only
@@ -279,6 +309,31 @@ def test_plot_writes_a_png(tmp_path):
     assert only_topk.exists()
 
 
+def grid_rows():
+    rows = []
+    for b in (1, 4):
+        for h in (16, 128):
+            for stage in ("indexer", "step"):
+                rows.append({"op": "decode-grid", "case": f"v32 decode B{b} h{h} n1 ctx 32K: {stage}",
+                             "params": dict(preset="v32", B=b, h=h, n=1, ctx=32768), "ours_us": 10.0 * b,
+                             "check": {"ok": True}, "peers": [{"name": "chain", "us": 9.0, "ratio": 10 * b / 9}]})
+    rows[-1]["peers"] = [{"name": "chain", "error": "RuntimeError"}]  # a cell without the peers' time
+    return rows
+
+
+def test_grid_ratios_and_heat_map(tmp_path):
+    grid = B.grid_ratios(grid_rows() + sweep_rows())
+    assert list(grid) == [(32768, 1)]
+    assert grid[(32768, 1)] == {(1, 16): 10 / 9, (1, 128): 10 / 9, (4, 16): 40 / 9, (4, 128): None}
+    pytest.importorskip("matplotlib")
+    only = tmp_path / "grid.png"
+    assert B.plot(grid_rows(), CEILINGS, str(only)) == [str(only)]
+    assert only.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    both = tmp_path / "all.png"
+    assert B.plot(grid_rows() + sweep_rows(), CEILINGS, str(both)) == [str(both), str(tmp_path / "all_grid.png")]
+    assert (tmp_path / "all_grid.png").stat().st_size > 10_000
+
+
 def test_from_json_redraws_table_and_plot(tmp_path, capsys):
     report = {"device": {"name": "H200"}, "date": "2026-11-29T10:00:00", "ceilings": CEILINGS, "measured": True,
               "ok": True, "rows": sweep_rows()}
@@ -334,7 +389,9 @@ def test_plot_without_matplotlib_says_no(tmp_path, monkeypatch):
     (["--json", "/no/such/folder/out.json"], "json"),
     (["--plot", "/no/such/folder/out.png"], "plot"),
     (["--peer-libs", "/no/such/folder"], "peer-libs"),
-], ids=["ops", "json", "plot", "peer-libs"])
+    (["--ops", "decode-grid", "--grid", "B=1;q=2"], "grid"),
+    (["--ops", "layer", "--grid", "B=1"], "grid"),
+], ids=["ops", "json", "plot", "peer-libs", "grid", "grid-without-the-op"])
 def test_bad_arguments_exit_2_naming_the_argument(argv, name, capsys):
     rc, out, err = run_cli(["bench", *argv], capsys)
     assert rc == 2

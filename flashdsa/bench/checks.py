@@ -95,11 +95,13 @@ def _same_slot_sets(theirs: torch.Tensor, mine: torch.Tensor) -> dict:
 
 
 def _flashmla_decode(q, cache, idx, sm_scale, seqlens, ours):
-    """FlashMLA's sparse decode over our 656-B pages."""
+    """FlashMLA's sparse decode over our 656-B pages; where ``q`` carries padding heads past ours' (zeros, as
+    engines pad a tensor-parallel shard to FlashMLA's 64), only ours' heads are compared."""
     def make():
         fn = peers.flashmla_decode(q, cache, idx, sm_scale, seqlens)
         out = ours()[0]
-        return fn, _masked_cos(out.float(), fn()[0], torch.ones_like(out, dtype=torch.bool))
+        theirs = fn()[0][..., :out.shape[-2], :]
+        return fn, _masked_cos(out.float(), theirs, torch.ones_like(out, dtype=torch.bool))
     return make
 
 

@@ -50,14 +50,74 @@ def write_json(report: dict, path: str) -> None:
         json.dump(report, fh, indent=1, default=str)
 
 
-def plot(rows: list[dict], ceilings: dict, path: str, title: str = "") -> bool:
-    """Time vs context for the two sweeps (ours, each peer, the roofline); False if matplotlib is missing."""
+def grid_ratios(rows: list[dict]) -> dict:
+    """The decode-grid's step rows as ``{(ctx, n): {(B, h): ours / the peers' chain}}`` (None where the chain
+    did not run)."""
+    out: dict = {}
+    for r in rows:
+        if r.get("op") != "decode-grid" or not r["case"].endswith(": step"):
+            continue
+        p = r["params"]
+        ratio = next((q["ratio"] for q in r.get("peers", []) if q.get("ratio")), None)
+        out.setdefault((p["ctx"], p.get("n", 1)), {})[(p["B"], p["h"])] = ratio
+    return out
+
+
+def grid_plot_path(path: str) -> str:
+    """Where the heat map goes when the sweeps' plot takes ``path``: ``bench.png`` -> ``bench_grid.png``."""
+    stem, dot, ext = path.rpartition(".")
+    return f"{stem}_grid.{ext}" if dot and "/" not in ext else path + "_grid"
+
+
+def plot(rows: list[dict], ceilings: dict, path: str, title: str = "") -> list[str] | bool:
+    """Time vs context for the two sweeps (ours, each peer, the roofline) to ``path``, and where decode-grid rows
+    are present the heat map of the step's ratio to the peers' chain (to ``path`` if nothing else was
+    measured, else to :func:`grid_plot_path`). The paths written; False if matplotlib is missing."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         return False
+    grid = grid_ratios(rows)
+    other = any(r.get("op") != "decode-grid" for r in rows)
+    written = []
+    if other or not grid:
+        _plot_sweeps(plt, rows, ceilings, path, title)
+        written.append(path)
+    if grid:
+        written.append(grid_plot_path(path) if other else path)
+        _plot_grid(plt, grid, written[-1], title)
+    return written
+
+
+def _plot_grid(plt, grid: dict, path: str, title: str) -> None:
+    """One heat map per (ctx, n): rows batch, columns heads, colour and label the step's ours / peers ratio."""
+    import numpy as np
+    keys = sorted(grid)
+    fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 4.2), squeeze=False)
+    for ax, (ctx, n) in zip(axes[0], keys):
+        cells = grid[(ctx, n)]
+        bs, hs = sorted({b for b, _ in cells}), sorted({h for _, h in cells})
+        vals = np.array([[cells.get((b, h)) or np.nan for h in hs] for b in bs], dtype=float)
+        im = ax.imshow(vals, cmap="RdYlGn_r", vmin=0.5, vmax=1.5, aspect="auto")
+        for i in range(len(bs)):
+            for j in range(len(hs)):
+                ax.text(j, i, "-" if np.isnan(vals[i, j]) else f"{vals[i, j]:.2f}", ha="center", va="center",
+                        fontsize=8)
+        ax.set_xticks(range(len(hs)), [str(h) for h in hs])
+        ax.set_yticks(range(len(bs)), [str(b) for b in bs])
+        ax.set_xlabel("attention heads a GPU holds")
+        ax.set_ylabel("batch")
+        ax.set_title(f"decode step, ours / peers' chain: ctx {_ctx_name(ctx)}, {n} row(s) a request", fontsize=9)
+    fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8, label="< 1: ours faster")
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _plot_sweeps(plt, rows: list[dict], ceilings: dict, path: str, title: str) -> None:
     fig, axes = plt.subplots(1, len(PLOT_SWEEPS), figsize=(6 * len(PLOT_SWEEPS), 4.2))
     for ax, (sweep, label) in zip(axes, PLOT_SWEEPS.items()):
         pts = sorted((r for r in rows if r.get("sweep") == sweep and r.get("ours_us")), key=lambda r: r["context"])
@@ -86,7 +146,6 @@ def plot(rows: list[dict], ceilings: dict, path: str, title: str = "") -> bool:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-    return True
 
 
 def _ceilings_text(c: dict) -> str:
@@ -111,9 +170,9 @@ def replay(report_path: str, plot_path: str | None = None, out=None) -> int:
     if plot_path:
         if not report.get("measured"):
             say("no plot: nothing was timed")
-        elif plot(rows, report["ceilings"], plot_path, f"flashdsa bench on {info.get('name')}, "
-                                                       f"{str(report.get('date'))[:10]}"):
-            say(f"wrote {plot_path}")
+        elif written := plot(rows, report["ceilings"], plot_path, f"flashdsa bench on {info.get('name')}, "
+                                                                  f"{str(report.get('date'))[:10]}"):
+            say(f"wrote {', '.join(written)}")
         else:
             say("no plot: matplotlib does not import (pip install matplotlib)")
     return 0 if report.get("ok") else 1

@@ -20,7 +20,7 @@ import torch
 from flashdsa.bench.checks import Bench
 from flashdsa.bench.report import _ceilings_text, format_table, plot, replay, write_json
 from flashdsa.bench.setups import SETUPS
-from flashdsa.bench.suite import OPS, Case, _ctx_name, _host_ctx, cases, parse_ops, peers_of
+from flashdsa.bench.suite import DEFAULT_OPS, Case, _ctx_name, _host_ctx, cases, parse_grid, parse_ops, peers_of
 from flashdsa.testing.peers import peer_status
 from flashdsa.testing.timing import do_bench_us, time_us
 
@@ -179,13 +179,17 @@ def _use_interpreter() -> None:
     os.environ["TRITON_INTERPRET"] = "1"
 
 
-def run_bench(ops: str | tuple[str, ...] = OPS, quick: bool = False, json_path: str | None = None,
+def run_bench(ops: str | tuple[str, ...] = DEFAULT_OPS, quick: bool = False, json_path: str | None = None,
               plot_path: str | None = None, peer_libs: str | None = None, cpu_check: bool = False,
-              graph: bool = True, from_json: str | None = None, out=None) -> int:
+              graph: bool = True, from_json: str | None = None, out=None, grid: str | None = None) -> int:
     """``flashdsa bench``. Returns the exit code: 0, or 1 if a check failed. ValueError for bad arguments.
-    ``json_path`` "-": the JSON report to stdout (the text goes to ``out``)."""
+    ``json_path`` "-": the JSON report to stdout (the text goes to ``out``). ``grid``: the decode-grid's cells
+    (:func:`~flashdsa.bench.suite.parse_grid`)."""
     out = out or sys.stdout
     ops = parse_ops(ops) if isinstance(ops, str) else parse_ops(",".join(ops))
+    cells = parse_grid(grid) if grid is not None else None
+    if cells is not None and "decode-grid" not in ops:
+        raise ValueError("grid: only the decode-grid op takes it (add --ops decode-grid)")
     _check_out_path("json", json_path)
     _check_out_path("plot", plot_path)
     if peer_libs is not None and not os.path.isdir(peer_libs):
@@ -195,14 +199,14 @@ def run_bench(ops: str | tuple[str, ...] = OPS, quick: bool = False, json_path: 
     say = lambda s="": print(s, file=out, flush=True)  # noqa: E731
     report: dict[str, Any] = {"flashdsa": _version(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
                               "args": {"ops": list(ops), "quick": quick, "cpu_check": cpu_check, "graph": graph,
-                                       "peer_libs": peer_libs}}
+                                       "peer_libs": peer_libs, "grid": grid}}
     status = peer_status(peer_libs)
     report["peers"] = status
     peers_line = " | ".join(f"{n} {'yes' if s['ok'] else 'no'}" for n, s in status.items())
     timed = torch.cuda.is_available() and not cpu_check
 
     if not timed and not cpu_check:  # CPU: say what we would measure and why we cannot
-        todo = cases(ops, quick)
+        todo = cases(ops, quick, grid=cells)
         dev = device_info(torch.device("cpu"))
         report.update(device=dev, measured=False, rows=[], ok=True,
                       reason="no CUDA device: Triton kernels and the peers need a GPU",
@@ -232,7 +236,7 @@ def run_bench(ops: str | tuple[str, ...] = OPS, quick: bool = False, json_path: 
         dev = torch.device("cpu")
     else:
         dev = torch.device("cuda", torch.cuda.current_device())
-    todo = cases(ops, quick, tiny=cpu_check)
+    todo = cases(ops, quick, tiny=cpu_check, grid=cells)
     info = device_info(dev)
     report["device"] = info
     t0 = time.time()
@@ -281,8 +285,8 @@ def run_bench(ops: str | tuple[str, ...] = OPS, quick: bool = False, json_path: 
     if plot_path:
         if not timed:
             say("no plot: nothing was timed")
-        elif plot(rows, ceilings, plot_path, title=f"flashdsa bench on {info['name']}, {report['date'][:10]}"):
-            say(f"wrote {plot_path}")
+        elif written := plot(rows, ceilings, plot_path, title=f"flashdsa bench on {info['name']}, {report['date'][:10]}"):
+            say(f"wrote {', '.join(written)}")
         else:
             say("no plot: matplotlib does not import (pip install matplotlib)")
     return 0 if ok else 1

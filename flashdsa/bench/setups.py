@@ -214,22 +214,27 @@ def _setup_selection(p: dict, dev, status) -> list[tuple[str, Bench]]:
 
 def _setup_layer(p: dict, dev, status) -> list[tuple[str, Bench]]:
     """One decode step of one layer on a KVPool, through the layer's own step (``DSAAttention.score_paged``
-    -> ``topk_paged`` -> ``attend``, what ``DSAAttention.forward`` runs at decode) on random inputs."""
+    -> ``topk_paged`` -> ``attend``, what ``DSAAttention.forward`` runs at decode) on random inputs. ``h``
+    (optional): the attention heads a GPU holds (a tensor-parallel shard of the preset's); ``n`` (default 1):
+    query rows a request (MTP verify at n > 1). FlashMLA, which takes 64 or 128 heads, gets q padded with
+    zero heads to the next of those, as engines pad it."""
     import dataclasses
 
-    from flashdsa.cache.metadata import DECODE, build_decode
+    from flashdsa.cache.metadata import DECODE, TARGET_VERIFY, build_decode
     from flashdsa.cache.pool import KVPool
     from flashdsa.config import DSAConfig
     from flashdsa.layers.attention import DSAAttention
     from flashdsa.layers.indexer import IndexerOutput
     from flashdsa.quant import FP8
     cfg = DSAConfig.preset(p["preset"]).replace(num_hidden_layers=1)  # the caches of one layer
-    B, ctx, page, topk = p["B"], p["ctx"], cfg.page_size, cfg.index_topk
+    if p.get("h"):
+        cfg = cfg.replace(num_attention_heads=p["h"])
+    B, ctx, page, topk, n = p["B"], p["ctx"], cfg.page_size, cfg.index_topk, p.get("n", 1)
     H_I, h = cfg.index_n_heads, cfg.num_attention_heads
     g = torch.Generator(device=dev).manual_seed(ctx)
     with torch.device("meta"):  # the step's stages read the caches and the inputs, not the weights
         attn = DSAAttention(cfg, 0)
-    pool = KVPool(cfg, B * -(-(ctx + 1) // page), "fp8", dev)
+    pool = KVPool(cfg, B * -(-(ctx + n) // page), "fp8", dev)
     alloc, reqs = pool.allocator, list(range(B))
     for r in reqs:
         alloc.allocate(r, 0)
@@ -244,18 +249,20 @@ def _setup_layer(p: dict, dev, status) -> list[tuple[str, Bench]]:
                        torch.rand(s.numel(), generator=g, device=dev) + 0.5)
     write(torch.cat([alloc.slots(r) for r in reqs]))
     for r in reqs:
-        alloc.extend(r, 1)  # this step's token, written before attending as the layer does
-    meta = build_decode(alloc, reqs, 1, DECODE)  # default backends (sparse MLA: Gluon on sm_90)
+        alloc.extend(r, n)  # this step's tokens, written before attending as the layer does
+    meta = build_decode(alloc, reqs, n, DECODE if n == 1 else TARGET_VERIFY)  # default backends (Gluon on sm_90)
     if torch.device(dev).type != "cuda":  # the CPU default is the torch reference itself: interpret the kernels
         meta = dataclasses.replace(meta, backend="triton")
     write(meta.slot_mapping)
-    idx = IndexerOutput(randn((B, H_I, 128), g, dev, FP8), randn((B, H_I), g, dev) * H_I ** -0.5, None, None)
-    q = randn((B, h, 576), g, dev, torch.bfloat16)
+    R = B * n  # query rows
+    idx = IndexerOutput(randn((R, H_I, 128), g, dev, FP8), randn((R, H_I), g, dev) * H_I ** -0.5, None, None)
+    q = randn((R, h, 576), g, dev, torch.bfloat16)
     lens, bt, max_len = meta.context_lens, meta.block_table, meta.max_context_len
-    sub = rows_subset(B, 4, dev)
+    sub = rows_subset(B, 4, dev)  # requests; ``rows`` their query rows
+    rows = (sub[:, None] * n + torch.arange(n, device=dev)).flatten()
     # the torch reference on a few requests: the same step with the rows' metadata and backend="torch"
     ref_meta = dataclasses.replace(meta, context_lens=lens[sub], block_table=bt[sub], backend="torch")
-    ref_idx = IndexerOutput(idx.q[sub], idx.weights[sub], None, None)
+    ref_idx = IndexerOutput(idx.q[rows], idx.weights[rows], None, None)
 
     def indexer():
         return attn.score_paged(idx, meta, pool)
@@ -278,34 +285,37 @@ def _setup_layer(p: dict, dev, status) -> list[tuple[str, Bench]]:
 
     def check_attention():
         out, lse = attend(sel)
-        return _check_attention(out[sub], lse[sub], *attn.attend(q[sub], sel[sub], ref_meta, pool))
+        return _check_attention(out[rows], lse[rows], *attn.attend(q[rows], sel[rows], ref_meta, pool))
 
     mla = pool.mla_pages(0)
     stages = {
         "indexer": Bench(indexer, checked("indexer", lambda: _check_logits(
-            indexer()[sub], attn.score_paged(ref_idx, ref_meta, pool))),
+            indexer()[rows], attn.score_paged(ref_idx, ref_meta, pool))),
             bytes=idx.q.numel() + 4 * idx.weights.numel() + 132 * int(lens.sum()) + 4 * int(lens.sum()),
             flops=2 * int(lens.sum()) * H_I * 128, dtype="fp8"),
         "top-k": Bench(lambda: select(logits), checked("top-k", lambda: _check_same(
-            select(logits)[sub], attn.topk_paged(logits[sub], ref_meta, pool))), bytes=4 * logits.numel() + 4 * B * topk),
+            select(logits)[rows], attn.topk_paged(logits[rows], ref_meta, pool))), bytes=4 * logits.numel() + 4 * R * topk),
         "attention": Bench(lambda: attend(sel), checked("attention", check_attention),
                            **_attention_work(sel.numel(), h, 656, q, sel)),
     }
-    seqlens = lens.view(-1).contiguous()
-    q_fp8, w = idx.q.view(B, 1, H_I, 128), idx.weights
-    if status["DeepGEMM"]["ok"]:
+    seqlens = lens.view(-1).contiguous()  # a query row's
+    q_fp8, w = idx.q.view(B, n, H_I, 128), idx.weights
+    if status["DeepGEMM"]["ok"] and n <= 2:  # DeepGEMM's paged logits take next_n <= 2 on Hopper
         stages["indexer"].peers["DeepGEMM"] = _deepgemm_paged(q_fp8, pool.index_cache(0), w, lens, bt, max_len, indexer)
     if status["fast_topk_transform_fused"]["ok"] and topk == 2048:
         def make_topk():  # SGLang's decode call: top-k with the slot translation fused, like ours
-            fn = peers.fast_topk_transform_fused(seqlens, _token_table(bt, max_len), topk)
+            fn = peers.fast_topk_transform_fused(seqlens, _token_table(bt, max_len).repeat_interleave(n, 0), topk)
             return (lambda: fn(logits)), _same_slot_sets(fn(logits), select(logits))
         stages["top-k"].peers["fast_topk_transform_fused"] = make_topk
     elif status["fast_topk"]["ok"] and topk == 2048:  # an sgl-kernel without it: positions, untranslated
         stages["top-k"].peers["fast_topk"] = _topk_peers(logits, seqlens, topk, status)["fast_topk"]
-    if status["FlashMLA"]["ok"] and h in (64, 128):
-        stages["attention"].peers["FlashMLA"] = _flashmla_decode(q.view(B, 1, h, 576), mla, sel.view(B, 1, topk),
-                                                                 attn.softmax_scale, seqlens,
-                                                                 lambda: (attend(sel)[0].view(B, 1, h, -1),))
+    if status["FlashMLA"]["ok"] and h <= 128:
+        h_pad = 64 if h <= 64 else 128
+        q_pad = torch.cat((q.view(B, n, h, 576), q.new_zeros(B, n, h_pad - h, 576)), dim=2)
+        name = "FlashMLA" if h == h_pad else f"FlashMLA (q padded to {h_pad} heads)"
+        stages["attention"].peers[name] = _flashmla_decode(q_pad, mla, sel.view(B, n, topk), attn.softmax_scale,
+                                                           lens[:, -1].contiguous(),
+                                                           lambda: (attend(sel)[0].view(B, n, h, -1),))
 
     def step():
         return attend(select(indexer()))

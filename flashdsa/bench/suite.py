@@ -24,13 +24,22 @@ Cases (``--quick`` keeps those marked Q; the sweeps feed the plot):
                 8K and 32K Q, with the GPU kept busy so only the launch path counts, and the plain-call decode
                 step against its CUDA-graph replay (flashdsa.testing.host_cost; issue #18's targets as PASS /
                 FAIL lines, which do not change the exit code)      peers: DeepGEMM, fast_topk_v2, FlashMLA
+    decode-grid the layer's decode step (as ``layer``: its three stages and the step) over a grid of batch x
+                attention heads a GPU holds x context x query rows a request (``--grid``, :func:`parse_grid`;
+                default the whole of GRID, --quick QUICK_GRID); not in the default --ops (the whole grid is
+                192 cells, about half an hour on an H200). The plot is a heat map of the step's ratio.
+                          peers: as layer's; FlashMLA with q padded to 64 / 128 heads where h is not one of those
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-OPS = ("indexer", "topk", "selection", "sparse_mla", "layer", "host")
+OPS = ("indexer", "topk", "selection", "sparse_mla", "layer", "host", "decode-grid")
+DEFAULT_OPS = OPS[:-1]  # the grid runs when asked for
+GRID = {"B": (1, 2, 4, 8, 16, 32, 64, 128), "h": (16, 32, 64, 128), "ctx": (8192, 32768, 131072), "n": (1, 2)}
+QUICK_GRID = {"B": (1, 4, 16, 64), "h": (16, 128), "ctx": (32768,), "n": (1,)}
+TINY_GRID = {"B": (2,), "h": (8,), "ctx": (200,), "n": (1, 2)}  # the tiny preset has 4 heads
 HOST_CTX = (8 * 1024, 32 * 1024)  # the host cost's contexts (--quick: the last)
 K = 1024
 PLOT_SWEEPS = {"indexer_paged": "paged indexer logits, B 64, next_n 1",
@@ -50,8 +59,45 @@ def _ctx_name(ctx: int) -> str:
     return f"{ctx // K}K" if ctx >= K else str(ctx)
 
 
-def cases(ops: tuple[str, ...] = OPS, quick: bool = False, tiny: bool = False) -> list[Case]:
-    """The cases of ``ops`` in run order: docs/DSA.md §9's shapes, or ``tiny`` ones for the CPU check."""
+def cases(ops: tuple[str, ...] = DEFAULT_OPS, quick: bool = False, tiny: bool = False,
+          grid: dict | None = None) -> list[Case]:
+    """The cases of ``ops`` in run order: docs/DSA.md §9's shapes, or ``tiny`` ones for the CPU check;
+    ``grid`` (as :func:`parse_grid` returns) the decode-grid's cells instead of its default."""
+    out = _cases(ops, quick, tiny)
+    if "decode-grid" in ops:
+        g = grid or (TINY_GRID if tiny else QUICK_GRID if quick else GRID)
+        preset = "tiny" if tiny else "v32"
+        for ctx in g["ctx"]:
+            for n in g["n"]:
+                for B in g["B"]:
+                    for h in g["h"]:
+                        out.append(Case("decode-grid", "layer", f"{preset} decode B{B} h{h} n{n} ctx {_ctx_name(ctx)}",
+                                        dict(preset=preset, B=B, h=h, n=n, ctx=ctx)))
+    return out
+
+
+def parse_grid(text: str) -> dict:
+    """``"B=1,4;h=16,128;ctx=32K,128K;n=1"`` -> the decode-grid's cells: a dict of B, h, ctx and n, each a tuple
+    of positive ints (K = 1024); a key left out takes GRID's values. ValueError naming ``grid`` otherwise."""
+    out = dict(GRID)
+    for part in filter(None, (p.strip() for p in str(text).split(";"))):
+        key, sep, vals = part.partition("=")
+        key = key.strip()
+        try:
+            if not sep or key not in GRID:
+                raise ValueError
+            nums = tuple(int(v.strip()[:-1]) * K if v.strip().upper().endswith("K") else int(v)
+                         for v in vals.split(","))
+            if not nums or min(nums) < 1:
+                raise ValueError
+        except ValueError:
+            raise ValueError(f"grid: expected 'KEY=v,v;...' with KEY one of {', '.join(GRID)} and positive integers "
+                             f"(32K = 32768), got {part!r}") from None
+        out[key] = nums
+    return out
+
+
+def _cases(ops: tuple[str, ...], quick: bool, tiny: bool) -> list[Case]:
     out: list[Case] = []
     if tiny:  # every kind of case, small enough for the Triton interpreter
         if "indexer" in ops:
@@ -122,7 +168,9 @@ def peers_of(case: Case) -> str:
     if case.kind == "selection":
         return "DeepGEMM paged -> fast_topk_transform_fused" if case.params.get("k", 2048) == 2048 else "none (k 2048)"
     return {"paged": "DeepGEMM", "ragged": "DeepGEMM", "decode": "FlashMLA", "prefill": "FlashMLA",
-            "layer": "DeepGEMM / fast_topk_transform_fused / FlashMLA per stage, the three in a row for the step"}[case.kind]
+            "layer": "DeepGEMM / fast_topk_transform_fused / FlashMLA per stage, the three in a row for the step"
+                     + (" (FlashMLA's q padded to 64 / 128 heads)" if case.params.get("h", 128) not in (64, 128) else "")
+            }[case.kind]
 
 
 def parse_ops(text: str) -> tuple[str, ...]:
