@@ -22,11 +22,13 @@ from _common import print_table, write_json
 from flashdsa import ops
 from flashdsa.bench import selection_inputs
 from flashdsa.ops._triton_utils import num_sms
+from flashdsa.ops.indexer import paged
 from flashdsa.ops.topk import launch
 from flashdsa.testing import peers
 from flashdsa.testing.timing import time_us
 
 CHUNKS = (2, 4, 8, 16, 32, 64)
+LOGIT_CHUNKS = (128, 256, 512, 1024, 2048)  # output columns a program of the paged logits (default: >= 512)
 
 
 def variants(R: int, L: int, k: int, sms: int) -> dict[str, launch.TopkConfig]:
@@ -40,7 +42,7 @@ def variants(R: int, L: int, k: int, sms: int) -> dict[str, launch.TopkConfig]:
     return out
 
 
-def case(B: int, ctx: int, H: int, k: int, dev, status: dict, smoke: bool) -> dict:
+def case(B: int, ctx: int, H: int, k: int, dev, status: dict, smoke: bool, logit_chunks: bool = False) -> dict:
     q, cache, w, lens, bt, max_len, _ = selection_inputs(B, ctx, H, dev)
     rows_len = lens.view(-1).contiguous()
     be = "triton" if smoke else None
@@ -54,6 +56,15 @@ def case(B: int, ctx: int, H: int, k: int, dev, status: dict, smoke: bool) -> di
     row = {"B": B, "ctx": ctx, "L": max_len}
     t = (lambda fn: float("nan")) if smoke else time_us
     row["logits"] = t(logits)
+    row["logits_chunk"] = paged.paged_config(B, 1, H, max_len, dev, tma=dev.type == "cuda").chunk  # the default's
+    for c in LOGIT_CHUNKS if logit_chunks else ():
+        if c >= 2 * 64 and c <= max(max_len, 128):
+            cfg = paged.PagedConfig(chunk=c)
+            def fn(cfg=cfg):
+                return paged.indexer_logits_paged(q, cache, w, lens, bt, max_len, config=cfg)
+            if not torch.equal(fn(), x):  # a column's score does not depend on which program computes it
+                raise AssertionError(f"B {B} ctx {ctx} logits chunk {c}: differs from the default's")
+            row[f"logits:c{c}"] = t(fn)
     for name, cfg in variants(B, max_len, k, sms).items():
         def topk(cfg=cfg, x=x):
             return launch.topk_transform(x, rows_len, k, bt, None, None, 64, config=cfg)
@@ -84,6 +95,7 @@ def main() -> None:
     ap.add_argument("--ctx", default="8192,32768,131072")
     ap.add_argument("--peer-libs", default="")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU interpreter: the script only")
+    ap.add_argument("--logit-chunks", action="store_true", help="also time the paged logits at each chunk width")
     a = ap.parse_args()
     if a.smoke:
         dev, batches, ctxs, H, k, status = torch.device("cpu"), [1, 3], [1200], 8, 64, {}
@@ -95,7 +107,7 @@ def main() -> None:
     rows = []
     for ctx in ctxs:
         for B in batches:
-            rows.append(case(B, ctx, H, k, dev, status, a.smoke))
+            rows.append(case(B, ctx, H, k, dev, status, a.smoke, a.logit_chunks))
             print({kk: round(v, 1) if isinstance(v, float) else v for kk, v in rows[-1].items()}, flush=True)
     write_json(rows, "small_batch_selection")
     keys = ["B", "ctx", "logits", "peer_logits", "topk:default", "best_topk", "peer_topk", "chain", "peer_chain",

@@ -61,3 +61,18 @@ def test_sparse_decode_grid_smoke():
                          capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "triton-s32" in run.stdout and run.stdout.rstrip().splitlines()[-1].startswith("1 | 16"), run.stdout[-2000:]
+
+
+def test_small_batch_selection_smoke():
+    """``small_batch_selection.py --smoke --logit-chunks`` on the CPU interpreter: every top-k launch and every
+    logits chunk width gives the default's bits (the script's own checks, which its GPU run relies on)."""
+    import os
+    import subprocess
+    import sys
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(root))
+    run = subprocess.run([sys.executable, str(root / "benchmarks" / "small_batch_selection.py"), "--smoke",
+                          "--logit-chunks"], capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "'logits:c128'" in run.stdout and "'topk:split-c2'" in run.stdout, run.stdout[-2000:]
+    assert run.stdout.rstrip().splitlines()[-1].startswith("3 | 1200"), run.stdout[-2000:]
