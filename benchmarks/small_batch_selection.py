@@ -42,7 +42,8 @@ def variants(R: int, L: int, k: int, sms: int) -> dict[str, launch.TopkConfig]:
     return out
 
 
-def case(B: int, ctx: int, H: int, k: int, dev, status: dict, smoke: bool, logit_chunks: bool = False) -> dict:
+def case(B: int, ctx: int, H: int, k: int, dev, status: dict, smoke: bool, logit_chunks: bool = False,
+         logits_only: bool = False) -> dict:
     q, cache, w, lens, bt, max_len, _ = selection_inputs(B, ctx, H, dev)
     rows_len = lens.view(-1).contiguous()
     be = "triton" if smoke else None
@@ -65,6 +66,11 @@ def case(B: int, ctx: int, H: int, k: int, dev, status: dict, smoke: bool, logit
             if not torch.equal(fn(), x):  # a column's score does not depend on which program computes it
                 raise AssertionError(f"B {B} ctx {ctx} logits chunk {c}: differs from the default's")
             row[f"logits:c{c}"] = t(fn)
+    if logits_only:
+        if status.get("DeepGEMM", {}).get("ok"):
+            from flashdsa.bench.checks import _deepgemm_paged
+            row["peer_logits"] = time_us(_deepgemm_paged(q, cache, w, lens, bt, max_len, lambda: x)()[0])
+        return row
     for name, cfg in variants(B, max_len, k, sms).items():
         def topk(cfg=cfg, x=x):
             return launch.topk_transform(x, rows_len, k, bt, None, None, 64, config=cfg)
@@ -96,6 +102,7 @@ def main() -> None:
     ap.add_argument("--peer-libs", default="")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU interpreter: the script only")
     ap.add_argument("--logit-chunks", action="store_true", help="also time the paged logits at each chunk width")
+    ap.add_argument("--logits-only", action="store_true", help="the paged logits only (no top-k)")
     a = ap.parse_args()
     if a.smoke:
         dev, batches, ctxs, H, k, status = torch.device("cpu"), [1, 3], [1200], 8, 64, {}
@@ -107,7 +114,7 @@ def main() -> None:
     rows = []
     for ctx in ctxs:
         for B in batches:
-            rows.append(case(B, ctx, H, k, dev, status, a.smoke, a.logit_chunks))
+            rows.append(case(B, ctx, H, k, dev, status, a.smoke, a.logit_chunks, a.logits_only))
             print({kk: round(v, 1) if isinstance(v, float) else v for kk, v in rows[-1].items()}, flush=True)
     write_json(rows, "small_batch_selection")
     keys = ["B", "ctx", "logits", "peer_logits", "topk:default", "best_topk", "peer_topk", "chain", "peer_chain",

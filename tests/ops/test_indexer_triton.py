@@ -203,6 +203,17 @@ def test_paged_zero_width_and_no_rows():
     assert indexer_logits_paged(q, cache, w, ctx, bt, 0, backend="triton").shape == (4, 0)
 
 
+def test_paged_tma_chunks_for_few_columns(monkeypatch):
+    """On a 132-SM GPU (the H200) the TMA kernel's chunks: ~16 programs an SM of >= 8 pages where the columns
+    allow (B 64 at 32K and beyond: as measured before), else ~4 an SM of 2 to 16 pages (latency batches)."""
+    from flashdsa.ops.indexer import paged_config as PC
+    monkeypatch.setattr(PC, "num_sms", lambda device: 132)
+    chunk = lambda B, L: KP.paged_config(B, 1, 64, L, torch.device("cpu"), tma=True).chunk  # noqa: E731
+    assert [chunk(B, 8448) for B in (1, 4, 16, 64, 128)] == [128, 128, 256, 1024, 512]
+    assert [chunk(B, 34944) for B in (1, 4, 16, 64)] == [128, 256, 1024, 1024]
+    assert [chunk(B, 153600) for B in (1, 16, 64)] == [256, 1024, 4096]
+
+
 def test_paged_config_covers_long_contexts():
     """The default split gives whole steps per chunk; pointer kernel: two pages a step up to 128 dot
     columns, 1 / 2 / 4 dots a step; TMA kernel: one page a step, a dot per row of 64 heads, one 256-column
@@ -219,7 +230,7 @@ def test_paged_config_covers_long_contexts():
             assert chain == (HP == 64 and padded)  # measured on only there
             assert -(-L // chunk) <= 65535  # grid dim 2
             t = KP.paged_config(B, n, H, L, dev, tma=True)
-            assert t.G == G and t.block_n == 64 and t.chunk % 64 == 0 and 512 <= t.chunk <= 64 * 64
+            assert t.G == G and t.block_n == 64 and t.chunk % 64 == 0 and 128 <= t.chunk <= 64 * 64
             assert t.G % t.GS == 0 and t.G // t.GS in (1, 2, 4) and not t.chain
             assert t.GS == (G if G * HP == KP.MAX_DOT_N and not padded else max(1, min(G, 64 // HP)))
             assert t.num_warps == (8 if t.GS * HP == KP.MAX_DOT_N else 4)

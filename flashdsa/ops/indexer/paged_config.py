@@ -21,7 +21,8 @@ class PagedConfig:
 
     TMA kernel (the default on sm_90): one page a step, a 64-column dot per draft row (n = 4: one
     256-column dot over 8 warps), 6 stages, logits stored from registers, chunks for ~16 programs a SM
-    (~8 at 8 warps), at least 8 pages. Pointer kernel (other GPUs, and the interpreter unless ``tma=True``):
+    (~8 at 8 warps), at least 8 pages; where the columns are too few for that (small batches), ~4 programs
+    an SM of 2 to 16 pages. Pointer kernel (other GPUs, and the interpreter unless ``tma=True``):
     n = 1: one 64-column dot, two pages a step; n = 2: two 64-column dots sharing two pages a step; n = 3:
     three 64-column dots with the fma-chain head sum; n = 4: one 256-column dot, one page a step; 4 warps,
     6 stages, ~8 programs a SM.
@@ -90,9 +91,17 @@ def paged_config(B: int, n: int, H: int, max_len: int, device: torch.device, cfg
         chunk = cfg.chunk
     else:
         groups = cdiv(n, G)
-        per_prog = B * groups * max(max_len, 1) // (per_sm * num_sms(device))
-        chunk = prev_pow2(per_prog)
-        chunk = min(max(chunk, 2 * bn, min_chunk), 64 * bn)
+        work = B * groups * max(max_len, 1)
+        per_prog = work // (per_sm * num_sms(device))
+        if per_prog >= min_chunk:
+            chunk = min(max(prev_pow2(per_prog), 2 * bn, min_chunk), 64 * bn)
+        else:
+            # too few columns for per_sm programs of >= min_chunk an SM (latency batches): ~4 programs an SM
+            # (the power of two nearest), of >= 2 steps, at most 2 min_chunk (H200, B 1 / 4 / 16 / 64 at 8K:
+            # chunks 128 / 128 / 256 / 1024 took 7.2 / 9.2 / 13.2 / 30.2 us against the 512 of the rule
+            # above's 9.5 / 10.7 / 13.6 / 32.5; DeepGEMM 7.4 / 9.0 / 13.8 / 30.1)
+            chunk = prev_pow2(work * 1414 // (1000 * 4 * num_sms(device)))
+            chunk = min(max(chunk, 2 * bn), max(2 * min_chunk, 2 * bn))
     if bn < 16 or bn & (bn - 1) or chunk % bn:
         raise ValueError(f"config: block_n must be a power of two >= 16 dividing chunk, got {bn}, {chunk}")
     if tma and bn not in (PAGE_SIZE, 2 * PAGE_SIZE):
