@@ -210,7 +210,8 @@ def test_paged_tma_chunks_for_few_columns(monkeypatch):
     monkeypatch.setattr(PC, "num_sms", lambda device: 132)
     chunk = lambda B, L: KP.paged_config(B, 1, 64, L, torch.device("cpu"), tma=True).chunk  # noqa: E731
     assert [chunk(B, 8448) for B in (1, 4, 16, 64, 128)] == [128, 128, 256, 1024, 512]
-    assert [chunk(B, 34944) for B in (1, 4, 16, 64)] == [128, 256, 1024, 1024]
+    assert [chunk(B, 8256) for B in (64, 128)] == [1024, 512]
+    assert [chunk(B, 34944) for B in (1, 4, 16, 32, 64)] == [128, 256, 1024, 512, 1024]
     assert [chunk(B, 153600) for B in (1, 16, 64)] == [256, 1024, 4096]
 
 

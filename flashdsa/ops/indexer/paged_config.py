@@ -93,15 +93,17 @@ def paged_config(B: int, n: int, H: int, max_len: int, device: torch.device, cfg
         groups = cdiv(n, G)
         work = B * groups * max(max_len, 1)
         per_prog = work // (per_sm * num_sms(device))
-        if per_prog >= min_chunk:
-            chunk = min(max(prev_pow2(per_prog), 2 * bn, min_chunk), 64 * bn)
+        # ~4 programs an SM (the power of two nearest)
+        few = prev_pow2(work * 1414 // (1000 * 4 * num_sms(device)))
+        if per_prog < min_chunk and few <= 2 * min_chunk:
+            # too few columns for per_sm programs of >= min_chunk an SM (latency batches): ~4 an SM, of >= 2
+            # steps (H200, B 1 / 4 / 16 / 64 at 8K: chunks 128 / 128 / 256 / 1024 took 7.2 / 9.2 / 13.2 /
+            # 30.2 us against 8 pages' 9.5 / 10.7 / 13.6 / 32.5; DeepGEMM 7.4 / 9.0 / 13.8 / 30.1). Where
+            # that would take chunks over 2 min_chunk (B 32 at 32K, B 128 at 8K), 16 pages were slower than
+            # 8 (54.7 against DeepGEMM's 47.4 at B 32; B 128 ~8K 54.8 against 50.7): the rule below
+            chunk = max(few, 2 * bn)
         else:
-            # too few columns for per_sm programs of >= min_chunk an SM (latency batches): ~4 programs an SM
-            # (the power of two nearest), of >= 2 steps, at most 2 min_chunk (H200, B 1 / 4 / 16 / 64 at 8K:
-            # chunks 128 / 128 / 256 / 1024 took 7.2 / 9.2 / 13.2 / 30.2 us against the 512 of the rule
-            # above's 9.5 / 10.7 / 13.6 / 32.5; DeepGEMM 7.4 / 9.0 / 13.8 / 30.1)
-            chunk = prev_pow2(work * 1414 // (1000 * 4 * num_sms(device)))
-            chunk = min(max(chunk, 2 * bn), max(2 * min_chunk, 2 * bn))
+            chunk = min(max(prev_pow2(per_prog), 2 * bn, min_chunk), 64 * bn)
     if bn < 16 or bn & (bn - 1) or chunk % bn:
         raise ValueError(f"config: block_n must be a power of two >= 16 dividing chunk, got {bn}, {chunk}")
     if tma and bn not in (PAGE_SIZE, 2 * PAGE_SIZE):
