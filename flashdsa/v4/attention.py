@@ -1,0 +1,82 @@
+"""DeepSeek-V4's attention core on flashdsa's sparse MLA kernels (issue #43, first step).
+
+Why no new attention kernel: V4's attention is MQA with one K = V head of ``head_dim`` <= 512 dims, and a
+query attends to a list of keys (its window, and in CSA / HCA layers compressed entries). flashdsa's sparse
+MLA ops compute exactly that over a list of rows when the K = V head sits in the rows' 512-dim latent part
+(the value) with a zero rope part, and q has a zero rope part too:
+
+    s_i = scale * q . k_i   (the rope parts add 0)        out = sum_i softmax(s)_i * k_i[:512]
+
+V4's per-head **sinks** add ``exp(sink_h)`` to the softmax denominator and nothing to the numerator: that is
+a merge with an empty partial attention whose lse is the sink (``merge_attention(out, lse, 0, sink)``), so
+the kernels need no change for them either. The output's trailing RoPE slice is rotated back by the query's
+position (the value carried the keys' RoPE, as HF's model undoes it).
+
+Rows and indices: the caller lays every key a query may see out as rows of one ``kv [N, head_dim]`` buffer
+(the window's raw tokens, then the compressed entries) and gives each query row its list
+(:func:`window_indices`, :func:`causal_entry_indices`, or an indexer's picks offset into the entries' rows).
+The paged window ring and entry caches that hold these rows across calls are not built yet (#43).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flashdsa import ops
+from flashdsa.cache.layouts import MLA_DIM, MLA_LATENT
+from flashdsa.quant import apply_rope
+
+
+def mla_rows(x: torch.Tensor) -> torch.Tensor:
+    """``[..., D]`` (D <= 512) -> ``[..., 576]``: D in the latent part, zeros after (its rope part included)."""
+    if x.shape[-1] > MLA_LATENT:
+        raise ValueError(f"x: expected a last dim of at most {MLA_LATENT} (K = V in the latent part), got {x.shape[-1]}")
+    return torch.nn.functional.pad(x, (0, MLA_DIM - x.shape[-1]))
+
+
+def window_indices(positions: torch.Tensor, window: int, first_row: int = 0) -> torch.Tensor:
+    """``[T, window] int32``: the rows of the raw tokens query ``positions [T]`` sees in its sliding window
+    (positions ``p - window + 1 .. p``; row = ``first_row`` + position), -1 before position 0."""
+    offs = torch.arange(window - 1, -1, -1, device=positions.device)
+    pos = positions.long()[:, None] - offs[None, :]
+    return torch.where(pos >= 0, pos + first_row, -1).to(torch.int32)
+
+
+def causal_entry_indices(positions: torch.Tensor, rate: int, entries: int, first_row: int) -> torch.Tensor:
+    """``[T, entries] int32``: every compressed entry query ``positions [T]`` may see (HCA's dense set): entry w
+    covers tokens ``w * rate .. (w + 1) * rate - 1`` and is visible once its last token is, i.e.
+    ``w < (p + 1) // rate``; row = ``first_row + w``, -1 otherwise."""
+    w = torch.arange(entries, device=positions.device)
+    visible = w[None, :] < (positions.long()[:, None] + 1) // rate
+    return torch.where(visible, w[None, :] + first_row, -1).to(torch.int32)
+
+
+def attend(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sinks: torch.Tensor, scale: float,
+           cos: torch.Tensor | None = None, sin: torch.Tensor | None = None, *,
+           backend: str | None = None) -> torch.Tensor:
+    """V4 attention of query rows over their listed keys, with sinks.
+
+    Args:
+        q:       ``[T, h, D]`` (D = head_dim <= 512) bfloat16, or float32 with float32 ``kv``; RoPE applied.
+        kv:      ``[N, D]`` the shared K = V rows (RoPE applied to their trailing slice).
+        indices: ``[T, k] int32`` rows of ``kv`` per query row; -1 = none.
+        sinks:   ``[h]`` per-head sink logits (not scaled).
+        scale:   the softmax scale (``head_dim ** -0.5``).
+        cos, sin: ``[T, R / 2] float32`` of each query's position: the output's trailing R channels are
+                 rotated back (interleaved pairs, as V4's RoPE); None: left as they are.
+
+    Returns ``[T, h, D]`` in q's dtype.
+    """
+    T, h, D = q.shape
+    if kv.shape[-1] != D:
+        raise ValueError(f"kv: expected rows of {D} (q's head_dim), got {tuple(kv.shape)}")
+    if sinks.shape != (h,):
+        raise ValueError(f"sinks: expected shape ({h},), got {tuple(sinks.shape)}")
+    out, lse = ops.sparse_mla_prefill(mla_rows(q), mla_rows(kv), indices, scale, backend=backend)
+    sink = sinks.to(torch.float32, copy=False).to(q.device).expand(T, h).contiguous()
+    out, _ = ops.merge_attention(out, lse, torch.zeros_like(out), sink)
+    out = out[..., :D]
+    if cos is not None:
+        r = 2 * cos.shape[-1]
+        out = torch.cat((out[..., :D - r].float(), apply_rope(out[..., D - r:], cos, -sin, True)), dim=-1)
+    return out.to(q.dtype)
