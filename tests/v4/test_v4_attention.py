@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from flashdsa import v4
+from flashdsa.v4.compressor import CompressState, compress
 
 transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "DeepseekV4Config"):
@@ -130,3 +131,80 @@ def test_hf_apply_says_what_is_missing():
     import flashdsa.hf as fh
     with pytest.raises(NotImplementedError, match="DeepSeek-V4.*#43"):
         fh.apply(tiny_model())
+
+
+def rope_entries(module, entries, first, dtype):
+    """HF's RMSNorm and RoPE of pooled entries ``first ..`` (what the layer does after pooling)."""
+    rate = module.compress_rate
+    normed = module.kv_norm(entries)
+    pos = ((torch.arange(entries.shape[0]) + first) * rate)[None]
+    cos, sin = module.rotary_emb(normed[None], position_ids=pos, layer_type=module.rope_layer_type)
+    return hf_v4.apply_rotary_pos_emb(normed[None, None], cos, sin)[0, 0].to(dtype)
+
+
+@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compressor_state_across_calls_equals_hf(dtype):
+    """A prompt, then single-token decode steps, then a 6-token extend, through HF's model with its cache; at
+    every call our compressor (one request at a time, its state carried between calls) gives the entries HF's
+    cache holds — CSA's attention and indexer series (overlapping windows) and HCA's — bit for bit: the same
+    ops in the same order."""
+    model = tiny_model().to(dtype)
+    B = 2
+    ids = torch.randint(0, 128, (B, 11), generator=torch.Generator().manual_seed(3))
+    series = {}  # (layer, name) -> (module, overlap)
+    for i, layer in enumerate(model.model.layers):
+        comp = layer.self_attn.compressor
+        if comp is not None:
+            series[(i, "compressor")] = (comp, layer.self_attn.layer_type == v4.CSA)
+            if layer.self_attn.layer_type == v4.CSA:
+                series[(i, "indexer")] = (comp.indexer, True)
+    inputs = {}
+
+    def hook(module, args, kwargs):
+        inputs[id(module)] = args[0] if args else kwargs["hidden_states"]
+    handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m, _ in series.values()]
+    states = {(key, b): None for key in series for b in range(B)}
+    ours = {(key, b): [] for key in series for b in range(B)}
+    cache = None
+    chunks = [ids] + [torch.randint(0, 128, (B, 1), generator=torch.Generator().manual_seed(10 + s)) for s in range(9)]
+    chunks.append(torch.randint(0, 128, (B, 6), generator=torch.Generator().manual_seed(30)))
+    try:
+        with torch.no_grad():
+            for step, chunk in enumerate(chunks):
+                out = model(chunk, past_key_values=cache, use_cache=True)  # `cache` from 5.25 on
+                cache = out.past_key_values
+                for (i, name), (module, overlap) in series.items():
+                    h = inputs[id(module)]
+                    kv, gate = module.kv_proj(h), module.gate_proj(h)
+                    want = cache.layers[i].compressed_kv[name]
+                    for b in range(B):
+                        key = ((i, name), b)
+                        first = states[key].entries if states[key] is not None else 0
+                        entries, states[key] = compress(kv[b], gate[b], module.position_bias, module.compress_rate,
+                                                        overlap, states[key])
+                        if entries.shape[0]:
+                            ours[key].append(rope_entries(module, entries, first, dtype))
+                        got = torch.cat(ours[key]) if ours[key] else None
+                        if want is None or want.shape[1] == 0:
+                            assert got is None, (step, i, name)
+                        else:
+                            assert got is not None and torch.equal(got, want[b]), (step, i, name, b)
+    finally:
+        for h in handles:
+            h.remove()
+    total = 11 + 9 + 6
+    assert states[((1, "compressor"), 0)].entries == total // 4 and states[((2, "compressor"), 0)].entries == total // 8
+
+
+def test_compress_refuses_bad_shapes_and_keeps_state():
+    s0 = CompressState.empty(8, torch.float32)
+    kv = torch.randn(3, 8)
+    with pytest.raises(ValueError, match="^gate:"):
+        compress(kv, torch.randn(2, 8), torch.zeros(4, 8), 4, True)
+    with pytest.raises(ValueError, match="^position_bias:"):
+        compress(kv, kv, torch.zeros(2, 8), 4, True)
+    e, s1 = compress(kv, kv, torch.zeros(4, 8), 4, True, s0)
+    assert e.shape == (0, 4) and s1.pending_kv.shape == (3, 8) and s0.pending_kv.shape == (0, 8)  # s0 untouched
+    e, s2 = compress(kv, kv, torch.zeros(4, 8), 4, True, s1)
+    assert e.shape == (1, 4) and s2.entries == 1 and s2.pending_kv.shape == (2, 8) and s1.entries == 0
