@@ -16,6 +16,7 @@ import torch
 
 from flashdsa import v4
 from flashdsa.v4.compressor import CompressState, compress
+from flashdsa.v4.indexer import scores_exact, select_exact, select_fp8, visible_entries
 
 transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "DeepseekV4Config"):
@@ -208,3 +209,62 @@ def test_compress_refuses_bad_shapes_and_keeps_state():
     assert e.shape == (0, 4) and s1.pending_kv.shape == (3, 8) and s0.pending_kv.shape == (0, 8)  # s0 untouched
     e, s2 = compress(kv, kv, torch.zeros(4, 8), 4, True, s1)
     assert e.shape == (1, 4) and s2.entries == 1 and s2.pending_kv.shape == (2, 8) and s1.entries == 0
+
+
+@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated")
+def test_exact_selection_equals_hf_indexer():
+    """select_exact on HF's queries, weights and cached indexer keys picks what HF's DeepseekV4Indexer picks,
+    in its order, -1 included: a prompt of 37 tokens (9 entries, top-4), then 6 decode steps."""
+    model = tiny_model()
+    idx_mod = model.model.layers[1].self_attn.compressor.indexer
+    got = []
+
+    def hook(module, args, kwargs, output):
+        got.append((args, kwargs, output))
+    handle = idx_mod.register_forward_hook(hook, with_kwargs=True)
+    cache, B = None, 2
+    chunks = [torch.randint(0, 128, (B, 37), generator=torch.Generator().manual_seed(4))]
+    chunks += [torch.randint(0, 128, (B, 1), generator=torch.Generator().manual_seed(40 + s)) for s in range(6)]
+    try:
+        with torch.no_grad():
+            for chunk in chunks:
+                cache = model(chunk, past_key_values=cache, use_cache=True).past_key_values
+                (h, q_res, pos, *_), _, want = got[-1]
+                keys = cache.layers[1].compressed_kv["indexer"]  # [B, E, d] after this call
+                S = h.shape[1]
+                cos, sin = idx_mod.rotary_emb(h, position_ids=pos, layer_type=idx_mod.rope_layer_type)
+                q = idx_mod.q_b_proj(q_res).view(B, S, -1, idx_mod.head_dim).transpose(1, 2)
+                q = hf_v4.apply_rotary_pos_emb(q, cos, sin).transpose(1, 2)
+                w = idx_mod.scorer.weights_proj(h).float() * idx_mod.scorer.weights_scaling
+                for b in range(B):
+                    p = pos.expand(B, -1)[b]
+                    ours = select_exact(q[b], keys[b], w[b], p, idx_mod.compress_rate, idx_mod.index_topk)
+                    k = want.shape[-1]
+                    assert torch.equal(ours[:, :k], want[b].to(torch.int32)) and (ours[:, k:] == -1).all()
+    finally:
+        handle.remove()
+    assert any((o >= 0).sum(-1).max() == 4 for _, _, o in got)  # selection happened: 9 entries, top-4
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_fp8_selection_against_dequantised_reference(backend):
+    """select_fp8 (flashdsa's ragged logits + exact top-k) on fp8 queries and keys: its picks are an exact top-k
+    of the reference scores of the dequantised inputs whatever the tie rule (tie-safe), and both backends give
+    the same bits. Keys of random scale, ties at ReLU's zeros, rows seeing 0 .. 40 entries, topk 16."""
+    from flashdsa.quant import act_quant
+    from flashdsa.testing.compare import topk_tie_safe
+    g = torch.Generator().manual_seed(5)
+    T, H, d, E, rate, topk = 24, 4, 128, 40, 4, 16
+    positions = torch.sort(torch.randint(0, E * rate, (T,), generator=g)).values
+    positions[0] = 2  # sees no entry yet
+    q_fp8, q_scale = act_quant(torch.randn(T, H, d, generator=g))
+    k_fp8, k_scale = act_quant(torch.randn(E, d, generator=g) * torch.rand(E, 1, generator=g) * 3)
+    k_scale = k_scale[:, 0]
+    weights = torch.randn(T, H, generator=g) * H ** -0.5 * d ** -0.5 * q_scale[..., 0]
+    picks = select_fp8(q_fp8, k_fp8, k_scale, weights, positions, rate, topk, backend=backend)
+    ref = scores_exact(q_fp8.float(), k_fp8.float() * k_scale[:, None], weights * d ** 0.5, positions, rate)
+    visible = visible_entries(positions, rate)
+    ok, recall = topk_tie_safe(ref, visible, picks, topk, ascending=True)
+    assert ok, recall
+    assert (picks[0] == -1).all() and picks.shape == (T, topk)
+    assert torch.equal(picks, select_fp8(q_fp8, k_fp8, k_scale, weights, positions, rate, topk, backend="torch"))

@@ -1,0 +1,65 @@
+"""DeepSeek-V4's lightning indexer over compressed keys: which entries a CSA query attends to.
+
+Scores have DSA's form over entries instead of tokens (HF's ``DeepseekV4IndexerScorer``)::
+
+    score[t, e] = sum_h w[t, h] * relu(q[t, h] . k[e]) * d^-0.5,   w = weights_proj(x_t) * H^-0.5
+
+and a query at position p may see entry e only once the entry's window is closed, ``e < (p + 1) // rate``
+(HF's ``causal_threshold``). Each query keeps its ``topk`` best visible entries, -1 past the visible count.
+
+Two paths, as for DSA's indexer (docs/DSA.md §3):
+
+* :func:`select_exact` — HF's numbers: the scores in HF's op order in fp32 and ``torch.topk``'s picks (ties as
+  torch breaks them), so exact mode selects what HF selects.
+* :func:`select_fp8` — flashdsa's kernels: e4m3 queries and keys with per-key scales through
+  ``ops.indexer_logits_ragged`` (every query row a range ``[0, (p + 1) // rate)`` of the entries), exact top-k
+  with our deterministic tie rule through ``ops.topk_transform``. Its keys are the entries quantised once, as
+  the paged indexer cache would store them (``quant.act_quant``, block-128 UE8M0 scales).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flashdsa import ops
+
+
+def visible_entries(positions: torch.Tensor, rate: int) -> torch.Tensor:
+    """``[T] int32``: how many entries query ``positions [T]`` may see, ``(p + 1) // rate``."""
+    return ((positions.long() + 1) // rate).to(torch.int32)
+
+
+def scores_exact(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor,
+                 rate: int) -> torch.Tensor:
+    """``q [T, H, d]`` (RoPE applied), ``keys [E, d]``, ``weights [T, H]`` (already scaled by H^-0.5) ->
+    ``[T, E] float32`` scores in HF's op order, -inf at entries the query cannot see yet."""
+    s = torch.matmul(q.float(), keys.float().transpose(-1, -2))  # [T, H, E]
+    s = torch.relu(s) * q.shape[-1] ** -0.5
+    s = (s * weights.float().unsqueeze(-1)).sum(dim=1)
+    future = torch.arange(keys.shape[0], device=q.device)[None, :] >= visible_entries(positions, rate)[:, None]
+    return s.masked_fill(future, float("-inf"))
+
+
+def select_exact(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor, rate: int,
+                 topk: int) -> torch.Tensor:
+    """HF's selection: ``[T, topk] int32`` entry indices in ``torch.topk``'s order (best first), -1 for picks the
+    query cannot see and past the entries there are."""
+    s = scores_exact(q, keys, weights, positions, rate)
+    k = min(topk, keys.shape[0])
+    picks = s.topk(k, dim=-1).indices if k else s.new_zeros(s.shape[0], 0, dtype=torch.long)
+    picks = torch.where(picks >= visible_entries(positions, rate)[:, None].long(), -1, picks)
+    return torch.nn.functional.pad(picks, (0, topk - k), value=-1).to(torch.int32)
+
+
+def select_fp8(q_fp8: torch.Tensor, keys_fp8: torch.Tensor, key_scales: torch.Tensor, weights: torch.Tensor,
+               positions: torch.Tensor, rate: int, topk: int, *, backend: str | None = None) -> torch.Tensor:
+    """flashdsa's selection: ``q_fp8 [T, H, 128] e4m3``, ``keys_fp8 [E, 128] e4m3`` with ``key_scales [E] f32``,
+    ``weights [T, H] f32`` (scaled by H^-0.5 and d^-0.5 already, as flashdsa folds them) -> ``[T, topk] int32``
+    entry indices (the selected set in position order, -1 padding), exact for the fp8 scores."""
+    T = q_fp8.shape[0]
+    ke = visible_entries(positions, rate).to(q_fp8.device)
+    ks = torch.zeros_like(ke)
+    logits = ops.indexer_logits_ragged(q_fp8, keys_fp8, key_scales, weights, ks, ke, backend=backend)
+    if logits.shape[1] == 0:
+        return torch.full((T, topk), -1, dtype=torch.int32, device=q_fp8.device)
+    return ops.topk_transform(logits, ke, topk, backend=backend)
