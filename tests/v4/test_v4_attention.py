@@ -268,3 +268,47 @@ def test_fp8_selection_against_dequantised_reference(backend):
     assert ok, recall
     assert (picks[0] == -1).all() and picks.shape == (T, topk)
     assert torch.equal(picks, select_fp8(q_fp8, k_fp8, k_scale, weights, positions, rate, topk, backend="torch"))
+
+
+@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated")
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_layer_step_equals_hf_over_prompt_decode_and_extend(backend):
+    """V4LayerStep, one request at a time with its state carried between calls, against every attention layer
+    of HF's model run with its cache: a 37-token prompt, 7 decode steps, a 5-token extend; fp32, default
+    initialisation, random sinks too (HF initialises them to 0). The bound: fp32 rounding (see the first test)."""
+    model = tiny_model()
+    g = torch.Generator().manual_seed(6)
+    for layer in model.model.layers:
+        layer.self_attn.sinks.data = torch.randn(4, generator=g)
+    from flashdsa.v4.layer import V4LayerStep
+    B = 2
+    chunks = [torch.randint(0, 128, (B, 37), generator=g)]
+    chunks += [torch.randint(0, 128, (B, 1), generator=g) for _ in range(7)]
+    chunks.append(torch.randint(0, 128, (B, 5), generator=g))
+    steps = [V4LayerStep(layer.self_attn, backend) for layer in model.model.layers]
+    states = [[s.empty_state(torch.float32) for _ in range(B)] for s in steps]
+    cache = None
+    for chunk in chunks:
+        seen = []
+
+        def hook(module, args, kwargs, output):
+            seen.append((dict(kwargs, hidden_states=args[0] if args else kwargs["hidden_states"]), output[0]))
+        handles = [layer.self_attn.register_forward_hook(hook, with_kwargs=True) for layer in model.model.layers]
+        try:
+            with torch.no_grad():
+                cache = model(chunk, past_key_values=cache, use_cache=True).past_key_values
+        finally:
+            for h in handles:
+                h.remove()
+        for i, (inputs, want) in enumerate(seen):
+            step = steps[i]
+            S = want.shape[1]
+            pos = inputs["position_ids"].expand(B, -1)
+            cos, sin = (t.expand(B, -1, -1) for t in inputs["position_embeddings"][step.attn.rope_layer_type])
+            for b in range(B):
+                got, states[i][b] = step(inputs["hidden_states"][b], pos[b], cos[b], sin[b], states[i][b])
+                err = (got - want[b]).abs().max()
+                assert err <= 64 * torch.finfo(torch.float32).eps * want[b].abs().max(), (i, S, float(err))
+    st = states[1][0]
+    assert st.length == 37 + 7 + 5 and st.entries.shape[0] == 49 // 4 and st.index_keys.shape[0] == 49 // 4
+    assert st.window.shape[0] == 7 and states[2][0].entries.shape[0] == 49 // 8
