@@ -122,7 +122,22 @@ def _parallel_demo(args: argparse.Namespace) -> int:
 
 def _plan(args: argparse.Namespace) -> int:
     from flashdsa.plan import format_plan, load_config, plan, with_kpool
+    from flashdsa.v4.plan import format_plan_v4, load_v4, plan_v4
 
+    if args.preset is not None and args.config is not None:
+        raise ValueError("give either --preset or --config, not both")
+    v4 = load_v4(args.preset, args.config)
+    if v4 is not None:  # DeepSeek-V4: its own cost model
+        if args.kpool is not None:
+            raise ValueError("kpool: DeepSeek-V4 compresses its keys itself (no kpool)")
+        _check_out("json", args.json)
+        report = plan_v4(v4[0], context=args.context, batch=args.batch,
+                         kv_format=args.kv_format, source=v4[1])
+        if args.json != "-":
+            print(format_plan_v4(report))
+        if args.json:
+            _emit_json(report, args.json, indent=2)
+        return 0
     cfg, source = load_config(preset=args.preset, config=args.config)
     if args.kpool is not None:
         cfg = with_kpool(cfg, args.kpool)
@@ -143,8 +158,9 @@ def _add_plan(sub) -> None:
     about = "the DSA cost model: KV bytes, FLOPs, crossover, TP vs CP traffic, memory"
     plan = sub.add_parser("plan", help=about, description=about)
     src = plan.add_mutually_exclusive_group()
-    src.add_argument("--preset", default=None, choices=sorted(PRESETS), help="a built-in model (without --config: v32)")
-    src.add_argument("--config", default=None, help="an HF config.json, or a folder holding one")
+    src.add_argument("--preset", default=None, choices=sorted(PRESETS) + ["v4-flash"],
+                     help="a built-in model (without --config: v32; v4-flash: DeepSeek-V4-Flash)")
+    src.add_argument("--config", default=None, help="an HF config.json (DSA or DeepSeek-V4), or a folder holding one")
     plan.add_argument("--context", type=int, default=DEFAULT_CONTEXT, help="tokens per request (S)")
     plan.add_argument("--batch", type=int, default=1, help="requests (B), for the memory figure")
     plan.add_argument("--gpus", type=int, default=DEFAULT_GPUS, help="ranks (P), for traffic and memory")

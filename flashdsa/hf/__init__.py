@@ -25,6 +25,9 @@ its KDA linear-attention layers stay HF's with their state in HF's own cache lay
 ``FlashDSACache`` (crop is refused there: a recurrent state cannot be rolled back). ``indexer="exact"`` pools
 and selects as HF's ``Glm5NextTextIndexer`` (the same tokens, ties included).
 
+DeepSeek-V4 (``DeepseekV4ForCausalLM``): ``indexer="exact"`` only so far, one request a batch row at a time,
+unpadded batches, eagerly (:mod:`flashdsa.hf.v4`, issue #43).
+
 The parts: :mod:`flashdsa.hf.patch` (apply / unapply, adopting HF's modules, the numerics),
 :mod:`flashdsa.hf.cache` (the cache, and why it is ours), :mod:`flashdsa.hf.graphs` (decode from CUDA graphs).
 """

@@ -44,6 +44,7 @@ from flashdsa.config import DSAConfig, is_dsa
 from flashdsa.engine.runner import Runner
 from flashdsa.hf.cache import FlashDSACache, _Forward, _NoMasks, get_patch
 from flashdsa.hf.graphs import _GraphDecode
+from flashdsa.hf.v4 import apply_v4
 from flashdsa.layers.attention import DSAAttention
 from flashdsa.layers.indexer import PRECISIONS
 from flashdsa.v4.config import is_v4
@@ -332,12 +333,10 @@ def apply(model, indexer: str = "fp8", *, kv_format: str = "auto", max_tokens: i
         raise ValueError(f"cuda_graphs: expected a bool, got {cuda_graphs!r}")
     hf_config = getattr(model, "config", None)
     d = hf_config.to_dict() if hasattr(hf_config, "to_dict") else {}
-    if is_v4(d):
-        raise NotImplementedError(
-            "model: DeepSeek-V4 (deepseek_v4) is not patched yet (issue #43): flashdsa.v4 has its config "
-            "(V4Config.from_hf) and its attention core on flashdsa's kernels (flashdsa.v4.attend, tested against "
-            "this model's layers); the paged window / compressed-entry caches, the compressor and indexer "
-            "kernels and this patch are still to be built")
+    if is_v4(d):  # DeepSeek-V4: exact mode, one request a row at a time (flashdsa/hf/v4.py says what is missing)
+        if get_patch(model) is not None:
+            unapply(model)
+        return apply_v4(model, indexer, backend)
     if not is_dsa(d):
         raise ValueError(f"model: {type(model).__name__} is not a DSA model (flashdsa.hf patches DeepSeek-V3.2 / "
                          f"GLM-5 / GLM-5.3-Flash models: a DSA architecture with index_topk; got model_type "

@@ -1,8 +1,8 @@
 """DeepSeek-V4 (transformers ``deepseek_v4``): its attention configuration, its token compressor (one request
 at a time, state carried between calls), its indexer's selection (HF's exact picks, or flashdsa's fp8
 kernels), its attention core on flashdsa's sparse MLA kernels, and one layer's step for one request in exact
-mode (issue #43, first steps; the paged caches, batched steps, the compressor kernel and ``flashdsa.hf`` support
-are not built yet)."""
+mode, which ``flashdsa.hf.apply`` runs (issue #43, first steps; the paged caches, batched steps, fp8 mode and
+the compressor kernel are not built yet)."""
 
 from flashdsa.v4.attention import attend, causal_entry_indices, mla_rows, window_indices
 from flashdsa.v4.compressor import CompressState, compress

@@ -1,0 +1,98 @@
+"""``flashdsa.hf.apply`` on DeepSeek-V4 (transformers ``deepseek_v4``), exact mode (issue #43, first step).
+
+Every attention layer's forward runs :class:`flashdsa.v4.V4LayerStep` with the layer's own weights: flashdsa's
+compressor, HF's exact entry selection and flashdsa's attention core over the window and the selected (CSA)
+or all (HCA) entries. A request's V4 state (window rows, entries, indexer keys, open compressor windows) lives
+beside HF's cache layer of that layer (``cache.layers[i]``), one state per batch row; HF's own cache layer still
+takes each step's length (``get_seq_length``, which generate() reads) but its compressor buffers stay empty.
+
+Not yet (clear errors): ``indexer="fp8"`` (the fp8 selection exists, ``flashdsa.v4.select_fp8``; its cache
+rows do not), padded batches (HF's V4 compresses padding tokens into its entries: not reproduced), a cache that
+was cropped or reused mid-sequence, CUDA graphs (every step runs eagerly), the paged pools.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from flashdsa.v4.layer import V4LayerStep
+
+
+@dataclass
+class V4Patch:
+    """What :func:`apply_v4` installed (``get_patch(model)``): ``steps[i]`` layer i's step, ``calls[i]`` its
+    forwards through flashdsa. The other fields are the ones ``unapply`` reads."""
+    model: torch.nn.Module
+    indexer: str
+    backend: str | None
+    steps: list[V4LayerStep]
+    calls: list[int]
+    closed: bool = False
+    runner: None = None
+    graphs: dict = field(default_factory=dict)
+    _patched: list = field(default_factory=list)
+    _hooks: list = field(default_factory=list)
+    _fwd: None = None
+
+
+def _refuse_padding(module, args, kwargs):
+    mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and not bool(mask.all()):
+        raise NotImplementedError("attention_mask: padded batches of DeepSeek-V4 are not supported by flashdsa yet "
+                                  "(HF's V4 compresses padding tokens into its entries); run requests of equal "
+                                  "length, or one at a time")
+
+
+def _layer_forward(patch: V4Patch, i: int):
+    step = patch.steps[i]
+    attn = step.attn
+
+    def forward(hidden_states, position_embeddings, position_ids, attention_mask=None, cache=None, **kwargs):
+        B, S, _ = hidden_states.shape
+        cos, sin = (t.expand(B, -1, -1) for t in position_embeddings[attn.rope_layer_type])
+        pos = position_ids.expand(B, -1)
+        states = None
+        if cache is not None:
+            layer = cache.layers[attn.layer_idx]
+            seen = layer.get_seq_length()
+            states = layer.__dict__.get("_flashdsa_v4")
+            if seen == 0 or states is None:
+                if seen:
+                    raise NotImplementedError("cache: this cache holds tokens flashdsa did not see (made before "
+                                              "flashdsa.hf.apply, or reused); start from an empty one")
+                states = None
+            elif len(states) != B or any(s.length != seen for s in states):
+                raise NotImplementedError(f"cache: flashdsa's V4 state holds {[s.length for s in states]} tokens a "
+                                          f"row, the cache {seen} (cropped or reordered caches are not supported)")
+            # HF's cache layer keeps the length generate() reads; its window rows are not read by us
+            z = hidden_states.new_zeros(B, 1, S, attn.head_dim)
+            cache.update(z, z, attn.layer_idx)
+        if states is None:
+            states = [step.empty_state(hidden_states.dtype, hidden_states.device) for _ in range(B)]
+        outs = []
+        for b in range(B):
+            out, states[b] = step(hidden_states[b], pos[b], cos[b], sin[b], states[b])
+            outs.append(out)
+        if cache is not None:
+            cache.layers[attn.layer_idx].__dict__["_flashdsa_v4"] = states
+        patch.calls[i] += 1
+        return torch.stack(outs), None
+    return forward
+
+
+def apply_v4(model, indexer: str = "exact", backend: str | None = None) -> V4Patch:
+    """Patch a ``DeepseekV4ForCausalLM`` (or its ``DeepseekV4Model``) in place; see the module docstring."""
+    if indexer != "exact":
+        raise NotImplementedError(f"indexer: DeepSeek-V4 runs indexer='exact' for now (issue #43: the fp8 caches "
+                                  f"are not built yet), got {indexer!r}")
+    base = getattr(model, "model", model)
+    layers = [layer.self_attn for layer in base.layers]
+    patch = V4Patch(model, indexer, backend, [V4LayerStep(a, backend) for a in layers], [0] * len(layers))
+    for i, attn in enumerate(layers):
+        attn.forward = _layer_forward(patch, i)
+        patch._patched.append(attn)
+    patch._hooks.append(base.register_forward_pre_hook(_refuse_padding, with_kwargs=True))
+    model.__dict__["_flashdsa_patch"] = patch
+    return patch
