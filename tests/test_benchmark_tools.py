@@ -77,3 +77,17 @@ def test_small_batch_selection_smoke():
     assert run.returncode == 0, run.stderr[-2000:]
     assert "'logits:c128'" in run.stdout and "'topk:split-c2'" in run.stdout, run.stdout[-2000:]
     assert run.stdout.rstrip().splitlines()[-1].startswith("3 | 1200"), run.stdout[-2000:]
+
+
+def test_bench_v4_decode_smoke():
+    """``bench_v4_decode.py --smoke`` on the CPU (torch backends): the V4 CSA decode chain builds, its checks
+    run and the table prints."""
+    import os
+    import subprocess
+    import sys
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root))
+    run = subprocess.run([sys.executable, str(root / "benchmarks" / "bench_v4_decode.py"), "--smoke"],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "'topk_same': True" in run.stdout and run.stdout.rstrip().splitlines()[-1].startswith("2 | 4096")
