@@ -8,8 +8,8 @@ MLA ops compute exactly that over a list of rows when the K = V head sits in the
     s_i = scale * q . k_i   (the rope parts add 0)        out = sum_i softmax(s)_i * k_i[:512]
 
 V4's per-head **sinks** add ``exp(sink_h)`` to the softmax denominator and nothing to the numerator: that is
-a merge with an empty partial attention whose lse is the sink (``merge_attention(out, lse, 0, sink)``), so
-the kernels need no change for them either. The output's trailing RoPE slice is rotated back by the query's
+a merge with an empty partial attention whose lse is the sink, ``out / (1 + exp(sink - lse))``
+(``ops.attention_sinks``, one elementwise launch), so the attention kernels need no change for them. The output's trailing RoPE slice is rotated back by the query's
 position (the value carried the keys' RoPE, as HF's model undoes it).
 
 Rows and indices: the caller lays every key a query may see out as rows of one ``kv [N, head_dim]`` buffer
@@ -73,9 +73,7 @@ def attend(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sinks: torc
     if sinks.shape != (h,):
         raise ValueError(f"sinks: expected shape ({h},), got {tuple(sinks.shape)}")
     out, lse = ops.sparse_mla_prefill(mla_rows(q), mla_rows(kv), indices, scale, backend=backend)
-    sink = sinks.to(torch.float32, copy=False).to(q.device).expand(T, h).contiguous()
-    out, _ = ops.merge_attention(out, lse, torch.zeros_like(out), sink)
-    out = out[..., :D]
+    out = ops.attention_sinks(out, lse, sinks.to(device=q.device, dtype=torch.float32), backend=backend)[..., :D]
     if cos is not None:
         r = 2 * cos.shape[-1]
         out = torch.cat((out[..., :D - r].float(), apply_rope(out[..., D - r:], cos, -sin, True)), dim=-1)

@@ -74,6 +74,9 @@ def cases(device) -> dict:
                                                   torch.randn(2, 3, generator=g).to(d),
                                                   torch.randn(2, 3, 16, generator=g).to(d),
                                                   torch.full((2, 3), float("-inf")).to(d)), {}),
+        "attention_sinks": (ops.attention_sinks, (_bf16(2, 3, 16, g=g, device=d),
+                                                  torch.tensor([[0.5, -1.0, float("-inf")], [2.0, 0.0, 1.0]]).to(d),
+                                                  torch.tensor([0.0, float("-inf"), 1.5]).to(d)), {}),
         # kpool, c = 4: one request's first 6 tokens (groups 0 and the unfinished 1), nothing in the ring yet
         "kpool_compress": (ops.kpool_compress, (_bf16(6, 128, g=g, device=d), _bf16(6, 128, g=g, device=d),
                                                 _bf16(1, 4, 2, 128, g=g, device=d),
@@ -96,7 +99,8 @@ def cases(device) -> dict:
 
 CASES = cases("cpu")
 # ops whose Triton kernel the CPU tests run under the interpreter too (the others: torch only, for time)
-INTERPRETED = ("topk_transform-pages", "indexer_logits_paged", "indexer_quant", "sparse_mla_decode-fp8")
+INTERPRETED = ("topk_transform-pages", "indexer_logits_paged", "indexer_quant", "sparse_mla_decode-fp8",
+               "attention_sinks")
 WRITERS = ("store_index_keys", "store_mla-fp8", "store_mla-fp8_raw")
 # ops whose implementation handles float8 tensors (opcheck's schema test cannot compare those)
 FP8_INSIDE = ("indexer_logits_paged", "indexer_logits_ragged", "indexer_topk_ragged", "indexer_quant",

@@ -285,3 +285,42 @@ def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tenso
                  shape=tuple(out_a.shape), device=out_a.device)
     check_tensor("lse_b", lse_b, dtype=torch.float32, shape=tuple(out_a.shape[:-1]), device=out_a.device)
     return reference.merge_attention(out_a, lse_a, out_b, lse_b)
+
+
+def _sinks_torch(out, lse, sinks):
+    return reference.attention_sinks(out, lse, sinks)
+
+
+def _sinks_triton(out, lse, sinks):
+    from flashdsa.ops.sparse_mla import sinks as kernel
+    return kernel.attention_sinks(out, lse, sinks)
+
+
+_SINKS = {"torch": _sinks_torch, "triton": _sinks_triton}
+
+
+def _sinks_fake(out, lse, sinks, *, backend=None):
+    return torch.empty_like(out, memory_format=torch.contiguous_format)
+
+
+@op("attention_sinks", _sinks_fake)
+def attention_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor, *,
+                    backend: str | None = None) -> torch.Tensor:
+    """Attention sinks (DeepSeek-V4): add ``exp(sinks[h])`` to each head's softmax denominator, after the fact.
+
+    Args:
+        out:   ``[..., h, d_v]`` an attention's output (bfloat16, float16 or float32).
+        lse:   ``[..., h] float32`` its natural-log sum of exponentials (-inf: nothing attended).
+        sinks: ``[h] float32`` per-head sink logits.
+
+    Returns ``out / (1 + exp(sinks - lse))`` (``[..., h, d_v]``, out's dtype): the attention with the sink in the
+    denominator, as the merge of ``(out, lse)`` with an empty partial of lse = sink. One Triton launch on CUDA.
+    """
+    raise_deferred()
+    check_tensor("out", out, dtype=(torch.bfloat16, torch.float16, torch.float32))
+    if out.dim() < 2:
+        fail("out", "a tensor [..., h, d_v]", f"{out.dim()}-d")
+    check_tensor("lse", lse, dtype=torch.float32, shape=tuple(out.shape[:-1]), device=out.device)
+    check_tensor("sinks", sinks, dtype=torch.float32, shape=(out.shape[-2],), device=out.device)
+    out, lse, sinks = out.contiguous(), lse.contiguous(), sinks.contiguous()
+    return pick_backend(backend, _SINKS, out.device, "attention_sinks")(out, lse, sinks)

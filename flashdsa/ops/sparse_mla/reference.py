@@ -68,3 +68,9 @@ def merge_attention(out_a, lse_a, out_b, lse_b):
     wb = torch.exp(lse_b - safe).unsqueeze(-1)
     out = wa * out_a.float() + wb * out_b.float()
     return out.to(out_a.dtype), lse
+
+
+def attention_sinks(out, lse, sinks):
+    """``out [..., h, d] / (1 + exp(sinks[h] - lse[..., h]))`` in fp32, in out's dtype (ops/sparse_mla/sinks.py)."""
+    f = torch.where(torch.isneginf(lse), 0.0, torch.sigmoid(lse - sinks.float()))  # empty rows stay 0
+    return (out.float() * f.unsqueeze(-1)).to(out.dtype)
