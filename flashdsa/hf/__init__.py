@@ -25,7 +25,7 @@ its KDA linear-attention layers stay HF's with their state in HF's own cache lay
 ``FlashDSACache`` (crop is refused there: a recurrent state cannot be rolled back). ``indexer="exact"`` pools
 and selects as HF's ``Glm5NextTextIndexer`` (the same tokens, ties included).
 
-DeepSeek-V4 (``DeepseekV4ForCausalLM``): ``indexer="exact"`` only so far, one request a batch row at a time,
+DeepSeek-V4 (``DeepseekV4ForCausalLM``): ``indexer="exact"`` or ``"fp8"``, one request a batch row at a time,
 unpadded batches, eagerly (:mod:`flashdsa.hf.v4`, issue #43).
 
 The parts: :mod:`flashdsa.hf.patch` (apply / unapply, adopting HF's modules, the numerics),

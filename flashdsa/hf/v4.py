@@ -1,13 +1,13 @@
-"""``flashdsa.hf.apply`` on DeepSeek-V4 (transformers ``deepseek_v4``), exact mode (issue #43, first step).
+"""``flashdsa.hf.apply`` on DeepSeek-V4 (transformers ``deepseek_v4``) (issue #43, first step).
 
 Every attention layer's forward runs :class:`flashdsa.v4.V4LayerStep` with the layer's own weights: flashdsa's
-compressor, HF's exact entry selection and flashdsa's attention core over the window and the selected (CSA)
-or all (HCA) entries. A request's V4 state (window rows, entries, indexer keys, open compressor windows) lives
+compressor, the entry selection (``indexer="exact"``: HF's, so HF's numbers; ``"fp8"``: flashdsa's e4m3
+indexer and fp8 rows, the deployment numerics) and flashdsa's attention core over the window and the selected
+(CSA) or all (HCA) entries. A request's V4 state (window rows, entries, indexer keys, open compressor windows) lives
 beside HF's cache layer of that layer (``cache.layers[i]``), one state per batch row; HF's own cache layer still
 takes each step's length (``get_seq_length``, which generate() reads) but its compressor buffers stay empty.
 
-Not yet (clear errors): ``indexer="fp8"`` (the fp8 selection exists, ``flashdsa.v4.select_fp8``; its cache
-rows do not), padded batches (HF's V4 compresses padding tokens into its entries: not reproduced), a cache that
+Not yet (clear errors): padded batches (HF's V4 compresses padding tokens into its entries: not reproduced), a cache that
 was cropped or reused mid-sequence, CUDA graphs (every step runs eagerly), the paged pools.
 """
 
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flashdsa.v4.layer import V4LayerStep
+from flashdsa.v4.layer import PRECISIONS, V4LayerStep
 
 
 @dataclass
@@ -84,12 +84,11 @@ def _layer_forward(patch: V4Patch, i: int):
 
 def apply_v4(model, indexer: str = "exact", backend: str | None = None) -> V4Patch:
     """Patch a ``DeepseekV4ForCausalLM`` (or its ``DeepseekV4Model``) in place; see the module docstring."""
-    if indexer != "exact":
-        raise NotImplementedError(f"indexer: DeepSeek-V4 runs indexer='exact' for now (issue #43: the fp8 caches "
-                                  f"are not built yet), got {indexer!r}")
+    if indexer not in PRECISIONS:
+        raise ValueError(f"indexer: expected one of {PRECISIONS}, got {indexer!r}")
     base = getattr(model, "model", model)
     layers = [layer.self_attn for layer in base.layers]
-    patch = V4Patch(model, indexer, backend, [V4LayerStep(a, backend) for a in layers], [0] * len(layers))
+    patch = V4Patch(model, indexer, backend, [V4LayerStep(a, backend, indexer) for a in layers], [0] * len(layers))
     for i, attn in enumerate(layers):
         attn.forward = _layer_forward(patch, i)
         patch._patched.append(attn)

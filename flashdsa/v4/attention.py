@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from flashdsa import ops
-from flashdsa.cache.layouts import MLA_DIM, MLA_LATENT
+from flashdsa.cache.layouts import MLA_DIM, MLA_LATENT, PAGE_SIZE, encode_mla
 from flashdsa.quant import apply_rope
 
 
@@ -51,6 +51,37 @@ def causal_entry_indices(positions: torch.Tensor, rate: int, entries: int, first
     return torch.where(visible, w[None, :] + first_row, -1).to(torch.int32)
 
 
+def fp8_rows(x: torch.Tensor) -> torch.Tensor:
+    """``[N, D]`` K = V rows -> ``[N, 656] uint8``: flashdsa's fp8 MLA rows (e4m3 latent in 128-blocks with UE8M0
+    scales, the zero rope part in bf16), what the fp8 mode stores."""
+    return encode_mla(mla_rows(x.to(torch.bfloat16)), "fp8")
+
+
+def attend_fp8(q: torch.Tensor, rows: torch.Tensor, indices: torch.Tensor, sinks: torch.Tensor, scale: float,
+               cos: torch.Tensor | None = None, sin: torch.Tensor | None = None, *,
+               backend: str | None = None) -> torch.Tensor:
+    """:func:`attend` over fp8 rows (``rows [N, 656] uint8`` from :func:`fp8_rows`), through the paged decode
+    kernels: the rows padded to whole 64-row pages are the pages, a row's index its slot. ``q [T, h, D]``
+    bfloat16; returns ``[T, h, D]`` bfloat16."""
+    T, h, D = q.shape
+    pad = -rows.shape[0] % PAGE_SIZE
+    pages = torch.cat((rows, rows.new_zeros(pad, rows.shape[1]))).view(-1, PAGE_SIZE, rows.shape[1])
+    out, lse = ops.sparse_mla_decode(mla_rows(q.to(torch.bfloat16)).view(T, 1, h, MLA_DIM), pages,
+                                     indices.view(T, 1, -1), scale, backend=backend)
+    # sinks and the RoPE undone in fp32: the kernel's bf16 output and the result are the only roundings
+    out = ops.attention_sinks(out.view(T, h, -1).float(), lse.view(T, h),
+                              sinks.to(device=q.device, dtype=torch.float32), backend=backend)[..., :D]
+    return _unrope(out, cos, sin).to(torch.bfloat16)
+
+
+def _unrope(out: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None) -> torch.Tensor:
+    """The output's trailing RoPE slice rotated back by the query's position (the values carried the keys')."""
+    if cos is None:
+        return out
+    D, r = out.shape[-1], 2 * cos.shape[-1]
+    return torch.cat((out[..., :D - r].float(), apply_rope(out[..., D - r:], cos, -sin, True)), dim=-1)
+
+
 def attend(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sinks: torch.Tensor, scale: float,
            cos: torch.Tensor | None = None, sin: torch.Tensor | None = None, *,
            backend: str | None = None) -> torch.Tensor:
@@ -74,7 +105,4 @@ def attend(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sinks: torc
         raise ValueError(f"sinks: expected shape ({h},), got {tuple(sinks.shape)}")
     out, lse = ops.sparse_mla_prefill(mla_rows(q), mla_rows(kv), indices, scale, backend=backend)
     out = ops.attention_sinks(out, lse, sinks.to(device=q.device, dtype=torch.float32), backend=backend)[..., :D]
-    if cos is not None:
-        r = 2 * cos.shape[-1]
-        out = torch.cat((out[..., :D - r].float(), apply_rope(out[..., D - r:], cos, -sin, True)), dim=-1)
-    return out.to(q.dtype)
+    return _unrope(out, cos, sin).to(q.dtype)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from flashdsa import ops
+from flashdsa.quant import act_quant, hadamard
 
 
 def visible_entries(positions: torch.Tensor, rate: int) -> torch.Tensor:
@@ -63,3 +64,14 @@ def select_fp8(q_fp8: torch.Tensor, keys_fp8: torch.Tensor, key_scales: torch.Te
     if logits.shape[1] == 0:
         return torch.full((T, topk), -1, dtype=torch.int32, device=q_fp8.device)
     return ops.topk_transform(logits, ke, topk, backend=backend)
+
+
+def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Indexer keys or queries for :func:`select_fp8`: ``x [..., d]`` (RoPE applied) rotated by the Hadamard
+    transform (dot products unchanged, outliers spread: docs/DSA.md §3) and quantised to e4m3 with one UE8M0
+    scale a row (d <= 128; d = 128 in the releases) -> ``(x_fp8 [..., d], scale [...] float32)``."""
+    d = x.shape[-1]
+    if d > 128 or d & (d - 1):
+        raise ValueError(f"x: expected a power-of-two head dim <= 128 (one scale a row), got {d}")
+    x_fp8, scale = act_quant(hadamard(x.float()), block=d)
+    return x_fp8, scale[..., 0]

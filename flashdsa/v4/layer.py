@@ -23,18 +23,23 @@ from dataclasses import dataclass
 import torch
 
 from flashdsa.quant import apply_rope
-from flashdsa.v4.attention import attend, causal_entry_indices, window_indices
+from flashdsa.v4.attention import attend, attend_fp8, causal_entry_indices, fp8_rows, window_indices
 from flashdsa.v4.compressor import CompressState, compress
 from flashdsa.v4.config import CSA, HCA
-from flashdsa.v4.indexer import select_exact
+from flashdsa.v4.indexer import quantize, select_exact, select_fp8
+
+PRECISIONS = ("exact", "fp8")
 
 
 @dataclass(frozen=True)
 class RequestState:
-    """One request's state in one V4 layer (see the module docstring); ``length``: tokens seen."""
+    """One request's state in one V4 layer (see the module docstring); ``length``: tokens seen. Rows in the model
+    dtype (exact) or as fp8 MLA rows (``[n, 656] uint8``, fp8 mode, whose indexer keys are e4m3 with
+    ``index_scales``)."""
     window: torch.Tensor
     entries: torch.Tensor | None = None
     index_keys: torch.Tensor | None = None
+    index_scales: torch.Tensor | None = None
     comp: CompressState | None = None
     index_comp: CompressState | None = None
     length: int = 0
@@ -61,15 +66,28 @@ def _entries(module, h, state: CompressState | None, overlap: bool):
 
 
 class V4LayerStep:
-    """A chunk of one request through an adopted HF ``DeepseekV4Attention`` ``attn`` on flashdsa's ops."""
+    """A chunk of one request through an adopted HF ``DeepseekV4Attention`` ``attn`` on flashdsa's ops.
 
-    def __init__(self, attn, backend: str | None = None):
+    ``precision``: "exact" (HF's selection; rows in the model dtype, attention over them in fp32: HF's numbers
+    to rounding) or "fp8" (the deployment numerics: the window rows and entries stored once as fp8 MLA rows
+    and read by the paged decode kernels, indexer keys and queries Hadamard-rotated e4m3 selected by flashdsa's
+    ragged logits and exact top-k)."""
+
+    def __init__(self, attn, backend: str | None = None, precision: str = "exact"):
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision: expected one of {PRECISIONS}, got {precision!r}")
         self.attn = attn
         self.kind = attn.layer_type
         self.backend = backend
+        self.precision = precision
 
     def empty_state(self, dtype: torch.dtype, device=None) -> RequestState:
+        if self.precision == "fp8":
+            return RequestState(torch.zeros(0, 656, dtype=torch.uint8, device=device))
         return RequestState(torch.zeros(0, self.attn.head_dim, dtype=dtype, device=device))
+
+    def _rows(self, x: torch.Tensor) -> torch.Tensor:
+        return fp8_rows(x) if self.precision == "fp8" else x
 
     @torch.no_grad()
     def __call__(self, h: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -81,13 +99,15 @@ class V4LayerStep:
         S, D = h.shape[0], a.head_dim
         q_res = a.q_a_norm(a.q_a_proj(h))
         q = _rope_tail(a.q_b_norm(a.q_b_proj(q_res).view(S, -1, D)), cos[:, None], sin[:, None])
-        kv = _rope_tail(a.kv_norm(a.kv_proj(h)), cos, sin)
+        kv = self._rows(_rope_tail(a.kv_norm(a.kv_proj(h)), cos, sin))
         rows = torch.cat((state.window, kv))
         base = state.length - state.window.shape[0]  # the position of rows[0]
         lists = [window_indices(positions - base, a.sliding_window)]
-        entries, index_keys, comp, index_comp = state.entries, state.index_keys, state.comp, state.index_comp
+        entries, index_keys, index_scales = state.entries, state.index_keys, state.index_scales
+        comp, index_comp = state.comp, state.index_comp
         if self.kind in (CSA, HCA):
             new, comp = _entries(a.compressor, h, comp, self.kind == CSA)
+            new = self._rows(new)
             entries = new if entries is None else torch.cat((entries, new))
             if self.kind == HCA:
                 lists.append(causal_entry_indices(positions, a.compressor.compress_rate, entries.shape[0],
@@ -95,14 +115,23 @@ class V4LayerStep:
             else:
                 ix = a.compressor.indexer
                 new, index_comp = _entries(ix, h, index_comp, True)
-                index_keys = new if index_keys is None else torch.cat((index_keys, new))
                 icos, isin = ix.rotary_emb(h[None], position_ids=positions[None], layer_type=ix.rope_layer_type)
                 q_ix = _rope_tail(ix.q_b_proj(q_res).view(S, -1, ix.head_dim), icos[0][:, None], isin[0][:, None])
                 w = ix.scorer.weights_proj(h).float() * ix.scorer.weights_scaling
-                picks = select_exact(q_ix, index_keys, w, positions, ix.compress_rate, ix.index_topk)
+                if self.precision == "fp8":
+                    new, new_scales = quantize(new)
+                    index_scales = new_scales if index_scales is None else torch.cat((index_scales, new_scales))
+                index_keys = new if index_keys is None else torch.cat((index_keys, new))
+                if self.precision == "fp8":
+                    q_fp8, q_scale = quantize(q_ix)
+                    picks = select_fp8(q_fp8, index_keys, index_scales, w * q_scale * ix.head_dim ** -0.5, positions,
+                                       ix.compress_rate, ix.index_topk, backend=self.backend)
+                else:
+                    picks = select_exact(q_ix, index_keys, w, positions, ix.compress_rate, ix.index_topk)
                 lists.append(torch.where(picks >= 0, picks + rows.shape[0], -1).to(torch.int32))
             rows = torch.cat((rows, entries))
-        out = attend(q, rows, torch.cat(lists, dim=1), a.sinks, a.scaling, cos, sin, backend=self.backend)
+        run = attend_fp8 if self.precision == "fp8" else attend
+        out = run(q, rows, torch.cat(lists, dim=1), a.sinks, a.scaling, cos, sin, backend=self.backend).to(h.dtype)
         out = a.o_b_proj(a.o_a_proj(out.reshape(S, a.config.o_groups, -1)).flatten(-2))
         window = torch.cat((state.window, kv))[-(a.sliding_window - 1):] if a.sliding_window > 1 else kv[:0]
-        return out, RequestState(window, entries, index_keys, comp, index_comp, state.length + S)
+        return out, RequestState(window, entries, index_keys, index_scales, comp, index_comp, state.length + S)

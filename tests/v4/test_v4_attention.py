@@ -27,11 +27,11 @@ from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf_v4  # noq
 TYPES = [v4.SLIDING, v4.CSA, v4.HCA]
 
 
-def tiny_model(seed: int = 0) -> DeepseekV4ForCausalLM:
+def tiny_model(seed: int = 0, index_head_dim: int = 16) -> DeepseekV4ForCausalLM:
     cfg = DeepseekV4Config(vocab_size=128, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=3,
                            num_attention_heads=4, head_dim=64, q_lora_rank=32, n_routed_experts=4,
                            num_experts_per_tok=2, o_groups=2, o_lora_rank=16, sliding_window=8, index_n_heads=2,
-                           index_head_dim=16, index_topk=4, layer_types=TYPES, hc_mult=2, qk_rope_head_dim=16,
+                           index_head_dim=index_head_dim, index_topk=4, layer_types=TYPES, hc_mult=2, qk_rope_head_dim=16,
                            compress_rates={v4.CSA: 4, v4.HCA: 8}, mlp_layer_types=["moe"] * 3,
                            max_position_embeddings=4096)
     cfg._attn_implementation = "eager"
@@ -308,3 +308,27 @@ def test_layer_step_equals_hf_over_prompt_decode_and_extend(backend):
     st = states[1][0]
     assert st.length == 37 + 7 + 5 and st.entries.shape[0] == 49 // 4 and st.index_keys.shape[0] == 49 // 4
     assert st.window.shape[0] == 7 and states[2][0].entries.shape[0] == 49 // 8
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_attend_fp8_equals_attend_on_the_dequantised_rows(backend):
+    """The fp8 mode's attention (paged decode over fp8 MLA rows) against the exact core in fp32 on those rows
+    dequantised: the same values; what separates them is two bf16 roundings of the output (the kernel's, the
+    result's: relative <= 2^-9 each, so a cosine diff up to about (2 * 2^-9)^2 / 2 = 7.6e-6) and, on the
+    Triton path, P in bf16 (relative 2^-9 a weight, averaging out over 40 keys): bound 1e-5, the one
+    ``flashdsa bench`` checks attention with. -1 entries and a row with nothing to see included."""
+    from flashdsa.cache.layouts import decode_mla
+    from flashdsa.testing.compare import cos_diff
+    from flashdsa.v4.attention import attend_fp8, fp8_rows
+    g = torch.Generator().manual_seed(9)
+    T, h, D, N = 5, 16, 64, 150
+    q = torch.randn(T, h, D, generator=g).to(torch.bfloat16)
+    rows = fp8_rows(torch.randn(N, D, generator=g))
+    idx = torch.randint(-1, N, (T, 40), generator=g).to(torch.int32)
+    idx[2] = -1
+    sinks, cos = torch.randn(h, generator=g), torch.randn(T, 8, generator=g)
+    sin = torch.randn(T, 8, generator=g)
+    got = attend_fp8(q, rows, idx, sinks, D ** -0.5, cos, sin, backend=backend)
+    want = v4.attend(q.float(), decode_mla(rows)[:, :D].float(), idx, sinks, D ** -0.5, cos, sin, backend="torch")
+    assert got.shape == (T, h, D) and (got[2] == 0).all()
+    assert cos_diff(got.float(), want) <= 1e-5

@@ -24,6 +24,11 @@ from test_v4_attention import tiny_model  # noqa: E402
 PROMPTS = 8
 
 
+def fp8_model(dtype=torch.bfloat16):
+    """The tiny model with the releases' indexer head dim (128: one e4m3 scale a key) for the fp8 mode."""
+    return tiny_model(index_head_dim=128).to(dtype)
+
+
 def prompts():
     g = torch.Generator().manual_seed(7)
     return [torch.randint(0, 128, (1, int(n)), generator=g) for n in torch.randint(40, 71, (PROMPTS,), generator=g)]
@@ -64,9 +69,8 @@ def test_batches_decode_and_what_is_refused():
     hf = tiny_model()
     ours = copy.deepcopy(hf)
     ids = torch.randint(0, 128, (3, 45), generator=torch.Generator().manual_seed(8))
-    with pytest.raises(NotImplementedError, match="indexer"):
-        fh.apply(ours)  # the default indexer is fp8: V4 runs "exact" only so far
-    assert fh.get_patch(ours) is None
+    with pytest.raises(ValueError, match="^indexer"):
+        fh.apply(ours, indexer="fp4")
     fh.apply(ours, indexer="exact")
     assert torch.equal(greedy(ours, ids), greedy(hf, ids))  # a batch of equal-length rows
     mask = torch.ones_like(ids)
@@ -78,3 +82,25 @@ def test_batches_decode_and_what_is_refused():
     assert fh.get_patch(ours) is None
     with torch.no_grad():
         assert torch.equal(ours(ids).logits, hf(ids).logits)  # HF's attention again
+
+
+def test_fp8_mode_close_to_exact_not_equal():
+    """indexer="fp8": the window rows and entries stored once as fp8 MLA rows and read by the paged decode
+    kernels, the indexer's keys and queries e4m3; on the bf16 model its next-token argmaxes agree with the exact
+    mode's on >= 90 % of the prompt positions (#43's bar), its logits close but not equal. Measured on
+    2026-12-04: 93.8 % (92.5 % against HF's fp32 eager), logits at most 8.6 % apart norm-wise."""
+    exact = fp8_model()
+    fast = copy.deepcopy(exact)
+    fh.apply(exact, indexer="exact")
+    patch = fh.apply(fast, indexer="fp8")
+    agree = total = 0
+    for ids in prompts():
+        with torch.no_grad():
+            a, b = exact(ids).logits.float(), fast(ids).logits.float()
+        assert not torch.equal(a, b) and (a - b).norm() / a.norm() < 0.2
+        agree, total = agree + int((a.argmax(-1) == b.argmax(-1)).sum()), total + a.shape[1]
+    assert agree / total >= 0.9, agree / total
+    out = greedy(fast, prompts()[0])
+    assert out.shape[1] == prompts()[0].shape[1] + 8 and patch.calls[1] > 0
+    state = fast.model.layers[1].self_attn  # the layer's rows really are fp8
+    assert patch.steps[1].precision == "fp8" and state.layer_type == "compressed_sparse_attention"
