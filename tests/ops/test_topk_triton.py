@@ -265,6 +265,15 @@ def test_split_one_launch(mode, g, chunks):
     assert torch.equal(again, got)
 
 
+def test_kernel_choice_rule():
+    # H200 (132 SMs), top-2048: few rows of 2K-16K take the rows kernel (2K-4K since 2026-12-04: 9-14 us against
+    # the fused / split kernels' 17-28), longer ones split, many rows or short ones the fused kernel
+    kind = lambda R, L, k=2048: launch.default_config(R, L, k, 132).kind  # noqa: E731
+    assert [kind(1, L) for L in (2048, 2112, 4096, 8256, 16384, 16448)] == ["fused", "rows", "rows", "rows", "rows",
+                                                                          "split"]
+    assert kind(132, 3072) == "rows" and kind(133, 3072) == "fused" and kind(4, 1000, 64) == "fused"
+
+
 def test_split_chunks_rule():
     # H200 (132 SMs): many rows keep a chunk per 32K of row (more were slower at 64 rows); rows too few to
     # fill the SMs so get a chunk per 4K of row while (row, chunk) programs stay within one wave, <= 16
@@ -286,7 +295,7 @@ def test_registered_op_keeps_no_counters(monkeypatch):
     # only their outputs stay there, which the per-stream cached counters would not. Eager calls cache
     # them. Same bits either way.
     monkeypatch.setattr(split, "_ARRIVE", {})
-    R, L, k = 2, 4096, 64
+    R, L, k = 2, 16448, 64  # past the rows kernel's 16K: split mode, the one with arrival counters
     assert launch.default_config(R, L, k, num_sms(torch.device(DEVICE))).kind == "split"
     g = torch.Generator().manual_seed(5)
     x = torch.randn(R, L, generator=g).to(DEVICE)
@@ -527,7 +536,7 @@ def test_gpu_modes(knobs, kind):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("L", [8192, 10649, 16384])
+@pytest.mark.parametrize("L", [2112, 4096, 8192, 10649, 16384])
 @pytest.mark.parametrize("mode", ["plain", "pages"])
 @pytest.mark.parametrize("bits", [11, 8, 3])
 def test_gpu_rows_kernel(L, mode, bits):

@@ -136,10 +136,12 @@ def default_config(R: int, L: int, K: int, sms: int, kind: str | None = None) ->
     """The default launch of top-K over R rows of up to L scores on a GPU of ``sms`` SMs, as measured on
     the H200 (triton 3.6; README.md "Measured"). ``kind`` picks the kernel instead of the rule below.
 
-    Few rows (R <= sms) of 4K < L <= 16K: the rows kernel (rows.py), a 16-warp program a row held in
+    Few rows (R <= sms) of 2K < L <= 16K (and L > K): the rows kernel (rows.py), a 16-warp program a row held in
     registers, levels of 2048 buckets (64 x 8K 17.9 us against split's 23.9, 64 x 16K 24.8 against 26.0,
     decode selection's 64 x ~8K of width 10 624 23.6 against 27.1; 8 warps or 256 buckets within 4 % either
-    way). Its loads are 128-bit only where rows are whole 16-byte chunks, and without them it was slower
+    way; rows of 2K-4K since 2026-12-04: 1 / 16 / 64 / 132 x 4096 9.2 / 11.3 / 11.4 / 12.2 us against split's
+    18.8 / 19.5 / 20.3 / 28.4, x 2560 11.6 / 11.8 / 12.1 / 13.8 against the fused kernel's 17.8 / 22.2 / 22.9 /
+    23.3; fast_topk 7.6-12.3). Its loads are 128-bit only where rows are whole 16-byte chunks, and without them it was slower
     than split (64 x ~8K of width 10 649: 30.6-33.5 against 24.1), so the launcher takes split there
     (:func:`_launch_shape`, which sees the logits).
     Few rows (R <= sms, L >= 4K), otherwise: split mode, ``chunks`` 8-warp programs a row, one per 32K of row and at
@@ -159,7 +161,10 @@ def default_config(R: int, L: int, K: int, sms: int, kind: str | None = None) ->
     cand, lg_sample = _sizes(K, L)
     sizes = dict(cand=cand, lg_sample=lg_sample, wcap=min(WCAP, cand))
     if kind is None:
-        kind = ("rows" if 4096 < L <= ROWS_MAX_L else "split") if R <= sms and L >= 4096 else "fused"
+        if R <= sms and max(K, 2048) < L <= ROWS_MAX_L:  # measured from 2K on (below: not measured, fused)
+            kind = "rows"
+        else:
+            kind = "split" if R <= sms and L >= 4096 else "fused"
     if kind == "rows":
         return TopkConfig(kind="rows", num_warps=16, maxnreg=0, unroll=1, move_step=128, stream=False,
                           sample_stream=False, block=128 * 16, bits=11, narrow=1, **sizes)
@@ -247,7 +252,7 @@ def _launch_shape(key, logits, K, page_table, row_starts, out_offsets, page_size
     dev = logits.device
     cfg = default_config(R, L, K, num_sms(dev)) if config is None else config
     if config is None and cfg.kind == "rows" and not _whole_chunks(logits, row_starts):
-        cfg = default_config(R, L, K, num_sms(dev), kind="split")
+        cfg = default_config(R, L, K, num_sms(dev), kind="split" if L >= 4096 else "fused")
     nw, cand = cfg.num_warps, cfg.cand
     interp = interpreting()
     # what every kernel takes: the row layout, the translation, the device checks
