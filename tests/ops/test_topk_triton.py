@@ -457,6 +457,22 @@ def test_hypothesis_matches_reference(c):
     _assert_same(got, ref, str(c))
 
 
+def test_rows_kernel_two_tiles():
+    """A row just past a power of two held as two tiles (half the power and a smaller one): the same bits as the
+    reference for every adversarial kind, ragged lengths across the tiles' boundary, both level ranges."""
+    assert launch.rows_tiles(8256, 16) == (8192, 2048) and launch.rows_tiles(8192, 16) == (8192, 0)
+    assert launch.rows_tiles(12288, 16) == (8192, 4096) and launch.rows_tiles(12289, 16) == (16384, 0)
+    assert launch.rows_tiles(8256, 16, tiles=1) == (16384, 0) and launch.rows_tiles(2112, 16) == (4096, 0)
+    k, L = 64, 1100
+    assert launch.rows_tiles(L, 2) == (1024, 256)
+    kinds = list(KINDS)
+    lens = [L, L - 1, 1024, 1025, 1023, k + 1, k, 0, 700] * 2
+    logits, lengths, kw = _case(len(lens), L, k, kinds, lens, seed=11, mode="pages")
+    for narrow, bits in ((1, 11), (2, 3), (0, 3)):
+        got, ref = _run_both(logits, lengths, k, kw, dict(kind="rows", num_warps=2, bits=bits, narrow=narrow, tiles=2))
+        _assert_same(got, ref, f"rows two tiles narrow{narrow} bits{bits}")
+
+
 def test_rows_kernel_refuses_rows_past_16k():
     # the rows kernel packs two counts of at most its block in an int32: an explicit config past 16K is an error
     logits = torch.randn(2, launch.ROWS_MAX_L + 1)
@@ -536,7 +552,7 @@ def test_gpu_modes(knobs, kind):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("L", [2112, 4096, 8192, 10649, 16384])
+@pytest.mark.parametrize("L", [2112, 4096, 8192, 8256, 10649, 16384])
 @pytest.mark.parametrize("mode", ["plain", "pages"])
 @pytest.mark.parametrize("bits", [11, 8, 3])
 def test_gpu_rows_kernel(L, mode, bits):
@@ -546,9 +562,10 @@ def test_gpu_rows_kernel(L, mode, bits):
     kinds = list(KINDS)
     lens = [L, L - 1, k + 1, k, 63, 0, min(4 * k + 3, L - 2), L // 2] * 4 + [L] * 32
     logits, lengths, kw = _case(len(lens), L, k, kinds, lens, seed=L + bits, mode=mode)
-    for nw, narrow in ((8, 2), (16, 2), (8, 1), (16, 1), (16, 0)):
-        got, ref = _run_both(logits, lengths, k, kw, dict(kind="rows", num_warps=nw, bits=bits, narrow=narrow))
-        _assert_same(got, ref, f"rows nw{nw} bits{bits} narrow{narrow} L{L} {mode}")
+    for nw, narrow, tiles in ((8, 2, 1), (16, 2, 1), (8, 1, 1), (16, 1, 1), (16, 0, 1), (16, 1, 2), (8, 2, 2)):
+        knobs = dict(kind="rows", num_warps=nw, bits=bits, narrow=narrow, tiles=tiles)
+        got, ref = _run_both(logits, lengths, k, kw, knobs)
+        _assert_same(got, ref, f"rows nw{nw} bits{bits} narrow{narrow} tiles{tiles} L{L} {mode}")
 
 
 @pytest.mark.gpu

@@ -80,6 +80,9 @@ class TopkConfig:
     narrow: int = 2            # rows: the levels' ranges, 2 the row's min / max, then each bucket's min / max
                                # (a pass over the row a level); 1 the same where a bucket holds more than 1/32
                                # of the row (ties likely), else its edges; 0 the whole key range, then the edges
+    tiles: int = 1             # rows: the row held as one power-of-two tile (1), or as two (2: a power of two
+                               # and a smaller one) where that holds fewer key slots (8256 scores: 10 240 of
+                               # 16 384); 2 is tested in the interpreter, not yet measured on a GPU: off
     ties: bool = True          # rows whose sample says a warp's segment holds more than k keys equal to the
                                # guess keep only a warp's first k of them in the compaction (compact.py,
                                # ``compact_seg_ties``); False: every key reaching the guess is listed
@@ -110,6 +113,8 @@ class TopkConfig:
             bad("chunks", ">= 1 (split)")
         if self.narrow not in (0, 1, 2):
             bad("narrow", "0, 1 or 2")
+        if self.tiles not in (1, 2):
+            bad("tiles", "1 or 2")
         if self.force not in FORCE:
             bad("force", " / ".join(map(repr, FORCE)))
         if self.stop_after not in STOP_AFTER:
@@ -186,6 +191,18 @@ def default_config(R: int, L: int, K: int, sms: int, kind: str | None = None) ->
     # 4096 x 8K random rows 215.7 -> 229.2 us), so it is off there; the 8-warp kernel keeps its speed with it
     return TopkConfig(kind="fused", num_warps=nw, maxnreg=64, unroll=unroll, move_step=move_step, stream=stream,
                       sample_stream=False, block=128 * nw, grid=grid, ties=nw == 8, **sizes)
+
+
+def rows_tiles(L: int, nw: int, tiles: int = 2) -> tuple[int, int]:
+    """The rows kernel's key tiles for rows of up to ``L`` scores: ``(BLOCK, BLOCK2)``, powers of two of at least 4
+    keys a thread (128 NW), BLOCK2 = 0 for one tile. ``tiles`` 2: half the power of two and a tile for the rest
+    where that is smaller than the other half (8256: 8192 + 2048 at 16 warps, not 16384; H200: see README.md)."""
+    block = max(next_pow2(L), 128 * nw)
+    if tiles == 2 and block > 128 * nw:
+        rest = max(next_pow2(L - block // 2), 128 * nw)
+        if rest < block // 2:
+            return block // 2, rest
+    return block, 0
 
 
 def _whole_chunks(logits: torch.Tensor, row_starts) -> bool:
@@ -268,7 +285,8 @@ def _launch_shape(key, logits, K, page_table, row_starts, out_offsets, page_size
         if L > ROWS_MAX_L:
             raise ValueError(f"config: kind 'rows' takes rows of at most {ROWS_MAX_L} scores, got logits of width {L}")
         # a program a row, no scratch; at least 4 keys a thread, so no key is held (and counted) by two threads
-        consts.update(BLOCK=max(next_pow2(L), 128 * nw), BITS=cfg.bits, NARROW=cfg.narrow)
+        block, block2 = rows_tiles(L, nw, cfg.tiles)
+        consts.update(BLOCK=block, BLOCK2=block2, BITS=cfg.bits, NARROW=cfg.narrow)
         return remember(_SHAPES, key, _Launch(cfg, (R,), consts, (), 0), 1024)
     consts.update(CAND=cand, UN=cfg.unroll, UB=128 * nw, LG_S=cfg.lg_sample, BITS=cfg.bits, BITS_W=cfg.bits_w,
                   BITS_S=cfg.bits_s, STREAM=cfg.stream, SAMPLE_STREAM=cfg.sample_stream, MJ=cfg.move_step,

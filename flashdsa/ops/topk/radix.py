@@ -42,6 +42,17 @@ def min_max(x, m):
 
 
 @triton.jit
+def min_max2(x, y, lo, hi, TWO: tl.constexpr):
+    """(min, max) of the keys in ``[lo, hi]`` of ``x`` and, TWO, of ``y`` too."""
+    a, b = min_max(x, (x >= lo) & (x <= hi))
+    if TWO:
+        a2, b2 = min_max(y, (y >= lo) & (y <= hi))
+        a = tl.minimum(a, a2)
+        b = tl.maximum(b, b2)
+    return a, b
+
+
+@triton.jit
 def _pick_combine(a_n, a_above, a_ge, b_n, b_above, b_ge):
     return a_n + b_n, tl.maximum(a_above, b_above), tl.minimum(a_ge, b_ge)
 
@@ -94,7 +105,8 @@ def _stream_min_max(src, c, lo, hi, UB: tl.constexpr):
 
 @triton.jit
 def select_levels(x, c, lo, hi, kk, tol, stop, BITS: tl.constexpr, UB: tl.constexpr, STREAM: tl.constexpr,
-                  SHARED: tl.constexpr = False, EDGES: tl.constexpr = False, few=0):
+                  SHARED: tl.constexpr = False, EDGES: tl.constexpr = False, few=0, y=None,
+                  TWO: tl.constexpr = False):
     """Radix levels on the keys ``x`` (a 1-D register tensor; empty slots hold INT_MIN, below every key), or,
     STREAM, on the ``c`` keys that the pointer ``x`` points to (padded with INT_MIN to a multiple of 4),
     read from memory UB at a time at each level (registers independent of c: the form for few-warp
@@ -116,7 +128,8 @@ def select_levels(x, c, lo, hi, kk, tol, stop, BITS: tl.constexpr, UB: tl.conste
     the next level runs. EDGES (registers only) does that only for a bucket of more than ``few`` keys (ties
     are likely there: a run of equal keys ends the levels at once) and takes the bucket's edges otherwise, a
     pass over the keys fewer (``few`` = INT_MAX: always the edges, each level then resolving BITS more bits, at
-    most ceil(32 / BITS) levels).
+    most ceil(32 / BITS) levels). TWO (registers only): the keys are ``x`` and a second register tensor ``y``
+    (the rows kernel's row as two tiles, fewer slots than one power of two).
     Returns ``(done, T, need, lo, hi, kk, in_bin)``; with done the answer is every key of the range
     ``> T`` plus the first ``need`` keys ``== T``.
     """
@@ -147,10 +160,15 @@ def select_levels(x, c, lo, hi, kk, tol, stop, BITS: tl.constexpr, UB: tl.conste
             else:
                 # the digit, -1 outside the range
                 d = tl.where((x >= lo) & (x <= hi), ((x - lo) >> shift) & ((1 << BITS) - 1), -1)
+                d2 = d
+                if TWO:
+                    d2 = tl.where((y >= lo) & (y <= hi), ((y - lo) >> shift) & ((1 << BITS) - 1), -1)
                 if SHARED:
-                    hist = shared_hist.histogram(d, it % 2, 1 << BITS)
+                    hist = shared_hist.histogram(d, it % 2, 1 << BITS, d2, TWO)
                 else:
                     hist = tl.histogram(d, 1 << BITS, mask=d >= 0)
+                    if TWO:
+                        hist += tl.histogram(d2, 1 << BITS, mask=d2 >= 0)
             dsel, above, in_bin = pick_bucket(hist, kk)
             kk = kk - above
             b_lo = lo.to(tl.int64) + (dsel.to(tl.int64) << shift)
@@ -165,7 +183,7 @@ def select_levels(x, c, lo, hi, kk, tol, stop, BITS: tl.constexpr, UB: tl.conste
                 hi = b_hi
             elif EDGES:
                 if in_bin > few:
-                    lo, hi = min_max(x, (x >= b_lo.to(tl.int32)) & (x <= b_hi))
+                    lo, hi = min_max2(x, y, b_lo.to(tl.int32), b_hi, TWO)
                 else:
                     lo = b_lo.to(tl.int32)
                     hi = b_hi
@@ -173,7 +191,7 @@ def select_levels(x, c, lo, hi, kk, tol, stop, BITS: tl.constexpr, UB: tl.conste
                 # one more pass: the bucket's min / max (narrow data collapses at once)
                 lo, hi = _stream_min_max(x, c, b_lo.to(tl.int32), b_hi, UB)
             else:
-                lo, hi = min_max(x, (x >= b_lo.to(tl.int32)) & (x <= b_hi))
+                lo, hi = min_max2(x, y, b_lo.to(tl.int32), b_hi, TWO)
     return done, T, need, lo, hi, kk, in_bin
 
 

@@ -24,7 +24,7 @@ import triton.language as tl
 
 from flashdsa.ops.topk import shared_hist
 from flashdsa.ops.topk.common import INT_MAX, INT_MIN, KEY_MAX, KEY_MIN, bits_key, copy_short, row_setup, store, translate
-from flashdsa.ops.topk.radix import min_max, select_levels
+from flashdsa.ops.topk.radix import min_max, min_max2, select_levels
 
 
 @triton.jit
@@ -33,11 +33,13 @@ def topk_rows_kernel(
     last_page, code0,
     CHECK: tl.constexpr, HAS_STARTS: tl.constexpr, MODE: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK: tl.constexpr, NW: tl.constexpr, BITS: tl.constexpr, VEC: tl.constexpr, ASM: tl.constexpr,
-    NARROW: tl.constexpr,
+    NARROW: tl.constexpr, BLOCK2: tl.constexpr = 0,
 ):
     """Top-K of row ``program_id(0)``, translated; arguments as :func:`~flashdsa.ops.topk.fused.topk_fused_kernel`
-    (no scratch). ``BLOCK``: a power of 2 >= every row's length (at most 16384: the emit packs two counts of at
-    most BLOCK in an int32); ``BITS``: digit bits of a level (<= 11). VEC: 128-bit row loads, reading to the
+    (no scratch). ``BLOCK``: a power of 2 >= every row's length, or with ``BLOCK2`` > 0 the row as two tiles,
+    positions ``[0, BLOCK)`` and ``[BLOCK, BLOCK + BLOCK2)`` (both powers of 2, BLOCK + BLOCK2 >= every row's
+    length: a row of 8256 scores holds 10 240 key slots instead of 16 384); the row at most 16384 (the emit
+    packs two counts of at most 16384 in an int32); ``BITS``: digit bits of a level (<= 11). VEC: 128-bit row loads, reading to the
     length rounded up to 4 (rows of whole 16-byte chunks). NARROW (``TopkConfig.narrow``): 2 the levels start
     from the row's min / max and shrink to the min / max key of each level's bucket; 1 the same for a bucket of
     more than 1/32 of the row (likely ties), to its edges otherwise; 0 the whole key range, then the edges (no
@@ -51,15 +53,18 @@ def topk_rows_kernel(
     if n <= K:
         copy_short(out_row, n, K, table_row, off_r, MODE, PAGE_SIZE, 128 * NW)
     else:
+        TWO: tl.constexpr = BLOCK2 > 0
         p = tl.arange(0, BLOCK)
-        if VEC:
-            b = tl.load(row + p, mask=p < (n + 3) // 4 * 4, other=0.0, eviction_policy="evict_first")
-        else:
-            b = tl.load(row + p, mask=p < n, other=0.0, eviction_policy="evict_first")
-        # [BLOCK] keys; past the row INT_MIN, below every key
-        x = tl.where(p < n, bits_key(b.to(tl.int32, bitcast=True)), INT_MIN)
+        x = _keys(row, p, n, VEC)  # [BLOCK] keys; past the row INT_MIN, below every key
+        p2 = BLOCK + tl.arange(0, BLOCK2 if TWO else 1)
+        y = x
+        if TWO:
+            y = _keys(row, p2, n, VEC)
         if NARROW > 0:
-            lo, hi = min_max(x, x > INT_MIN)
+            if TWO:
+                lo, hi = min_max2(x, y, INT_MIN + 1, INT_MAX, TWO)
+            else:
+                lo, hi = min_max(x, x > INT_MIN)
             few = n // 32
         else:
             # every key of the row (NaN is -inf's key); the padding INT_MIN lies below
@@ -68,16 +73,38 @@ def topk_rows_kernel(
             few = n * 0 + INT_MAX
         # levels of 2^BITS buckets from [lo, hi] down to the k-th key (stop 0: never copied out to a smaller set);
         # NARROW < 2: a bucket's min / max only for buckets of more than `few` keys
-        _, T, need, _, _, _, _ = select_levels(x, 0, lo, hi, K, 0, 0, BITS, 128 * NW, False, ASM, NARROW < 2, few)
+        _, T, need, _, _, _, _ = select_levels(x, 0, lo, hi, K, 0, 0, BITS, 128 * NW, False, ASM, NARROW < 2, few,
+                                               y, TWO)
         # ---- emit: selected = key > T, or key == T with fewer than need equal keys before it; one scan in
-        # position order counts both (at most BLOCK <= 2^14 each: two 16-bit halves)
-        gt = (x > T).to(tl.int32)
-        eq = (x == T).to(tl.int32)
-        both = gt + (eq << 16)
-        before = tl.cumsum(both, axis=0) - both
-        gt_before = before & 0xFFFF
-        eq_before = before >> 16
-        sel = (gt != 0) | ((eq != 0) & (eq_before < need))
-        slot = gt_before + tl.minimum(eq_before, need)
-        val = translate(p, sel, table_row, off_r, MODE, PAGE_SIZE)
-        store(out_row + slot, val, sel, ASM)
+        # position order counts both (at most 2^14 each: two 16-bit halves), the second tile after the first
+        counts = _emit(x, p, 0, T, need, out_row, table_row, off_r, MODE, PAGE_SIZE, ASM)
+        if TWO:
+            _emit(y, p2, counts, T, need, out_row, table_row, off_r, MODE, PAGE_SIZE, ASM)
+
+
+@triton.jit
+def _keys(row, p, n, VEC: tl.constexpr):
+    """The row's scores at positions ``p`` as order-preserving keys; INT_MIN past the row (below every key)."""
+    if VEC:
+        b = tl.load(row + p, mask=p < (n + 3) // 4 * 4, other=0.0, eviction_policy="evict_first")
+    else:
+        b = tl.load(row + p, mask=p < n, other=0.0, eviction_policy="evict_first")
+    return tl.where(p < n, bits_key(b.to(tl.int32, bitcast=True)), INT_MIN)
+
+
+@triton.jit
+def _emit(x, p, before0, T, need, out_row, table_row, off_r, MODE: tl.constexpr, PAGE_SIZE: tl.constexpr,
+          ASM: tl.constexpr):
+    """Write the selected keys of ``x`` (positions ``p``) to their slots; ``before0``: the packed (greater,
+    equal) counts of the positions before ``p[0]``. Returns those counts after this tile."""
+    gt = (x > T).to(tl.int32)
+    eq = (x == T).to(tl.int32)
+    both = gt + (eq << 16)
+    before = tl.cumsum(both, axis=0) - both + before0
+    gt_before = before & 0xFFFF
+    eq_before = before >> 16
+    sel = (gt != 0) | ((eq != 0) & (eq_before < need))
+    slot = gt_before + tl.minimum(eq_before, need)
+    val = translate(p, sel, table_row, off_r, MODE, PAGE_SIZE)
+    store(out_row + slot, val, sel, ASM)
+    return before0 + tl.sum(both, axis=0)

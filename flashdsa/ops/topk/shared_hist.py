@@ -56,16 +56,18 @@ def _read(buf, NB: tl.constexpr):
 
 
 @triton.jit
-def histogram(d, buf, NB: tl.constexpr):
+def histogram(d, buf, NB: tl.constexpr, d2=None, TWO: tl.constexpr = False):
     """``tl.histogram(d, NB, mask=d >= 0)`` of the digits ``d`` (every element held by one thread only) in
     buffer ``buf`` (0 / 1), which must be clear (``radix.select_levels`` clears both before its first level);
-    clears the other buffer for the next level.
+    clears the other buffer for the next level. TWO: the digits ``d2`` of a second tile count too.
 
     The barrier first orders the previous level's reads of this buffer and its clear (both before this
     call's atomics); the second makes every thread's atomics visible before the reads. The other buffer
     was last read before the first barrier, so clearing it after the reads races with nothing."""
     tl.debug_barrier()
     _count(d, buf)
+    if TWO:
+        _count(d2, buf)
     tl.debug_barrier()
     hist = _read(buf, NB)
     clear(1 - buf, NB)
