@@ -19,6 +19,7 @@ from flashdsa.bench.runner import device_info, measure_ceilings, roof_us, run_be
 from flashdsa.bench.setups import SETUPS, selection_inputs
 from flashdsa.bench.suite import DEFAULT_OPS, GRID, OPS, PLOT_SWEEPS, Case, cases, parse_grid, parse_ops, peers_of
 
-__all__ = ["run_bench", "run_case", "replay", "OPS", "DEFAULT_OPS", "GRID", "parse_grid", "PLOT_SWEEPS", "Case", "cases", "parse_ops", "peers_of",
-           "SETUPS", "selection_inputs", "Bench", "measure_ceilings", "roof_us", "device_info", "format_table", "grid_ratios",
+__all__ = ["run_bench", "run_case", "replay", "OPS", "DEFAULT_OPS", "GRID", "parse_grid", "PLOT_SWEEPS", "Case",
+           "cases", "parse_ops", "peers_of", "SETUPS", "selection_inputs", "Bench", "measure_ceilings", "roof_us",
+           "device_info", "format_table", "grid_ratios",
            "write_json", "plot"]

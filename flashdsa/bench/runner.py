@@ -285,7 +285,8 @@ def run_bench(ops: str | tuple[str, ...] = DEFAULT_OPS, quick: bool = False, jso
     if plot_path:
         if not timed:
             say("no plot: nothing was timed")
-        elif written := plot(rows, ceilings, plot_path, title=f"flashdsa bench on {info['name']}, {report['date'][:10]}"):
+        elif written := plot(rows, ceilings, plot_path,
+                             title=f"flashdsa bench on {info['name']}, {report['date'][:10]}"):
             say(f"wrote {', '.join(written)}")
         else:
             say("no plot: matplotlib does not import (pip install matplotlib)")

@@ -294,7 +294,8 @@ def _setup_layer(p: dict, dev, status) -> list[tuple[str, Bench]]:
             bytes=idx.q.numel() + 4 * idx.weights.numel() + 132 * int(lens.sum()) + 4 * int(lens.sum()),
             flops=2 * int(lens.sum()) * H_I * 128, dtype="fp8"),
         "top-k": Bench(lambda: select(logits), checked("top-k", lambda: _check_same(
-            select(logits)[rows], attn.topk_paged(logits[rows], ref_meta, pool))), bytes=4 * logits.numel() + 4 * R * topk),
+            select(logits)[rows], attn.topk_paged(logits[rows], ref_meta, pool))),
+            bytes=4 * logits.numel() + 4 * R * topk),
         "attention": Bench(lambda: attend(sel), checked("attention", check_attention),
                            **_attention_work(sel.numel(), h, 656, q, sel)),
     }

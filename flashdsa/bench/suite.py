@@ -169,7 +169,7 @@ def peers_of(case: Case) -> str:
         return "DeepGEMM paged -> fast_topk_transform_fused" if case.params.get("k", 2048) == 2048 else "none (k 2048)"
     return {"paged": "DeepGEMM", "ragged": "DeepGEMM", "decode": "FlashMLA", "prefill": "FlashMLA",
             "layer": "DeepGEMM / fast_topk_transform_fused / FlashMLA per stage, the three in a row for the step"
-                     + (" (FlashMLA's q padded to 64 / 128 heads)" if case.params.get("h", 128) not in (64, 128) else "")
+                     + ("" if case.params.get("h", 128) in (64, 128) else " (FlashMLA's q padded to 64 / 128 heads)")
             }[case.kind]
 
 

@@ -7,8 +7,8 @@ indexer and fp8 rows, the deployment numerics) and flashdsa's attention core ove
 beside HF's cache layer of that layer (``cache.layers[i]``), one state per batch row; HF's own cache layer still
 takes each step's length (``get_seq_length``, which generate() reads) but its compressor buffers stay empty.
 
-Not yet (clear errors): padded batches (HF's V4 compresses padding tokens into its entries: not reproduced), a cache that
-was cropped or reused mid-sequence, CUDA graphs (every step runs eagerly), the paged pools.
+Not yet (clear errors): padded batches (HF's V4 compresses padding tokens into its entries: not reproduced), a cache
+that was cropped or reused mid-sequence, CUDA graphs (every step runs eagerly), the paged pools.
 """
 
 from __future__ import annotations

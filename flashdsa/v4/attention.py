@@ -7,10 +7,10 @@ MLA ops compute exactly that over a list of rows when the K = V head sits in the
 
     s_i = scale * q . k_i   (the rope parts add 0)        out = sum_i softmax(s)_i * k_i[:512]
 
-V4's per-head **sinks** add ``exp(sink_h)`` to the softmax denominator and nothing to the numerator: that is
-a merge with an empty partial attention whose lse is the sink, ``out / (1 + exp(sink - lse))``
-(``ops.attention_sinks``, one elementwise launch), so the attention kernels need no change for them. The output's trailing RoPE slice is rotated back by the query's
-position (the value carried the keys' RoPE, as HF's model undoes it).
+V4's per-head **sinks** add ``exp(sink_h)`` to the softmax denominator and nothing to the numerator: that is a merge
+with an empty partial attention whose lse is the sink, ``out / (1 + exp(sink - lse))`` (``ops.attention_sinks``, one
+elementwise launch), so the attention kernels need no change for them. The output's trailing RoPE slice is rotated
+back by the query's position (the value carried the keys' RoPE, as HF's model undoes it).
 
 Rows and indices: the caller lays every key a query may see out as rows of one ``kv [N, head_dim]`` buffer
 (the window's raw tokens, then the compressed entries) and gives each query row its list
@@ -30,7 +30,8 @@ from flashdsa.quant import apply_rope
 def mla_rows(x: torch.Tensor) -> torch.Tensor:
     """``[..., D]`` (D <= 512) -> ``[..., 576]``: D in the latent part, zeros after (its rope part included)."""
     if x.shape[-1] > MLA_LATENT:
-        raise ValueError(f"x: expected a last dim of at most {MLA_LATENT} (K = V in the latent part), got {x.shape[-1]}")
+        raise ValueError(f"x: expected a last dim of at most {MLA_LATENT} (K = V in the latent part), "
+                         f"got {x.shape[-1]}")
     return torch.nn.functional.pad(x, (0, MLA_DIM - x.shape[-1]))
 
 

@@ -31,7 +31,8 @@ def tiny_model(seed: int = 0, index_head_dim: int = 16) -> DeepseekV4ForCausalLM
     cfg = DeepseekV4Config(vocab_size=128, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=3,
                            num_attention_heads=4, head_dim=64, q_lora_rank=32, n_routed_experts=4,
                            num_experts_per_tok=2, o_groups=2, o_lora_rank=16, sliding_window=8, index_n_heads=2,
-                           index_head_dim=index_head_dim, index_topk=4, layer_types=TYPES, hc_mult=2, qk_rope_head_dim=16,
+                           index_head_dim=index_head_dim, index_topk=4, layer_types=TYPES, hc_mult=2,
+                           qk_rope_head_dim=16,
                            compress_rates={v4.CSA: 4, v4.HCA: 8}, mlp_layer_types=["moe"] * 3,
                            max_position_embeddings=4096)
     cfg._attn_implementation = "eager"

@@ -1,4 +1,5 @@
-"""``flashdsa plan`` for DeepSeek-V4: the per-type costs computed by hand, the CLI's preset, config file and refusals."""
+"""``flashdsa plan`` for DeepSeek-V4: the per-type costs computed by hand, the CLI's preset, config file and
+refusals."""
 
 from __future__ import annotations
 

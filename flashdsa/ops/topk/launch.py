@@ -142,19 +142,19 @@ def default_config(R: int, L: int, K: int, sms: int, kind: str | None = None) ->
     the H200 (triton 3.6; README.md "Measured"). ``kind`` picks the kernel instead of the rule below.
 
     Few rows (R <= sms) of 2K < L <= 16K (and L > K): the rows kernel (rows.py), a 16-warp program a row held in
-    registers, levels of 2048 buckets (64 x 8K 17.9 us against split's 23.9, 64 x 16K 24.8 against 26.0,
-    decode selection's 64 x ~8K of width 10 624 23.6 against 27.1; 8 warps or 256 buckets within 4 % either
-    way; rows of 2K-4K since 2026-12-04: 1 / 16 / 64 / 132 x 4096 9.2 / 11.3 / 11.4 / 12.2 us against split's
-    18.8 / 19.5 / 20.3 / 28.4, x 2560 11.6 / 11.8 / 12.1 / 13.8 against the fused kernel's 17.8 / 22.2 / 22.9 /
-    23.3; fast_topk 7.6-12.3). Its loads are 128-bit only where rows are whole 16-byte chunks, and without them it was slower
-    than split (64 x ~8K of width 10 649: 30.6-33.5 against 24.1), so the launcher takes split there
+    registers, levels of 2048 buckets (64 x 8K 17.9 us against split's 23.9, 64 x 16K 24.8 against 26.0, decode
+    selection's 64 x ~8K of width 10 624 23.6 against 27.1; 8 warps or 256 buckets within 4 % either way; rows of
+    2K-4K since 2026-12-04: 1 / 16 / 64 / 132 x 4096 9.2 / 11.3 / 11.4 / 12.2 us against split's 18.8 / 19.5 / 20.3
+    / 28.4, x 2560 11.6 / 11.8 / 12.1 / 13.8 against the fused kernel's 17.8 / 22.2 / 22.9 / 23.3; fast_topk
+    7.6-12.3). Its loads are 128-bit only where rows are whole 16-byte chunks, and without them it was slower than
+    split (64 x ~8K of width 10 649: 30.6-33.5 against 24.1), so the launcher takes split there
     (:func:`_launch_shape`, which sees the logits).
     Few rows (R <= sms, L >= 4K), otherwise: split mode, ``chunks`` 8-warp programs a row, one per 32K of row and at
     least 2 (more chunks, or more programs of fewer warps, were slower at 64 rows), and where the rows are so few
-    that this leaves SMs idle, one per 4K of row within one wave of programs (H200, rows of ~32K: 1 row 8
-    chunks 26.1 us against 2 chunks' 31.1, 4 rows 16 chunks 26.0 against 30.6, 16 rows 8 chunks 28.4 against 32.4), 4 tiles a warp compacted at once,
-    128 list entries a warp moved a step; the finisher's levels in registers up to cand 4096, streamed
-    above (the register form needs 127 registers at cand 8192: two programs an SM, and the chunk
+    that this leaves SMs idle, one per 4K of row within one wave of programs (H200, rows of ~32K: 1 row 8 chunks
+    26.1 us against 2 chunks' 31.1, 4 rows 16 chunks 26.0 against 30.6, 16 rows 8 chunks 28.4 against 32.4), 4 tiles
+    a warp compacted at once, 128 list entries a warp moved a step; the finisher's levels in registers up to cand
+    4096, streamed above (the register form needs 127 registers at cand 8192: two programs an SM, and the chunk
     programs ran in two waves).
     Many rows: the fused kernel on a persistent grid of what fits at once, capped at 64 registers (the
     grid assumes every program resident). Rows up to 16K: 4-warp programs, 8 an SM, levels on U / W

@@ -35,15 +35,15 @@ def topk_rows_kernel(
     BLOCK: tl.constexpr, NW: tl.constexpr, BITS: tl.constexpr, VEC: tl.constexpr, ASM: tl.constexpr,
     NARROW: tl.constexpr, BLOCK2: tl.constexpr = 0,
 ):
-    """Top-K of row ``program_id(0)``, translated; arguments as :func:`~flashdsa.ops.topk.fused.topk_fused_kernel`
-    (no scratch). ``BLOCK``: a power of 2 >= every row's length, or with ``BLOCK2`` > 0 the row as two tiles,
-    positions ``[0, BLOCK)`` and ``[BLOCK, BLOCK + BLOCK2)`` (both powers of 2, BLOCK + BLOCK2 >= every row's
-    length: a row of 8256 scores holds 10 240 key slots instead of 16 384); the row at most 16384 (the emit
-    packs two counts of at most 16384 in an int32); ``BITS``: digit bits of a level (<= 11). VEC: 128-bit row loads, reading to the
-    length rounded up to 4 (rows of whole 16-byte chunks). NARROW (``TopkConfig.narrow``): 2 the levels start
-    from the row's min / max and shrink to the min / max key of each level's bucket; 1 the same for a bucket of
-    more than 1/32 of the row (likely ties), to its edges otherwise; 0 the whole key range, then the edges (no
-    min / max pass at all)."""
+    """Top-K of row ``program_id(0)``, translated; arguments as :func:`~flashdsa.ops.topk.fused.topk_fused_kernel` (no
+    scratch). ``BLOCK``: a power of 2 >= every row's length, or with ``BLOCK2`` > 0 the row as two tiles, positions
+    ``[0, BLOCK)`` and ``[BLOCK, BLOCK + BLOCK2)`` (both powers of 2, BLOCK + BLOCK2 >= every row's length: a row of
+    8256 scores holds 10 240 key slots instead of 16 384); the row at most 16384 (the emit packs two counts of at
+    most 16384 in an int32); ``BITS``: digit bits of a level (<= 11). VEC: 128-bit row loads, reading to the length
+    rounded up to 4 (rows of whole 16-byte chunks). NARROW (``TopkConfig.narrow``): 2 the levels start from the
+    row's min / max and shrink to the min / max key of each level's bucket; 1 the same for a bucket of more than
+    1/32 of the row (likely ties), to its edges otherwise; 0 the whole key range, then the edges (no min / max pass
+    at all)."""
     if ASM:
         shared_hist.declare()
     r = tl.program_id(0)
