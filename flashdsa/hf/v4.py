@@ -50,6 +50,8 @@ def _layer_forward(patch: V4Patch, i: int):
     attn = step.attn
 
     def forward(hidden_states, position_embeddings, position_ids, attention_mask=None, cache=None, **kwargs):
+        if cache is None:  # the name transformers used before `cache` (its layers may still pass it)
+            cache = kwargs.pop("past_key_values", None)
         B, S, _ = hidden_states.shape
         cos, sin = (t.expand(B, -1, -1) for t in position_embeddings[attn.rope_layer_type])
         pos = position_ids.expand(B, -1)
