@@ -56,6 +56,25 @@ def timed(fn, dev: str, graph: bool = False, **kw) -> float:
     return time_us(fn, graph, **kw)
 
 
+def peer_selection_us(q, cache, w, lens, bt, max_len: int, x, k: int, status: dict, topk: bool = True) -> dict:
+    """The peers' decode selection on our inputs (``ops.indexer_logits_paged``'s arguments; ``x`` our logits of
+    them), µs of graph replay: ``peer_logits`` (DeepGEMM's paged logits), with ``topk`` also ``peer_topk``
+    (sgl-kernel's fast_topk_transform_fused on ``x``) and ``peer_chain`` (the two in a row); what does not import
+    is left out."""
+    from flashdsa.bench.checks import _deepgemm_paged, _token_table
+    from flashdsa.testing import peers
+    out, dg = {}, None
+    if status.get("DeepGEMM", {}).get("ok"):
+        dg = _deepgemm_paged(q, cache, w, lens, bt, max_len, lambda: x)()[0]
+        out["peer_logits"] = time_us(dg)
+    if topk and status.get("fast_topk_transform_fused", {}).get("ok"):
+        ptopk = peers.fast_topk_transform_fused(lens.view(-1).contiguous(), _token_table(bt, max_len), k)
+        out["peer_topk"] = time_us(lambda: ptopk(x))
+        if dg is not None:
+            out["peer_chain"] = time_us(lambda: ptopk(dg()))
+    return out
+
+
 def print_table(rows: list[dict], title: str) -> None:
     """One line per row, columns in first-seen order."""
     if not rows:

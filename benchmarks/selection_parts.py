@@ -22,7 +22,7 @@ from flashdsa.testing import peers
 from flashdsa.testing.timing import time_us
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import write_json  # noqa: E402
+from _common import peer_selection_us, write_json  # noqa: E402
 
 
 def main() -> None:
@@ -44,15 +44,7 @@ def main() -> None:
              "topk": time_us(lambda: ops.topk_transform(x, rows_len, k, page_table=bt)),
              "chain": time_us(lambda: ops.topk_transform(ops.indexer_logits_paged(q, cache, w, lens, bt, max_len),
                                                          rows_len, k, page_table=bt))}
-        if status.get("fast_topk_transform_fused", {}).get("ok"):
-            from flashdsa.bench.checks import _token_table
-            topk = peers.fast_topk_transform_fused(rows_len, _token_table(bt, max_len), k)
-            r["peer_topk"] = time_us(lambda: topk(x))
-            if status.get("DeepGEMM", {}).get("ok"):
-                from flashdsa.bench.checks import _deepgemm_paged
-                dg = _deepgemm_paged(q, cache, w, lens, bt, max_len, lambda: x)()[0]
-                r["peer_logits"] = time_us(dg)
-                r["peer_chain"] = time_us(lambda: topk(dg()))
+        r.update(peer_selection_us(q, cache, w, lens, bt, max_len, x, k, status))
         r["chain - parts"] = r["chain"] - r["logits"] - r["topk"]
         rows.append(r)
         print({kk: round(v, 1) if isinstance(v, float) else v for kk, v in r.items()}, flush=True)

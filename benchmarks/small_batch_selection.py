@@ -17,7 +17,7 @@ import dataclasses
 
 import torch
 
-from _common import print_table, write_json
+from _common import peer_selection_us, print_table, write_json
 
 from flashdsa import ops
 from flashdsa.bench import selection_inputs
@@ -67,10 +67,7 @@ def case(B: int, ctx: int, H: int, k: int, dev, status: dict, smoke: bool, logit
                 raise AssertionError(f"B {B} ctx {ctx} logits chunk {c}: differs from the default's")
             row[f"logits:c{c}"] = t(fn)
     if logits_only:
-        if status.get("DeepGEMM", {}).get("ok"):
-            from flashdsa.bench.checks import _deepgemm_paged
-            row["peer_logits"] = time_us(_deepgemm_paged(q, cache, w, lens, bt, max_len, lambda: x)()[0])
-        return row
+        return {**row, **peer_selection_us(q, cache, w, lens, bt, max_len, x, k, status, topk=False)}
     for name, cfg in variants(B, max_len, k, sms).items():
         def topk(cfg=cfg, x=x):
             return launch.topk_transform(x, rows_len, k, bt, None, None, 64, config=cfg)
@@ -81,17 +78,10 @@ def case(B: int, ctx: int, H: int, k: int, dev, status: dict, smoke: bool, logit
     tk = {kk: v for kk, v in row.items() if kk.startswith("topk:")}
     best = min(tk, key=tk.get) if not smoke else "topk:default"
     row["best_topk"] = best[5:]
-    if status.get("fast_topk_transform_fused", {}).get("ok"):
-        from flashdsa.bench.checks import _token_table
-        ptopk = peers.fast_topk_transform_fused(rows_len, _token_table(bt, max_len), k)
-        row["peer_topk"] = time_us(lambda: ptopk(x))
-        if status.get("DeepGEMM", {}).get("ok"):
-            from flashdsa.bench.checks import _deepgemm_paged
-            dg = _deepgemm_paged(q, cache, w, lens, bt, max_len, lambda: x)()[0]
-            row["peer_logits"] = time_us(dg)
-            row["peer_chain"] = time_us(lambda: ptopk(dg()))
-            row["chain_x"] = row["chain"] / row["peer_chain"]
-            row["parts_best_x"] = (row["logits"] + row[best]) / row["peer_chain"]
+    row.update(peer_selection_us(q, cache, w, lens, bt, max_len, x, k, status))
+    if "peer_chain" in row:
+        row["chain_x"] = row["chain"] / row["peer_chain"]
+        row["parts_best_x"] = (row["logits"] + row[best]) / row["peer_chain"]
     return row
 
 
