@@ -124,28 +124,23 @@ def _plan(args: argparse.Namespace) -> int:
     from flashdsa.plan import format_plan, load_config, plan, with_kpool
     from flashdsa.v4.plan import format_plan_v4, load_v4, plan_v4
 
-    if args.preset is not None and args.config is not None:
-        raise ValueError("give either --preset or --config, not both")
-    v4 = load_v4(args.preset, args.config)
+    v4 = load_v4(args.preset, args.config)  # (--preset and --config are exclusive: argparse refuses both)
     if v4 is not None:  # DeepSeek-V4: its own cost model
         if args.kpool is not None:
             raise ValueError("kpool: DeepSeek-V4 compresses its keys itself (no kpool)")
         _check_out("json", args.json)
-        report = plan_v4(v4[0], context=args.context, batch=args.batch,
-                         kv_format=args.kv_format, source=v4[1])
-        if args.json != "-":
-            print(format_plan_v4(report))
-        if args.json:
-            _emit_json(report, args.json, indent=2)
-        return 0
-    cfg, source = load_config(preset=args.preset, config=args.config)
-    if args.kpool is not None:
-        cfg = with_kpool(cfg, args.kpool)
-    _check_out("json", args.json)
-    report = plan(cfg, context=args.context, batch=args.batch, gpus=args.gpus, kv_format=args.kv_format,
-                  parallel=args.parallel, source=source)
+        report = plan_v4(v4[0], context=args.context, batch=args.batch, kv_format=args.kv_format, source=v4[1])
+        text = format_plan_v4
+    else:
+        cfg, source = load_config(preset=args.preset, config=args.config)
+        if args.kpool is not None:
+            cfg = with_kpool(cfg, args.kpool)
+        _check_out("json", args.json)
+        report = plan(cfg, context=args.context, batch=args.batch, gpus=args.gpus, kv_format=args.kv_format,
+                      parallel=args.parallel, source=source)
+        text = format_plan
     if args.json != "-":
-        print(format_plan(report))
+        print(text(report))
     if args.json:
         _emit_json(report, args.json, indent=2)
     return 0

@@ -59,13 +59,11 @@ def _layer_forward(patch: V4Patch, i: int):
         if cache is not None:
             layer = cache.layers[attn.layer_idx]
             seen = layer.get_seq_length()
-            states = layer.__dict__.get("_flashdsa_v4")
-            if seen == 0 or states is None:
-                if seen:
-                    raise NotImplementedError("cache: this cache holds tokens flashdsa did not see (made before "
-                                              "flashdsa.hf.apply, or reused); start from an empty one")
-                states = None
-            elif len(states) != B or any(s.length != seen for s in states):
+            states = layer.__dict__.get("_flashdsa_v4") if seen else None  # an empty (or reset) cache: new rows
+            if seen and states is None:
+                raise NotImplementedError("cache: this cache holds tokens flashdsa did not see (made before "
+                                          "flashdsa.hf.apply, or reused); start from an empty one")
+            if states is not None and (len(states) != B or any(s.length != seen for s in states)):
                 raise NotImplementedError(f"cache: flashdsa's V4 state holds {[s.length for s in states]} tokens a "
                                           f"row, the cache {seen} (cropped or reordered caches are not supported)")
             # HF's cache layer keeps the length generate() reads; its window rows are not read by us

@@ -70,16 +70,17 @@ def attend_fp8(q: torch.Tensor, rows: torch.Tensor, indices: torch.Tensor, sinks
     out, lse = ops.sparse_mla_decode(mla_rows(q.to(torch.bfloat16)).view(T, 1, h, MLA_DIM), pages,
                                      indices.view(T, 1, -1), scale, backend=backend)
     # sinks and the RoPE undone in fp32: the kernel's bf16 output and the result are the only roundings
-    out = ops.attention_sinks(out.view(T, h, -1).float(), lse.view(T, h),
-                              sinks.to(device=q.device, dtype=torch.float32), backend=backend)[..., :D]
-    return _unrope(out, cos, sin).to(torch.bfloat16)
+    return _finish(out.view(T, h, -1).float(), lse.view(T, h), sinks, D, cos, sin, backend).to(torch.bfloat16)
 
 
-def _unrope(out: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None) -> torch.Tensor:
-    """The output's trailing RoPE slice rotated back by the query's position (the values carried the keys')."""
+def _finish(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor, D: int, cos: torch.Tensor | None,
+            sin: torch.Tensor | None, backend: str | None) -> torch.Tensor:
+    """Both paths' end: the sinks on ``out [T, h, 512]`` (in its dtype), its first D channels, then the trailing
+    RoPE slice rotated back by the query's position (the values carried the keys'), fp32 from there."""
+    out = ops.attention_sinks(out, lse, sinks.to(device=out.device, dtype=torch.float32), backend=backend)[..., :D]
     if cos is None:
         return out
-    D, r = out.shape[-1], 2 * cos.shape[-1]
+    r = 2 * cos.shape[-1]
     return torch.cat((out[..., :D - r].float(), apply_rope(out[..., D - r:], cos, -sin, True)), dim=-1)
 
 
@@ -105,5 +106,4 @@ def attend(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sinks: torc
     if sinks.shape != (h,):
         raise ValueError(f"sinks: expected shape ({h},), got {tuple(sinks.shape)}")
     out, lse = ops.sparse_mla_prefill(mla_rows(q), mla_rows(kv), indices, scale, backend=backend)
-    out = ops.attention_sinks(out, lse, sinks.to(device=q.device, dtype=torch.float32), backend=backend)[..., :D]
-    return _unrope(out, cos, sin).to(q.dtype)
+    return _finish(out, lse, sinks, D, cos, sin, backend).to(q.dtype)

@@ -53,6 +53,10 @@ def _rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((x[..., :-r], rot), dim=-1)
 
 
+def _append(acc: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
+    return new if acc is None else torch.cat((acc, new))
+
+
 def _entries(module, h, state: CompressState | None, overlap: bool):
     """Pool ``h [S, hidden]`` through compressor ``module``: the new entries, normalised and rotated at their
     positions, and the compressor's new state."""
@@ -100,15 +104,15 @@ class V4LayerStep:
         q_res = a.q_a_norm(a.q_a_proj(h))
         q = _rope_tail(a.q_b_norm(a.q_b_proj(q_res).view(S, -1, D)), cos[:, None], sin[:, None])
         kv = self._rows(_rope_tail(a.kv_norm(a.kv_proj(h)), cos, sin))
-        rows = torch.cat((state.window, kv))
+        raw = torch.cat((state.window, kv))  # the raw rows a query's window may reach
+        rows = raw
         base = state.length - state.window.shape[0]  # the position of rows[0]
         lists = [window_indices(positions - base, a.sliding_window)]
         entries, index_keys, index_scales = state.entries, state.index_keys, state.index_scales
         comp, index_comp = state.comp, state.index_comp
         if self.kind in (CSA, HCA):
             new, comp = _entries(a.compressor, h, comp, self.kind == CSA)
-            new = self._rows(new)
-            entries = new if entries is None else torch.cat((entries, new))
+            entries = _append(entries, self._rows(new))
             if self.kind == HCA:
                 lists.append(causal_entry_indices(positions, a.compressor.compress_rate, entries.shape[0],
                                                   rows.shape[0]))
@@ -120,18 +124,17 @@ class V4LayerStep:
                 w = ix.scorer.weights_proj(h).float() * ix.scorer.weights_scaling
                 if self.precision == "fp8":
                     new, new_scales = quantize(new)
-                    index_scales = new_scales if index_scales is None else torch.cat((index_scales, new_scales))
-                index_keys = new if index_keys is None else torch.cat((index_keys, new))
-                if self.precision == "fp8":
+                    index_keys, index_scales = _append(index_keys, new), _append(index_scales, new_scales)
                     q_fp8, q_scale = quantize(q_ix)
                     picks = select_fp8(q_fp8, index_keys, index_scales, w * q_scale * ix.head_dim ** -0.5, positions,
                                        ix.compress_rate, ix.index_topk, backend=self.backend)
                 else:
+                    index_keys = _append(index_keys, new)
                     picks = select_exact(q_ix, index_keys, w, positions, ix.compress_rate, ix.index_topk)
                 lists.append(torch.where(picks >= 0, picks + rows.shape[0], -1).to(torch.int32))
             rows = torch.cat((rows, entries))
         run = attend_fp8 if self.precision == "fp8" else attend
         out = run(q, rows, torch.cat(lists, dim=1), a.sinks, a.scaling, cos, sin, backend=self.backend).to(h.dtype)
         out = a.o_b_proj(a.o_a_proj(out.reshape(S, a.config.o_groups, -1)).flatten(-2))
-        window = torch.cat((state.window, kv))[-(a.sliding_window - 1):] if a.sliding_window > 1 else kv[:0]
+        window = raw[-(a.sliding_window - 1):] if a.sliding_window > 1 else kv[:0]
         return out, RequestState(window, entries, index_keys, index_scales, comp, index_comp, state.length + S)

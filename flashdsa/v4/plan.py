@@ -9,11 +9,11 @@ row (132 B: 128 e4m3 + its scale). The window is a ring of ``sliding_window`` ro
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
 from flashdsa.cache.layouts import INDEX_BYTES_PER_TOKEN, MLA_BF16_BYTES, MLA_FP8_BYTES
+from flashdsa.config import read_config_json
 from flashdsa.v4.config import CSA, HCA, LAYER_TYPES, SLIDING, V4Config, is_v4
 
 ROW_BYTES = {"bf16": MLA_BF16_BYTES, "fp8": MLA_FP8_BYTES}
@@ -27,13 +27,12 @@ def load_v4(preset: str | None, config: str | os.PathLike | None) -> tuple[V4Con
         return (V4Config.preset(preset), f"preset {preset}") if preset in PRESETS else None
     if config is None:
         return None
-    path = os.path.join(os.fspath(config), "config.json") if os.path.isdir(config) else os.fspath(config)
     try:
-        with open(path) as f:
-            data = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        data = read_config_json(config)
+    except (OSError, ValueError):
         return None  # the DSA loader names the problem
-    return (V4Config.from_hf(data), path) if isinstance(data, dict) and is_v4(data) else None
+    path = os.path.join(os.fspath(config), "config.json") if os.path.isdir(config) else os.fspath(config)
+    return (V4Config.from_hf(data), path) if is_v4(data) else None
 
 
 def plan_v4(cfg: V4Config, context: int, batch: int = 1, kv_format: str = "fp8", source: str = "") -> dict[str, Any]:

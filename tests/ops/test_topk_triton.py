@@ -460,11 +460,11 @@ def test_hypothesis_matches_reference(c):
 def test_rows_kernel_two_tiles():
     """A row just past a power of two held as two tiles (half the power and a smaller one): the same bits as the
     reference for every adversarial kind, ragged lengths across the tiles' boundary, both level ranges."""
-    assert launch.rows_tiles(8256, 16) == (8192, 2048) and launch.rows_tiles(8192, 16) == (8192, 0)
-    assert launch.rows_tiles(12288, 16) == (8192, 4096) and launch.rows_tiles(12289, 16) == (16384, 0)
-    assert launch.rows_tiles(8256, 16, tiles=1) == (16384, 0) and launch.rows_tiles(2112, 16) == (4096, 0)
+    assert launch.rows_tiles(8256, 16, 2) == (8192, 2048) and launch.rows_tiles(8192, 16, 2) == (8192, 0)
+    assert launch.rows_tiles(12288, 16, 2) == (8192, 4096) and launch.rows_tiles(12289, 16, 2) == (16384, 0)
+    assert launch.rows_tiles(8256, 16, 1) == (16384, 0) and launch.rows_tiles(2112, 16, 2) == (4096, 0)
     k, L = 64, 1100
-    assert launch.rows_tiles(L, 2) == (1024, 256)
+    assert launch.rows_tiles(L, 2, 2) == (1024, 256)
     kinds = list(KINDS)
     lens = [L, L - 1, 1024, 1025, 1023, k + 1, k, 0, 700] * 2
     logits, lengths, kw = _case(len(lens), L, k, kinds, lens, seed=11, mode="pages")

@@ -193,10 +193,10 @@ def default_config(R: int, L: int, K: int, sms: int, kind: str | None = None) ->
                       sample_stream=False, block=128 * nw, grid=grid, ties=nw == 8, **sizes)
 
 
-def rows_tiles(L: int, nw: int, tiles: int = 2) -> tuple[int, int]:
+def rows_tiles(L: int, nw: int, tiles: int) -> tuple[int, int]:
     """The rows kernel's key tiles for rows of up to ``L`` scores: ``(BLOCK, BLOCK2)``, powers of two of at least 4
-    keys a thread (128 NW), BLOCK2 = 0 for one tile. ``tiles`` 2: half the power of two and a tile for the rest
-    where that is smaller than the other half (8256: 8192 + 2048 at 16 warps, not 16384; H200: see README.md)."""
+    keys a thread (128 NW), BLOCK2 = 0 for one tile. ``tiles`` (``TopkConfig.tiles``) 2: half the power of two and a
+    tile for the rest where that is smaller than the other half (8256: 8192 + 2048 at 16 warps, not 16384)."""
     block = max(next_pow2(L), 128 * nw)
     if tiles == 2 and block > 128 * nw:
         rest = max(next_pow2(L - block // 2), 128 * nw)
