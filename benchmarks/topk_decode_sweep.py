@@ -21,6 +21,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_topk as bt  # noqa: E402
+from _common import load_sgl_ops  # noqa: E402
+from flashdsa.testing.compare import topk_tie_safe  # noqa: E402
+from flashdsa.testing.peers import fast_topk  # noqa: E402
 from flashdsa.ops._triton_utils import next_pow2, num_sms  # noqa: E402
 from flashdsa.ops.topk import launch  # noqa: E402
 
@@ -46,6 +49,9 @@ def variants(R: int, L: int, K: int, sms: int) -> list[tuple[str, dict]]:
         # of buckets of over 1/32 of the row (n1), none at all (n0)
         for narrow in (2, 1, 0):
             out.append((f"rows n{narrow}", dict(kind="rows", num_warps=16, bits=11, maxnreg=0, narrow=narrow)))
+        # the row as two tiles (TopkConfig.tiles): 8256 scores in 8192 + 2048 key slots, not 16384
+        for nw in (8, 16):
+            out.append((f"rows nw{nw} tiles2", dict(kind="rows", num_warps=nw, bits=11, maxnreg=0, tiles=2)))
     # the split kernel (the default at these shapes before the rows kernel), whatever the default is now
     split = dataclasses.asdict(launch.default_config(R, L, K, sms, kind="split"))
     out.append(("split", split))
@@ -60,6 +66,10 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU interpreter (checks only)")
     ap.add_argument("--only", default="", help="comma-separated variant names to run (default: all)")
     ap.add_argument("--shapes", default="", help="comma-separated case indices of the default shapes (0-4)")
+    ap.add_argument("--rl", default="", help="comma-separated RxL shapes instead of the default ones (page "
+                    "table, full rows), e.g. 1x8256,16x8256")
+    ap.add_argument("--peer", action="store_true", help="also time sgl-kernel fast_topk on the same scores "
+                    "(untranslated positions; its sets checked tie-safe)")
     ap.add_argument("--scores", default="randn", help="comma-separated score kinds of bench_topk.make_scores "
                     "(randn, levels256, levels16, equal, narrow), each a pass over the shapes")
     a = ap.parse_args()
@@ -70,6 +80,9 @@ def main() -> None:
                            (64, 10624, True)]
     if a.shapes:
         shapes = [shapes[int(i)] for i in a.shapes.split(",")]
+    if a.rl:
+        shapes = [(int(r), int(c), False) for r, c in (x.split("x") for x in a.rl.split(","))]
+    peer = a.peer and not a.smoke and load_sgl_ops() and hasattr(torch.ops.sgl_kernel, "fast_topk")
     only = set(filter(None, a.only.split(",")))
     bt.K = K
     dev = torch.device(bt.DEV)
@@ -94,6 +107,13 @@ def main() -> None:
             case = f"{R}x{L}{' ragged' if ragged else ''}{'' if kind == 'randn' else ' ' + kind}"
             rows.append({"case": case, "variant": name, "ok": ok, "us": us,
                          "vs_default": us / base if base else float("nan")})
+            print(rows[-1], flush=True)
+        if peer:
+            call, out = fast_topk(x, lengths, K)
+            call()
+            exact = topk_tie_safe(x, lengths, out, K)[0]
+            us = bt._time_graph(call)
+            rows.append({"case": case, "variant": "fast_topk (peer)", "ok": exact, "us": us, "vs_default": us / base})
             print(rows[-1], flush=True)
     print(f"\n{'case':<26} | {'variant':<18} | ok    | us      | vs default")
     for r in rows:
