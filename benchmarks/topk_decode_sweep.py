@@ -44,11 +44,12 @@ def variants(R: int, L: int, K: int, sms: int) -> list[tuple[str, dict]]:
     if L <= launch.ROWS_MAX_L:
         for nw in (8, 16, 32):
             for bits in (11, 8):
-                out.append((f"rows nw{nw} b{bits}", dict(kind="rows", num_warps=nw, bits=bits, maxnreg=0)))
+                out.append((f"rows nw{nw} b{bits}", dict(kind="rows", num_warps=nw, bits=bits, maxnreg=0, tiles=1)))
         # the levels' ranges (TopkConfig.narrow): min / max of the row and of every bucket (n2), of the row and
         # of buckets of over 1/32 of the row (n1), none at all (n0)
         for narrow in (2, 1, 0):
-            out.append((f"rows n{narrow}", dict(kind="rows", num_warps=16, bits=11, maxnreg=0, narrow=narrow)))
+            out.append((f"rows n{narrow}", dict(kind="rows", num_warps=16, bits=11, maxnreg=0, narrow=narrow,
+                                                tiles=1)))
         # the row as two tiles (TopkConfig.tiles): 8256 scores in 8192 + 2048 key slots, not 16384
         for nw in (8, 16):
             out.append((f"rows nw{nw} tiles2", dict(kind="rows", num_warps=nw, bits=11, maxnreg=0, tiles=2)))

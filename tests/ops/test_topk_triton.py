@@ -272,6 +272,9 @@ def test_kernel_choice_rule():
     assert [kind(1, L) for L in (2048, 2112, 4096, 8256, 16384, 16448)] == ["fused", "rows", "rows", "rows", "rows",
                                                                           "split"]
     assert kind(132, 3072) == "rows" and kind(133, 3072) == "fused" and kind(4, 1000, 64) == "fused"
+    # the rows kernel: 8 warps; past 4K the row as two tiles (8256: 8192 + 2048 key slots, 20-25 % faster)
+    cfg = lambda L: launch.default_config(64, L, 2048, 132)  # noqa: E731
+    assert [(cfg(L).num_warps, cfg(L).tiles) for L in (2560, 4096, 4160, 8256)] == [(8, 1), (8, 1), (8, 2), (8, 2)]
 
 
 def test_split_chunks_rule():

@@ -82,7 +82,7 @@ class TopkConfig:
                                # of the row (ties likely), else its edges; 0 the whole key range, then the edges
     tiles: int = 1             # rows: the row held as one power-of-two tile (1), or as two (2: a power of two
                                # and a smaller one) where that holds fewer key slots (8256 scores: 10 240 of
-                               # 16 384); 2 is tested in the interpreter, not yet measured on a GPU: off
+                               # 16 384; the default past 4K, see default_config)
     ties: bool = True          # rows whose sample says a warp's segment holds more than k keys equal to the
                                # guess keep only a warp's first k of them in the compaction (compact.py,
                                # ``compact_seg_ties``); False: every key reaching the guess is listed
@@ -141,9 +141,10 @@ def default_config(R: int, L: int, K: int, sms: int, kind: str | None = None) ->
     """The default launch of top-K over R rows of up to L scores on a GPU of ``sms`` SMs, as measured on
     the H200 (triton 3.6; README.md "Measured"). ``kind`` picks the kernel instead of the rule below.
 
-    Few rows (R <= sms) of 2K < L <= 16K (and L > K): the rows kernel (rows.py), a 16-warp program a row held in
+    Few rows (R <= sms) of 2K < L <= 16K (and L > K): the rows kernel (rows.py), a program a row held in
     registers, levels of 2048 buckets (64 x 8K 17.9 us against split's 23.9, 64 x 16K 24.8 against 26.0, decode
-    selection's 64 x ~8K of width 10 624 23.6 against 27.1; 8 warps or 256 buckets within 4 % either way; rows of
+    selection's 64 x ~8K of width 10 624 23.6 against 27.1 with 16 warps; since 2026-12-04 8 warps, 3-8 % faster,
+    and past 4K the row as two tiles, ``tiles``, 20-25 % faster again: 64 x 8256 16.7 against 22.4); rows of
     2K-4K since 2026-12-04: 1 / 16 / 64 / 132 x 4096 9.2 / 11.3 / 11.4 / 12.2 us against split's 18.8 / 19.5 / 20.3
     / 28.4, x 2560 11.6 / 11.8 / 12.1 / 13.8 against the fused kernel's 17.8 / 22.2 / 22.9 / 23.3; fast_topk
     7.6-12.3). Its loads are 128-bit only where rows are whole 16-byte chunks, and without them it was slower than
@@ -171,8 +172,12 @@ def default_config(R: int, L: int, K: int, sms: int, kind: str | None = None) ->
         else:
             kind = "split" if R <= sms and L >= 4096 else "fused"
     if kind == "rows":
-        return TopkConfig(kind="rows", num_warps=16, maxnreg=0, unroll=1, move_step=128, stream=False,
-                          sample_stream=False, block=128 * 16, bits=11, narrow=1, **sizes)
+        # 8 warps (1 / 64 / 132 x 4096 9.3 / 11.3 / 12.3 us against 16 warps' 9.8 / 12.0 / 12.9), and past 4K the
+        # row as two tiles (1 / 16 / 64 / 132 x 8256 14.7 / 16.3 / 16.7 / 17.7 against one 16-warp tile's 18.8 /
+        # 21.6 / 22.4 / 22.9; 64 x 12288 19.1 against 22.2; at 2560 one tile was 0.1-0.8 faster)
+        nw, tiles = 8, 2 if L > 4096 else 1
+        return TopkConfig(kind="rows", num_warps=nw, maxnreg=0, unroll=1, move_step=128, stream=False,
+                          sample_stream=False, block=128 * nw, bits=11, narrow=1, tiles=tiles, **sizes)
     if kind == "split":
         # many rows: a chunk per 32K of row (more chunks were slower at 64 rows); rows that leave SMs idle
         # even so: a chunk per 4K of row while the (row, chunk) grid stays within one wave
