@@ -47,7 +47,8 @@ def test_cases_cover_spec_shapes_and_quick_is_a_subset():
                  "decode fp8 B64 h128 top-2048 ctx 32K", "prefill bf16 T4096 N8K h128 top-2048",
                  "decode fp8 B64 s_q2 h128 top-2048 ctx 32K", "decode fp8 B128 s_q2 h64 top-2048 ctx 32K",
                  "decode bf16 B64 s_q1 h128 top-2048 ctx 32K",
-                 "v32 decode B64 ctx 8K", "v32 decode B64 ctx 32K"):
+                 "v32 decode B64 ctx 8K", "v32 decode B64 ctx 32K", "v32 prefill ctx 4K chunk 4K",
+                 "v32 prefill ctx 32K chunk 4K", "v32 prefill ctx 128K chunk 4K"):
         assert want in names, want
     quick = B.cases(quick=True)
     assert {c.name for c in quick} < names
@@ -117,7 +118,7 @@ def test_cpu_check_quick_runs_every_op_and_reports_ok(capsys, tmp_path):
                          capsys)
     assert rc == 0, out
     assert "FAIL" not in out
-    n = len(B.cases(quick=True, tiny=True)) + 3  # the layer case gives 4 rows (3 stages + step)
+    n = len(B.cases(quick=True, tiny=True)) + 3 + 4  # layer: 3 stages + step; prefill: 3 + last chunk + prompt
     assert f"cpu-check: {n}/{n} ok" in out
     assert "no plot: nothing was timed" in out and not (tmp_path / "p.png").exists()
     report = json.loads(path.read_text())
@@ -129,6 +130,8 @@ def test_cpu_check_quick_runs_every_op_and_reports_ok(capsys, tmp_path):
         assert r["check"]["ok"] is True and "ours_us" not in r
     stages = [r["case"].split(": ")[-1] for r in report["rows"] if r["op"] == "layer"]
     assert stages == ["indexer", "top-k", "attention", "step"]
+    stages = [r["case"].split(": ")[-1] for r in report["rows"] if r["op"] == "prefill"]
+    assert stages == ["selection", "kv gather", "attention", "last chunk", "whole prompt (3 chunks)"]
 
 
 @cpu_only
@@ -216,6 +219,21 @@ def test_timed_rows_table_and_roofline(monkeypatch):
     assert [r["check"]["ok"] for r in rows] == [True] * 4
     assert rows[-1]["roof_us"] == pytest.approx(sum(r["roof_us"] for r in rows[:3]))  # step = its stages
     assert rows[0]["TFLOPs"] > 0 and rows[1]["TFLOPs"] is None  # top-k moves bytes only
+
+    # prefill: plain calls (its selection reads row bounds on the host), every chunk in the whole-prompt row
+    graphs = []
+
+    def time_us(fn, graph=True):
+        graphs.append(graph)
+        fn()
+        return 10.0
+    monkeypatch.setattr(runner, "time_us", time_us)
+    prefill = [c for c in B.cases(tiny=True) if c.kind == "layer_prefill"][0]
+    prows = B.run_case(prefill, torch.device("cpu"), status, CEILINGS)
+    assert [r["check"]["ok"] for r in prows] == [True] * 5 and graphs == [False] * 5
+    assert prows[3]["roof_us"] == pytest.approx(sum(r["roof_us"] for r in prows[:3]))  # the last chunk's stages
+    assert "ours_MB" not in prows[0]  # peak memory is measured on CUDA only
+    assert B.format_table(prows).count("\n") == 6
 
     table = B.format_table([row] + rows)
     head = table.splitlines()[0]

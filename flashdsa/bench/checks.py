@@ -26,7 +26,7 @@ class Bench:
     """``ours``: the call to time. ``check``: ours vs the torch reference -> ``{"ok", "summary", ...}``.
     ``peers``: name -> a factory returning ``(call to time, its check dict)`` (run only when timing).
     ``bytes`` / ``flops``: valid work, for GB/s, TFLOP/s and the roofline; ``dtype``: the matmul rate
-    that bounds it ("fp8" / "bf16", None = memory only)."""
+    that bounds it ("fp8" / "bf16", None = memory only). ``graph`` / ``memory``: see the fields."""
     ours: Callable[[], Any]
     check: Callable[[], dict]
     peers: dict[str, Callable[[], tuple[Callable[[], Any], dict]]] = field(default_factory=dict)
@@ -34,6 +34,8 @@ class Bench:
     flops: float = 0.0
     dtype: str | None = None
     parts: tuple["Bench", ...] = ()  # a composite (the layer step): its roofline is the sum of its parts'
+    graph: bool = True   # timed as a CUDA-graph replay (False: plain calls, e.g. prefill's host-read row bounds)
+    memory: bool = False  # also measure the extra peak memory of one call (ours and each peer's)
 
 
 def _check_logits(out: torch.Tensor, ref: torch.Tensor) -> dict:

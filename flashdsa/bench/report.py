@@ -26,10 +26,14 @@ def format_table(rows: list[dict], timed: bool = True) -> str:
             lines.append(head + [check])
             continue
         ours = [f(r.get("ours_us"), ".1f")]
+        if r.get("ours_MB") is not None:  # a case that measured memory: the extra peak MB of one call
+            check += f"; +{r['ours_MB']:.0f} MB a call"
         tail = [f(r.get("GBps"), ".0f"), f(r.get("TFLOPs"), ".1f"), f(r.get("roof_us"), ".1f"), check]
         peers = r.get("peers") or [{}]
         for p in peers:
             pc = p.get("check", {}).get("summary", "") if "error" not in p else p["error"][:40]
+            if p.get("MB") is not None:
+                pc = (pc + "; " if pc else "") + f"+{p['MB']:.0f} MB a call"
             name = (p.get("name", "-") + (f" ({pc})" if pc else "")) if p else "-"
             lines.append(head + ours + [name, f(p.get("us"), ".1f"), f(p.get("ratio"), ".2f")] + tail)
     cols = ["op", "case", "check"] if not timed else \

@@ -102,6 +102,17 @@ def _note(row: dict) -> str:
     return ", ".join(parts) + f" | {'ok' if row['check'].get('ok') else 'FAIL'} ({row['check'].get('summary', '')})"
 
 
+def extra_peak_mb(fn) -> float:
+    """MB of device memory one call of ``fn`` allocates at its peak beyond what was allocated before it
+    (temporaries and outputs; the caching allocator's reserve not counted)."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - before) / 2 ** 20
+
+
 def run_case(case: Case, dev, status: dict, ceilings: dict | None, graph: bool = True) -> list[dict]:
     """Rows of one case: checked against the reference, then (``ceilings`` given: on CUDA) timed with its peers."""
     from flashdsa import ops
@@ -125,17 +136,21 @@ def run_case(case: Case, dev, status: dict, ceilings: dict | None, graph: bool =
             checks_were_on = value_checks_enabled()
             ops.set_value_checks(False)  # the production decode setting: no host reads in the timed calls
             try:
-                us = time_us(b.ours, graph)
+                us = time_us(b.ours, graph and b.graph)
                 row.update(ours_us=us, GBps=b.bytes / us / 1e3, TFLOPs=b.flops / us / 1e6 if b.flops else None,
                            roof_us=roof_us(b, ceilings))
+                if b.memory and torch.device(dev).type == "cuda":
+                    row["ours_MB"] = extra_peak_mb(b.ours)
             except Exception as e:  # noqa: BLE001
                 row["error"] = f"timing ours: {e!r}"[:300]
             for name, make in b.peers.items():
                 try:
                     fn, info = make()
-                    p_us = time_us(fn, graph)
+                    p_us = time_us(fn, graph and b.graph)
                     row["peers"].append({"name": name, "us": p_us, "check": info,
                                          "ratio": row["ours_us"] / p_us if "ours_us" in row else None})
+                    if b.memory and torch.device(dev).type == "cuda":
+                        row["peers"][-1]["MB"] = extra_peak_mb(fn)
                 except Exception as e:  # noqa: BLE001 - a peer that fails is reported, not fatal
                     row["peers"].append({"name": name, "error": f"{type(e).__name__}: {e}"[:200]})
             ops.set_value_checks(checks_were_on)

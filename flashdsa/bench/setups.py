@@ -11,7 +11,7 @@ import torch
 
 from flashdsa.bench.checks import (Bench, _check_attention, _check_logits, _check_same, _deepgemm_paged,
                                    _flashmla_decode, _masked_cos, _same_slot_sets, _token_table, _topk_peers)
-from flashdsa.cache.layouts import MLA_BF16_BYTES, MLA_FP8_BYTES
+from flashdsa.cache.layouts import MLA_BF16_BYTES, MLA_FP8_BYTES, dequantize_mla_656
 from flashdsa.testing import peers
 from flashdsa.testing.inputs import (CHUNK_PAGES, decode_slots, index_cache, mla_cache, paged_batch, prefill_indices,
                                      randn, rows_subset)
@@ -212,6 +212,31 @@ def _setup_selection(p: dict, dev, status) -> list[tuple[str, Bench]]:
                        flops=2 * pairs * H * 128, dtype="fp8"))]
 
 
+def _filled_pool(cfg, B: int, ctx: int, extra: int, g: torch.Generator, dev):
+    """One layer's fp8 KVPool with B requests (ids 0..B-1) of ``ctx`` tokens each, written with random MLA rows
+    and indexer keys, and room for ``extra`` more tokens a request: ``(pool, write)``, ``write(slots)`` writing
+    random rows at ``slots``. Requests grow in turns of 16 pages, so their pages interleave as in serving."""
+    from flashdsa.cache.pool import KVPool
+    from flashdsa.quant import FP8
+    page = cfg.page_size
+    pool = KVPool(cfg, B * -(-(ctx + extra) // page), "fp8", dev)
+    alloc = pool.allocator
+    for r in range(B):
+        alloc.allocate(r, 0)
+    for start in range(0, ctx, 16 * page):
+        for r in range(B):
+            alloc.extend(r, min(16 * page, ctx - start))
+
+    def write(slots):
+        for i in range(0, slots.numel(), CHUNK_PAGES * 64):
+            s = slots[i:i + CHUNK_PAGES * 64]
+            pool.write(0, s, randn((s.numel(), 576), g, dev, torch.bfloat16), randn((s.numel(), 128), g, dev, FP8),
+                       torch.rand(s.numel(), generator=g, device=dev) + 0.5)
+    if ctx:
+        write(torch.cat([alloc.slots(r) for r in range(B)]))
+    return pool, write
+
+
 def _setup_layer(p: dict, dev, status) -> list[tuple[str, Bench]]:
     """One decode step of one layer on a KVPool, through the layer's own step (``DSAAttention.score_paged``
     -> ``topk_paged`` -> ``attend``, what ``DSAAttention.forward`` runs at decode) on random inputs. ``h``
@@ -221,7 +246,6 @@ def _setup_layer(p: dict, dev, status) -> list[tuple[str, Bench]]:
     import dataclasses
 
     from flashdsa.cache.metadata import DECODE, TARGET_VERIFY, build_decode
-    from flashdsa.cache.pool import KVPool
     from flashdsa.config import DSAConfig
     from flashdsa.layers.attention import DSAAttention
     from flashdsa.layers.indexer import IndexerOutput
@@ -229,25 +253,13 @@ def _setup_layer(p: dict, dev, status) -> list[tuple[str, Bench]]:
     cfg = DSAConfig.preset(p["preset"]).replace(num_hidden_layers=1)  # the caches of one layer
     if p.get("h"):
         cfg = cfg.replace(num_attention_heads=p["h"])
-    B, ctx, page, topk, n = p["B"], p["ctx"], cfg.page_size, cfg.index_topk, p.get("n", 1)
+    B, ctx, topk, n = p["B"], p["ctx"], cfg.index_topk, p.get("n", 1)
     H_I, h = cfg.index_n_heads, cfg.num_attention_heads
     g = torch.Generator(device=dev).manual_seed(ctx)
     with torch.device("meta"):  # the step's stages read the caches and the inputs, not the weights
         attn = DSAAttention(cfg, 0)
-    pool = KVPool(cfg, B * -(-(ctx + n) // page), "fp8", dev)
+    pool, write = _filled_pool(cfg, B, ctx, n, g, dev)
     alloc, reqs = pool.allocator, list(range(B))
-    for r in reqs:
-        alloc.allocate(r, 0)
-    for start in range(0, ctx, 16 * page):  # requests grow in turns, so their pages interleave
-        for r in reqs:
-            alloc.extend(r, min(16 * page, ctx - start))
-
-    def write(slots):  # random MLA rows and indexer keys through the pool's writers
-        for i in range(0, slots.numel(), CHUNK_PAGES * 64):
-            s = slots[i:i + CHUNK_PAGES * 64]
-            pool.write(0, s, randn((s.numel(), 576), g, dev, torch.bfloat16), randn((s.numel(), 128), g, dev, FP8),
-                       torch.rand(s.numel(), generator=g, device=dev) + 0.5)
-    write(torch.cat([alloc.slots(r) for r in reqs]))
     for r in reqs:
         alloc.extend(r, n)  # this step's tokens, written before attending as the layer does
     meta = build_decode(alloc, reqs, n, DECODE if n == 1 else TARGET_VERIFY)  # default backends (Gluon on sm_90)
@@ -335,5 +347,141 @@ def _setup_layer(p: dict, dev, status) -> list[tuple[str, Bench]]:
     return [(f": {n}", b) for n, b in stages.items()] + [(": step", total)]
 
 
+def _setup_layer_prefill(p: dict, dev, status) -> list[tuple[str, Bench]]:
+    """One layer's prefill of a ``ctx``-token prompt in chunks of ``chunk`` query rows, through the layer's own
+    extend stages on a KVPool of fp8 pages (what ``DSAAttention.forward`` runs in EXTEND mode once the chunk's rows
+    are stored): ``select`` (the prompt's index keys gathered, then ``indexer_topk_ragged``: logits and top-k in
+    query chunks within ``max_logits_bytes``), ``pool.read`` (the MLA pages dequantised to a bf16 ``[N, 576]``)
+    and ``sparse_mla_prefill``. Rows: the last chunk's three stages, the last chunk, and the whole prompt (every
+    chunk in turn: the causal prefill of one layer). Peers: DeepGEMM's ragged logits -> sgl-kernel ``fast_topk``
+    (materialising the chunk's ``[T, N]`` fp32 logits) -> FlashMLA's prefill, on the same gathered keys and KV
+    (the two gathers are ours in both chains: an engine reads its cache too). Timed as plain calls (the
+    selection reads its row bounds on the host, as prefill does), each with the extra peak memory of one call."""
+    import dataclasses
+
+    from flashdsa import ops
+    from flashdsa.cache.metadata import build_extend
+    from flashdsa.config import DSAConfig
+    from flashdsa.layers.attention import DSAAttention
+    from flashdsa.layers.indexer import IndexerOutput
+    from flashdsa.quant import FP8
+    cfg = DSAConfig.preset(p["preset"]).replace(num_hidden_layers=1)
+    ctx, chunk, topk = p["ctx"], p["chunk"], cfg.index_topk
+    H_I, h = cfg.index_n_heads, cfg.num_attention_heads
+    g = torch.Generator(device=dev).manual_seed(ctx + 3)
+    with torch.device("meta"):
+        attn = DSAAttention(cfg, 0)
+    pool, _ = _filled_pool(cfg, 1, ctx, 0, g, dev)  # the whole prompt stored: each chunk's rows before it selects
+    backend = None if torch.device(dev).type == "cuda" else "triton"
+    T0 = min(chunk, ctx)
+    idx0 = IndexerOutput(randn((T0, H_I, 128), g, dev, FP8), randn((T0, H_I), g, dev) * H_I ** -0.5, None, None)
+    q0 = randn((T0, h, 576), g, dev, torch.bfloat16)
+    metas, inputs = [], []
+    for end in range(ctx, 0, -chunk):  # the last chunk first; built on the host up front, as a runner would
+        T = min(chunk, end)
+        meta = build_extend(pool.allocator, [0], [T], dense_threshold=0, backend=backend)
+        # build_extend takes a request's last T tokens as the new ones: the chunk ending at ``end`` is that of a
+        # prompt of ``end`` tokens, so its key range and gathered slots stop there (what select / read use)
+        meta = dataclasses.replace(meta, kv_slots=meta.kv_slots[:end], ke=meta.ke - (ctx - end))
+        metas.append(meta)
+        # every chunk's queries are the last chunk's first T rows: the work, not the values, is what is timed
+        inputs.append((IndexerOutput(idx0.q[:T], idx0.weights[:T], None, None), q0[:T]))
+    meta, (idx, q) = metas[0], inputs[0]
+
+    def select(m, i):
+        return attn.select(i, m, pool)
+
+    def gather(m):
+        return pool.read(0, m.kv_slots)
+
+    def attend(q_, kv, sel):
+        return ops.sparse_mla_prefill(q_, kv, sel, attn.softmax_scale, backend=backend)
+
+    def chunk_step(m, i, q_):
+        return attend(q_, gather(m), select(m, i))
+
+    sel, kv = select(meta, idx), gather(meta)
+    T, N = q.shape[0], kv.shape[0]
+    sub = rows_subset(T, 16, dev)
+    k_fp8, k_scale = pool.read_index(0, meta.kv_slots)
+    done: dict[str, dict] = {}
+
+    def checked(name, fn):
+        def run():
+            done[name] = fn()
+            return done[name]
+        return run
+
+    def check_select():
+        ref = ops.indexer_topk_ragged(idx.q[sub], k_fp8, k_scale, idx.weights[sub], meta.ks[sub], meta.ke[sub], topk,
+                                      out_offsets=meta.ks[sub], backend="torch")
+        return _check_same(select(meta, idx)[sub], ref)
+
+    def check_attention():
+        out, lse = attend(q, kv, sel)
+        return _check_attention(out[sub], lse[sub], *ops.sparse_mla_prefill(q[sub], kv, sel[sub], attn.softmax_scale,
+                                                                             backend="torch"))
+
+    def check_gather():  # the gathered rows against the 656-B layout decoded from the raw page bytes
+        rows = meta.kv_slots[sub.long()]
+        ref = dequantize_mla_656(pool.mla_pages(0).reshape(-1, MLA_FP8_BYTES)[rows])
+        same = bool(torch.equal(gather(meta)[sub.long()], ref))
+        return {"ok": same, "summary": "same bits" if same else "rows differ"}
+
+    pairs = int((meta.ke - meta.ks).sum())
+    stages = {
+        "selection": Bench(lambda: select(meta, idx), checked("selection", check_select),
+                           bytes=idx.q.numel() + 4 * idx.weights.numel() + 132 * N + 4 * T * topk,
+                           flops=2 * pairs * H_I * 128, dtype="fp8", graph=False, memory=True),
+        "kv gather": Bench(lambda: gather(meta), checked("kv gather", check_gather), bytes=(656 + 1152) * N,
+                           graph=False, memory=True),
+        "attention": Bench(lambda: attend(q, kv, sel), checked("attention", check_attention), graph=False,
+                           memory=True, **_attention_work(sel.numel(), h, 1152, q, sel)),
+    }
+    peers_ok = status["DeepGEMM"]["ok"] and status["fast_topk"]["ok"] and status["FlashMLA"]["ok"] \
+        and topk == 2048 and h % 64 == 0
+
+    def peer_chunk(m, i, q_):  # DeepGEMM ragged logits -> fast_topk -> FlashMLA, one chunk
+        kf, ksc = pool.read_index(0, m.kv_slots)
+        logits = peers.deepgemm_ragged(i.q, kf, ksc, i.weights, m.ks, m.ke)()
+        out = torch.empty(logits.shape[0], topk, dtype=torch.int32, device=logits.device)
+        torch.ops.sgl_kernel.fast_topk(logits, out, m.ke - m.ks, None)
+        return peers.flashmla_prefill(q_, gather(m), out, attn.softmax_scale)()
+
+    if peers_ok:
+        def make_select():
+            def call():
+                kf, ksc = pool.read_index(0, meta.kv_slots)
+                logits = peers.deepgemm_ragged(idx.q, kf, ksc, idx.weights, meta.ks, meta.ke)()
+                out = torch.empty(T, topk, dtype=torch.int32, device=logits.device)
+                torch.ops.sgl_kernel.fast_topk(logits, out, meta.ke - meta.ks, None)
+                return out
+            return call, _same_slot_sets(call(), select(meta, idx))
+        stages["selection"].peers["DeepGEMM+fast_topk"] = make_select
+
+        def make_attend():
+            fn = peers.flashmla_prefill(q, kv, sel, attn.softmax_scale)
+            out = attend(q, kv, sel)[0]
+            return fn, _masked_cos(out.float(), fn()[0], torch.ones_like(out, dtype=torch.bool))
+        stages["attention"].peers["FlashMLA"] = make_attend
+
+    def stages_check():
+        bad = [n for n in stages if not done.get(n, {}).get("ok")]
+        return {"ok": not bad, "summary": "stages ok" if not bad else f"failed: {', '.join(bad)}"}
+
+    last = Bench(lambda: chunk_step(meta, idx, q), stages_check, bytes=sum(s.bytes for s in stages.values()),
+                 flops=sum(s.flops for s in stages.values()), parts=tuple(stages.values()), graph=False, memory=True)
+    whole = Bench(lambda: [chunk_step(m, i, q_) for m, (i, q_) in zip(metas, inputs)], stages_check, graph=False,
+                  memory=True)
+    if peers_ok:
+        last.peers["DeepGEMM+fast_topk+FlashMLA"] = lambda: ((lambda: peer_chunk(meta, idx, q)),
+                                                             {"summary": "the three in a row"})
+        whole.peers["DeepGEMM+fast_topk+FlashMLA"] = lambda: (
+            (lambda: [peer_chunk(m, i, q_) for m, (i, q_) in zip(metas, inputs)]), {"summary": "every chunk"})
+    return [(f": {n}", b) for n, b in stages.items()] + [(": last chunk", last), (f": whole prompt ({len(metas)} "
+                                                                                 f"chunks)", whole)]
+
+
 SETUPS = {"paged": _setup_paged, "ragged": _setup_ragged, "topk": _setup_topk, "selection": _setup_selection,
-          "decode": _setup_decode, "prefill": _setup_prefill, "layer": _setup_layer}
+          "decode": _setup_decode, "prefill": _setup_prefill, "layer": _setup_layer,
+          "layer_prefill": _setup_layer_prefill}

@@ -20,6 +20,11 @@ Cases (``--quick`` keeps those marked Q; the sweeps feed the plot):
                 with slot translation -> sparse decode), B 64 at context 8K and 32K Q, split into indexer /
                 top-k / attention / whole step; the step's peer is DeepGEMM + fast_topk_transform_fused (fast_topk,
                 untranslated, where the sgl-kernel build lacks it) + FlashMLA in a row
+    prefill     one V3.2 layer's prefill of a 4K / 32K Q / 128K prompt in chunks of 4096 query rows, through the
+                layer's extend stages on fp8 pages (index keys gathered -> indexer_topk_ragged; the pages read to
+                bf16; sparse_mla_prefill): the last chunk's stages, the last chunk and the whole prompt, timed as
+                plain calls, each with the extra peak memory of one call
+                          peers: DeepGEMM ragged -> fast_topk (the [T, N] logits) -> FlashMLA prefill
     host        host µs of one plain (eager) call of each public op at the V3.2 decode shapes, B 64, context
                 8K and 32K Q, with the GPU kept busy so only the launch path counts, and the plain-call decode
                 step against its CUDA-graph replay (flashdsa.testing.host_cost; issue #18's targets as PASS /
@@ -35,7 +40,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-OPS = ("indexer", "topk", "selection", "sparse_mla", "layer", "host", "decode-grid")
+OPS = ("indexer", "topk", "selection", "sparse_mla", "layer", "prefill", "host", "decode-grid")
 DEFAULT_OPS = OPS[:-1]  # the grid runs when asked for
 GRID = {"B": (1, 2, 4, 8, 16, 32, 64, 128), "h": (16, 32, 64, 128), "ctx": (8192, 32768, 131072), "n": (1, 2)}
 QUICK_GRID = {"B": (1, 4, 16, 64), "h": (16, 128), "ctx": (32768,), "n": (1,)}
@@ -121,6 +126,9 @@ def _cases(ops: tuple[str, ...], quick: bool, tiny: bool) -> list[Case]:
             out.append(Case("selection", "selection", "selection B3 n1 ctx~300 top-64", dict(B=3, ctx=300, H=8, k=64)))
         if "layer" in ops:
             out.append(Case("layer", "layer", "tiny decode B2 ctx 200", dict(preset="tiny", B=2, ctx=200)))
+        if "prefill" in ops:  # the tiny preset's top-64: a 150-token prompt in chunks of 64 rows selects
+            out.append(Case("prefill", "layer_prefill", "tiny prefill ctx 150 chunk 64",
+                            dict(preset="tiny", ctx=150, chunk=64)))
         return out
     sweep = (4 * K, 16 * K, 32 * K, 64 * K) if quick else (4 * K, 8 * K, 16 * K, 32 * K, 64 * K, 128 * K)
     if "indexer" in ops:
@@ -156,6 +164,10 @@ def _cases(ops: tuple[str, ...], quick: bool, tiny: bool) -> list[Case]:
         for ctx in ([] if quick else [8 * K]) + [32 * K]:
             out.append(Case("layer", "layer", f"v32 decode B64 ctx {_ctx_name(ctx)}",
                             dict(preset="v32", B=64, ctx=ctx)))
+    if "prefill" in ops:
+        for ctx in ([] if quick else [4 * K]) + [32 * K] + ([] if quick else [128 * K]):
+            out.append(Case("prefill", "layer_prefill", f"v32 prefill ctx {_ctx_name(ctx)} chunk 4K",
+                            dict(preset="v32", ctx=ctx, chunk=4 * K)))
     return out
 
 
@@ -169,7 +181,8 @@ def peers_of(case: Case) -> str:
         return "DeepGEMM paged -> fast_topk_transform_fused" if case.params.get("k", 2048) == 2048 else "none (k 2048)"
     return {"paged": "DeepGEMM", "ragged": "DeepGEMM", "decode": "FlashMLA", "prefill": "FlashMLA",
             "layer": "DeepGEMM / fast_topk_transform_fused / FlashMLA per stage, the three in a row for the step"
-                     + ("" if case.params.get("h", 128) in (64, 128) else " (FlashMLA's q padded to 64 / 128 heads)")
+                     + ("" if case.params.get("h", 128) in (64, 128) else " (FlashMLA's q padded to 64 / 128 heads)"),
+            "layer_prefill": "DeepGEMM ragged -> fast_topk / FlashMLA prefill per stage, the three in a row per chunk"
             }[case.kind]
 
 
