@@ -413,9 +413,15 @@ def _setup_layer_prefill(p: dict, dev, status) -> list[tuple[str, Bench]]:
         return run
 
     def check_select():
-        ref = ops.indexer_topk_ragged(idx.q[sub], k_fp8, k_scale, idx.weights[sub], meta.ks[sub], meta.ke[sub], topk,
-                                      out_offsets=meta.ks[sub], backend="torch")
-        return _check_same(select(meta, idx)[sub], ref)
+        # the unfused path's logits (ours: the top-k must equal the torch top-k of exactly these; a reference
+        # pipeline would round the logits differently and part at near-ties), checked against the torch logits
+        x = ops.indexer_logits_ragged(idx.q, k_fp8, k_scale, idx.weights, meta.ks, meta.ke, backend=backend)[sub]
+        lg = _check_logits(x, ops.indexer_logits_ragged(idx.q[sub], k_fp8, k_scale, idx.weights[sub], meta.ks[sub],
+                                                        meta.ke[sub], backend="torch"))
+        ref = ops.topk_transform(x, meta.ke[sub] - meta.ks[sub], topk, row_starts=meta.ks[sub],
+                                 out_offsets=meta.ks[sub], backend="torch")
+        same = _check_same(select(meta, idx)[sub], ref)
+        return {"ok": lg["ok"] and same["ok"], "summary": f"logits {lg['summary']}; top-k {same['summary']}"}
 
     def check_attention():
         out, lse = attend(q, kv, sel)

@@ -411,6 +411,11 @@ def test_row_chunks_respect_the_cap():
             assert r1 == nxt[0] and r1 > r0 and (r1 - r0) * (hi - lo) <= cap
             m = ke[r0:r1] > ks[r0:r1]
             assert (ks[r0:r1][m] >= lo).all() and (ke[r0:r1][m] <= hi).all()
+    # rows that fit at once are one chunk over their keys; only empty rows: one chunk of no keys (the op still
+    # launches it, to write their -1 rows)
+    ks, ke = np.array([3, 5, 7, 7]), np.array([9, 5, 12, 7])
+    assert _row_chunks(ks, ke, 4 * 9) == [(0, 4, 3, 12)] and _row_chunks(ks, ke, 4 * 9 - 1) != [(0, 4, 3, 12)]
+    assert _row_chunks(np.array([4, 2]), np.array([4, 2]), 1) == [(0, 2, 0, 0)]
 
 
 # ---- GPU sizes ----------------------------------------------------------------------------------------

@@ -234,6 +234,11 @@ def _row_chunks(ks: np.ndarray, ke: np.ndarray, cap: int) -> list[tuple[int, int
     ``[lo, hi)`` spans the key ranges of the chunk's non-empty rows (empty rows need no column)."""
     T = len(ks)
     nonempty = ke > ks
+    if not nonempty.any():
+        return [(0, T, 0, 0)] if T else []
+    lo, hi = int(ks[nonempty].min()), int(ke[nonempty].max())
+    if T * (hi - lo) <= cap:  # every row in one chunk (the common prefill chunk): what the scan below would find
+        return [(0, T, lo, hi)]
     lo_src = np.where(nonempty, ks, np.iinfo(np.int64).max)
     hi_src = np.where(nonempty, ke, np.iinfo(np.int64).min)
     chunks = []
@@ -309,7 +314,7 @@ def indexer_topk_ragged(q_fp8: torch.Tensor, k_fp8: torch.Tensor, k_scale: torch
     if T == 0:
         return out
     # the one host read this op needs (and the range checks, which it makes unconditional)
-    ks_h, ke_h = ks.cpu().numpy().astype(np.int64), ke.cpu().numpy().astype(np.int64)
+    ks_h, ke_h = torch.stack((ks, ke)).cpu().numpy().astype(np.int64)  # one transfer
     if ks_h.min() < 0 or ks_h.max() > N:
         fail("ks", f"values in [0, {N}]", f"[{ks_h.min()}, {ks_h.max()}]")
     if ke_h.min() < 0 or ke_h.max() > N:
@@ -325,9 +330,14 @@ def indexer_topk_ragged(q_fp8: torch.Tensor, k_fp8: torch.Tensor, k_scale: torch
         check_range("out_offsets", out_offsets.long() + (ke - ks) - 1, None, INT32_MAX,
                     what="out_offsets + lengths - 1")
     for r0, r1, lo, hi in _row_chunks(ks_h, ke_h, cap):
-        # columns relative to the window; empty rows clamp to an empty range inside it
-        ks_c = (ks[r0:r1] - lo).clamp_(0, hi - lo)
-        ke_c = (ke[r0:r1] - lo).clamp_(0, hi - lo)
+        # columns relative to the window; empty rows clamp to an empty range inside it. A window of every row
+        # and key needs neither (ks / ke are in [0, N], checked above): two launches less in the one-chunk case,
+        # whose host work the GPU waits for after the host read of ks / ke
+        if (r0, r1, lo, hi) == (0, T, 0, N):
+            ks_c, ke_c = ks, ke
+        else:
+            ks_c = (ks[r0:r1] - lo).clamp_(0, hi - lo)
+            ke_c = (ke[r0:r1] - lo).clamp_(0, hi - lo)
         check_finite("q_fp8", q_fp8[r0:r1])
         check_finite("k_fp8", k_fp8[lo:hi])
         with trusted_inputs():  # checked above: ks_c / ke_c are in range by construction
