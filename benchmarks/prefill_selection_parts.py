@@ -5,7 +5,8 @@
 A shape ``TxN`` is the last T rows of an N-token prompt (one request: ks 0, ke = N - T + 1 + i), the rows
 ``flashdsa bench --ops prefill`` selects for. Timed (plain calls, medians): the ragged logits alone; top-k on
 them with the op's arguments (row_starts and out_offsets) and without (ks is 0 here, so the same rows);
-the fused op; DeepGEMM's logits -> fast_topk where they load. Then the CUDA kernels of one fused call
+the fused op, reading ks / ke back and given them on the host (``host_bounds``); DeepGEMM's logits ->
+fast_topk where they load. Then the CUDA kernels of one fused call
 (torch.profiler), so launch gaps and host work show as the difference to the kernels' sum.
 """
 
@@ -56,17 +57,23 @@ def main() -> None:
     for T, N in shapes:
         q, k, k_scale, w, ks, ke = inputs(T, N, H, dev)
         lens = ke - ks
+        bounds = torch.stack((ks, ke)).cpu()  # what an engine holds on the host already
         logits = ops.indexer_logits_ragged(q, k, k_scale, w, ks, ke, backend=backend)
         fused = ops.indexer_topk_ragged(q, k, k_scale, w, ks, ke, K, out_offsets=ks, backend=backend)
+        given = ops.indexer_topk_ragged(q, k, k_scale, w, ks, ke, K, out_offsets=ks, backend=backend,
+                                        host_bounds=torch.stack((ks, ke)).cpu())
         unfused = ops.topk_transform(logits, lens, K, row_starts=ks, out_offsets=ks, backend=backend)
         plain = ops.topk_transform(logits, lens, K, backend=backend)
-        row = {"shape": f"{T}x{N}", "same": bool(torch.equal(fused, unfused) and torch.equal(plain, unfused)),
+        row = {"shape": f"{T}x{N}", "same": bool(torch.equal(fused, unfused) and torch.equal(plain, unfused)
+                                                 and torch.equal(given, unfused)),
                "logits_us": timed(lambda: ops.indexer_logits_ragged(q, k, k_scale, w, ks, ke, backend=backend), dev),
                "topk_us": timed(lambda: ops.topk_transform(logits, lens, K, row_starts=ks, out_offsets=ks,
                                                           backend=backend), dev),
                "topk_plain_us": timed(lambda: ops.topk_transform(logits, lens, K, backend=backend), dev),
                "fused_us": timed(lambda: ops.indexer_topk_ragged(q, k, k_scale, w, ks, ke, K, out_offsets=ks,
-                                                                 backend=backend), dev)}
+                                                                 backend=backend), dev),
+               "fused_host_bounds_us": timed(lambda: ops.indexer_topk_ragged(
+                   q, k, k_scale, w, ks, ke, K, out_offsets=ks, backend=backend, host_bounds=bounds), dev)}
         if dg is not None:
             row["dg_logits_us"] = timed(lambda: dg.fp8_mqa_logits(q, (k, k_scale), w, ks, ke), dev)
             if sgl and K == 2048:

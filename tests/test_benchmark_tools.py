@@ -91,3 +91,18 @@ def test_bench_v4_decode_smoke():
                          capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "'topk_same': True" in run.stdout and run.stdout.rstrip().splitlines()[-1].startswith("2 | 4096")
+
+
+def test_prefill_selection_parts_smoke():
+    """``prefill_selection_parts.py --smoke`` on the CPU interpreter: the fused op (reading its bounds and given
+    them on the host) equals the unfused composition, and the table prints."""
+    import os
+    import subprocess
+    import sys
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(root))
+    run = subprocess.run([sys.executable, str(root / "benchmarks" / "prefill_selection_parts.py"), "--smoke"],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    last = run.stdout.rstrip().splitlines()[-1].split("|")
+    assert last[0].strip() == "40x100" and last[1].strip() == "True", run.stdout[-2000:]

@@ -382,7 +382,8 @@ def _setup_layer_prefill(p: dict, dev, status) -> list[tuple[str, Bench]]:
         meta = build_extend(pool.allocator, [0], [T], dense_threshold=0, backend=backend)
         # build_extend takes a request's last T tokens as the new ones: the chunk ending at ``end`` is that of a
         # prompt of ``end`` tokens, so its key range and gathered slots stop there (what select / read use)
-        meta = dataclasses.replace(meta, kv_slots=meta.kv_slots[:end], ke=meta.ke - (ctx - end))
+        meta = dataclasses.replace(meta, kv_slots=meta.kv_slots[:end], ke=meta.ke - (ctx - end),
+                                   bounds_host=meta.bounds_host - torch.tensor([[0], [ctx - end]], dtype=torch.int32))
         metas.append(meta)
         # every chunk's queries are the last chunk's first T rows: the work, not the values, is what is timed
         inputs.append((IndexerOutput(idx0.q[:T], idx0.weights[:T], None, None), q0[:T]))

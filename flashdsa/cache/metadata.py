@@ -32,7 +32,9 @@ class BatchMetadata:
     Common:  ``positions [T] int64``, ``slot_mapping [T] int64``, ``block_table [B, maxp] int32``.
     extend:  ``cu_seqlens_q / cu_seqlens_kv [B + 1] int32``; ``kv_slots [N] int64`` (every request's whole
              KV, concatenated, for the gather); ``ks, ke [T] int32`` each query's key range in that
-             gathered buffer; ``use_dense`` (the fallback of docs/DSA.md §6).
+             gathered buffer; ``use_dense`` (the fallback of docs/DSA.md §6); ``bounds_host [2, T] int32`` ks and
+             ke on the host as :func:`build_extend` made them, handed to ``indexer_topk_ragged`` so that it reads
+             nothing back (None: it reads ks / ke; whoever replaces ks / ke replaces or drops it).
     decode / target_verify / draft_extend: ``next_n`` rows per request; ``context_lens [B, next_n] int32``
              with ``context_lens[b, j] = seq_len[b] - next_n + j + 1``; ``max_context_len`` (the width of
              the logits; fixed to the block table's capacity under CUDA graphs).
@@ -72,6 +74,7 @@ class BatchMetadata:
     kv_slots: torch.Tensor | None = None
     ks: torch.Tensor | None = None
     ke: torch.Tensor | None = None
+    bounds_host: torch.Tensor | None = None
     use_dense: bool = False
     backend: str | None = None
     max_logits_bytes: int = 1 << 30
@@ -117,6 +120,7 @@ def build_extend(alloc: PageAllocator, req_ids: list, q_lens: list[int], *, dens
         ks.append(torch.full((q_len,), offset, dtype=torch.int32))
         ke.append((offset + pos + 1).to(torch.int32))
         offset += kv_len
+    bounds = torch.stack((torch.cat(ks), torch.cat(ke)))
     cu_q = torch.tensor([0] + q_lens, dtype=torch.int64).cumsum(0).to(torch.int32)
     cu_kv = torch.tensor([0] + kv_lens, dtype=torch.int64).cumsum(0).to(torch.int32)
     use_dense = dense_allowed and max(kv_lens, default=0) <= dense_threshold and offset <= max_dense_tokens
@@ -124,7 +128,7 @@ def build_extend(alloc: PageAllocator, req_ids: list, q_lens: list[int], *, dens
         mode=EXTEND, req_ids=list(req_ids), positions=torch.cat(positions).to(dev),
         slot_mapping=torch.cat(slot_mapping).to(dev), block_table=alloc.block_table(req_ids),
         cu_seqlens_q=cu_q.to(dev), cu_seqlens_kv=cu_kv.to(dev), kv_slots=torch.cat(kv_slots).to(dev),
-        ks=torch.cat(ks).to(dev), ke=torch.cat(ke).to(dev), use_dense=use_dense, backend=backend,
+        ks=bounds[0].to(dev), ke=bounds[1].to(dev), bounds_host=bounds, use_dense=use_dense, backend=backend,
         max_logits_bytes=max_logits_bytes)
 
 

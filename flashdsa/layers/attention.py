@@ -197,7 +197,8 @@ class DSAAttention(nn.Module):
             return self.topk_paged(self.score_paged(idx, batch, pool), batch, pool)
         k_fp8, k_scale = pool.read_index(lid, batch.kv_slots)
         return ops.indexer_topk_ragged(idx.q, k_fp8, k_scale, idx.weights, batch.ks, batch.ke, topk,
-                                       out_offsets=batch.ks, max_logits_bytes=batch.max_logits_bytes, backend=be)
+                                       out_offsets=batch.ks, max_logits_bytes=batch.max_logits_bytes, backend=be,
+                                       host_bounds=batch.bounds_host)
 
     def select_exact(self, idx: IndexerOutput, batch: BatchMetadata, pool: KVPool) -> torch.Tensor:
         """Exact precision's top-k, in :meth:`select`'s output: rows of the gathered KV (extend) or slots

@@ -113,9 +113,10 @@ class PrefillPlan(ParallelPlan):
         cu_q = torch.cat([torch.zeros(1, dtype=torch.int64), per_request.cumsum(0)]).to(torch.int32)
         self.new_positions = meta.positions
         pooled = {} if meta.kpool_ks is None else {"kpool_ks": meta.kpool_ks[rows], "kpool_ke": meta.kpool_ke[rows]}
+        bounds = None if meta.bounds_host is None else meta.bounds_host[:, self.rows.cpu()]
         return dataclasses.replace(meta, positions=meta.positions[rows], ks=meta.ks[rows], ke=meta.ke[rows],
-                                   cu_seqlens_q=cu_q.to(meta.positions.device), use_dense=False, parallel=self,
-                                   **pooled)
+                                   bounds_host=bounds, cu_seqlens_q=cu_q.to(meta.positions.device), use_dense=False,
+                                   parallel=self, **pooled)
 
 
 @dataclass(frozen=True)

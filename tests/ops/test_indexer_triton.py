@@ -362,6 +362,41 @@ def test_topk_ragged_budget_matches_unbudgeted(backend, offsets, monkeypatch):
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_topk_ragged_host_bounds(backend, monkeypatch):
+    """ks / ke handed over on the host: the same answer, the chunk plan made from them (no read of the device
+    copies with value checks off: wider host bounds give every chunk the whole key range), a mismatch caught
+    with value checks on, bad ones refused by name."""
+    from flashdsa import ops
+    q, k, k_scale, w, ks, ke = _ragged_inputs(60, 4, 180, 128, "prefill", seed=12)
+    out_offsets = torch.randint(0, 5000, (60,), dtype=torch.int32)
+    budget = 4 * 400
+    want = _unbudgeted(q, k, k_scale, w, ks, ke, 8, out_offsets, backend)
+    bounds = torch.stack((ks, ke))
+    run = lambda hb: indexer_topk_ragged(q, k, k_scale, w, ks, ke, 8, out_offsets=out_offsets,  # noqa: E731
+                                         max_logits_bytes=budget, backend=backend, host_bounds=hb)
+    assert torch.equal(run(bounds), want) and torch.equal(run(bounds.long()), want)
+    wide = torch.stack((torch.zeros_like(ks), torch.full_like(ke, 180)))
+    with pytest.raises(ValueError, match="host_bounds: expected ks and ke as they are on the device"):
+        run(wide)
+    calls = []
+    real = indexer_mod.indexer_logits_ragged
+
+    def spy(q_c, k_c, *args, **kwargs):
+        calls.append(k_c.shape[0])
+        return real(q_c, k_c, *args, **kwargs)
+    monkeypatch.setattr(indexer_mod, "indexer_logits_ragged", spy)
+    ops.set_value_checks(False)
+    try:
+        assert torch.equal(run(wide), want)  # trusted: windows from the host copy, rows from the device's
+    finally:
+        ops.set_value_checks(True)
+    assert calls and all(n == 180 for n in calls)
+    for bad, what in ((bounds[:, :5], "shape"), (bounds.float(), "dtype"), (bounds[0], "shape")):
+        with pytest.raises(ValueError, match=f"host_bounds: expected {what}"):
+            run(bad)
+
+
 def test_topk_ragged_default_budget_is_one_chunk():
     q, k, k_scale, w, ks, ke = _ragged_inputs(30, 4, 90, 128, "random", seed=4)
     got = indexer_topk_ragged(q, k, k_scale, w, ks, ke, 5)

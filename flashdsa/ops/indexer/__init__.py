@@ -9,7 +9,7 @@ import importlib
 import numpy as np
 import torch
 
-from flashdsa._checks import trusted_inputs
+from flashdsa._checks import trusted_inputs, value_checks_enabled
 from flashdsa._library import op
 from flashdsa.cache.layouts import INDEX_PAGE_BYTES, PAGE_SIZE, check_index_cache
 from flashdsa.ops._common import (DEVICE, HOST, INT32_MAX, check_finite, check_int, check_mode_and_capture, check_range,
@@ -267,14 +267,15 @@ def _row_chunks(ks: np.ndarray, ke: np.ndarray, cap: int) -> list[tuple[int, int
 
 
 def _topk_ragged_fake(q_fp8, k_fp8, k_scale, weights, ks, ke, topk, *, out_offsets=None, max_logits_bytes=1 << 30,
-                      backend=None):
+                      backend=None, host_bounds=None):
     return q_fp8.new_empty((q_fp8.shape[0], topk), dtype=torch.int32)
 
 
 @op("indexer_topk_ragged", _topk_ragged_fake)
 def indexer_topk_ragged(q_fp8: torch.Tensor, k_fp8: torch.Tensor, k_scale: torch.Tensor, weights: torch.Tensor,
                         ks: torch.Tensor, ke: torch.Tensor, topk: int, *, out_offsets: torch.Tensor | None = None,
-                        max_logits_bytes: int = 1 << 30, backend: str | None = None) -> torch.Tensor:
+                        max_logits_bytes: int = 1 << 30, backend: str | None = None,
+                        host_bounds: torch.Tensor | None = None) -> torch.Tensor:
     """Top-k keys of every ragged row (prefill / extend) without ever holding the [T, N] fp32 logits.
 
     Equal to ``topk_transform(indexer_logits_ragged(q_fp8, k_fp8, k_scale, weights, ks, ke), ke - ks, topk,
@@ -290,13 +291,18 @@ def indexer_topk_ragged(q_fp8: torch.Tensor, k_fp8: torch.Tensor, k_scale: torch
         max_logits_bytes: the largest logits buffer one chunk may allocate; one row's range
                           (``4 (ke - ks)`` bytes) must fit, else ValueError.
         backend:          passed to both the logits and the top-k op.
+        host_bounds:      ``[2, T]`` int32 / int64 CPU tensor or None: ``ks`` and ``ke`` as the caller holds
+                          them on the host (an engine builds them there). Given, the op reads nothing back, so
+                          the GPU is not drained before its launches (~250 us of host work a call waited
+                          for on the H200). They must equal ``ks`` / ``ke``: compared with them when value
+                          checks run (one device read), trusted otherwise.
 
     Returns:
         ``[T, topk] int32``: positions ``p`` relative to ``ks[i]`` (``0 <= p < ke[i] - ks[i]``), or
         ``p + out_offsets[i]``, ascending, -1 padded.
 
-    Chunk bounds must be known on the host, so this op reads ks / ke back (one device sync) whatever
-    the value-check setting; it is a prefill op and not CUDA-graph capturable. Its value checks run on
+    Chunk bounds must be known on the host, so without ``host_bounds`` this op reads ks / ke back (one
+    device sync) whatever the value-check setting; it is a prefill op and not CUDA-graph capturable. Its value checks run on
     the host, immediate (out_offsets once, the NaN codes of each chunk's rows and key window before the
     chunk's kernels), and the chunks' own launches skip theirs.
     """
@@ -310,11 +316,20 @@ def indexer_topk_ragged(q_fp8: torch.Tensor, k_fp8: torch.Tensor, k_scale: torch
     if isinstance(max_logits_bytes, bool) or not isinstance(max_logits_bytes, int) or max_logits_bytes < 4:
         fail("max_logits_bytes", "an int >= 4 (one fp32 logit)", max_logits_bytes)
     pick_backend(backend, _RAGGED, dev, "indexer_topk_ragged")  # reject a bad backend before any work
+    if host_bounds is not None:
+        check_tensor("host_bounds", host_bounds, dtype=(torch.int32, torch.int64), shape=(2, T),
+                     device=torch.device("cpu"))
     out = torch.empty(T, topk, dtype=torch.int32, device=dev)
     if T == 0:
         return out
-    # the one host read this op needs (and the range checks, which it makes unconditional)
-    ks_h, ke_h = torch.stack((ks, ke)).cpu().numpy().astype(np.int64)  # one transfer
+    # the one host read this op needs (and the range checks, which it makes unconditional), unless the caller
+    # holds the bounds on the host already
+    if host_bounds is None:
+        ks_h, ke_h = torch.stack((ks, ke)).cpu().numpy().astype(np.int64)  # one transfer
+    else:
+        ks_h, ke_h = host_bounds.numpy().astype(np.int64)
+        if value_checks_enabled(ks) and not torch.equal(torch.stack((ks, ke)).cpu().long(), host_bounds.long()):
+            fail("host_bounds", "ks and ke as they are on the device", "values that differ from them")
     if ks_h.min() < 0 or ks_h.max() > N:
         fail("ks", f"values in [0, {N}]", f"[{ks_h.min()}, {ks_h.max()}]")
     if ke_h.min() < 0 or ke_h.max() > N:
