@@ -53,7 +53,9 @@ def variants(R: int, L: int, K: int, sms: int) -> list[tuple[str, dict]]:
         # the row as two tiles (TopkConfig.tiles): 8256 scores in 8192 + 2048 key slots, not 16384
         for nw in (8, 16):
             out.append((f"rows nw{nw} tiles2", dict(kind="rows", num_warps=nw, bits=11, maxnreg=0, tiles=2)))
-    # the split kernel (the default at these shapes before the rows kernel), whatever the default is now
+    # the fused kernel's default launch (many rows), and the split kernel (the default at these shapes before the
+    # rows kernel), whatever the default is now
+    out.append(("fused", dataclasses.asdict(launch.default_config(R, L, K, sms, kind="fused"))))
     split = dataclasses.asdict(launch.default_config(R, L, K, sms, kind="split"))
     out.append(("split", split))
     out.append(("split chunks 1", dict(split, chunks=1)))
@@ -68,7 +70,7 @@ def main() -> None:
     ap.add_argument("--only", default="", help="comma-separated variant names to run (default: all)")
     ap.add_argument("--shapes", default="", help="comma-separated case indices of the default shapes (0-4)")
     ap.add_argument("--rl", default="", help="comma-separated RxL shapes instead of the default ones (page "
-                    "table, full rows), e.g. 1x8256,16x8256")
+                    "table, full rows), e.g. 1x8256,16x8256; RxLc: causal lengths (the last R rows of an L prompt)")
     ap.add_argument("--peer", action="store_true", help="also time sgl-kernel fast_topk on the same scores "
                     "(untranslated positions; its sets checked tie-safe)")
     ap.add_argument("--scores", default="randn", help="comma-separated score kinds of bench_topk.make_scores "
@@ -81,8 +83,9 @@ def main() -> None:
                            (64, 10624, True)]
     if a.shapes:
         shapes = [shapes[int(i)] for i in a.shapes.split(",")]
-    if a.rl:
-        shapes = [(int(r), int(c), False) for r, c in (x.split("x") for x in a.rl.split(","))]
+    if a.rl:  # "RxL", or "RxLc": causal lengths, the last R rows of an L-token prompt (prefill's)
+        shapes = [(int(r), int(c.rstrip("c")), "causal" if c.endswith("c") else False)
+                  for r, c in (x.split("x") for x in a.rl.split(","))]
     peer = a.peer and not a.smoke and load_sgl_ops() and hasattr(torch.ops.sgl_kernel, "fast_topk")
     only = set(filter(None, a.only.split(",")))
     bt.K = K
@@ -90,7 +93,8 @@ def main() -> None:
     rows = []
     for kind, (R, L, ragged) in [(kd, sh) for kd in a.scores.split(",") for sh in shapes]:
         x = bt.make_scores(kind, R, L, seed=R + L)
-        lengths = bt.decode_lengths(R, L, ragged)
+        lengths = (torch.arange(R, device=dev) + L - R + 1).clamp(min=0).to(torch.int32) if ragged == "causal" \
+            else bt.decode_lengths(R, L, ragged)
         table = bt.page_table(R, L)
         pos = bt.oracle(x, lengths, K)
         page = torch.gather(table, 1, (pos // 64).clamp(min=0).long())
@@ -105,7 +109,8 @@ def main() -> None:
             ok = bool(torch.equal(got, want))
             us = bt._time_graph(lambda: bt._ours(x, lengths, cfg, table)) if ok and not a.smoke else float("nan")
             base = us if name == "default" else base
-            case = f"{R}x{L}{' ragged' if ragged else ''}{'' if kind == 'randn' else ' ' + kind}"
+            case = f"{R}x{L}{' ' + str(ragged) if ragged == 'causal' else ' ragged' if ragged else ''}" \
+                   f"{'' if kind == 'randn' else ' ' + kind}"
             rows.append({"case": case, "variant": name, "ok": ok, "us": us,
                          "vs_default": us / base if base else float("nan")})
             print(rows[-1], flush=True)

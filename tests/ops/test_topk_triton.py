@@ -77,9 +77,12 @@ KNOBS = {
 
 
 def _config(logits, k, knobs, device=DEVICE) -> launch.TopkConfig:
-    """launch.default_config() of this call's shape (the kind knobs["kind"] if given), changed by knobs."""
+    """launch.default_config() of this call's shape (the kind knobs["kind"] if given), changed by knobs. Knobs
+    without a kind are the fused kernel's (the rows kernel, which shapes of 2K-4K default to, ignores them); no
+    knobs at all: the default launch, whatever kernel it picks."""
     R, L = logits.shape
-    default = launch.default_config(R, L, k, num_sms(torch.device(device)), knobs.get("kind"))
+    kind = knobs.get("kind", "fused" if knobs else None)
+    default = launch.default_config(R, L, k, num_sms(torch.device(device)), kind)
     return dataclasses.replace(default, **knobs)
 
 
@@ -267,11 +270,15 @@ def test_split_one_launch(mode, g, chunks):
 
 def test_kernel_choice_rule():
     # H200 (132 SMs), top-2048: few rows of 2K-16K take the rows kernel (2K-4K since 2026-12-04: 9-14 us against
-    # the fused / split kernels' 17-28), longer ones split, many rows or short ones the fused kernel
+    # the fused / split kernels' 17-28), longer ones split, many rows of 2K-4K the rows kernel too, other many rows
+    # or short ones the fused kernel
     kind = lambda R, L, k=2048: launch.default_config(R, L, k, 132).kind  # noqa: E731
     assert [kind(1, L) for L in (2048, 2112, 4096, 8256, 16384, 16448)] == ["fused", "rows", "rows", "rows", "rows",
                                                                           "split"]
-    assert kind(132, 3072) == "rows" and kind(133, 3072) == "fused" and kind(4, 1000, 64) == "fused"
+    assert kind(132, 3072) == "rows" and kind(4, 1000, 64) == "fused"
+    # many rows: the rows kernel up to 4K only (4096 rows x 4096: 127.5 us against the fused kernel's 304.9; x 8K
+    # it was 1.16x slower)
+    assert kind(4096, 4096) == "rows" and kind(4096, 4160) == "fused" and kind(133, 2048) == "fused"
     # the rows kernel: 8 warps; past 4K the row as two tiles (8256: 8192 + 2048 key slots, 20-25 % faster)
     cfg = lambda L: launch.default_config(64, L, 2048, 132)  # noqa: E731
     assert [(cfg(L).num_warps, cfg(L).tiles) for L in (2560, 4096, 4160, 8256)] == [(8, 1), (8, 1), (8, 2), (8, 2)]
@@ -338,7 +345,7 @@ TIE_KINDS = ["equal", "two", "allnan", "signed_zero", "ties_at_k", "levels16"]
 # with the guess take the tie-capped move (fused, split-2: chunks of 1500) or the tie-capped gather of the
 # chunks (split-3: chunks of 1000 fit U, their sum does not)
 # (hypothesis draws these too, with the tie-capped compaction on: the 4-warp fused default has it off)
-TIE_KNOBS = {"fused": dict(cand=1024, lg_sample=5, block=128, num_warps=4, unroll=1, ties=True),
+TIE_KNOBS = {"fused": dict(cand=1024, lg_sample=5, block=128, kind="fused", num_warps=4, unroll=1, ties=True),
              "split-2": dict(cand=1024, lg_sample=5, block=128, kind="split", chunks=2, ties=True, **TILES),
              "split-3": dict(cand=1024, lg_sample=5, block=128, kind="split", chunks=3, ties=True, **TILES)}
 

@@ -359,6 +359,10 @@ def indexer_topk_ragged(q_fp8: torch.Tensor, k_fp8: torch.Tensor, k_scale: torch
             logits = indexer_logits_ragged(q_fp8[r0:r1], k_fp8[lo:hi], k_scale[lo:hi], weights[r0:r1], ks_c, ke_c,
                                            backend=backend)
             off = None if out_offsets is None else out_offsets[r0:r1]
-            topk_transform(logits, ke_c - ks_c, topk, row_starts=ks_c, out_offsets=off, backend=backend,
+            # rows that all start at the window's first key (one request's chunk) need no row_starts, and without
+            # them the top-k reads whole 16-byte chunks (the rows kernel's 128-bit loads)
+            live = ke_h[r0:r1] > ks_h[r0:r1]
+            starts = None if (ks_h[r0:r1][live] == lo).all() else ks_c
+            topk_transform(logits, ke_c - ks_c, topk, row_starts=starts, out_offsets=off, backend=backend,
                            out=out[r0:r1])
     return out

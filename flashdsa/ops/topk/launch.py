@@ -150,6 +150,9 @@ def default_config(R: int, L: int, K: int, sms: int, kind: str | None = None) ->
     7.6-12.3). Its loads are 128-bit only where rows are whole 16-byte chunks, and without them it was slower than
     split (64 x ~8K of width 10 649: 30.6-33.5 against 24.1), so the launcher takes split there
     (:func:`_launch_shape`, which sees the logits).
+    Many rows of 2K < L <= 4K (and L > K): the rows kernel too (since 2026-12-04: 4096 x 4096 127.5 us against the
+    fused kernel's 304.9, causal prefill rows 85.6 against 139.7, 4096 x 2560 144.4 against 215.6, 512 x 4096 24.3
+    against 68.8; fast_topk 0.77-0.95 of ours; at 8K the fused kernel stays, 1.16x faster).
     Few rows (R <= sms, L >= 4K), otherwise: split mode, ``chunks`` 8-warp programs a row, one per 32K of row and at
     least 2 (more chunks, or more programs of fewer warps, were slower at 64 rows), and where the rows are so few
     that this leaves SMs idle, one per 4K of row within one wave of programs (H200, rows of ~32K: 1 row 8 chunks
@@ -167,7 +170,9 @@ def default_config(R: int, L: int, K: int, sms: int, kind: str | None = None) ->
     cand, lg_sample = _sizes(K, L)
     sizes = dict(cand=cand, lg_sample=lg_sample, wcap=min(WCAP, cand))
     if kind is None:
-        if R <= sms and max(K, 2048) < L <= ROWS_MAX_L:  # measured from 2K on (below: not measured, fused)
+        # measured from 2K on (below: not measured, fused); many rows only up to 4K (4096 causal prefill rows of
+        # <= 4096 keys: 89.6 us against the fused kernel's 140.6, fast_topk 78.1; of 8K 279 against 241)
+        if max(K, 2048) < L <= ROWS_MAX_L and (R <= sms or L <= 4096):
             kind = "rows"
         else:
             kind = "split" if R <= sms and L >= 4096 else "fused"
@@ -274,7 +279,7 @@ def _launch_shape(key, logits, K, page_table, row_starts, out_offsets, page_size
     dev = logits.device
     cfg = default_config(R, L, K, num_sms(dev)) if config is None else config
     if config is None and cfg.kind == "rows" and not _whole_chunks(logits, row_starts):
-        cfg = default_config(R, L, K, num_sms(dev), kind="split" if L >= 4096 else "fused")
+        cfg = default_config(R, L, K, num_sms(dev), kind="split" if R <= num_sms(dev) and L >= 4096 else "fused")
     nw, cand = cfg.num_warps, cfg.cand
     interp = interpreting()
     # what every kernel takes: the row layout, the translation, the device checks
