@@ -7,7 +7,8 @@ layer in bf16). The loader reads exactly those layers' tensors from the publishe
     DIR/model.safetensors.index.json     {"weight_map": {tensor name: shard file}, "metadata": {...}}
     DIR/model-00001-of-000NN.safetensors the shards (or one DIR/model.safetensors for a small model)
 
-Per layer i, with ``p = "model.layers.{i}."`` (h heads, H_I indexer heads, D = index_head_dim)::
+Per layer i, with ``p = "model.layers.{i}."`` (GLM-5.3-Flash, a multimodal model: ``"model.language_model.layers.{i}."``,
+and only the DSA layers of its hybrid stack; h heads, H_I indexer heads, D = index_head_dim)::
 
     p input_layernorm.weight                    [hidden]
     p self_attn.q_a_proj.weight                 [q_lora_rank, hidden]                 fp8 or bf16
@@ -206,11 +207,25 @@ def _open(path: str):
 
 # ---- what to read ------------------------------------------------------------------------------------
 
-def _expected(cfg: DSAConfig, layer: int, dtype: torch.dtype, names: dict[str, str]) -> list[_Tensor]:
+# Where the decoder layers' tensors live: a causal LM's ``model.layers``, or a multimodal model's language model
+# (GLM-5.3-Flash, transformers' Glm5NextForConditionalGeneration: ``model.language_model.layers``)
+_LAYER_PREFIXES = ("model.layers.", "model.language_model.layers.")
+
+
+def _layer_prefix(names) -> str:
+    """The prefix of the checkpoint's decoder layers (:data:`_LAYER_PREFIXES`): the one its weight map uses."""
+    for prefix in reversed(_LAYER_PREFIXES):
+        if any(n.startswith(prefix) for n in names):
+            return prefix
+    return _LAYER_PREFIXES[0]  # nothing matches: the missing-tensor error names the usual layout
+
+
+def _expected(cfg: DSAConfig, layer: int, dtype: torch.dtype, names: dict[str, str],
+              prefix: str = _LAYER_PREFIXES[0]) -> list[_Tensor]:
     """The tensors of one layer, with the shapes ``cfg`` implies (kpool tensors only when in ``names``)."""
     h, nope, rope, v = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
     hid, ql, kl = cfg.hidden_size, cfg.q_lora_rank, cfg.kv_lora_rank
-    p = f"model.layers.{layer}."
+    p = f"{prefix}{layer}."
     f32 = torch.float32
     shapes = {"q_a_proj": (ql, hid), "q_b_proj": (h * (nope + rope), ql), "kv_a_proj_with_mqa": (kl + rope, hid),
               "kv_b_proj": (h * (nope + v), kl), "o_proj": (hid, h * v)}
@@ -361,10 +376,16 @@ def load_layers(checkpoint: str | os.PathLike, layers: str | int | Sequence[int]
     root = os.fspath(checkpoint)
     hf, cfg = read_hf_config(root)
     ids = parse_layers(layers, cfg.num_hidden_layers)
+    if cfg.layer_types is not None:  # a hybrid stack: only its DSA layers are flashdsa's
+        other = [i for i in ids if i not in cfg.dsa_layers]
+        if other:
+            raise ValueError(f"layers: layer {other[0]} is a {cfg.layer_types[other[0]]} layer; flashdsa loads the "
+                             f"DSA layers of this hybrid stack only: {cfg.dsa_layers}")
     block = _block(hf)
     wm = weight_map(root)
     names = set(wm)
-    wanted = [t for i in ids for t in _expected(cfg, i, dtype, names)]
+    prefix = _layer_prefix(names)
+    wanted = [t for i in ids for t in _expected(cfg, i, dtype, names, prefix)]
     by_shard = _check_index(root, wanted, wm)
     device = torch.device(device)
     with contextlib.ExitStack() as stack:

@@ -240,7 +240,8 @@ def _add_report(sub) -> None:
         ": captured attention mass (exact and fp8 indexer), sparse-vs-dense output difference, overlap with the "
         "previous layer's selection, at a few context lengths"))
     rep.add_argument("--checkpoint", required=True, metavar="DIR",
-                     help="a DeepSeek-V3.2 / GLM-5 model folder (config.json, model.safetensors.index.json, shards)")
+                     help="a DeepSeek-V3.2 / GLM-5 / GLM-5.3-Flash model folder (config.json, "
+                          "model.safetensors.index.json, shards; a hybrid stack: its DSA layers)")
     rep.add_argument("--layers", required=True, metavar="A-B",
                      help="the layers to load and run (inclusive; the first must compute its own top-k)")
     rep.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")

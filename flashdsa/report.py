@@ -8,7 +8,8 @@ indexer, sparse with the fp8 indexer. Measured on the last Q query rows (each se
 
     mass_exact, mass_fp8   share of the dense attention probability on the keys the indexer selected
     mass_oracle            the same for the best k keys one selection shared by all heads could take
-                           (top-k of the head-mean probabilities): the ceiling of any shared top-k
+                           (top-k of the head-mean probabilities): the ceiling of any shared top-k; k is
+                           the widest selection, index_topk + c - 1 with kpool (its tail group)
     fp8_recall             |fp8 selection ∩ exact selection| / |exact selection|
     out_diff_<p>           ||out_sparse - out_dense|| / ||out_dense||, the layer's output after o_proj
     overlap_prev_<p>       |sel(l) ∩ sel(l-1)| / |sel(l)|: the share of this layer's pick the previous
@@ -96,10 +97,11 @@ def _pool_layer(attn: DSAAttention, index: int) -> Iterator[None]:
 
 
 def window_config(cfg: DSAConfig, layers: Sequence[int]) -> DSAConfig:
-    """``cfg`` cut to ``layers`` (renumbered 0..n-1) with each one's skip-top-k status kept, for the pool."""
+    """``cfg`` cut to ``layers`` (renumbered 0..n-1) with each one's skip-top-k status kept, for the pool (a
+    hybrid stack's window holds its DSA layers only: no layer_types)."""
     skip = set(cfg.skip_topk_layers)
     return cfg.replace(num_hidden_layers=len(layers), indexer_types=tuple("shared" if l in skip else "full" for l in layers),
-                       index_topk_pattern=None, index_topk_freq=None, index_skip_topk_offset=None)
+                       index_topk_pattern=None, index_topk_freq=None, index_skip_topk_offset=None, layer_types=None)
 
 
 def check_window(cfg: DSAConfig, layers: Sequence[int]) -> None:
@@ -115,9 +117,6 @@ def check_window(cfg: DSAConfig, layers: Sequence[int]) -> None:
     why = mla_rows_fit(cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.index_head_dim)
     if why is not None:
         raise ValueError(f"checkpoint: the engine's caches need {why}")
-    if cfg.index_kpool > 1:
-        raise ValueError(f"checkpoint: index_kpool = {cfg.index_kpool}: the report compares exact-precision indexer "
-                         f"runs, which the pooled-key indexer (fp8 only) does not have yet")
 
 
 def run_context(loaded: LoadedLayers, hidden: torch.Tensor | dict[int, torch.Tensor], context: int, queries: int, *,
@@ -387,7 +386,7 @@ def run_report(checkpoint: str | os.PathLike, layers: str | Sequence[int], *, co
         q = min(queries, n - cfg.index_topk)
         with torch.no_grad():
             runs = run_context(loaded, h, n, q, backend=backend)
-            rows += [measure(run, runs[i - 1] if i else None, cfg.index_topk) for i, run in enumerate(runs)]
+            rows += [measure(run, runs[i - 1] if i else None, cfg.selected_tokens) for i, run in enumerate(runs)]
         del runs
         if log:
             log(f"context {n}: {len(ids)} layer{'s' * (len(ids) > 1)} in {time.perf_counter() - t1:.1f} s")

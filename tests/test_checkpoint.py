@@ -425,3 +425,26 @@ def test_non_finite_weights_are_named(copy, written, name):
     weight = full.removesuffix("_scale_inv")
     with pytest.raises(ValueError, match=rf"^checkpoint: {weight} in {wm[full]} holds \d+ non-finite value"):
         ck.load_layers(copy, "1")
+
+
+def test_glm5_next_save_pretrained_checkpoint_loads(tmp_path):
+    """GLM-5.3-Flash (transformers glm5_next): the language model's tensors under ``model.language_model.``,
+    a hybrid stack whose DSA layers are what the loader reads (NoPE rows, kpool 16, a shared layer without an
+    indexer), and a linear-attention layer refused by name."""
+    pytest.importorskip("transformers", minversion="5.23")
+    pytest.importorskip("transformers.models.glm5_next")
+    from test_hf_glm5_next import DSA_LAYERS, _model
+
+    hf_model = _model(seed=3)
+    hf_model.save_pretrained(tmp_path, max_shard_size="2MB")
+    loaded = ck.load_layers(tmp_path, DSA_LAYERS, dtype=torch.float32)
+    assert loaded.layers == DSA_LAYERS and loaded.config.qk_rope_head_dim == 0
+    text = hf_model.model.language_model
+    for i in DSA_LAYERS:
+        hf_attn, attn = text.layers[i].self_attn, loaded.attention[i]
+        assert (attn.indexer is None) == (getattr(hf_attn, "indexer", None) is None), i
+        for name, p in attn.named_parameters():
+            assert torch.equal(p, hf_attn.get_parameter(name).float()), f"layer {i} {name}"
+        assert torch.equal(loaded.input_layernorm[i], text.layers[i].input_layernorm.weight.float())
+    with pytest.raises(ValueError, match="layers: layer 0 is a linear_attention layer"):
+        ck.load_layers(tmp_path, "0-1")

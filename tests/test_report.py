@@ -379,7 +379,8 @@ def test_cli_errors(ckpt, per_layer_hidden, tmp_path, capsys):
         (base + ["--json", str(tmp_path / "no" / "r.json")], r"--json: the folder of .* does not exist"),
         (base + ["--device", "tpu"], r"--device: expected 'cpu', 'cuda' or 'cuda:N'"),
         (base + ["--seed", "-1"], r"--seed: expected an integer >= 0"),
-        (["report", "--checkpoint", str(kpool), "--layers", "0-1"], r"--checkpoint: index_kpool = 4"),
+        # kpool in the config without its tensors in the checkpoint: the loader names the first missing one
+        (["report", "--checkpoint", str(kpool), "--layers", "0-1"], r"index_kpool_compress_gate"),
         (["report", "--checkpoint", str(narrow), "--layers", "0-1"], r"--checkpoint: the engine's caches need kv_lora_rank = 512 .* got 256 and 64"),
     ]
     torch.save(torch.randn(10, 7), tmp_path / "bad.pt")
@@ -457,3 +458,20 @@ def test_damaged_checkpoint_is_one_line(ckpt, tmp_path, capsys):
     err = _one_line_error(capsys, ["report", "--checkpoint", str(ckpt), "--layers", "0-1", "--hidden",
                                    str(tmp_path / "h.safetensors")])
     assert "--hidden: " in err and "is not a readable safetensors file" in err, err
+
+
+def test_report_on_a_glm5_next_checkpoint(tmp_path):
+    """GLM-5.3-Flash's layout (transformers glm5_next, saved by HF): the hybrid stack's DSA layers (NoPE, kpool 16,
+    a shared layer) report like any other; the oracle is the best ``index_topk + c - 1`` keys (kpool's widest
+    selection), so no selection's mass exceeds it."""
+    pytest.importorskip("transformers", minversion="5.23")
+    pytest.importorskip("transformers.models.glm5_next")
+    from test_hf_glm5_next import DSA_LAYERS, _model
+
+    _model(seed=3).save_pretrained(tmp_path, max_shard_size="2MB")
+    report = rp.run_report(tmp_path, f"{DSA_LAYERS[0]}-{DSA_LAYERS[-1]}", contexts=[128, 256], queries=16)
+    rows = report["rows"]
+    assert [r["layer"] for r in rows] == DSA_LAYERS * 2 and [r["skip_topk"] for r in rows[:3]] == [False, True, False]
+    for r in rows:
+        for p in ("exact", "fp8"):
+            assert 0 < r[f"mass_{p}"] <= r["mass_oracle"] + 1e-9, r
