@@ -65,6 +65,8 @@ def dense(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
 def _bytes(t: torch.Tensor) -> tuple[int, int]:
     """``[first, end)`` byte addresses a tensor's elements span (torch strides are never negative)."""
     lo = t.data_ptr()
+    if t.is_contiguous():  # the common case, 10x cheaper than the strides' sum (a plain call's host time)
+        return lo, lo + t.nbytes
     return lo, lo + (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * t.element_size()
 
 
@@ -74,8 +76,9 @@ def check_no_overlap(name: str, out: torch.Tensor, **inputs: torch.Tensor | None
     if out.numel() == 0:
         return
     a0, a1 = _bytes(out)
+    dev = out.device
     for k, t in inputs.items():
-        if isinstance(t, _Tensor) and t.numel() and t.device == out.device:
+        if t is not None and isinstance(t, _Tensor) and t.numel() and t.device == dev:
             b0, b1 = _bytes(t)
             if a0 < b1 and b0 < a1:
                 fail(name, f"a buffer that does not overlap {k}", "one that shares its memory")

@@ -349,3 +349,14 @@ def test_entry_points_refuse_alike():
         want = both(name, i, same)[0]
         for got in both(name, i, good):
             _same(got, want)
+
+
+def test_byte_spans_of_views():
+    # check_no_overlap's spans: a contiguous tensor's bytes in one step, any other view's from its strides;
+    # both the first to one past the last byte an element covers
+    from flashdsa.ops._common import _bytes
+    x = torch.arange(60, dtype=torch.float32).view(5, 12)
+    for t in (x, x[1:3], x[:, 2:7], x.t(), x[::2, ::3], x[4], x[2, 5:6], x.view(-1)[7:8]):
+        end = max(t.data_ptr() + 4 * (sum(i * s for i, s in zip(idx, t.stride())) + 1)
+                  for idx in torch.cartesian_prod(*[torch.arange(n) for n in t.shape]).view(-1, t.dim()).tolist())
+        assert _bytes(t) == (t.data_ptr(), end), (t.shape, t.stride())
