@@ -7,8 +7,9 @@ layer in bf16). The loader reads exactly those layers' tensors from the publishe
     DIR/model.safetensors.index.json     {"weight_map": {tensor name: shard file}, "metadata": {...}}
     DIR/model-00001-of-000NN.safetensors the shards (or one DIR/model.safetensors for a small model)
 
-Per layer i, with ``p = "model.layers.{i}."`` (GLM-5.3-Flash, a multimodal model: ``"model.language_model.layers.{i}."``,
-and only the DSA layers of its hybrid stack; h heads, H_I indexer heads, D = index_head_dim)::
+Per layer i, with ``p = "model.layers.{i}."`` (GLM-5.3-Flash, a multimodal model:
+``"model.language_model.layers.{i}."``, and only the DSA layers of its hybrid stack; h heads, H_I indexer heads,
+D = index_head_dim)::
 
     p input_layernorm.weight                    [hidden]
     p self_attn.q_a_proj.weight                 [q_lora_rank, hidden]                 fp8 or bf16

@@ -100,8 +100,9 @@ def window_config(cfg: DSAConfig, layers: Sequence[int]) -> DSAConfig:
     """``cfg`` cut to ``layers`` (renumbered 0..n-1) with each one's skip-top-k status kept, for the pool (a
     hybrid stack's window holds its DSA layers only: no layer_types)."""
     skip = set(cfg.skip_topk_layers)
-    return cfg.replace(num_hidden_layers=len(layers), indexer_types=tuple("shared" if l in skip else "full" for l in layers),
-                       index_topk_pattern=None, index_topk_freq=None, index_skip_topk_offset=None, layer_types=None)
+    kinds = tuple("shared" if l in skip else "full" for l in layers)
+    return cfg.replace(num_hidden_layers=len(layers), indexer_types=kinds, index_topk_pattern=None,
+                       index_topk_freq=None, index_skip_topk_offset=None, layer_types=None)
 
 
 def check_window(cfg: DSAConfig, layers: Sequence[int]) -> None:

@@ -302,9 +302,9 @@ def indexer_topk_ragged(q_fp8: torch.Tensor, k_fp8: torch.Tensor, k_scale: torch
         ``p + out_offsets[i]``, ascending, -1 padded.
 
     Chunk bounds must be known on the host, so without ``host_bounds`` this op reads ks / ke back (one
-    device sync) whatever the value-check setting; it is a prefill op and not CUDA-graph capturable. Its value checks run on
-    the host, immediate (out_offsets once, the NaN codes of each chunk's rows and key window before the
-    chunk's kernels), and the chunks' own launches skip theirs.
+    device sync) whatever the value-check setting; it is a prefill op and not CUDA-graph capturable. Its
+    value checks run on the host, immediate (out_offsets once, the NaN codes of each chunk's rows and key
+    window before the chunk's kernels), and the chunks' own launches skip theirs.
     """
     raise_deferred()
     T, N = _check_ragged(q_fp8, k_fp8, k_scale, weights, ks, ke)
