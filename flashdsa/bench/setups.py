@@ -237,6 +237,25 @@ def _filled_pool(cfg, B: int, ctx: int, extra: int, g: torch.Generator, dev):
     return pool, write
 
 
+class _StageChecks:
+    """A composite case's stage checks, remembered as they run, so the composite's own check (the decode step,
+    the prefill chunk) reports on them: ``wrap(name, check)`` is the stage's check; ``composite(names)`` is ok
+    when every named stage's check ran and was ok."""
+
+    def __init__(self):
+        self.done: dict[str, dict] = {}
+
+    def wrap(self, name: str, fn):
+        def run():
+            self.done[name] = fn()
+            return self.done[name]
+        return run
+
+    def composite(self, names) -> dict:
+        bad = [n for n in names if not self.done.get(n, {}).get("ok")]
+        return {"ok": not bad, "summary": "stages ok" if not bad else f"failed: {', '.join(bad)}"}
+
+
 def _setup_layer(p: dict, dev, status) -> list[tuple[str, Bench]]:
     """One decode step of one layer on a KVPool, through the layer's own step (``DSAAttention.score_paged``
     -> ``topk_paged`` -> ``attend``, what ``DSAAttention.forward`` runs at decode) on random inputs. ``h``
@@ -287,13 +306,7 @@ def _setup_layer(p: dict, dev, status) -> list[tuple[str, Bench]]:
 
     logits = indexer()  # the fixed inputs of the later stages
     sel = select(logits)
-    done: dict[str, dict] = {}
-
-    def checked(name, fn):
-        def run():
-            done[name] = fn()
-            return done[name]
-        return run
+    checks = _StageChecks()
 
     def check_attention():
         out, lse = attend(sel)
@@ -301,14 +314,14 @@ def _setup_layer(p: dict, dev, status) -> list[tuple[str, Bench]]:
 
     mla = pool.mla_pages(0)
     stages = {
-        "indexer": Bench(indexer, checked("indexer", lambda: _check_logits(
+        "indexer": Bench(indexer, checks.wrap("indexer", lambda: _check_logits(
             indexer()[rows], attn.score_paged(ref_idx, ref_meta, pool))),
             bytes=idx.q.numel() + 4 * idx.weights.numel() + 132 * int(lens.sum()) + 4 * int(lens.sum()),
             flops=2 * int(lens.sum()) * H_I * 128, dtype="fp8"),
-        "top-k": Bench(lambda: select(logits), checked("top-k", lambda: _check_same(
+        "top-k": Bench(lambda: select(logits), checks.wrap("top-k", lambda: _check_same(
             select(logits)[rows], attn.topk_paged(logits[rows], ref_meta, pool))),
             bytes=4 * logits.numel() + 4 * R * topk),
-        "attention": Bench(lambda: attend(sel), checked("attention", check_attention),
+        "attention": Bench(lambda: attend(sel), checks.wrap("attention", check_attention),
                            **_attention_work(sel.numel(), h, 656, q, sel)),
     }
     seqlens = lens.view(-1).contiguous()  # a query row's
@@ -333,11 +346,7 @@ def _setup_layer(p: dict, dev, status) -> list[tuple[str, Bench]]:
     def step():
         return attend(select(indexer()))
 
-    def step_check():
-        bad = [n for n in stages if not done.get(n, {}).get("ok")]
-        return {"ok": not bad, "summary": "stages ok" if not bad else f"failed: {', '.join(bad)}"}
-
-    total = Bench(step, step_check, bytes=sum(s.bytes for s in stages.values()),
+    total = Bench(step, lambda: checks.composite(stages), bytes=sum(s.bytes for s in stages.values()),
                   flops=sum(s.flops for s in stages.values()), parts=tuple(stages.values()))
     if all(s.peers for s in stages.values()):
         def make_chain():  # the peers' three ops back to back
@@ -405,13 +414,7 @@ def _setup_layer_prefill(p: dict, dev, status) -> list[tuple[str, Bench]]:
     T, N = q.shape[0], kv.shape[0]
     sub = rows_subset(T, 16, dev)
     k_fp8, k_scale = pool.read_index(0, meta.kv_slots)
-    done: dict[str, dict] = {}
-
-    def checked(name, fn):
-        def run():
-            done[name] = fn()
-            return done[name]
-        return run
+    checks = _StageChecks()
 
     def check_select():
         # the unfused path's logits (ours: the top-k must equal the torch top-k of exactly these; a reference
@@ -437,32 +440,30 @@ def _setup_layer_prefill(p: dict, dev, status) -> list[tuple[str, Bench]]:
 
     pairs = int((meta.ke - meta.ks).sum())
     stages = {
-        "selection": Bench(lambda: select(meta, idx), checked("selection", check_select),
+        "selection": Bench(lambda: select(meta, idx), checks.wrap("selection", check_select),
                            bytes=idx.q.numel() + 4 * idx.weights.numel() + 132 * N + 4 * T * topk,
                            flops=2 * pairs * H_I * 128, dtype="fp8", graph=False, memory=True),
-        "kv gather": Bench(lambda: gather(meta), checked("kv gather", check_gather), bytes=(656 + 1152) * N,
+        "kv gather": Bench(lambda: gather(meta), checks.wrap("kv gather", check_gather), bytes=(656 + 1152) * N,
                            graph=False, memory=True),
-        "attention": Bench(lambda: attend(q, kv, sel), checked("attention", check_attention), graph=False,
+        "attention": Bench(lambda: attend(q, kv, sel), checks.wrap("attention", check_attention), graph=False,
                            memory=True, **_attention_work(sel.numel(), h, 1152, q, sel)),
     }
     peers_ok = status["DeepGEMM"]["ok"] and status["fast_topk"]["ok"] and status["FlashMLA"]["ok"] \
         and topk == 2048 and h % 64 == 0
 
-    def peer_chunk(m, i, q_):  # DeepGEMM ragged logits -> fast_topk -> FlashMLA, one chunk
+    def peer_select(m, i):  # DeepGEMM ragged logits -> fast_topk, one chunk
         kf, ksc = pool.read_index(0, m.kv_slots)
         logits = peers.deepgemm_ragged(i.q, kf, ksc, i.weights, m.ks, m.ke)()
         out = torch.empty(logits.shape[0], topk, dtype=torch.int32, device=logits.device)
         torch.ops.sgl_kernel.fast_topk(logits, out, m.ke - m.ks, None)
-        return peers.flashmla_prefill(q_, gather(m), out, attn.softmax_scale)()
+        return out
+
+    def peer_chunk(m, i, q_):  # ... -> FlashMLA
+        return peers.flashmla_prefill(q_, gather(m), peer_select(m, i), attn.softmax_scale)()
 
     if peers_ok:
         def make_select():
-            def call():
-                kf, ksc = pool.read_index(0, meta.kv_slots)
-                logits = peers.deepgemm_ragged(idx.q, kf, ksc, idx.weights, meta.ks, meta.ke)()
-                out = torch.empty(T, topk, dtype=torch.int32, device=logits.device)
-                torch.ops.sgl_kernel.fast_topk(logits, out, meta.ke - meta.ks, None)
-                return out
+            call = lambda: peer_select(meta, idx)  # noqa: E731
             return call, _same_slot_sets(call(), select(meta, idx))
         stages["selection"].peers["DeepGEMM+fast_topk"] = make_select
 
@@ -473,8 +474,7 @@ def _setup_layer_prefill(p: dict, dev, status) -> list[tuple[str, Bench]]:
         stages["attention"].peers["FlashMLA"] = make_attend
 
     def stages_check():
-        bad = [n for n in stages if not done.get(n, {}).get("ok")]
-        return {"ok": not bad, "summary": "stages ok" if not bad else f"failed: {', '.join(bad)}"}
+        return checks.composite(stages)
 
     last = Bench(lambda: chunk_step(meta, idx, q), stages_check, bytes=sum(s.bytes for s in stages.values()),
                  flops=sum(s.flops for s in stages.values()), parts=tuple(stages.values()), graph=False, memory=True)
