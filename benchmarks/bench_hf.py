@@ -3,6 +3,14 @@ flashdsa.hf, same run.
 
     PYTHONPATH=. python benchmarks/bench_hf.py [--quick] [--lens 4096,16384] [--batches 1,8] [--new 32] [--smoke]
     PYTHONPATH=. python benchmarks/bench_hf.py --arch glm5-next ...
+    PYTHONPATH=. python benchmarks/bench_hf.py --arch v4 ...
+
+``--arch v4``: ``DeepseekV4ForCausalLM``, bf16, 4 layers (sliding, CSA, HCA, CSA), hidden 1024, 16 heads, the
+released attention dims (one K = V head of 512 with 64 RoPE dims, window 128, CSA rate 4 with 16 indexer heads of
+128 and top-512, HCA rate 128, sinks), small MoE MLPs, hyper-connections as the model has them. Rows ``hf-eager``,
+``fd-exact``, ``fd-fp8`` (flashdsa/hf/v4.py: every step eager, no CUDA graphs yet). Its check: the fp32 copy's
+prompt logits, exact mode vs HF (a prompt of ``--check-len`` tokens: selection happens past 2K), and the same
+greedy tokens.
 
 ``--arch glm5-next``: ``Glm5NextForConditionalGeneration``, bf16, 4 layers (KDA linear attention, DSA, KDA,
 DSA: the released model's pattern is 3 KDA to 1 DSA), hidden 1024, 16 heads, the released DSA layer's dims
@@ -73,6 +81,17 @@ GLM5_NEXT_SMOKE = dict(GLM5_NEXT, vocab_size=256, hidden_size=128, intermediate_
                        num_key_value_heads=4, q_lora_rank=64, qk_nope_head_dim=32, v_head_dim=32, index_n_heads=4,
                        index_topk=16, index_kpool=4, linear_head_dim=32, linear_num_heads=2,
                        max_position_embeddings=1024)
+V4 = dict(vocab_size=32000, hidden_size=1024, moe_intermediate_size=512, num_hidden_layers=4, num_attention_heads=16,
+          head_dim=512, qk_rope_head_dim=64, q_lora_rank=384, o_groups=4, o_lora_rank=256, sliding_window=128,
+          index_n_heads=16, index_head_dim=128, index_topk=512, n_routed_experts=8, num_experts_per_tok=2,
+          layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+                       "compressed_sparse_attention"], mlp_layer_types=["moe"] * 4, max_position_embeddings=65536)
+V4_SMOKE = dict(V4, vocab_size=256, hidden_size=128, num_attention_heads=4, head_dim=64, qk_rope_head_dim=16,
+                q_lora_rank=64, o_groups=2, o_lora_rank=32, sliding_window=8, index_n_heads=4, index_topk=4,
+                moe_intermediate_size=64, compress_rates={"compressed_sparse_attention": 4,
+                                                          "heavily_compressed_attention": 8},
+                max_position_embeddings=1024)
+V4_IMPLS = ("hf-eager", "fd-exact", "fd-fp8")
 IMPLS = {  # name -> flashdsa.hf.apply keywords (None: HF eager, unpatched)
     "hf-eager": None,
     "fd-fp8": dict(indexer="fp8"),
@@ -90,6 +109,9 @@ def build(cfg: dict, device: str, dtype: torch.dtype, arch: str = "v32"):
             config = Glm5NextConfig(text_config=dict(cfg, pad_token_id=0, eos_token_id=None))
             config.text_config._attn_implementation = "eager"
             model = Glm5NextForConditionalGeneration(config)
+        elif arch == "v4":
+            from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+            model = DeepseekV4ForCausalLM(DeepseekV4Config(**cfg, pad_token_id=0, eos_token_id=None))
         else:
             model = DeepseekV32ForCausalLM(DeepseekV32Config(**cfg, pad_token_id=0, eos_token_id=None))
     model.config._attn_implementation = "eager"
@@ -167,6 +189,30 @@ def check(model, vocab: int, prompt: int, device: str, max_tokens: int, new: int
     assert not torch.equal(fp8, exact16), "fp8 mode should differ from exact"
 
 
+def check_v4(model, vocab: int, prompt: int, device: str, new: int = 8) -> None:
+    """V4's numerics against HF before any timing: the fp32 copy in exact mode gives HF's prompt logits (within
+    1e-3 of their maximum, #43's bar; they differ in summation order only) and its greedy tokens; the bf16 fp8
+    mode's next-token argmax agreement with exact mode (printed)."""
+    ids = torch.randint(1, vocab, (1, prompt), device=device, generator=torch.Generator(device).manual_seed(1))
+    with torch.no_grad():
+        m32 = copy.deepcopy(model).float()
+        ref, tokens = m32(ids).logits.float(), generate(m32, ids, new)
+        fh.apply(m32, indexer="exact")
+        ours, our_tokens = m32(ids).logits.float(), generate(m32, ids, new)
+        del m32
+        fh.apply(model, indexer="exact")
+        exact16 = model(ids).logits.float()
+        fh.apply(model, indexer="fp8")
+        fp8 = model(ids).logits.float()
+        fh.unapply(model)
+    err = float((ours - ref).abs().max() / ref.abs().max())
+    same = int((our_tokens[0, prompt:] == tokens[0, prompt:]).sum())
+    agree = float((fp8.argmax(-1) == exact16.argmax(-1)).float().mean())
+    print(f"[check] prompt {prompt}, fp32 model: exact vs HF max|diff| / max|HF| {err:.2e} (bound 1e-3), greedy "
+          f"tokens equal {same}/{new}; bf16 fp8 vs exact argmax agreement {agree:.3f} (#43's bar 0.9)")
+    assert err < 1e-3 and same == new, "the V4 exact path is not HF's"
+
+
 def profile(model, ids, device: str, max_tokens: int, path: str | None) -> None:
     """Host-side cost of patched decode steps: torch.profiler over generate() of 8 tokens on a short prompt."""
     from torch.profiler import ProfilerActivity, profile as prof
@@ -184,12 +230,17 @@ def profile(model, ids, device: str, max_tokens: int, path: str | None) -> None:
     print("\n".join(table.splitlines()[:18]))
 
 
+def _entry_rate(tc) -> int:
+    # V4's indexer scores compressed entries (one per CSA rate tokens), DSA's every token
+    return getattr(tc, "compress_rates", {}).get("compressed_sparse_attention", 1)
+
+
 def run(model, impl: str, ids, new: int, device: str, max_tokens: int) -> dict:
     B, L = ids.shape
     row = {"prompt": L, "batch": B, "impl": impl}
     kw = IMPLS[impl]
     tc = text_config(model)
-    scores = B * L * L * tc.index_n_heads * 4 // getattr(tc, "index_kpool", 1)
+    scores = B * L * L * tc.index_n_heads * 4 // getattr(tc, "index_kpool", 1) // _entry_rate(tc)
     if kw is None and scores > HF_EAGER_MAX_SCORES and device == "cuda":
         row["prefill_ms"] = "skipped (HF's indexer scores > 64 GiB)"
         return row
@@ -212,7 +263,8 @@ def run(model, impl: str, ids, new: int, device: str, max_tokens: int) -> dict:
         if device == "cuda":
             row["peak_GiB"] = torch.cuda.max_memory_allocated() / 2**30
         if patch is not None:
-            row["graphs"] = sorted(patch.graphs) if patch.graph_failure is None else f"failed: {patch.graph_failure}"
+            failure = getattr(patch, "graph_failure", None)
+            row["graphs"] = sorted(patch.graphs) if failure is None else f"failed: {failure}"
     except torch.OutOfMemoryError:
         row["prefill_ms"] = "OOM"
     finally:
@@ -228,25 +280,25 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8", help="batch sizes; batch > 1 runs at the shortest length only "
                     "unless --lens names one length")
     ap.add_argument("--new", type=int, default=32)
-    ap.add_argument("--impls", default=",".join(IMPLS))
+    ap.add_argument("--impls", default=None, help=f"of {list(IMPLS)} (default all; --arch v4: {list(V4_IMPLS)})")
     ap.add_argument("--no-check", action="store_true", help="skip the numerics check against HF")
     ap.add_argument("--profile", action="store_true", help="also print torch.profiler's host-side table of "
                     "patched decode steps")
-    ap.add_argument("--arch", default="v32", choices=["v32", "glm5-next"])
+    ap.add_argument("--arch", default="v32", choices=["v32", "glm5-next", "v4"])
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU: checks the script, times mean nothing")
     args = ap.parse_args()
-    impls = args.impls.split(",")
+    impls = args.impls.split(",") if args.impls else list(V4_IMPLS if args.arch == "v4" else IMPLS)
     unknown = set(impls) - set(IMPLS)
     if unknown:
         sys.exit(f"bench_hf: unknown --impls {sorted(unknown)}; choose from {list(IMPLS)}")
     if args.smoke:
         device, dtype, lens, batches, new, check_len = "cpu", torch.bfloat16, [48], [1, 2], 4, 40
-        cfg = GLM5_NEXT_SMOKE if args.arch == "glm5-next" else SMOKE
+        cfg = {"glm5-next": GLM5_NEXT_SMOKE, "v4": V4_SMOKE}.get(args.arch, SMOKE)
     else:
         if not torch.cuda.is_available():
             sys.exit("bench_hf: needs a CUDA device (or --smoke)")
         device, dtype = "cuda", torch.bfloat16
-        cfg = GLM5_NEXT if args.arch == "glm5-next" else MODEL
+        cfg = {"glm5-next": GLM5_NEXT, "v4": V4}.get(args.arch, MODEL)
         lens = [4096] if args.quick else [int(x) for x in args.lens.split(",")]
         batches = [1] if args.quick else [int(x) for x in args.batches.split(",")]
         new, check_len = (16 if args.quick else args.new), 3072
@@ -256,7 +308,9 @@ def main() -> None:
     model = build(cfg, device, dtype, args.arch)
     print(f"model: {type(model).__name__} {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M params, {dtype}, "
           f"{device}, default initialisation; op backends: default (Triton on CUDA where a kernel exists)")
-    if not args.no_check:
+    if not args.no_check and args.arch == "v4":
+        check_v4(model, cfg["vocab_size"], check_len, device)
+    elif not args.no_check:
         check(model, cfg["vocab_size"], check_len, device, max_tokens)
     ops.set_value_checks(False)
     if args.profile:
