@@ -4,11 +4,12 @@ Every attention layer's forward runs :class:`flashdsa.v4.V4LayerStep` with the l
 compressor, the entry selection (``indexer="exact"``: HF's, so HF's numbers; ``"fp8"``: flashdsa's e4m3
 indexer and fp8 rows, the deployment numerics) and flashdsa's attention core over the window and the selected
 (CSA) or all (HCA) entries. A request's V4 state (window rows, entries, indexer keys, open compressor windows) lives
-beside HF's cache layer of that layer (``cache.layers[i]``), one state per batch row; HF's own cache layer still
+beside HF's cache layer of that layer (``cache.layers[i]``), one state for the batch's rows (every row in the same
+launches); HF's own cache layer still
 takes each step's length (``get_seq_length``, which generate() reads) but its compressor buffers stay empty.
 
 Not yet (clear errors): padded batches (HF's V4 compresses padding tokens into its entries: not reproduced), a cache
-that was cropped or reused mid-sequence, CUDA graphs (every step runs eagerly), the paged pools.
+that was cropped or reused mid-sequence, CUDA graphs (every step runs eagerly).
 """
 
 from __future__ import annotations
@@ -53,32 +54,30 @@ def _layer_forward(patch: V4Patch, i: int):
         if cache is None:  # the name transformers used before `cache` (its layers may still pass it)
             cache = kwargs.pop("past_key_values", None)
         B, S, _ = hidden_states.shape
-        cos, sin = (t.expand(B, -1, -1) for t in position_embeddings[attn.rope_layer_type])
-        pos = position_ids.expand(B, -1)
-        states = None
+        cos, sin = (t[0] for t in position_embeddings[attn.rope_layer_type])  # every row at the same positions
+        pos = position_ids[0]
+        state = None
         if cache is not None:
             layer = cache.layers[attn.layer_idx]
             seen = layer.get_seq_length()
-            states = layer.__dict__.get("_flashdsa_v4") if seen else None  # an empty (or reset) cache: new rows
-            if seen and states is None:
+            state = layer.__dict__.get("_flashdsa_v4") if seen else None  # an empty (or reset) cache: new rows
+            if seen and state is None:
                 raise NotImplementedError("cache: this cache holds tokens flashdsa did not see (made before "
                                           "flashdsa.hf.apply, or reused); start from an empty one")
-            if states is not None and (len(states) != B or any(s.length != seen for s in states)):
-                raise NotImplementedError(f"cache: flashdsa's V4 state holds {[s.length for s in states]} tokens a "
-                                          f"row, the cache {seen} (cropped or reordered caches are not supported)")
+            if state is not None and (state.batch != B or state.length != seen):
+                raise NotImplementedError(f"cache: flashdsa's V4 state holds {state.batch} rows of {state.length} "
+                                          f"tokens, the cache {B} of {seen} (cropped or reordered caches are not "
+                                          "supported)")
             # HF's cache layer keeps the length generate() reads; its window rows are not read by us
             z = hidden_states.new_zeros(B, 1, S, attn.head_dim)
             cache.update(z, z, attn.layer_idx)
-        if states is None:
-            states = [step.empty_state(hidden_states.dtype, hidden_states.device) for _ in range(B)]
-        outs = []
-        for b in range(B):
-            out, states[b] = step(hidden_states[b], pos[b], cos[b], sin[b], states[b])
-            outs.append(out)
+        if state is None:
+            state = step.empty_state(B, hidden_states.dtype, hidden_states.device)
+        out, state = step(hidden_states, pos, cos, sin, state)
         if cache is not None:
-            cache.layers[attn.layer_idx].__dict__["_flashdsa_v4"] = states
+            cache.layers[attn.layer_idx].__dict__["_flashdsa_v4"] = state
         patch.calls[i] += 1
-        return torch.stack(outs), None
+        return out, None
     return forward
 
 

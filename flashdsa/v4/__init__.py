@@ -8,8 +8,8 @@ from flashdsa.v4.attention import attend, causal_entry_indices, mla_rows, window
 from flashdsa.v4.compressor import CompressState, compress
 from flashdsa.v4.config import CSA, HCA, LAYER_TYPES, SLIDING, V4Config, is_v4
 from flashdsa.v4.indexer import scores_exact, select_exact, select_fp8, visible_entries
-from flashdsa.v4.layer import RequestState, V4LayerStep
+from flashdsa.v4.layer import V4LayerStep, V4State
 
 __all__ = ["V4Config", "is_v4", "SLIDING", "CSA", "HCA", "LAYER_TYPES", "attend", "window_indices",
            "causal_entry_indices", "mla_rows", "CompressState", "compress", "scores_exact",
-           "select_exact", "select_fp8", "visible_entries", "V4LayerStep", "RequestState"]
+           "select_exact", "select_fp8", "visible_entries", "V4LayerStep", "V4State"]

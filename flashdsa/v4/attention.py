@@ -15,7 +15,8 @@ back by the query's position (the value carried the keys' RoPE, as HF's model un
 Rows and indices: the caller lays every key a query may see out as rows of one ``kv [N, head_dim]`` buffer
 (the window's raw tokens, then the compressed entries) and gives each query row its list
 (:func:`window_indices`, :func:`causal_entry_indices`, or an indexer's picks offset into the entries' rows).
-The paged window ring and entry caches that hold these rows across calls are not built yet (#43).
+The layer step (:mod:`flashdsa.v4.layer`) keeps them across calls as one buffer a request: a ring of the
+window's rows, then the entries.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from flashdsa import ops
-from flashdsa.cache.layouts import MLA_DIM, MLA_LATENT, PAGE_SIZE, encode_mla
+from flashdsa.cache.layouts import MLA_DIM, MLA_FP8_BYTES, MLA_LATENT, PAGE_SIZE, encode_mla
 from flashdsa.quant import apply_rope
 
 
@@ -53,9 +54,10 @@ def causal_entry_indices(positions: torch.Tensor, rate: int, entries: int, first
 
 
 def fp8_rows(x: torch.Tensor) -> torch.Tensor:
-    """``[N, D]`` K = V rows -> ``[N, 656] uint8``: flashdsa's fp8 MLA rows (e4m3 latent in 128-blocks with UE8M0
-    scales, the zero rope part in bf16), what the fp8 mode stores."""
-    return encode_mla(mla_rows(x.to(torch.bfloat16)), "fp8")
+    """``[..., D]`` K = V rows -> ``[..., 656] uint8``: flashdsa's fp8 MLA rows (e4m3 latent in 128-blocks with
+    UE8M0 scales, the zero rope part in bf16), what the fp8 mode stores."""
+    rows = encode_mla(mla_rows(x.to(torch.bfloat16)).reshape(-1, MLA_DIM), "fp8")
+    return rows.view(*x.shape[:-1], MLA_FP8_BYTES)
 
 
 def attend_fp8(q: torch.Tensor, rows: torch.Tensor, indices: torch.Tensor, sinks: torch.Tensor, scale: float,
@@ -66,7 +68,9 @@ def attend_fp8(q: torch.Tensor, rows: torch.Tensor, indices: torch.Tensor, sinks
     bfloat16; returns ``[T, h, D]`` bfloat16."""
     T, h, D = q.shape
     pad = -rows.shape[0] % PAGE_SIZE
-    pages = torch.cat((rows, rows.new_zeros(pad, rows.shape[1]))).view(-1, PAGE_SIZE, rows.shape[1])
+    if pad:  # whole pages (the layer step's buffers already are: no copy)
+        rows = torch.cat((rows, rows.new_zeros(pad, rows.shape[1])))
+    pages = rows.view(-1, PAGE_SIZE, rows.shape[1])
     out, lse = ops.sparse_mla_decode(mla_rows(q.to(torch.bfloat16)).view(T, 1, h, MLA_DIM), pages,
                                      indices.view(T, 1, -1), scale, backend=backend)
     # sinks and the RoPE undone in fp32: the kernel's bf16 output and the result are the only roundings
@@ -91,7 +95,8 @@ def attend(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sinks: torc
 
     Args:
         q:       ``[T, h, D]`` (D = head_dim <= 512) bfloat16, or float32 with float32 ``kv``; RoPE applied.
-        kv:      ``[N, D]`` the shared K = V rows (RoPE applied to their trailing slice).
+        kv:      ``[N, D]`` the shared K = V rows (RoPE applied to their trailing slice), or ``[N, 576]`` the same
+                 as MLA rows (:func:`mla_rows`: what the layer step keeps).
         indices: ``[T, k] int32`` rows of ``kv`` per query row; -1 = none.
         sinks:   ``[h]`` per-head sink logits (not scaled).
         scale:   the softmax scale (``head_dim ** -0.5``).
@@ -101,9 +106,10 @@ def attend(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sinks: torc
     Returns ``[T, h, D]`` in q's dtype.
     """
     T, h, D = q.shape
-    if kv.shape[-1] != D:
-        raise ValueError(f"kv: expected rows of {D} (q's head_dim), got {tuple(kv.shape)}")
+    if kv.shape[-1] not in (D, MLA_DIM):
+        raise ValueError(f"kv: expected rows of {D} (q's head_dim) or {MLA_DIM} (MLA rows), got {tuple(kv.shape)}")
     if sinks.shape != (h,):
         raise ValueError(f"sinks: expected shape ({h},), got {tuple(sinks.shape)}")
-    out, lse = ops.sparse_mla_prefill(mla_rows(q), mla_rows(kv), indices, scale, backend=backend)
+    rows = kv if kv.shape[-1] == MLA_DIM else mla_rows(kv)
+    out, lse = ops.sparse_mla_prefill(mla_rows(q), rows, indices, scale, backend=backend)
     return _finish(out, lse, sinks, D, cos, sin, backend).to(q.dtype)

@@ -32,38 +32,43 @@ def visible_entries(positions: torch.Tensor, rate: int) -> torch.Tensor:
 
 def scores_exact(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor,
                  rate: int) -> torch.Tensor:
-    """``q [T, H, d]`` (RoPE applied), ``keys [E, d]``, ``weights [T, H]`` (already scaled by H^-0.5) ->
-    ``[T, E] float32`` scores in HF's op order, -inf at entries the query cannot see yet."""
-    s = torch.matmul(q.float(), keys.float().transpose(-1, -2))  # [T, H, E]
+    """``q [B, S, H, d]`` (RoPE applied), ``keys [B, E, d]``, ``weights [B, S, H]`` (already scaled by H^-0.5),
+    ``positions [S]`` -> ``[B, S, E] float32`` scores in HF's ops and layout, -inf at entries the query cannot
+    see yet."""
+    s = torch.matmul(q.float(), keys.float().transpose(-1, -2).unsqueeze(1))  # [B, S, H, E]
     s = torch.relu(s) * q.shape[-1] ** -0.5
-    s = (s * weights.float().unsqueeze(-1)).sum(dim=1)
-    future = torch.arange(keys.shape[0], device=q.device)[None, :] >= visible_entries(positions, rate)[:, None]
+    s = (s * weights.float().unsqueeze(-1)).sum(dim=2)
+    future = torch.arange(keys.shape[1], device=q.device)[None, :] >= visible_entries(positions, rate)[:, None]
     return s.masked_fill(future, float("-inf"))
 
 
 def select_exact(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor, rate: int,
                  topk: int) -> torch.Tensor:
-    """HF's selection: ``[T, topk] int32`` entry indices in ``torch.topk``'s order (best first), -1 for picks the
-    query cannot see and past the entries there are."""
+    """HF's selection (shapes as :func:`scores_exact`): ``[B, S, topk] int32`` entry indices in ``torch.topk``'s
+    order (best first), -1 for picks the query cannot see and past the entries there are."""
     s = scores_exact(q, keys, weights, positions, rate)
-    k = min(topk, keys.shape[0])
-    picks = s.topk(k, dim=-1).indices if k else s.new_zeros(s.shape[0], 0, dtype=torch.long)
+    k = min(topk, keys.shape[1])
+    picks = s.topk(k, dim=-1).indices if k else s.new_zeros(*s.shape[:2], 0, dtype=torch.long)
     picks = torch.where(picks >= visible_entries(positions, rate)[:, None].long(), -1, picks)
     return torch.nn.functional.pad(picks, (0, topk - k), value=-1).to(torch.int32)
 
 
 def select_fp8(q_fp8: torch.Tensor, keys_fp8: torch.Tensor, key_scales: torch.Tensor, weights: torch.Tensor,
                positions: torch.Tensor, rate: int, topk: int, *, backend: str | None = None) -> torch.Tensor:
-    """flashdsa's selection: ``q_fp8 [T, H, 128] e4m3``, ``keys_fp8 [E, 128] e4m3`` with ``key_scales [E] f32``,
-    ``weights [T, H] f32`` (scaled by H^-0.5 and d^-0.5 already, as flashdsa folds them) -> ``[T, topk] int32``
-    entry indices (the selected set in position order, -1 padding), exact for the fp8 scores."""
-    T = q_fp8.shape[0]
-    ke = visible_entries(positions, rate).to(q_fp8.device)
-    ks = torch.zeros_like(ke)
-    logits = ops.indexer_logits_ragged(q_fp8, keys_fp8, key_scales, weights, ks, ke, backend=backend)
-    if logits.shape[1] == 0:
-        return torch.full((T, topk), -1, dtype=torch.int32, device=q_fp8.device)
-    return ops.topk_transform(logits, ke, topk, backend=backend)
+    """flashdsa's selection: ``q_fp8 [B, S, H, 128] e4m3``, ``keys_fp8 [B, E, 128] e4m3`` with ``key_scales
+    [B, E] f32``, ``weights [B, S, H] f32`` (scaled by H^-0.5 and d^-0.5 already, as flashdsa folds them),
+    ``positions [S]`` -> ``[B, S, topk] int32`` entry indices (the selected set in position order, -1
+    padding), exact for the fp8 scores: every request's rows in one ragged launch over its own keys."""
+    B, S, H, d = q_fp8.shape
+    E = keys_fp8.shape[1]
+    if E == 0:
+        return torch.full((B, S, topk), -1, dtype=torch.int32, device=q_fp8.device)
+    first = (E * torch.arange(B, device=q_fp8.device, dtype=torch.int32))[:, None]
+    ks = first.expand(B, S).reshape(-1).contiguous()
+    ke = (first + visible_entries(positions, rate).to(q_fp8.device)[None]).reshape(-1)
+    picks = ops.indexer_topk_ragged(q_fp8.reshape(B * S, H, d), keys_fp8.reshape(B * E, d), key_scales.reshape(-1),
+                                    weights.reshape(B * S, H), ks, ke, topk, backend=backend)
+    return picks.view(B, S, topk)
 
 
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,29 +1,37 @@
-"""One DeepSeek-V4 attention layer's step for one request, on flashdsa's ops (issue #43, exact mode).
+"""One DeepSeek-V4 attention layer's step for a batch of requests, on flashdsa's ops (issue #43).
 
 :class:`V4LayerStep` adopts an HF ``DeepseekV4Attention`` (its projections, norms, rotary tables and sinks:
-the weights stay HF's) and runs a chunk of a request's tokens — a prompt, one decode token, an extend —
-through flashdsa's pieces: the compressor (:func:`~flashdsa.v4.compressor.compress`), the indexer's exact
-selection (:func:`~flashdsa.v4.indexer.select_exact`) and the attention core (:func:`~flashdsa.v4.attention.attend`)
-over the window's rows and the entries. What a request keeps between chunks is a :class:`RequestState`:
+the weights stay HF's) and runs a chunk of tokens of B requests of equal length — a prompt, one decode token,
+an extend — through flashdsa's pieces: the compressor (:func:`~flashdsa.v4.compressor.compress`), the
+indexer's selection (:func:`~flashdsa.v4.indexer.select_exact` / ``select_fp8``) and the attention core
+(:func:`~flashdsa.v4.attention.attend` / ``attend_fp8``), every request in the same launches. What the
+requests keep between chunks is a :class:`V4State` of preallocated buffers:
 
-* ``window``: the last ``sliding_window - 1`` tokens' K = V rows (RoPE applied), what the next query's window
-  reaches back to;
-* ``entries`` / ``index_keys``: every compressed entry so far (RMS-normalised, RoPE at ``n * rate``), and in
-  CSA layers the indexer's keys of the same windows;
-* ``comp`` / ``index_comp``: the compressors' open windows (:class:`~flashdsa.v4.compressor.CompressState`).
+* ``rows [B, window + capacity, R]``: the K = V rows the attention reads, as one buffer a request so that a
+  decode step's keys need no copy: a **ring** of the last ``window`` tokens' rows (token at position p in
+  slot ``p % window``; RoPE applied) and then the compressed **entries** (entry n at ``window + n``;
+  RMS-normalised, RoPE at ``n * rate``). R = 576 (the head in the first ``head_dim`` dims, zeros after: the
+  MLA rows the sparse kernels read) in the model dtype, or 656 bytes (fp8 MLA rows, ``indexer="fp8"``);
+* ``index_keys [B, capacity, d]`` (+ ``index_scales [B, capacity]`` in fp8): CSA's indexer keys, one an entry;
+* ``comp`` / ``index_comp``: the compressors' rings of projected ``(kv, gate)`` tokens ``[B, ring, W]``
+  (ring = rate, or 2 rate for CSA's overlapping windows: the open window and the last closed one, whose first
+  halves the next entry pools), from which a chunk's first entry is pooled.
 
-Plain per-request tensors for now: the paged window ring and entry caches (and batching requests into one
-launch) are the next step; this one fixes the numerics and the state against HF, chunk by chunk.
+``capacity`` grows (doubling) as entries close; ``window + capacity`` stays a multiple of 64 so that fp8 rows
+are whole pages. A step computes everything, then writes the buffers in place (new entries past the old
+length, the rings' slots) and returns the state with its new length: a call that fails before its writes
+leaves the state as it was; the state passed in must not be used again after a call that succeeded.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
+from flashdsa.cache.layouts import MLA_DIM, MLA_FP8_BYTES, PAGE_SIZE
 from flashdsa.quant import apply_rope
-from flashdsa.v4.attention import attend, attend_fp8, causal_entry_indices, fp8_rows, window_indices
+from flashdsa.v4.attention import attend, attend_fp8, causal_entry_indices, fp8_rows, mla_rows, window_indices
 from flashdsa.v4.compressor import CompressState, compress
 from flashdsa.v4.config import CSA, HCA
 from flashdsa.v4.indexer import quantize, select_exact, select_fp8
@@ -32,45 +40,59 @@ PRECISIONS = ("exact", "fp8")
 
 
 @dataclass(frozen=True)
-class RequestState:
-    """One request's state in one V4 layer (see the module docstring); ``length``: tokens seen. Rows in the model
-    dtype (exact) or as fp8 MLA rows (``[n, 656] uint8``, fp8 mode, whose indexer keys are e4m3 with
-    ``index_scales``)."""
-    window: torch.Tensor
-    entries: torch.Tensor | None = None
+class V4State:
+    """B requests' state in one V4 layer (the module docstring says what each buffer holds); ``length``: tokens
+    every request has seen."""
+    length: int
+    rows: torch.Tensor
     index_keys: torch.Tensor | None = None
     index_scales: torch.Tensor | None = None
-    comp: CompressState | None = None
-    index_comp: CompressState | None = None
-    length: int = 0
+    comp: tuple[torch.Tensor, torch.Tensor] | None = None
+    index_comp: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def batch(self) -> int:
+        return self.rows.shape[0]
+
+    def entries(self, window: int) -> int:
+        """Rows of entries the buffer can hold past a ring of ``window`` slots."""
+        return self.rows.shape[1] - window
 
 
 def _rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """V4's RoPE: interleaved pairs over the trailing ``2 * cos.shape[-1]`` channels of ``x [S, ..., D]``,
-    in fp32, back to x's dtype (HF's ``apply_rotary_pos_emb``)."""
+    """V4's RoPE: interleaved pairs over the trailing ``2 * cos.shape[-1]`` channels of ``x [B, S, ..., D]``
+    at ``cos, sin [S, R / 2]``, in fp32, back to x's dtype (HF's ``apply_rotary_pos_emb``)."""
     r = 2 * cos.shape[-1]
-    rot = apply_rope(x[..., -r:], cos.float(), sin.float(), True).to(x.dtype)
+    rot = apply_rope(x[..., -r:].transpose(0, 1), cos.float(), sin.float(), True).transpose(0, 1).to(x.dtype)
     return torch.cat((x[..., :-r], rot), dim=-1)
 
 
-def _append(acc: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
-    return new if acc is None else torch.cat((acc, new))
+def _ring_state(ring: tuple[torch.Tensor, torch.Tensor], bias: torch.Tensor, rate: int, overlap: bool,
+                length: int) -> CompressState:
+    """The compressor's state after ``length`` tokens, read from its ring of projected tokens: the open
+    window's tokens, and (overlapping) the last closed window's first halves with the position bias added."""
+    kv, gate = ring
+    n = ring[0].shape[1]
+    start = length // rate * rate
+    pending = torch.arange(start, length, device=kv.device) % n
+    if not overlap or start == 0:
+        return CompressState(kv[:, pending], gate[:, pending], entries=length // rate)
+    half = kv.shape[-1] // 2
+    last = torch.arange(start - rate, start, device=kv.device) % n
+    return CompressState(kv[:, pending], gate[:, pending], kv[:, last, :half], gate[:, last, :half] + bias[:, :half],
+                         length // rate)
 
 
-def _entries(module, h, state: CompressState | None, overlap: bool):
-    """Pool ``h [S, hidden]`` through compressor ``module``: the new entries, normalised and rotated at their
-    positions, and the compressor's new state."""
-    raw, new = compress(module.kv_proj(h), module.gate_proj(h), module.position_bias, module.compress_rate, overlap,
-                        state)
-    first = state.entries if state is not None else 0
-    normed = module.kv_norm(raw)
-    pos = ((torch.arange(raw.shape[0], device=h.device) + first) * module.compress_rate)[None]
-    cos, sin = module.rotary_emb(normed[None], position_ids=pos, layer_type=module.rope_layer_type)
-    return _rope_tail(normed, cos[0], sin[0]), new
+def _write_ring(ring: torch.Tensor, new: torch.Tensor, end: int) -> None:
+    """Write tokens ``new [B, S, W]`` at positions ``end - S .. end - 1`` into ``ring [B, n, W]`` (slot = position
+    % n; only the last n tokens land)."""
+    n = ring.shape[1]
+    m = min(new.shape[1], n)
+    ring[:, torch.arange(end - m, end, device=ring.device) % n] = new[:, new.shape[1] - m:].to(ring.dtype)
 
 
 class V4LayerStep:
-    """A chunk of one request through an adopted HF ``DeepseekV4Attention`` ``attn`` on flashdsa's ops.
+    """A chunk of B equal-length requests through an adopted HF ``DeepseekV4Attention`` ``attn``.
 
     ``precision``: "exact" (HF's selection; rows in the model dtype, attention over them in fp32: HF's numbers
     to rounding) or "fp8" (the deployment numerics: the window rows and entries stored once as fp8 MLA rows
@@ -84,57 +106,133 @@ class V4LayerStep:
         self.kind = attn.layer_type
         self.backend = backend
         self.precision = precision
+        self.window = attn.sliding_window
+        self.rate = attn.compressor.compress_rate if self.kind in (CSA, HCA) else 0
 
-    def empty_state(self, dtype: torch.dtype, device=None) -> RequestState:
+    def empty_state(self, batch: int, dtype: torch.dtype, device=None, capacity: int = 0) -> V4State:
+        """A state of ``batch`` new requests, room for ``capacity`` entries (more is allocated as needed)."""
+        a = self.attn
+        rows = self._alloc_rows(batch, capacity, dtype, device)
+        keys = scales = comp = index_comp = None
+        if self.kind in (CSA, HCA):
+            comp = self._alloc_ring(a.compressor, batch, dtype, device)
+        if self.kind == CSA:
+            ix = a.compressor.indexer
+            index_comp = self._alloc_ring(ix, batch, dtype, device)
+            cap = rows.shape[1] - self.window
+            if self.precision == "fp8":
+                keys = torch.zeros(batch, cap, ix.head_dim, dtype=torch.float8_e4m3fn, device=device)
+                scales = torch.zeros(batch, cap, dtype=torch.float32, device=device)
+            else:
+                keys = torch.zeros(batch, cap, ix.head_dim, dtype=dtype, device=device)
+        return V4State(0, rows, keys, scales, comp, index_comp)
+
+    def _alloc_rows(self, batch: int, capacity: int, dtype, device) -> torch.Tensor:
+        n = -(-(self.window + capacity) // PAGE_SIZE) * PAGE_SIZE
         if self.precision == "fp8":
-            return RequestState(torch.zeros(0, 656, dtype=torch.uint8, device=device))
-        return RequestState(torch.zeros(0, self.attn.head_dim, dtype=dtype, device=device))
+            return torch.zeros(batch, n, MLA_FP8_BYTES, dtype=torch.uint8, device=device)
+        return torch.zeros(batch, n, MLA_DIM, dtype=dtype, device=device)
+
+    @staticmethod
+    def _alloc_ring(module, batch: int, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+        W = module.kv_proj.out_features
+        n = module.compress_rate * (2 if W != module.kv_norm.weight.shape[0] else 1)  # overlapping: two windows
+        return (torch.zeros(batch, n, W, dtype=dtype, device=device),
+                torch.zeros(batch, n, W, dtype=dtype, device=device))
+
+    def _grow(self, state: V4State, entries: int) -> V4State:
+        """``state`` with room for ``entries`` entries: the buffers copied into larger ones (at least double)."""
+        if entries <= state.entries(self.window):
+            return state
+        cap = max(entries, 2 * state.entries(self.window))
+        rows = self._alloc_rows(state.batch, cap, state.rows.dtype, state.rows.device)
+        rows[:, :state.rows.shape[1]] = state.rows
+        keys, scales = state.index_keys, state.index_scales
+        if keys is not None:
+            n = rows.shape[1] - self.window
+            keys = torch.cat((keys, keys.new_zeros(keys.shape[0], n - keys.shape[1], keys.shape[2])), dim=1)
+            if scales is not None:
+                scales = torch.cat((scales, scales.new_zeros(scales.shape[0], n - scales.shape[1])), dim=1)
+        return replace(state, rows=rows, index_keys=keys, index_scales=scales)
 
     def _rows(self, x: torch.Tensor) -> torch.Tensor:
-        return fp8_rows(x) if self.precision == "fp8" else x
+        return fp8_rows(x) if self.precision == "fp8" else mla_rows(x)
+
+    def _entries(self, module, h, ring, length: int, overlap: bool):
+        """Pool ``h [B, S, hidden]`` through compressor ``module`` after ``length`` tokens whose projections sit
+        in ``ring``: the new entries ``[B, e, D]``, normalised and rotated at their positions, and this chunk's
+        projected ``(kv, gate)`` for the ring."""
+        kv, gate = module.kv_proj(h), module.gate_proj(h)
+        state = _ring_state(ring, module.position_bias, module.compress_rate, overlap, length)
+        raw, _ = compress(kv, gate, module.position_bias, module.compress_rate, overlap, state)
+        normed = module.kv_norm(raw)
+        pos = (torch.arange(raw.shape[1], device=h.device) + state.entries) * module.compress_rate
+        cos, sin = module.rotary_emb(normed, position_ids=pos[None], layer_type=module.rope_layer_type)
+        return _rope_tail(normed, cos[0], sin[0]), (kv, gate)
 
     @torch.no_grad()
     def __call__(self, h: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 state: RequestState) -> tuple[torch.Tensor, RequestState]:
-        """``h [S, hidden]`` the chunk's hidden states at ``positions [S]`` (``state.length ..``), ``cos, sin
-        [S, R / 2]`` of this layer's rope type (HF's ``position_embeddings[attn.rope_layer_type]``) -> the
-        layer's output ``[S, hidden]`` and the request's new state (``state`` itself is left as it was)."""
+                 state: V4State) -> tuple[torch.Tensor, V4State]:
+        """``h [B, S, hidden]`` the chunk's hidden states at ``positions [S]`` (``state.length ..``, the same for
+        every request), ``cos, sin [S, R / 2]`` of this layer's rope type (HF's
+        ``position_embeddings[attn.rope_layer_type]``) -> the layer's output ``[B, S, hidden]`` and the new
+        state (module docstring: the buffers are written in place)."""
         a = self.attn
-        S, D = h.shape[0], a.head_dim
+        B, S, _ = h.shape
+        D, win, p0 = a.head_dim, self.window, state.length
+        if state.batch != B:
+            raise ValueError(f"state: holds {state.batch} requests, h {B}")
         q_res = a.q_a_norm(a.q_a_proj(h))
-        q = _rope_tail(a.q_b_norm(a.q_b_proj(q_res).view(S, -1, D)), cos[:, None], sin[:, None])
+        q = _rope_tail(a.q_b_norm(a.q_b_proj(q_res).view(B, S, -1, D)), cos[:, None], sin[:, None])
         kv = self._rows(_rope_tail(a.kv_norm(a.kv_proj(h)), cos, sin))
-        raw = torch.cat((state.window, kv))  # the raw rows a query's window may reach
-        rows = raw
-        base = state.length - state.window.shape[0]  # the position of rows[0]
-        lists = [window_indices(positions - base, a.sliding_window)]
-        entries, index_keys, index_scales = state.entries, state.index_keys, state.index_scales
-        comp, index_comp = state.comp, state.index_comp
+        seen = min(p0, win - 1)  # earlier tokens a query's window may reach, in position order, then the chunk's
+        raw = torch.cat((state.rows[:, torch.arange(p0 - seen, p0, device=h.device) % win], kv), dim=1)
+        lists = [window_indices(positions - (p0 - seen), win)]
+        rows, comp, index_comp = raw, None, None
         if self.kind in (CSA, HCA):
-            new, comp = _entries(a.compressor, h, comp, self.kind == CSA)
-            entries = _append(entries, self._rows(new))
+            new, comp = self._entries(a.compressor, h, state.comp, p0, self.kind == CSA)
+            first, count = p0 // self.rate, p0 // self.rate + new.shape[1]
+            state = self._grow(state, count)
+            state.rows[:, win + first:win + count] = self._rows(new)  # past the old length: not yet read
             if self.kind == HCA:
-                lists.append(causal_entry_indices(positions, a.compressor.compress_rate, entries.shape[0],
-                                                  rows.shape[0]))
+                lists.append(causal_entry_indices(positions, self.rate, count, raw.shape[1]))
             else:
-                ix = a.compressor.indexer
-                new, index_comp = _entries(ix, h, index_comp, True)
-                icos, isin = ix.rotary_emb(h[None], position_ids=positions[None], layer_type=ix.rope_layer_type)
-                q_ix = _rope_tail(ix.q_b_proj(q_res).view(S, -1, ix.head_dim), icos[0][:, None], isin[0][:, None])
-                w = ix.scorer.weights_proj(h).float() * ix.scorer.weights_scaling
-                if self.precision == "fp8":
-                    new, new_scales = quantize(new)
-                    index_keys, index_scales = _append(index_keys, new), _append(index_scales, new_scales)
-                    q_fp8, q_scale = quantize(q_ix)
-                    picks = select_fp8(q_fp8, index_keys, index_scales, w * q_scale * ix.head_dim ** -0.5, positions,
-                                       ix.compress_rate, ix.index_topk, backend=self.backend)
-                else:
-                    index_keys = _append(index_keys, new)
-                    picks = select_exact(q_ix, index_keys, w, positions, ix.compress_rate, ix.index_topk)
-                lists.append(torch.where(picks >= 0, picks + rows.shape[0], -1).to(torch.int32))
-            rows = torch.cat((rows, entries))
+                picks, index_comp = self._select(h, q_res, positions, state, first, count)
+                lists.append(torch.where(picks >= 0, picks + raw.shape[1], -1).to(torch.int32))
+            rows = torch.cat((raw, state.rows[:, win:win + count]), dim=1)
+        N = rows.shape[1]
+        idx = torch.cat([x.expand(B, -1, -1) if x.dim() == 2 else x for x in lists], dim=-1)
+        idx = torch.where(idx >= 0, idx + N * torch.arange(B, device=h.device)[:, None, None].to(idx.dtype), -1)
         run = attend_fp8 if self.precision == "fp8" else attend
-        out = run(q, rows, torch.cat(lists, dim=1), a.sinks, a.scaling, cos, sin, backend=self.backend).to(h.dtype)
-        out = a.o_b_proj(a.o_a_proj(out.reshape(S, a.config.o_groups, -1)).flatten(-2))
-        window = raw[-(a.sliding_window - 1):] if a.sliding_window > 1 else kv[:0]
-        return out, RequestState(window, entries, index_keys, index_scales, comp, index_comp, state.length + S)
+        out = run(q.reshape(B * S, -1, D), rows.reshape(B * N, -1), idx.reshape(B * S, -1).to(torch.int32), a.sinks,
+                  a.scaling, cos.repeat(B, 1), sin.repeat(B, 1), backend=self.backend).to(h.dtype)
+        out = a.o_b_proj(a.o_a_proj(out.view(B, S, a.config.o_groups, -1)).flatten(-2))
+        _write_ring(state.rows[:, :win], kv, p0 + S)
+        if comp is not None:
+            for ring, new in zip(state.comp, comp):
+                _write_ring(ring, new, p0 + S)
+        if index_comp is not None:
+            for ring, new in zip(state.index_comp, index_comp):
+                _write_ring(ring, new, p0 + S)
+        return out, replace(state, length=p0 + S)
+
+    def _select(self, h, q_res, positions, state: V4State, first: int, count: int):
+        """CSA's indexer: its keys of this chunk's new entries written to ``state``'s buffers (past the old
+        length), and each query's picks ``[B, S, topk]`` (entry indices, -1 padded)."""
+        a, B, S = self.attn, h.shape[0], h.shape[1]
+        ix = a.compressor.indexer
+        new, index_comp = self._entries(ix, h, state.index_comp, state.length, True)
+        icos, isin = ix.rotary_emb(h, position_ids=positions[None], layer_type=ix.rope_layer_type)
+        q_ix = _rope_tail(ix.q_b_proj(q_res).view(B, S, -1, ix.head_dim), icos[0][:, None], isin[0][:, None])
+        w = ix.scorer.weights_proj(h).float() * ix.scorer.weights_scaling
+        if self.precision == "fp8":
+            k_fp8, k_scale = quantize(new)
+            state.index_keys[:, first:count], state.index_scales[:, first:count] = k_fp8, k_scale
+            q_fp8, q_scale = quantize(q_ix)
+            picks = select_fp8(q_fp8, state.index_keys[:, :count], state.index_scales[:, :count],
+                               w * q_scale * ix.head_dim ** -0.5, positions, ix.compress_rate, ix.index_topk,
+                               backend=self.backend)
+        else:
+            state.index_keys[:, first:count] = new
+            picks = select_exact(q_ix, state.index_keys[:, :count], w, positions, ix.compress_rate, ix.index_topk)
+        return picks, index_comp

@@ -132,19 +132,20 @@ def test_attend_refuses_bad_shapes():
 
 
 def rope_entries(module, entries, first, dtype):
-    """HF's RMSNorm and RoPE of pooled entries ``first ..`` (what the layer does after pooling)."""
+    """HF's RMSNorm and RoPE of pooled entries ``[B, e, D]``, entry ``first ..`` (what the layer does after
+    pooling)."""
     rate = module.compress_rate
     normed = module.kv_norm(entries)
-    pos = ((torch.arange(entries.shape[0]) + first) * rate)[None]
-    cos, sin = module.rotary_emb(normed[None], position_ids=pos, layer_type=module.rope_layer_type)
-    return hf_v4.apply_rotary_pos_emb(normed[None, None], cos, sin)[0, 0].to(dtype)
+    pos = ((torch.arange(entries.shape[1]) + first) * rate)[None]
+    cos, sin = module.rotary_emb(normed, position_ids=pos, layer_type=module.rope_layer_type)
+    return hf_v4.apply_rotary_pos_emb(normed.unsqueeze(1), cos, sin).squeeze(1).to(dtype)
 
 
 @pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compressor_state_across_calls_equals_hf(dtype):
     """A prompt, then single-token decode steps, then a 6-token extend, through HF's model with its cache; at
-    every call our compressor (one request at a time, its state carried between calls) gives the entries HF's
+    every call our compressor (the batch's rows in one call, its state carried between calls) gives the entries HF's
     cache holds — CSA's attention and indexer series (overlapping windows) and HCA's — bit for bit: the same
     ops in the same order."""
     model = tiny_model().to(dtype)
@@ -162,8 +163,8 @@ def test_compressor_state_across_calls_equals_hf(dtype):
     def hook(module, args, kwargs):
         inputs[id(module)] = args[0] if args else kwargs["hidden_states"]
     handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m, _ in series.values()]
-    states = {(key, b): None for key in series for b in range(B)}
-    ours = {(key, b): [] for key in series for b in range(B)}
+    states = {key: None for key in series}
+    ours = {key: [] for key in series}
     cache = None
     chunks = [ids] + [torch.randint(0, 128, (B, 1), generator=torch.Generator().manual_seed(10 + s)) for s in range(9)]
     chunks.append(torch.randint(0, 128, (B, 6), generator=torch.Generator().manual_seed(30)))
@@ -172,40 +173,43 @@ def test_compressor_state_across_calls_equals_hf(dtype):
             for step, chunk in enumerate(chunks):
                 out = model(chunk, past_key_values=cache, use_cache=True)  # `cache` from 5.25 on
                 cache = out.past_key_values
-                for (i, name), (module, overlap) in series.items():
+                for key, (module, overlap) in series.items():
+                    i, name = key
                     h = inputs[id(module)]
                     kv, gate = module.kv_proj(h), module.gate_proj(h)
                     want = cache.layers[i].compressed_kv[name]
-                    for b in range(B):
-                        key = ((i, name), b)
-                        first = states[key].entries if states[key] is not None else 0
-                        entries, states[key] = compress(kv[b], gate[b], module.position_bias, module.compress_rate,
-                                                        overlap, states[key])
-                        if entries.shape[0]:
-                            ours[key].append(rope_entries(module, entries, first, dtype))
-                        got = torch.cat(ours[key]) if ours[key] else None
-                        if want is None or want.shape[1] == 0:
-                            assert got is None, (step, i, name)
-                        else:
-                            assert got is not None and torch.equal(got, want[b]), (step, i, name, b)
+                    first = states[key].entries if states[key] is not None else 0
+                    entries, states[key] = compress(kv, gate, module.position_bias, module.compress_rate, overlap,
+                                                    states[key])
+                    if entries.shape[1]:
+                        ours[key].append(rope_entries(module, entries, first, dtype))
+                    got = torch.cat(ours[key], dim=1) if ours[key] else None
+                    if want is None or want.shape[1] == 0:
+                        assert got is None, (step, i, name)
+                    else:
+                        assert got is not None and torch.equal(got, want), (step, i, name)
     finally:
         for h in handles:
             h.remove()
     total = 11 + 9 + 6
-    assert states[((1, "compressor"), 0)].entries == total // 4 and states[((2, "compressor"), 0)].entries == total // 8
+    assert states[(1, "compressor")].entries == total // 4 and states[(2, "compressor")].entries == total // 8
 
 
 def test_compress_refuses_bad_shapes_and_keeps_state():
-    s0 = CompressState.empty(8, torch.float32)
-    kv = torch.randn(3, 8)
+    s0 = CompressState.empty(2, 8, torch.float32)
+    kv = torch.randn(2, 3, 8)
+    with pytest.raises(ValueError, match="^kv:"):
+        compress(kv[0], kv[0], torch.zeros(4, 8), 4, True)
     with pytest.raises(ValueError, match="^gate:"):
-        compress(kv, torch.randn(2, 8), torch.zeros(4, 8), 4, True)
+        compress(kv, torch.randn(2, 2, 8), torch.zeros(4, 8), 4, True)
     with pytest.raises(ValueError, match="^position_bias:"):
         compress(kv, kv, torch.zeros(2, 8), 4, True)
+    with pytest.raises(ValueError, match="^state:"):
+        compress(kv[:1], kv[:1], torch.zeros(4, 8), 4, True, s0)
     e, s1 = compress(kv, kv, torch.zeros(4, 8), 4, True, s0)
-    assert e.shape == (0, 4) and s1.pending_kv.shape == (3, 8) and s0.pending_kv.shape == (0, 8)  # s0 untouched
+    assert e.shape == (2, 0, 4) and s1.pending_kv.shape == (2, 3, 8) and s0.pending_kv.shape == (2, 0, 8)  # s0 kept
     e, s2 = compress(kv, kv, torch.zeros(4, 8), 4, True, s1)
-    assert e.shape == (1, 4) and s2.entries == 1 and s2.pending_kv.shape == (2, 8) and s1.entries == 0
+    assert e.shape == (2, 1, 4) and s2.entries == 1 and s2.pending_kv.shape == (2, 2, 8) and s1.entries == 0
 
 
 @pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated")
@@ -233,11 +237,9 @@ def test_exact_selection_equals_hf_indexer():
                 q = idx_mod.q_b_proj(q_res).view(B, S, -1, idx_mod.head_dim).transpose(1, 2)
                 q = hf_v4.apply_rotary_pos_emb(q, cos, sin).transpose(1, 2)
                 w = idx_mod.scorer.weights_proj(h).float() * idx_mod.scorer.weights_scaling
-                for b in range(B):
-                    p = pos.expand(B, -1)[b]
-                    ours = select_exact(q[b], keys[b], w[b], p, idx_mod.compress_rate, idx_mod.index_topk)
-                    k = want.shape[-1]
-                    assert torch.equal(ours[:, :k], want[b].to(torch.int32)) and (ours[:, k:] == -1).all()
+                ours = select_exact(q, keys, w, pos[0], idx_mod.compress_rate, idx_mod.index_topk)
+                k = want.shape[-1]
+                assert torch.equal(ours[..., :k], want.to(torch.int32)) and (ours[..., k:] == -1).all()
     finally:
         handle.remove()
     assert any((o >= 0).sum(-1).max() == 4 for _, _, o in got)  # selection happened: 9 entries, top-4
@@ -247,32 +249,37 @@ def test_exact_selection_equals_hf_indexer():
 def test_fp8_selection_against_dequantised_reference(backend):
     """select_fp8 (flashdsa's ragged logits + exact top-k) on fp8 queries and keys: its picks are an exact top-k
     of the reference scores of the dequantised inputs whatever the tie rule (tie-safe), and both backends give
-    the same bits. Keys of random scale, ties at ReLU's zeros, rows seeing 0 .. 40 entries, topk 16."""
+    the same bits. Two requests (each over its own keys, in one launch), keys of random scale, ties at ReLU's
+    zeros, rows seeing 0 .. 40 entries, topk 16."""
     from flashdsa.quant import act_quant
     from flashdsa.testing.compare import topk_tie_safe
     g = torch.Generator().manual_seed(5)
-    T, H, d, E, rate, topk = 24, 4, 128, 40, 4, 16
+    B, T, H, d, E, rate, topk = 2, 24, 4, 128, 40, 4, 16
     positions = torch.sort(torch.randint(0, E * rate, (T,), generator=g)).values
     positions[0] = 2  # sees no entry yet
-    q_fp8, q_scale = act_quant(torch.randn(T, H, d, generator=g))
-    k_fp8, k_scale = act_quant(torch.randn(E, d, generator=g) * torch.rand(E, 1, generator=g) * 3)
-    k_scale = k_scale[:, 0]
-    weights = torch.randn(T, H, generator=g) * H ** -0.5 * d ** -0.5 * q_scale[..., 0]
+    q_fp8, q_scale = act_quant(torch.randn(B, T, H, d, generator=g))
+    k_fp8, k_scale = act_quant(torch.randn(B, E, d, generator=g) * torch.rand(B, E, 1, generator=g) * 3)
+    k_scale = k_scale[..., 0]
+    weights = torch.randn(B, T, H, generator=g) * H ** -0.5 * d ** -0.5 * q_scale[..., 0]
     picks = select_fp8(q_fp8, k_fp8, k_scale, weights, positions, rate, topk, backend=backend)
-    ref = scores_exact(q_fp8.float(), k_fp8.float() * k_scale[:, None], weights * d ** 0.5, positions, rate)
+    ref = scores_exact(q_fp8.float(), k_fp8.float() * k_scale[..., None], weights * d ** 0.5, positions, rate)
     visible = visible_entries(positions, rate)
-    ok, recall = topk_tie_safe(ref, visible, picks, topk, ascending=True)
-    assert ok, recall
-    assert (picks[0] == -1).all() and picks.shape == (T, topk)
+    for b in range(B):
+        ok, recall = topk_tie_safe(ref[b], visible, picks[b], topk, ascending=True)
+        assert ok, (b, recall)
+    assert (picks[:, 0] == -1).all() and picks.shape == (B, T, topk)
     assert torch.equal(picks, select_fp8(q_fp8, k_fp8, k_scale, weights, positions, rate, topk, backend="torch"))
+    alone = select_fp8(q_fp8[1:], k_fp8[1:], k_scale[1:], weights[1:], positions, rate, topk, backend=backend)
+    assert torch.equal(alone, picks[1:])  # a request's picks do not depend on the others in the launch
 
 
 @pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated")
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_layer_step_equals_hf_over_prompt_decode_and_extend(backend):
-    """V4LayerStep, one request at a time with its state carried between calls, against every attention layer
-    of HF's model run with its cache: a 37-token prompt, 7 decode steps, a 5-token extend; fp32, default
-    initialisation, random sinks too (HF initialises them to 0). The bound: fp32 rounding (see the first test)."""
+    """V4LayerStep, the batch's rows in one call with their state carried between calls, against every attention
+    layer of HF's model run with its cache: a 37-token prompt, 7 decode steps, a 5-token extend, then 20 decode
+    steps (the entry buffers grow); fp32, default initialisation, random sinks too (HF initialises them to 0).
+    The bound: fp32 rounding (see the first test)."""
     model = tiny_model()
     g = torch.Generator().manual_seed(6)
     for layer in model.model.layers:
@@ -282,8 +289,9 @@ def test_layer_step_equals_hf_over_prompt_decode_and_extend(backend):
     chunks = [torch.randint(0, 128, (B, 37), generator=g)]
     chunks += [torch.randint(0, 128, (B, 1), generator=g) for _ in range(7)]
     chunks.append(torch.randint(0, 128, (B, 5), generator=g))
+    chunks += [torch.randint(0, 128, (B, 1), generator=g) for _ in range(20)]
     steps = [V4LayerStep(layer.self_attn, backend) for layer in model.model.layers]
-    states = [[s.empty_state(torch.float32) for _ in range(B)] for s in steps]
+    states = [s.empty_state(B, torch.float32) for s in steps]
     cache = None
     for chunk in chunks:
         seen = []
@@ -300,15 +308,25 @@ def test_layer_step_equals_hf_over_prompt_decode_and_extend(backend):
         for i, (inputs, want) in enumerate(seen):
             step = steps[i]
             S = want.shape[1]
-            pos = inputs["position_ids"].expand(B, -1)
-            cos, sin = (t.expand(B, -1, -1) for t in inputs["position_embeddings"][step.attn.rope_layer_type])
-            for b in range(B):
-                got, states[i][b] = step(inputs["hidden_states"][b], pos[b], cos[b], sin[b], states[i][b])
-                err = (got - want[b]).abs().max()
-                assert err <= 64 * torch.finfo(torch.float32).eps * want[b].abs().max(), (i, S, float(err))
-    st = states[1][0]
-    assert st.length == 37 + 7 + 5 and st.entries.shape[0] == 49 // 4 and st.index_keys.shape[0] == 49 // 4
-    assert st.window.shape[0] == 7 and states[2][0].entries.shape[0] == 49 // 8
+            cos, sin = (t[0] for t in inputs["position_embeddings"][step.attn.rope_layer_type])
+            got, states[i] = step(inputs["hidden_states"], inputs["position_ids"][0], cos, sin, states[i])
+            err = (got - want).abs().max()
+            assert err <= 64 * torch.finfo(torch.float32).eps * want.abs().max(), (i, S, float(err))
+    n = 37 + 7 + 5 + 20
+    st = states[1]
+    assert st.length == n and st.entries(steps[1].window) >= n // 4 and st.index_keys.shape[1] >= n // 4
+    assert st.rows.shape[1] % 64 == 0 and states[2].entries(steps[2].window) >= n // 8
+
+
+def test_layer_step_refuses_another_batch():
+    model = tiny_model()
+    from flashdsa.v4.layer import V4LayerStep
+    step = V4LayerStep(model.model.layers[1].self_attn)
+    state = step.empty_state(2, torch.float32)
+    h = torch.randn(3, 4, 64)
+    with pytest.raises(ValueError, match="^state:"):
+        step(h, torch.arange(4), torch.zeros(4, 8), torch.zeros(4, 8), state)
+    assert state.length == 0
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
