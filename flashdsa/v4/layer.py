@@ -177,11 +177,13 @@ class V4LayerStep:
         every request), ``cos, sin [S, R / 2]`` of this layer's rope type (HF's
         ``position_embeddings[attn.rope_layer_type]``) -> the layer's output ``[B, S, hidden]`` and the new
         state (module docstring: the buffers are written in place)."""
-        a = self.attn
         B, S, _ = h.shape
-        D, win, p0 = a.head_dim, self.window, state.length
         if state.batch != B:
             raise ValueError(f"state: holds {state.batch} requests, h {B}")
+        if S == 1:
+            return self.decode(h, positions, cos, sin, state)
+        a = self.attn
+        D, win, p0 = a.head_dim, self.window, state.length
         q_res = a.q_a_norm(a.q_a_proj(h))
         q = _rope_tail(a.q_b_norm(a.q_b_proj(q_res).view(B, S, -1, D)), cos[:, None], sin[:, None])
         kv = self._rows(_rope_tail(a.kv_norm(a.kv_proj(h)), cos, sin))
@@ -217,22 +219,134 @@ class V4LayerStep:
         return out, replace(state, length=p0 + S)
 
     def _select(self, h, q_res, positions, state: V4State, first: int, count: int):
-        """CSA's indexer: its keys of this chunk's new entries written to ``state``'s buffers (past the old
-        length), and each query's picks ``[B, S, topk]`` (entry indices, -1 padded)."""
+        """CSA's indexer over a chunk: its keys of the chunk's new entries written to ``state``'s buffers (past
+        the old length), and each query's picks ``[B, S, topk]`` (entry indices, -1 padded)."""
+        ix = self.attn.compressor.indexer
+        new, index_comp = self._entries(ix, h, state.index_comp, state.length, True)
+        self._put_keys(state, slice(first, count), new)
+        return self._pick(h, q_res, positions, state, count, False), index_comp
+
+    def _put_keys(self, state: V4State, where, keys: torch.Tensor, closes: torch.Tensor | None = None) -> None:
+        """Write indexer keys ``[B, e, d]`` (RoPE applied) at entries ``where`` (a slice, or ``[1]`` int64 with
+        ``closes`` saying whether to write at all), quantised in fp8 mode."""
+        dst = [state.index_keys]
+        src = [keys]
+        if self.precision == "fp8":
+            dst.append(state.index_scales)
+            src = list(quantize(keys))
+        for d, x in zip(dst, src):
+            if closes is None:
+                d[:, where] = x
+            else:
+                _put(d, where, closes, x)
+
+    def _pick(self, h, q_res, positions, state: V4State, count: int, capturable: bool) -> torch.Tensor:
+        """Each query's ``[B, S, topk]`` picks among the first ``count`` entries (those it cannot see scored
+        -inf and never picked)."""
         a, B, S = self.attn, h.shape[0], h.shape[1]
         ix = a.compressor.indexer
-        new, index_comp = self._entries(ix, h, state.index_comp, state.length, True)
         icos, isin = ix.rotary_emb(h, position_ids=positions[None], layer_type=ix.rope_layer_type)
         q_ix = _rope_tail(ix.q_b_proj(q_res).view(B, S, -1, ix.head_dim), icos[0][:, None], isin[0][:, None])
         w = ix.scorer.weights_proj(h).float() * ix.scorer.weights_scaling
         if self.precision == "fp8":
-            k_fp8, k_scale = quantize(new)
-            state.index_keys[:, first:count], state.index_scales[:, first:count] = k_fp8, k_scale
             q_fp8, q_scale = quantize(q_ix)
-            picks = select_fp8(q_fp8, state.index_keys[:, :count], state.index_scales[:, :count],
-                               w * q_scale * ix.head_dim ** -0.5, positions, ix.compress_rate, ix.index_topk,
-                               backend=self.backend)
-        else:
-            state.index_keys[:, first:count] = new
-            picks = select_exact(q_ix, state.index_keys[:, :count], w, positions, ix.compress_rate, ix.index_topk)
-        return picks, index_comp
+            return select_fp8(q_fp8, state.index_keys[:, :count], state.index_scales[:, :count],
+                              w * q_scale * ix.head_dim ** -0.5, positions, ix.compress_rate, ix.index_topk,
+                              backend=self.backend, capturable=capturable)
+        return select_exact(q_ix, state.index_keys[:, :count], w, positions, ix.compress_rate, ix.index_topk)
+
+    def reserve(self, state: V4State, length: int) -> V4State:
+        """``state`` with room for the entries of ``length`` tokens: what :meth:`decode` with ``capturable=True``
+        needs up front (it never grows the buffers)."""
+        return self._grow(state, length // self.rate) if self.rate else state
+
+    @torch.no_grad()
+    def decode(self, h: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               state: V4State, capturable: bool = False) -> tuple[torch.Tensor, V4State]:
+        """One decode token a request (``h [B, 1, hidden]`` at ``positions [1]``), the keys read in place: the
+        token's row goes into its ring slot, a closing window's entry into the entries, and the attention reads
+        the buffer itself (no copy of the context a step, as :meth:`__call__` makes for a chunk).
+
+        ``capturable=True``: nothing read back to the host and every shape fixed by the buffers (the position
+        only on the device: entries past it scored -inf, a window that has not closed written as what was
+        there) — a CUDA graph can hold the step; :meth:`reserve` the capacity first. Otherwise the host's
+        ``state.length`` bounds the entries scored (so exact mode's ``torch.topk`` sees HF's row, ties and all).
+
+        Writes land in slots no query of this position reads before the write, so a failed call retried at
+        the same position gives the same result; the returned state's ``length`` is ``state.length + 1``.
+        """
+        a = self.attn
+        B = h.shape[0]
+        D, win = a.head_dim, self.window
+        p = positions.long().reshape(1)
+        if not capturable:
+            state = self.reserve(state, state.length + 1)
+        q_res = a.q_a_norm(a.q_a_proj(h))
+        q = _rope_tail(a.q_b_norm(a.q_b_proj(q_res).view(B, 1, -1, D)), cos[:, None], sin[:, None])
+        kv = self._rows(_rope_tail(a.kv_norm(a.kv_proj(h)), cos, sin))
+        rows = state.rows
+        rows.index_copy_(1, p % win, kv)  # the ring is the buffer's first `win` rows
+        slots = torch.arange(win, device=h.device)
+        lists = [torch.where(p - (p - slots) % win >= 0, slots, -1)[None, None]]  # the ring: the whole window
+        if self.rate:
+            count = state.entries(win) if capturable else (state.length + 1) // self.rate
+            n, closes = (p + 1) // self.rate - 1, (p + 1) % self.rate == 0
+            entry = _close_entry(a.compressor, h, state.comp, p, self.kind == CSA)
+            _put(rows[:, win:], n, closes, self._rows(entry))
+            if self.kind == HCA:
+                lists.append(causal_entry_indices(positions, self.rate, count, win)[None])
+            else:
+                ix = a.compressor.indexer
+                self._put_keys(state, n, _close_entry(ix, h, state.index_comp, p, True), closes)
+                picks = self._pick(h, q_res, positions, state, count, capturable)
+                lists.append(torch.where(picks >= 0, picks + win, -1).to(torch.int32))
+        N = rows.shape[1]
+        idx = torch.cat([x.expand(B, 1, -1) for x in lists], dim=-1)
+        idx = torch.where(idx >= 0, idx + N * torch.arange(B, device=h.device)[:, None, None].to(idx.dtype), -1)
+        run = attend_fp8 if self.precision == "fp8" else attend
+        out = run(q.reshape(B, -1, D), rows.view(B * N, -1), idx.view(B, -1).to(torch.int32), a.sinks, a.scaling,
+                  cos.expand(B, -1), sin.expand(B, -1), backend=self.backend).to(h.dtype)
+        out = a.o_b_proj(a.o_a_proj(out.view(B, 1, a.config.o_groups, -1)).flatten(-2))
+        return out, replace(state, length=state.length + 1)
+
+
+def _put(buf: torch.Tensor, n: torch.Tensor, closes: torch.Tensor, value: torch.Tensor) -> None:
+    """``buf[:, n] = value`` (``value [B, 1, ...]``) where ``closes`` (``[1]`` bool), else left as it was; no host
+    read (``n`` < 0 when nothing closes: slot 0 rewritten as it was)."""
+    if buf.dtype == torch.float8_e4m3fn:  # fp8 keys moved as their bytes (CPU has no fp8 index_copy / where)
+        buf, value = buf.view(torch.uint8), value.view(torch.uint8)
+    i = n.clamp(min=0)
+    keep = buf.index_select(1, i)
+    mask = closes.view((1,) * value.dim())
+    buf.index_copy_(1, i, torch.where(mask, value.to(buf.dtype), keep))
+
+
+def _close_entry(module, h: torch.Tensor, ring: tuple[torch.Tensor, torch.Tensor], p: torch.Tensor,
+                 overlap: bool) -> torch.Tensor:
+    """One decode token through compressor ``module``: its projections written to the ring (slot ``p % ring``),
+    and the entry of the window that ends at ``p`` (``[B, 1, D]``, normalised and rotated at its position) —
+    meaningful only where ``(p + 1) % rate == 0``. The same ops in the same layout as :func:`compress` over one
+    closing window (and HF's decode step), so the same bits."""
+    kv_ring, gate_ring = ring
+    rate, R = module.compress_rate, kv_ring.shape[1]
+    slot = p % R
+    kv_ring.index_copy_(1, slot, module.kv_proj(h).to(kv_ring.dtype))
+    gate_ring.index_copy_(1, slot, module.gate_proj(h).to(gate_ring.dtype))
+    n = (p + 1) // rate - 1
+    cur = n * rate + torch.arange(rate, device=h.device)
+    ckv, cgate = kv_ring[:, cur % R], gate_ring[:, cur % R] + module.position_bias
+    if overlap:
+        half = kv_ring.shape[-1] // 2
+        prev = cur - rate
+        seen = (prev >= 0)[None, :, None]  # entry 0 has no earlier window: weight 0
+        pkv = torch.where(seen, kv_ring[:, prev % R, :half], 0)
+        pgate = torch.where(seen, gate_ring[:, prev % R, :half] + module.position_bias[:, :half], float("-inf"))
+        ckv = torch.cat((pkv, ckv[..., half:]), dim=1)
+        cgate = torch.cat((pgate, cgate[..., half:]), dim=1)
+    # compress()'s layout for one window, [B, 1, slots, D]: softmax in fp32, cast, product and sum in the dtype
+    ckv, cgate = ckv[:, None], cgate[:, None]
+    raw = (ckv * cgate.softmax(dim=2, dtype=torch.float32).to(ckv.dtype)).sum(dim=2)
+    normed = module.kv_norm(raw)
+    pos = (n.clamp(min=0) * rate)[None]
+    cos, sin = module.rotary_emb(normed, position_ids=pos, layer_type=module.rope_layer_type)
+    return _rope_tail(normed, cos[0], sin[0])
