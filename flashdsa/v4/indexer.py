@@ -54,15 +54,12 @@ def select_exact(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, pos
 
 
 def select_fp8(q_fp8: torch.Tensor, keys_fp8: torch.Tensor, key_scales: torch.Tensor, weights: torch.Tensor,
-               positions: torch.Tensor, rate: int, topk: int, *, backend: str | None = None,
-               capturable: bool = False) -> torch.Tensor:
+               positions: torch.Tensor, rate: int, topk: int, *, backend: str | None = None) -> torch.Tensor:
     """flashdsa's selection: ``q_fp8 [B, S, H, 128] e4m3``, ``keys_fp8 [B, E, 128] e4m3`` with ``key_scales
     [B, E] f32``, ``weights [B, S, H] f32`` (scaled by H^-0.5 and d^-0.5 already, as flashdsa folds them),
     ``positions [S]`` -> ``[B, S, topk] int32`` entry indices (the selected set in position order, -1
-    padding), exact for the fp8 scores: every request's rows in one ragged launch over its own keys.
-    ``capturable``: the logits of every row ([B S, B E] fp32) then the top-k, nothing read back to the host (a
-    CUDA graph can hold it; meant for decode's few rows); else the fused op, which bounds the logits' memory
-    and reads the rows' bounds back once."""
+    padding), exact for the fp8 scores: every request's rows in one ragged launch over its own keys (the
+    fused op: the logits' memory bounded, the rows' bounds read back once; decode scores paged keys instead)."""
     B, S, H, d = q_fp8.shape
     E = keys_fp8.shape[1]
     if E == 0:
@@ -70,13 +67,8 @@ def select_fp8(q_fp8: torch.Tensor, keys_fp8: torch.Tensor, key_scales: torch.Te
     first = (E * torch.arange(B, device=q_fp8.device, dtype=torch.int32))[:, None]
     ks = first.expand(B, S).reshape(-1).contiguous()
     ke = (first + visible_entries(positions, rate).to(q_fp8.device)[None]).reshape(-1)
-    args = (q_fp8.reshape(B * S, H, d), keys_fp8.reshape(B * E, d), key_scales.reshape(-1), weights.reshape(B * S, H),
-            ks, ke)
-    if capturable:
-        logits = ops.indexer_logits_ragged(*args, backend=backend)
-        picks = ops.topk_transform(logits, ke - ks, topk, row_starts=ks, backend=backend)
-    else:
-        picks = ops.indexer_topk_ragged(*args, topk, backend=backend)
+    picks = ops.indexer_topk_ragged(q_fp8.reshape(B * S, H, d), keys_fp8.reshape(B * E, d), key_scales.reshape(-1),
+                                    weights.reshape(B * S, H), ks, ke, topk, backend=backend)
     return picks.view(B, S, topk)
 
 

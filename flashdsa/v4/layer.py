@@ -12,7 +12,10 @@ requests keep between chunks is a :class:`V4State` of preallocated buffers:
   slot ``p % window``; RoPE applied) and then the compressed **entries** (entry n at ``window + n``;
   RMS-normalised, RoPE at ``n * rate``). R = 576 (the head in the first ``head_dim`` dims, zeros after: the
   MLA rows the sparse kernels read) in the model dtype, or 656 bytes (fp8 MLA rows, ``indexer="fp8"``);
-* ``index_keys [B, capacity, d]`` (+ ``index_scales [B, capacity]`` in fp8): CSA's indexer keys, one an entry;
+* ``index_keys``: CSA's indexer keys, one an entry: ``[B, capacity, d]`` in the model dtype (exact), or in fp8
+  mode flashdsa's paged indexer cache ``[B * pages, 8448] uint8`` (64 e4m3 keys of 128 and their scales a page,
+  request b's entries on pages ``b * pages ..``), which decode scores with ``ops.indexer_logits_paged`` as
+  DSA's decode does (d = 128, the releases');
 * ``comp`` / ``index_comp``: the compressors' rings of projected ``(kv, gate)`` tokens ``[B, ring, W]``
   (ring = rate, or 2 rate for CSA's overlapping windows: the open window and the last closed one, whose first
   halves the next entry pools), from which a chunk's first entry is pooled.
@@ -29,12 +32,13 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from flashdsa.cache.layouts import MLA_DIM, MLA_FP8_BYTES, PAGE_SIZE
+from flashdsa import ops
+from flashdsa.cache.layouts import INDEX_DIM, INDEX_PAGE_BYTES, MLA_DIM, MLA_FP8_BYTES, PAGE_SIZE, index_page_views
 from flashdsa.quant import apply_rope
 from flashdsa.v4.attention import attend, attend_fp8, causal_entry_indices, fp8_rows, mla_rows, window_indices
 from flashdsa.v4.compressor import CompressState, compress
 from flashdsa.v4.config import CSA, HCA
-from flashdsa.v4.indexer import quantize, select_exact, select_fp8
+from flashdsa.v4.indexer import quantize, select_exact, select_fp8, visible_entries
 
 PRECISIONS = ("exact", "fp8")
 
@@ -46,7 +50,6 @@ class V4State:
     length: int
     rows: torch.Tensor
     index_keys: torch.Tensor | None = None
-    index_scales: torch.Tensor | None = None
     comp: tuple[torch.Tensor, torch.Tensor] | None = None
     index_comp: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -108,30 +111,38 @@ class V4LayerStep:
         self.precision = precision
         self.window = attn.sliding_window
         self.rate = attn.compressor.compress_rate if self.kind in (CSA, HCA) else 0
+        if precision == "fp8" and self.kind == CSA and attn.compressor.indexer.head_dim != INDEX_DIM:
+            raise ValueError(f"attn: fp8 mode keeps indexer keys on flashdsa's {INDEX_DIM}-dim index pages, this "
+                             f"layer's index_head_dim is {attn.compressor.indexer.head_dim}")
 
     def empty_state(self, batch: int, dtype: torch.dtype, device=None, capacity: int = 0) -> V4State:
         """A state of ``batch`` new requests, room for ``capacity`` entries (more is allocated as needed)."""
         a = self.attn
         rows = self._alloc_rows(batch, capacity, dtype, device)
-        keys = scales = comp = index_comp = None
+        keys = comp = index_comp = None
         if self.kind in (CSA, HCA):
             comp = self._alloc_ring(a.compressor, batch, dtype, device)
         if self.kind == CSA:
-            ix = a.compressor.indexer
-            index_comp = self._alloc_ring(ix, batch, dtype, device)
-            cap = rows.shape[1] - self.window
-            if self.precision == "fp8":
-                keys = torch.zeros(batch, cap, ix.head_dim, dtype=torch.float8_e4m3fn, device=device)
-                scales = torch.zeros(batch, cap, dtype=torch.float32, device=device)
-            else:
-                keys = torch.zeros(batch, cap, ix.head_dim, dtype=dtype, device=device)
-        return V4State(0, rows, keys, scales, comp, index_comp)
+            index_comp = self._alloc_ring(a.compressor.indexer, batch, dtype, device)
+            keys = self._alloc_keys(batch, rows.shape[1] - self.window, dtype, device)
+        return V4State(0, rows, keys, comp, index_comp)
 
     def _alloc_rows(self, batch: int, capacity: int, dtype, device) -> torch.Tensor:
         n = -(-(self.window + capacity) // PAGE_SIZE) * PAGE_SIZE
         if self.precision == "fp8":
             return torch.zeros(batch, n, MLA_FP8_BYTES, dtype=torch.uint8, device=device)
         return torch.zeros(batch, n, MLA_DIM, dtype=dtype, device=device)
+
+    def _alloc_keys(self, batch: int, capacity: int, dtype, device) -> torch.Tensor:
+        d = self.attn.compressor.indexer.head_dim
+        if self.precision == "fp8":
+            return torch.zeros(batch * -(-capacity // PAGE_SIZE), INDEX_PAGE_BYTES, dtype=torch.uint8, device=device)
+        return torch.zeros(batch, capacity, d, dtype=dtype, device=device)
+
+    def _key_pages(self, state: V4State) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp8 mode: ``state.index_keys`` as ``keys [B, pages, 64, 128] e4m3`` and ``scales [B, pages, 64]`` views."""
+        keys, scales = index_page_views(state.index_keys)
+        return keys.view(state.batch, -1, PAGE_SIZE, INDEX_DIM), scales.view(state.batch, -1, PAGE_SIZE)
 
     @staticmethod
     def _alloc_ring(module, batch: int, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -147,13 +158,16 @@ class V4LayerStep:
         cap = max(entries, 2 * state.entries(self.window))
         rows = self._alloc_rows(state.batch, cap, state.rows.dtype, state.rows.device)
         rows[:, :state.rows.shape[1]] = state.rows
-        keys, scales = state.index_keys, state.index_scales
+        keys = state.index_keys
         if keys is not None:
-            n = rows.shape[1] - self.window
-            keys = torch.cat((keys, keys.new_zeros(keys.shape[0], n - keys.shape[1], keys.shape[2])), dim=1)
-            if scales is not None:
-                scales = torch.cat((scales, scales.new_zeros(scales.shape[0], n - scales.shape[1])), dim=1)
-        return replace(state, rows=rows, index_keys=keys, index_scales=scales)
+            old = keys
+            keys = self._alloc_keys(state.batch, rows.shape[1] - self.window, old.dtype, old.device)
+            if self.precision == "fp8":  # whole pages, request by request
+                keys.view(state.batch, -1, INDEX_PAGE_BYTES)[:, :old.shape[0] // state.batch] = \
+                    old.view(state.batch, -1, INDEX_PAGE_BYTES)
+            else:
+                keys[:, :old.shape[1]] = old
+        return replace(state, rows=rows, index_keys=keys)
 
     def _rows(self, x: torch.Tensor) -> torch.Tensor:
         return fp8_rows(x) if self.precision == "fp8" else mla_rows(x)
@@ -224,36 +238,54 @@ class V4LayerStep:
         ix = self.attn.compressor.indexer
         new, index_comp = self._entries(ix, h, state.index_comp, state.length, True)
         self._put_keys(state, slice(first, count), new)
-        return self._pick(h, q_res, positions, state, count, False), index_comp
+        return self._pick(h, q_res, positions, state, count), index_comp
 
     def _put_keys(self, state: V4State, where, keys: torch.Tensor, closes: torch.Tensor | None = None) -> None:
         """Write indexer keys ``[B, e, d]`` (RoPE applied) at entries ``where`` (a slice, or ``[1]`` int64 with
-        ``closes`` saying whether to write at all), quantised in fp8 mode."""
-        dst = [state.index_keys]
-        src = [keys]
-        if self.precision == "fp8":
-            dst.append(state.index_scales)
-            src = list(quantize(keys))
-        for d, x in zip(dst, src):
+        ``closes`` saying whether to write at all), quantised onto the pages in fp8 mode."""
+        if self.precision != "fp8":
             if closes is None:
-                d[:, where] = x
+                state.index_keys[:, where] = keys
             else:
-                _put(d, where, closes, x)
+                _put(state.index_keys, where, closes, keys)
+            return
+        k_fp8, k_scale = quantize(keys)
+        pages, scales = self._key_pages(state)
+        if closes is None:
+            e = torch.arange(where.start, where.stop, device=keys.device)
+            pages[:, e // PAGE_SIZE, e % PAGE_SIZE] = k_fp8
+            scales[:, e // PAGE_SIZE, e % PAGE_SIZE] = k_scale
+        else:
+            e = where.clamp(min=0)
+            for buf, value in ((pages.view(torch.uint8), k_fp8.view(torch.uint8)), (scales, k_scale)):
+                keep = buf[:, e // PAGE_SIZE, e % PAGE_SIZE]
+                buf[:, e // PAGE_SIZE, e % PAGE_SIZE] = torch.where(closes.view((1,) * keep.dim()), value, keep)
 
-    def _pick(self, h, q_res, positions, state: V4State, count: int, capturable: bool) -> torch.Tensor:
+    def _pick(self, h, q_res, positions, state: V4State, count: int) -> torch.Tensor:
         """Each query's ``[B, S, topk]`` picks among the first ``count`` entries (those it cannot see scored
-        -inf and never picked)."""
+        -inf and never picked). fp8 decode scores the paged keys in place (``ops.indexer_logits_paged``, as
+        DSA's decode step); an fp8 chunk gathers its requests' keys for the ragged op."""
         a, B, S = self.attn, h.shape[0], h.shape[1]
         ix = a.compressor.indexer
         icos, isin = ix.rotary_emb(h, position_ids=positions[None], layer_type=ix.rope_layer_type)
         q_ix = _rope_tail(ix.q_b_proj(q_res).view(B, S, -1, ix.head_dim), icos[0][:, None], isin[0][:, None])
         w = ix.scorer.weights_proj(h).float() * ix.scorer.weights_scaling
-        if self.precision == "fp8":
-            q_fp8, q_scale = quantize(q_ix)
-            return select_fp8(q_fp8, state.index_keys[:, :count], state.index_scales[:, :count],
-                              w * q_scale * ix.head_dim ** -0.5, positions, ix.compress_rate, ix.index_topk,
-                              backend=self.backend, capturable=capturable)
-        return select_exact(q_ix, state.index_keys[:, :count], w, positions, ix.compress_rate, ix.index_topk)
+        if self.precision != "fp8":
+            return select_exact(q_ix, state.index_keys[:, :count], w, positions, ix.compress_rate, ix.index_topk)
+        q_fp8, q_scale = quantize(q_ix)
+        w = w * q_scale * ix.head_dim ** -0.5
+        pages, scales = self._key_pages(state)
+        if S > 1:
+            e = torch.arange(count, device=h.device)
+            return select_fp8(q_fp8, pages[:, e // PAGE_SIZE, e % PAGE_SIZE], scales[:, e // PAGE_SIZE, e % PAGE_SIZE],
+                              w, positions, ix.compress_rate, ix.index_topk, backend=self.backend)
+        if count == 0:
+            return torch.full((B, 1, ix.index_topk), -1, dtype=torch.int32, device=h.device)
+        visible = visible_entries(positions, ix.compress_rate).to(h.device).expand(B).contiguous()
+        table = torch.arange(pages.shape[0] * pages.shape[1], device=h.device, dtype=torch.int32).view(B, -1)
+        logits = ops.indexer_logits_paged(q_fp8, state.index_keys, w.view(B, -1), visible[:, None], table, count,
+                                          backend=self.backend)
+        return ops.topk_transform(logits, visible, ix.index_topk, backend=self.backend).view(B, 1, -1)
 
     def reserve(self, state: V4State, length: int) -> V4State:
         """``state`` with room for the entries of ``length`` tokens: what :meth:`decode` with ``capturable=True``
@@ -298,7 +330,7 @@ class V4LayerStep:
             else:
                 ix = a.compressor.indexer
                 self._put_keys(state, n, _close_entry(ix, h, state.index_comp, p, True), closes)
-                picks = self._pick(h, q_res, positions, state, count, capturable)
+                picks = self._pick(h, q_res, positions, state, count)
                 lists.append(torch.where(picks >= 0, picks + win, -1).to(torch.int32))
         N = rows.shape[1]
         idx = torch.cat([x.expand(B, 1, -1) for x in lists], dim=-1)

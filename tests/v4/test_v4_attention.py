@@ -415,3 +415,40 @@ def test_capturable_decode_replays_from_a_cuda_graph(precision):
             graph.replay()
             assert torch.equal(out, want), (layer.self_attn.layer_type, t)
         assert torch.equal(state.rows, eager.rows)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_fp8_decode_scores_the_paged_keys_as_the_chunk_does(backend):
+    """fp8 mode keeps CSA's indexer keys on flashdsa's index pages: a decode step scores them in place
+    (``indexer_logits_paged`` + ``topk_transform``) and a chunk gathers them for the ragged op; for the same
+    query both are exact top-k's of the same fp8 scores, and with the same tie rule (the smaller position)
+    they pick the same entries. Two requests, 37 prompt tokens then decode steps past an entry boundary."""
+    from flashdsa.v4.layer import V4LayerStep
+    model = tiny_model(index_head_dim=128).to(torch.bfloat16)
+    attn = model.model.layers[1].self_attn
+    step = V4LayerStep(attn, backend, "fp8")
+    g = torch.Generator().manual_seed(12)
+    B = 2
+    h = torch.randn(B, 37, 64, generator=g).to(torch.bfloat16)
+    rope = model.model.rotary_emb
+
+    def cos_sin(pos):
+        cos, sin = rope(h, position_ids=pos[None], layer_type=attn.rope_layer_type)
+        return cos[0], sin[0]
+    pos = torch.arange(37)
+    _, state = step(h, pos, *cos_sin(pos), step.empty_state(B, torch.bfloat16))
+    picked = []
+    orig = step._pick
+    step._pick = lambda *args: picked.append(orig(*args)) or picked[-1]
+    for t in range(37, 41):
+        x = torch.randn(B, 1, 64, generator=g).to(torch.bfloat16)
+        p = torch.tensor([t])
+        _, state = step.decode(x, p, *cos_sin(p), state)
+        count = (t + 1) // 4
+        q_res = attn.q_a_norm(attn.q_a_proj(x))
+        chunk = V4LayerStep._pick(step, torch.cat((x, x), dim=1), torch.cat((q_res, q_res), dim=1),
+                                  torch.tensor([t, t]), state, count)[:, :1]
+        assert torch.equal(picked[-1], chunk), t
+        assert (picked[-1] >= 0).sum(-1).min() == min(count, attn.compressor.indexer.index_topk)
+    with pytest.raises(ValueError, match="^attn: fp8 mode"):
+        V4LayerStep(tiny_model().model.layers[1].self_attn, precision="fp8")
