@@ -17,7 +17,10 @@
 # host cost of plain calls; SGL_LIBS=.anchors/sglk by default when that folder exists).
 # BENCH_ARGS go to every bench.
 # Wheels in .anchors/ are installed over the image's packages: put a transformers >= 5.23 wheel there for
-# the hf stage and test_hf (the H200 image had 5.17 on 2026-12-01).
+# the hf stage and test_hf (the H200 image had 5.17 on 2026-12-01): 5.23.0 needs huggingface_hub >= 1.31 (the
+# image's 1.33 does; 5.25 needs hub >= 2.4, which pulls httpx2 and hf-xet) and regex >= 2025.10.22 (add a cp312 regex
+# wheel): `pip download --no-deps transformers==5.23.0` and `pip download --no-deps --python-version 3.12
+# --only-binary=:all: regex` into .anchors/.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 if ls .anchors/*.whl >/dev/null 2>&1; then
