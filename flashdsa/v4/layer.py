@@ -21,9 +21,11 @@ requests keep between chunks is a :class:`V4State` of preallocated buffers:
   halves the next entry pools), from which a chunk's first entry is pooled.
 
 ``capacity`` grows (doubling) as entries close; ``window + capacity`` stays a multiple of 64 so that fp8 rows
-are whole pages. A step computes everything, then writes the buffers in place (new entries past the old
-length, the rings' slots) and returns the state with its new length: a call that fails before its writes
-leaves the state as it was; the state passed in must not be used again after a call that succeeded.
+are whole pages. A chunk computes everything, then writes the buffers in place (new entries past the old
+length, the rings' slots): a call that fails before its writes leaves the state as it was. A decode step
+(:meth:`V4LayerStep.decode`) writes first, into slots no query of its position reads before the write, so a
+failed step retried at the same position gives the same result. Either returns the state with its new length;
+the state passed in must not be used again after a call that succeeded.
 """
 
 from __future__ import annotations
