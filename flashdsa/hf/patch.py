@@ -333,10 +333,10 @@ def apply(model, indexer: str = "fp8", *, kv_format: str = "auto", max_tokens: i
         raise ValueError(f"cuda_graphs: expected a bool, got {cuda_graphs!r}")
     hf_config = getattr(model, "config", None)
     d = hf_config.to_dict() if hasattr(hf_config, "to_dict") else {}
-    if is_v4(d):  # DeepSeek-V4: exact mode, one request a row at a time (flashdsa/hf/v4.py says what is missing)
+    if is_v4(d):  # DeepSeek-V4 (flashdsa/hf/v4.py: its state, its graphs, what is missing)
         if get_patch(model) is not None:
             unapply(model)
-        return apply_v4(model, indexer, backend)
+        return apply_v4(model, indexer, backend, cuda_graphs)
     if not is_dsa(d):
         raise ValueError(f"model: {type(model).__name__} is not a DSA model (flashdsa.hf patches DeepSeek-V3.2 / "
                          f"GLM-5 / GLM-5.3-Flash models: a DSA architecture with index_topk; got model_type "

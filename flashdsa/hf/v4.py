@@ -1,38 +1,62 @@
-"""``flashdsa.hf.apply`` on DeepSeek-V4 (transformers ``deepseek_v4``) (issue #43, first step).
+"""``flashdsa.hf.apply`` on DeepSeek-V4 (transformers ``deepseek_v4``) (issue #43).
 
 Every attention layer's forward runs :class:`flashdsa.v4.V4LayerStep` with the layer's own weights: flashdsa's
 compressor, the entry selection (``indexer="exact"``: HF's, so HF's numbers; ``"fp8"``: flashdsa's e4m3
 indexer and fp8 rows, the deployment numerics) and flashdsa's attention core over the window and the selected
-(CSA) or all (HCA) entries. A request's V4 state (window rows, entries, indexer keys, open compressor windows) lives
-beside HF's cache layer of that layer (``cache.layers[i]``), one state for the batch's rows (every row in the same
-launches); HF's own cache layer still
-takes each step's length (``get_seq_length``, which generate() reads) but its compressor buffers stay empty.
+(CSA) or all (HCA) entries. The batch's V4 state (:class:`~flashdsa.v4.layer.V4State`: window ring, entries,
+indexer keys, compressor rings, every row in the same launches) lives beside HF's cache layer of that layer
+(``cache.layers[i]``); HF's own cache layer still counts each step's tokens (``get_seq_length``, which
+generate() reads) but its compressor buffers stay empty. A new cache takes over the buffers of one that is gone
+(same batch size, dtype and device): stale rows are never read (every slot a query can see is written first).
 
-Not yet (clear errors): padded batches (HF's V4 compresses padding tokens into its entries: not reproduced), a cache
-that was cropped or reused mid-sequence, CUDA graphs (every step runs eagerly).
+**Decode from CUDA graphs** (``cuda_graphs=True``, the default; on CUDA with the Triton backends): a plain decode
+step (one token id a row, batch <= 16, nothing asked of the decoder but its last hidden state) runs the decoder's
+whole forward — HF's embedding, hyper-connections, norms and MoE, flashdsa's attention through
+``V4LayerStep.decode(capturable=True)`` — from a graph captured once per (batch, buffers) and replayed with the
+token ids and position copied in; the host then advances the states' and HF's cache layers' lengths. The
+buffers are reserved for a power of two >= 1024 tokens: a batch that outgrows them gets larger buffers and a new
+graph. A model part that cannot be captured (e.g. HF's "eager" experts, which read the routing back to the host;
+transformers' default "grouped_mm" can be) makes the patch warn once and decode eagerly.
+
+Not yet (clear errors): padded batches (HF's V4 compresses padding tokens into its entries and gives each row its
+own positions: not reproduced), a cache that was cropped or reused mid-sequence.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import warnings
+import weakref
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from flashdsa.v4.layer import PRECISIONS, V4LayerStep
 
+_GRAPH_MAX_BATCH = 16     # decode batches up to this size replay graphs
+_GRAPH_MIN_TOKENS = 1024  # the least a graph's buffers are reserved for
+_DECODE_KWARGS = {"input_ids", "attention_mask", "position_ids", "cache", "past_key_values", "inputs_embeds",
+                  "use_cache", "return_dict"}
+
 
 @dataclass
 class V4Patch:
     """What :func:`apply_v4` installed (``get_patch(model)``): ``steps[i]`` layer i's step, ``calls[i]`` its
-    forwards through flashdsa. The other fields are the ones ``unapply`` reads."""
+    forwards through flashdsa (graph replays included), ``graphs`` the captured decode steps by key, and why
+    capturing failed (``graph_failure``, then every step is eager). The other fields are the ones ``unapply``
+    reads."""
     model: torch.nn.Module
     indexer: str
     backend: str | None
     steps: list[V4LayerStep]
     calls: list[int]
+    cuda_graphs: bool = True
+    graph_failure: str | None = None
+    graph_replays: int = 0
     closed: bool = False
     runner: None = None
     graphs: dict = field(default_factory=dict)
+    _slabs: dict = field(default_factory=dict)  # (B, dtype, device) -> [owner cache (weakref), states a layer]
+    _capturing: bool = False
     _patched: list = field(default_factory=list)
     _hooks: list = field(default_factory=list)
     _fwd: None = None
@@ -46,6 +70,35 @@ def _refuse_padding(module, args, kwargs):
                                   "length, or one at a time")
 
 
+def _cache_of(kwargs: dict):
+    return kwargs.get("cache", kwargs.get("past_key_values"))
+
+
+def _new_state(patch: V4Patch, i: int, cache, B: int, dtype: torch.dtype, device: torch.device):
+    """Layer i's state for a new cache: the buffers of a cache that is gone, when one of this shape is, else new."""
+    key = (B, dtype, device)
+    slab = patch._slabs.get(key)
+    owner = slab[0]() if slab is not None else None
+    if cache is not None and slab is not None and (owner is None or owner is cache):
+        slab[0] = weakref.ref(cache)
+        if slab[1][i] is not None:
+            return replace(slab[1][i], length=0)
+    state = patch.steps[i].empty_state(B, dtype, device)
+    if cache is not None:
+        if slab is None or slab[0]() is not cache:
+            slab = patch._slabs[key] = [weakref.ref(cache), [None] * len(patch.steps)]
+        slab[1][i] = state
+    return state
+
+
+def _keep(patch: V4Patch, i: int, cache, state) -> None:
+    """Store layer i's new state with the cache (and as its slab's buffers: they may have grown)."""
+    cache.layers[patch.steps[i].attn.layer_idx].__dict__["_flashdsa_v4"] = state
+    for slab in patch._slabs.values():
+        if slab[0]() is cache:
+            slab[1][i] = state
+
+
 def _layer_forward(patch: V4Patch, i: int):
     step = patch.steps[i]
     attn = step.attn
@@ -56,6 +109,11 @@ def _layer_forward(patch: V4Patch, i: int):
         B, S, _ = hidden_states.shape
         cos, sin = (t[0] for t in position_embeddings[attn.rope_layer_type])  # every row at the same positions
         pos = position_ids[0]
+        if patch._capturing:  # a graph's decode step: the state was checked and reserved by the caller
+            state = cache.layers[attn.layer_idx].__dict__["_flashdsa_v4"]
+            out, _ = step.decode(hidden_states, pos, cos, sin, state, capturable=True)
+            patch.calls[i] += 1
+            return out, None
         state = None
         if cache is not None:
             layer = cache.layers[attn.layer_idx]
@@ -72,25 +130,166 @@ def _layer_forward(patch: V4Patch, i: int):
             z = hidden_states.new_zeros(B, 1, S, attn.head_dim)
             cache.update(z, z, attn.layer_idx)
         if state is None:
-            state = step.empty_state(B, hidden_states.dtype, hidden_states.device)
+            state = _new_state(patch, i, cache, B, hidden_states.dtype, hidden_states.device)
         out, state = step(hidden_states, pos, cos, sin, state)
         if cache is not None:
-            cache.layers[attn.layer_idx].__dict__["_flashdsa_v4"] = state
+            _keep(patch, i, cache, state)
         patch.calls[i] += 1
         return out, None
     return forward
 
 
-def apply_v4(model, indexer: str = "exact", backend: str | None = None) -> V4Patch:
+def _graph_states(patch: V4Patch, kwargs: dict) -> list | None:
+    """The layers' states if this decoder forward is a decode step a graph can run, else None (eager)."""
+    if not (patch.cuda_graphs and patch.graph_failure is None) or patch.backend == "torch":
+        return None
+    ids, cache = kwargs.get("input_ids"), _cache_of(kwargs)
+    if not isinstance(ids, torch.Tensor) or ids.device.type != "cuda" or ids.dim() != 2 or ids.shape[1] != 1:
+        return None
+    if ids.shape[0] > _GRAPH_MAX_BATCH or cache is None or kwargs.get("inputs_embeds") is not None:
+        return None
+    if any(kwargs[k] not in (None, False) for k in set(kwargs) - _DECODE_KWARGS):
+        return None  # something else asked of the decoder (attentions, hidden states, router logits)
+    cfg = patch.model.config
+    if getattr(cfg, "output_attentions", False) or getattr(cfg, "output_hidden_states", False):
+        return None
+    pos = kwargs.get("position_ids")
+    if pos is not None and not (isinstance(pos, torch.Tensor) and tuple(pos.shape) in ((ids.shape[0], 1), (1, 1))):
+        return None
+    states = []
+    for step in patch.steps:
+        layer = cache.layers[step.attn.layer_idx]
+        state = layer.__dict__.get("_flashdsa_v4")
+        seen = layer.get_seq_length()
+        if state is None or seen == 0 or state.length != seen or state.batch != ids.shape[0]:
+            return None  # the eager path says what is wrong, or starts the state
+        states.append(state)
+    return states
+
+
+def _decoder_forward(patch: V4Patch, orig, *args, **kwargs):
+    """The decoder's forward, as the patch installs it: eager, or a decode step from a CUDA graph."""
+    states = _graph_states(patch, kwargs) if not args else None
+    if states is None:
+        return orig(*args, **kwargs)
+    cache = _cache_of(kwargs)
+    length = states[0].length
+    reserved = max(_GRAPH_MIN_TOKENS, 1 << length.bit_length())  # > length: room for this step
+    for i, step in enumerate(patch.steps):
+        states[i] = step.reserve(states[i], reserved)
+        _keep(patch, i, cache, states[i])
+    key = (len(states[0].rows), tuple(s.rows.data_ptr() for s in states))
+    graph = patch.graphs.get(key)
+    if graph is None:
+        for old in [k for k in patch.graphs if k[0] == key[0]]:  # buffers of this batch size that were outgrown
+            del patch.graphs[old]
+        calls = list(patch.calls)
+        try:
+            graph = _V4Graph(patch, orig, kwargs, cache)
+        except Exception as e:  # a part that cannot be captured (a host read, a data-dependent shape)
+            patch.graph_failure = f"{type(e).__name__}: {e}"
+        finally:
+            patch.calls[:] = calls  # warm-up and capture are not forwards of the model
+            patch._capturing = False
+        if graph is None:
+            warnings.warn(f"flashdsa.hf: capturing the DeepSeek-V4 decode step in a CUDA graph failed "
+                          f"({patch.graph_failure}); decoding eagerly from now on", RuntimeWarning, stacklevel=3)
+            return orig(*args, **kwargs)
+        patch.graphs[key] = graph
+    out = graph.replay(kwargs, cache)
+    for i, step in enumerate(patch.steps):
+        _advance(cache, step.attn.layer_idx, states[i])
+        _keep(patch, i, cache, replace(states[i], length=length + 1))
+        patch.calls[i] += 1
+    patch.graph_replays += 1
+    return out
+
+
+def _advance(cache, layer_idx: int, state) -> None:
+    """HF's cache layer counts the replayed token (what the eager forward's ``cache.update`` does)."""
+    layer = cache.layers[layer_idx]
+    if isinstance(getattr(layer, "cumulative_length", None), int):
+        layer.cumulative_length += 1
+    else:
+        z = torch.zeros(state.batch, 1, 1, 1, device=state.rows.device)
+        cache.update(z, z, layer_idx)
+
+
+class _V4Graph:
+    """The decoder's forward for one decode step of B rows, captured once and replayed per token (module
+    docstring). The token ids and the position are copied into its buffers before each replay; the layers'
+    state buffers are the ones reserved at capture (the key of the graph)."""
+
+    def __init__(self, patch: V4Patch, orig, kwargs: dict, cache):
+        ids = kwargs["input_ids"]
+        with torch.inference_mode(False):  # later steps may copy into them outside inference mode
+            self.ids = ids.clone()
+            self.pos = torch.empty(1, 1, dtype=torch.long, device=ids.device)
+        self._position(kwargs, cache)
+        cache_key = "cache" if "cache" in kwargs or "past_key_values" not in kwargs else "past_key_values"
+        # a dict mask: HF's decoder takes it as built and makes none (the attention reads no mask)
+        static = {"input_ids": self.ids, "position_ids": self.pos, "attention_mask": {"all": None}, cache_key: cache,
+                  "use_cache": True}
+
+        def run():
+            patch._capturing = True
+            try:
+                with torch.no_grad():
+                    return orig(**static)
+            finally:
+                patch._capturing = False
+
+        # the warm-up runs write this position's slots; the replay writes them again with the same values
+        with torch.cuda.device(ids.device):
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    run()
+            torch.cuda.current_stream().wait_stream(stream)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                out = run()
+        self.out_type = type(out)
+        self.cache_key = next((k for k, v in out.items() if v is cache), None)
+        self.hidden = out["last_hidden_state"]
+
+    def _position(self, kwargs: dict, cache) -> None:
+        pos = kwargs.get("position_ids")
+        if pos is None:
+            self.pos.fill_(cache.get_seq_length())
+        else:
+            self.pos.copy_(pos[:1])
+
+    def replay(self, kwargs: dict, cache):
+        self.ids.copy_(kwargs["input_ids"])
+        self._position(kwargs, cache)
+        self.graph.replay()
+        out = {"last_hidden_state": self.hidden.clone()}  # the buffer is the next replay's output too
+        if self.cache_key is not None:
+            out[self.cache_key] = cache
+        return self.out_type(**out)
+
+
+def apply_v4(model, indexer: str = "exact", backend: str | None = None, cuda_graphs: bool = True) -> V4Patch:
     """Patch a ``DeepseekV4ForCausalLM`` (or its ``DeepseekV4Model``) in place; see the module docstring."""
     if indexer not in PRECISIONS:
         raise ValueError(f"indexer: expected one of {PRECISIONS}, got {indexer!r}")
+    if not isinstance(cuda_graphs, bool):
+        raise ValueError(f"cuda_graphs: expected a bool, got {cuda_graphs!r}")
     base = getattr(model, "model", model)
     layers = [layer.self_attn for layer in base.layers]
-    patch = V4Patch(model, indexer, backend, [V4LayerStep(a, backend, indexer) for a in layers], [0] * len(layers))
+    patch = V4Patch(model, indexer, backend, [V4LayerStep(a, backend, indexer) for a in layers], [0] * len(layers),
+                    cuda_graphs)
     for i, attn in enumerate(layers):
         attn.forward = _layer_forward(patch, i)
         patch._patched.append(attn)
+    orig = base.forward
+
+    def decoder_forward(*args, **kwargs):
+        return _decoder_forward(patch, orig, *args, **kwargs)
+    base.forward = decoder_forward
+    patch._patched.append(base)
     patch._hooks.append(base.register_forward_pre_hook(_refuse_padding, with_kwargs=True))
     model.__dict__["_flashdsa_patch"] = patch
     return patch

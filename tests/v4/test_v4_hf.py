@@ -104,3 +104,40 @@ def test_fp8_mode_close_to_exact_not_equal():
     assert out.shape[1] == prompts()[0].shape[1] + 8 and patch.calls[1] > 0
     state = fast.model.layers[1].self_attn  # the layer's rows really are fp8
     assert patch.steps[1].precision == "fp8" and state.layer_type == "compressed_sparse_attention"
+
+
+@pytest.mark.gpu
+@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated")
+@pytest.mark.parametrize("indexer", ["exact", "fp8"])
+def test_decode_from_cuda_graphs(indexer):
+    """generate() with decode from CUDA graphs (the default on CUDA) gives the tokens of the eager patched model
+    (exact fp32: HF's too) over 12 greedy steps of a batch of 2; a second generate() takes over the first cache's
+    buffers and replays the same graph (no new capture); logits of a graphed step within the attention's
+    rounding of the eager one (another list layout: more -1 slots, another summation order)."""
+    dtype = torch.float32 if indexer == "exact" else torch.bfloat16
+    model = (tiny_model() if indexer == "exact" else fp8_model()).to("cuda", dtype)
+    hf = copy.deepcopy(model)
+    eager, graphed = copy.deepcopy(model), copy.deepcopy(model)
+    fh.apply(eager, indexer=indexer, cuda_graphs=False)
+    patch = fh.apply(graphed, indexer=indexer)
+    g = torch.Generator("cuda").manual_seed(13)
+    ids = torch.randint(0, 128, (2, 45), device="cuda", generator=g)
+    want = greedy(eager, ids, new=12)
+    got = greedy(graphed, ids, new=12)
+    assert patch.graph_failure is None, patch.graph_failure
+    assert patch.graph_replays == 11 and len(patch.graphs) == 1
+    assert torch.equal(got, want)
+    if indexer == "exact":
+        assert torch.equal(got, greedy(hf, ids, new=12))
+    again = torch.randint(0, 128, (2, 50), device="cuda", generator=g)
+    assert torch.equal(greedy(graphed, again, new=6), greedy(eager, again, new=6))
+    assert patch.graph_replays == 16 and len(patch.graphs) == 1
+    with torch.no_grad():  # one graphed step's logits against the eager step's
+        a = eager(again, use_cache=True)
+        b = graphed(again, use_cache=True)
+        nxt = a.logits[:, -1:].argmax(-1)
+        la = eager(nxt, past_key_values=getattr(a, "past_key_values", None) or a.cache).logits
+        lb = graphed(nxt, past_key_values=getattr(b, "past_key_values", None) or b.cache).logits
+    assert patch.graph_replays == 17
+    tol = 1e-4 if indexer == "exact" else 2e-2
+    assert (la - lb).abs().max() <= tol * la.abs().max()
