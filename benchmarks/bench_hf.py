@@ -7,8 +7,9 @@ flashdsa.hf, same run.
 
 ``--arch v4``: ``DeepseekV4ForCausalLM``, bf16, 4 layers (sliding, CSA, HCA, CSA), hidden 1024, 16 heads, the
 released attention dims (one K = V head of 512 with 64 RoPE dims, window 128, CSA rate 4 with 16 indexer heads of
-128 and top-512, HCA rate 128, sinks), small MoE MLPs, hyper-connections as the model has them. Rows ``hf-eager``,
-``fd-exact``, ``fd-fp8`` (flashdsa/hf/v4.py: every step eager, no CUDA graphs yet). Its check: the fp32 copy's
+128 and top-512, HCA rate 128, sinks), small MoE MLPs (transformers' default experts implementation), hyper-
+connections as the model has them. Rows ``hf-eager``, ``fd-exact``, ``fd-fp8`` (decode from CUDA graphs, the
+whole decoder's step: flashdsa/hf/v4.py), ``fd-fp8-eager``. Its check: the fp32 copy's
 prompt logits, exact mode vs HF (a prompt of ``--check-len`` tokens: selection happens past 2K), and the same
 greedy tokens.
 
@@ -91,7 +92,7 @@ V4_SMOKE = dict(V4, vocab_size=256, hidden_size=128, num_attention_heads=4, head
                 moe_intermediate_size=64, compress_rates={"compressed_sparse_attention": 4,
                                                           "heavily_compressed_attention": 8},
                 max_position_embeddings=1024)
-V4_IMPLS = ("hf-eager", "fd-exact", "fd-fp8")
+V4_IMPLS = ("hf-eager", "fd-exact", "fd-fp8", "fd-fp8-eager")
 IMPLS = {  # name -> flashdsa.hf.apply keywords (None: HF eager, unpatched)
     "hf-eager": None,
     "fd-fp8": dict(indexer="fp8"),

@@ -12,11 +12,12 @@ generate() reads) but its compressor buffers stay empty. A new cache takes over 
 **Decode from CUDA graphs** (``cuda_graphs=True``, the default; on CUDA with the Triton backends): a plain decode
 step (one token id a row, batch <= 16, nothing asked of the decoder but its last hidden state) runs the decoder's
 whole forward — HF's embedding, hyper-connections, norms and MoE, flashdsa's attention through
-``V4LayerStep.decode(capturable=True)`` — from a graph captured once per (batch, buffers) and replayed with the
-token ids and position copied in; the host then advances the states' and HF's cache layers' lengths. The
-buffers are reserved for a power of two >= 1024 tokens: a batch that outgrows them gets larger buffers and a new
-graph. A model part that cannot be captured (e.g. HF's "eager" experts, which read the routing back to the host;
-transformers' default "grouped_mm" can be) makes the patch warn once and decode eagerly.
+``V4LayerStep.decode(capturable=True)`` — from a graph captured once per (batch, reserved tokens) (``graphs``'
+keys) on the cache's buffers and replayed with the token ids and the position copied in; the host then advances
+the states' and HF's cache layers' lengths. The buffers are reserved for a power of two >= 1024 tokens: a batch
+that outgrows them gets larger buffers and a new graph. A model part that cannot be captured (HF's "eager"
+experts read the routing back to the host; whether its default "grouped_mm" does on a GPU is what the GPU test
+finds out) makes the patch warn once and decode eagerly.
 
 Not yet (clear errors): padded batches (HF's V4 compresses padding tokens into its entries and gives each row its
 own positions: not reproduced), a cache that was cropped or reused mid-sequence.
@@ -178,14 +179,15 @@ def _decoder_forward(patch: V4Patch, orig, *args, **kwargs):
     for i, step in enumerate(patch.steps):
         states[i] = step.reserve(states[i], reserved)
         _keep(patch, i, cache, states[i])
-    key = (len(states[0].rows), tuple(s.rows.data_ptr() for s in states))
+    key, buffers = (len(states[0].rows), reserved), tuple(s.rows.data_ptr() for s in states)
     graph = patch.graphs.get(key)
-    if graph is None:
-        for old in [k for k in patch.graphs if k[0] == key[0]]:  # buffers of this batch size that were outgrown
+    if graph is None or graph.buffers != buffers:  # new, or another live cache's buffers: capture on these
+        for old in [k for k in patch.graphs if k[0] == key[0]]:  # this batch size's outgrown or other buffers
             del patch.graphs[old]
+        graph = None
         calls = list(patch.calls)
         try:
-            graph = _V4Graph(patch, orig, kwargs, cache)
+            graph = _V4Graph(patch, orig, kwargs, cache, buffers)
         except Exception as e:  # a part that cannot be captured (a host read, a data-dependent shape)
             patch.graph_failure = f"{type(e).__name__}: {e}"
         finally:
@@ -220,7 +222,8 @@ class _V4Graph:
     docstring). The token ids and the position are copied into its buffers before each replay; the layers'
     state buffers are the ones reserved at capture (the key of the graph)."""
 
-    def __init__(self, patch: V4Patch, orig, kwargs: dict, cache):
+    def __init__(self, patch: V4Patch, orig, kwargs: dict, cache, buffers: tuple):
+        self.buffers = buffers  # the layers' state buffers it reads and writes (their addresses)
         ids = kwargs["input_ids"]
         with torch.inference_mode(False):  # later steps may copy into them outside inference mode
             self.ids = ids.clone()
