@@ -310,7 +310,8 @@ def apply(model, indexer: str = "fp8", *, kv_format: str = "auto", max_tokens: i
                     "bf16", "fp8" (656-B FlashMLA rows) or "fp32" (2304-B rows; the absorbed query and
                     the attention kernels in fp32 too, IEEE products: exact to fp32 rounding).
         max_tokens: capacity of the paged pool in tokens, over all live sequences (each row rounds up to
-                    64-token pages); made on the first forward, on the model's device.
+                    64-token pages); made on the first forward, on the model's device. (DeepSeek-V4: unused,
+                    its buffers grow with the batch.)
         backend:    force flashdsa's op backend ("torch" / "triton"); default: Triton on CUDA.
         record:     keep each layer's last selection in ``get_patch(model).runner.selections`` (decode
                     then runs eagerly).
@@ -334,6 +335,11 @@ def apply(model, indexer: str = "fp8", *, kv_format: str = "auto", max_tokens: i
     hf_config = getattr(model, "config", None)
     d = hf_config.to_dict() if hasattr(hf_config, "to_dict") else {}
     if is_v4(d):  # DeepSeek-V4 (flashdsa/hf/v4.py: its state, its graphs, what is missing)
+        if kv_format != "auto":
+            raise ValueError(f"kv_format: DeepSeek-V4's rows follow `indexer` (exact: the model dtype, fp8: fp8 "
+                             f"rows); expected 'auto', got {kv_format!r}")
+        if record:
+            raise NotImplementedError("record: keeping the selections is not built for DeepSeek-V4 yet")
         if get_patch(model) is not None:
             unapply(model)
         return apply_v4(model, indexer, backend, cuda_graphs)

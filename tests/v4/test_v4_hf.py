@@ -71,6 +71,12 @@ def test_batches_decode_and_what_is_refused():
     ids = torch.randint(0, 128, (3, 45), generator=torch.Generator().manual_seed(8))
     with pytest.raises(ValueError, match="^indexer"):
         fh.apply(ours, indexer="fp4")
+    with pytest.raises(ValueError, match="^kv_format"):
+        fh.apply(ours, kv_format="fp8")
+    with pytest.raises(NotImplementedError, match="^record"):
+        fh.apply(ours, record=True)
+    with pytest.raises(ValueError, match="^cuda_graphs"):
+        fh.apply(ours, cuda_graphs=1)
     fh.apply(ours, indexer="exact")
     assert torch.equal(greedy(ours, ids), greedy(hf, ids))  # a batch of equal-length rows
     mask = torch.ones_like(ids)
