@@ -19,8 +19,11 @@ that outgrows them gets larger buffers and a new graph. A model part that cannot
 experts read the routing back to the host; whether its default "grouped_mm" does on a GPU is what the GPU test
 finds out) makes the patch warn once and decode eagerly.
 
-Not yet (clear errors): padded batches (HF's V4 compresses padding tokens into its entries and gives each row its
-own positions: not reproduced), a cache that was cropped or reused mid-sequence.
+Left-padded batches (generate()'s) are HF's numbers too: each row's leading padding tokens (from the 2-D
+``attention_mask``) are kept in the state; what HF's V4 does with them — pooled into entries, never seen in a
+window, each row's own position ids for RoPE and for which entries a query sees — the layer step does
+(:meth:`flashdsa.v4.V4LayerStep.__call__`). Not yet (clear errors): other masks than left padding, a cache that
+was cropped or reused mid-sequence.
 """
 
 from __future__ import annotations
@@ -58,17 +61,26 @@ class V4Patch:
     graphs: dict = field(default_factory=dict)
     _slabs: dict = field(default_factory=dict)  # (B, dtype, device) -> [owner cache (weakref), states a layer]
     _capturing: bool = False
+    _pads: torch.Tensor | None = None  # the current forward's leading padding a row (the pre-hook's)
     _patched: list = field(default_factory=list)
     _hooks: list = field(default_factory=list)
     _fwd: None = None
 
 
-def _refuse_padding(module, args, kwargs):
-    mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
-    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and not bool(mask.all()):
-        raise NotImplementedError("attention_mask: padded batches of DeepSeek-V4 are not supported by flashdsa yet "
-                                  "(HF's V4 compresses padding tokens into its entries); run requests of equal "
-                                  "length, or one at a time")
+def _padding(patch: V4Patch):
+    """The decoder's pre-hook: each row's leading padding tokens from a 2-D ``attention_mask`` (what a new
+    cache's states take); a mask that is not left padding (zeros, then ones, in every row) is refused."""
+    def hook(module, args, kwargs):
+        mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
+        patch._pads = None
+        if isinstance(mask, torch.Tensor) and mask.dim() == 2 and not bool(mask.all()):
+            m = mask.bool()
+            if not torch.equal(m, m.cummax(dim=1).values):
+                raise NotImplementedError("attention_mask: flashdsa's DeepSeek-V4 takes left-padded batches (each row "
+                                          "zeros, then ones, as generate() pads decoder-only models); got another "
+                                          "pattern")
+            patch._pads = (~m).sum(dim=1)
+    return hook
 
 
 def _cache_of(kwargs: dict):
@@ -83,13 +95,17 @@ def _new_state(patch: V4Patch, i: int, cache, B: int, dtype: torch.dtype, device
     if cache is not None and slab is not None and (owner is None or owner is cache):
         slab[0] = weakref.ref(cache)
         if slab[1][i] is not None:
-            return replace(slab[1][i], length=0)
-    state = patch.steps[i].empty_state(B, dtype, device)
+            return replace(slab[1][i], length=0, pads=_pads(patch, device))
+    state = patch.steps[i].empty_state(B, dtype, device, pads=_pads(patch, device))
     if cache is not None:
         if slab is None or slab[0]() is not cache:
             slab = patch._slabs[key] = [weakref.ref(cache), [None] * len(patch.steps)]
         slab[1][i] = state
     return state
+
+
+def _pads(patch: V4Patch, device: torch.device) -> torch.Tensor | None:
+    return None if patch._pads is None else patch._pads.to(device=device, dtype=torch.long)
 
 
 def _keep(patch: V4Patch, i: int, cache, state) -> None:
@@ -108,8 +124,8 @@ def _layer_forward(patch: V4Patch, i: int):
         if cache is None:  # the name transformers used before `cache` (its layers may still pass it)
             cache = kwargs.pop("past_key_values", None)
         B, S, _ = hidden_states.shape
-        cos, sin = (t[0] for t in position_embeddings[attn.rope_layer_type])  # every row at the same positions
-        pos = position_ids[0]
+        cos, sin = position_embeddings[attn.rope_layer_type]  # [1 | B, S, R / 2]: a padded row's own positions
+        pos = position_ids
         if patch._capturing:  # a graph's decode step: the state was checked and reserved by the caller
             state = cache.layers[attn.layer_idx].__dict__["_flashdsa_v4"]
             out, _ = step.decode(hidden_states, pos, cos, sin, state, capturable=True)
@@ -227,7 +243,7 @@ class _V4Graph:
         ids = kwargs["input_ids"]
         with torch.inference_mode(False):  # later steps may copy into them outside inference mode
             self.ids = ids.clone()
-            self.pos = torch.empty(1, 1, dtype=torch.long, device=ids.device)
+            self.pos = torch.empty(ids.shape[0], 1, dtype=torch.long, device=ids.device)
         self._position(kwargs, cache)
         cache_key = "cache" if "cache" in kwargs or "past_key_values" not in kwargs else "past_key_values"
         # a dict mask: HF's decoder takes it as built and makes none (the attention reads no mask)
@@ -262,7 +278,7 @@ class _V4Graph:
         if pos is None:
             self.pos.fill_(cache.get_seq_length())
         else:
-            self.pos.copy_(pos[:1])
+            self.pos.copy_(pos.expand(self.pos.shape))
 
     def replay(self, kwargs: dict, cache):
         self.ids.copy_(kwargs["input_ids"])
@@ -293,6 +309,6 @@ def apply_v4(model, indexer: str = "exact", backend: str | None = None, cuda_gra
         return _decoder_forward(patch, orig, *args, **kwargs)
     base.forward = decoder_forward
     patch._patched.append(base)
-    patch._hooks.append(base.register_forward_pre_hook(_refuse_padding, with_kwargs=True))
+    patch._hooks.append(base.register_forward_pre_hook(_padding(patch), with_kwargs=True))
     model.__dict__["_flashdsa_patch"] = patch
     return patch

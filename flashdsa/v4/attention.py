@@ -36,21 +36,26 @@ def mla_rows(x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(x, (0, MLA_DIM - x.shape[-1]))
 
 
-def window_indices(positions: torch.Tensor, window: int, first_row: int = 0) -> torch.Tensor:
-    """``[T, window] int32``: the rows of the raw tokens query ``positions [T]`` sees in its sliding window
-    (positions ``p - window + 1 .. p``; row = ``first_row`` + position), -1 before position 0."""
+def window_indices(positions: torch.Tensor, window: int, first_row: int = 0,
+                   pads: torch.Tensor | None = None) -> torch.Tensor:
+    """``[T, window] int32``: the rows of the raw tokens query ``positions [T]`` (token indices) sees in its
+    sliding window (tokens ``p - window + 1 .. p``; row = ``first_row`` + token), -1 before token 0. ``pads
+    [B]``: each request's leading padding tokens, never seen (HF masks them) -> ``[B, T, window]``."""
     offs = torch.arange(window - 1, -1, -1, device=positions.device)
     pos = positions.long()[:, None] - offs[None, :]
-    return torch.where(pos >= 0, pos + first_row, -1).to(torch.int32)
+    if pads is None:
+        return torch.where(pos >= 0, pos + first_row, -1).to(torch.int32)
+    seen = (pos >= 0) & (pos >= pads.view(-1, 1, 1).to(pos.device))
+    return torch.where(seen, pos + first_row, -1).to(torch.int32)
 
 
 def causal_entry_indices(positions: torch.Tensor, rate: int, entries: int, first_row: int) -> torch.Tensor:
-    """``[T, entries] int32``: every compressed entry query ``positions [T]`` may see (HCA's dense set): entry w
-    covers tokens ``w * rate .. (w + 1) * rate - 1`` and is visible once its last token is, i.e.
-    ``w < (p + 1) // rate``; row = ``first_row + w``, -1 otherwise."""
+    """``[..., entries] int32`` for query ``positions [...]``: every compressed entry the query may see (HCA's
+    dense set): entry w covers tokens ``w * rate .. (w + 1) * rate - 1`` and is visible once its last token is,
+    i.e. ``w < (p + 1) // rate``; row = ``first_row + w``, -1 otherwise."""
     w = torch.arange(entries, device=positions.device)
-    visible = w[None, :] < (positions.long()[:, None] + 1) // rate
-    return torch.where(visible, w[None, :] + first_row, -1).to(torch.int32)
+    visible = w < ((positions.long() + 1) // rate).unsqueeze(-1)
+    return torch.where(visible, w + first_row, -1).to(torch.int32)
 
 
 def fp8_rows(x: torch.Tensor) -> torch.Tensor:

@@ -33,12 +33,12 @@ def visible_entries(positions: torch.Tensor, rate: int) -> torch.Tensor:
 def scores_exact(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor,
                  rate: int) -> torch.Tensor:
     """``q [B, S, H, d]`` (RoPE applied), ``keys [B, E, d]``, ``weights [B, S, H]`` (already scaled by H^-0.5),
-    ``positions [S]`` -> ``[B, S, E] float32`` scores in HF's ops and layout, -inf at entries the query cannot
-    see yet."""
+    ``positions [S]`` or ``[B, S]`` (position ids: a padded row's are its own) -> ``[B, S, E] float32`` scores in
+    HF's ops and layout, -inf at entries the query cannot see yet."""
     s = torch.matmul(q.float(), keys.float().transpose(-1, -2).unsqueeze(1))  # [B, S, H, E]
     s = torch.relu(s) * q.shape[-1] ** -0.5
     s = (s * weights.float().unsqueeze(-1)).sum(dim=2)
-    future = torch.arange(keys.shape[1], device=q.device)[None, :] >= visible_entries(positions, rate)[:, None]
+    future = torch.arange(keys.shape[1], device=q.device) >= visible_entries(positions, rate).unsqueeze(-1)
     return s.masked_fill(future, float("-inf"))
 
 
@@ -49,7 +49,7 @@ def select_exact(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, pos
     s = scores_exact(q, keys, weights, positions, rate)
     k = min(topk, keys.shape[1])
     picks = s.topk(k, dim=-1).indices if k else s.new_zeros(*s.shape[:2], 0, dtype=torch.long)
-    picks = torch.where(picks >= visible_entries(positions, rate)[:, None].long(), -1, picks)
+    picks = torch.where(picks >= visible_entries(positions, rate).unsqueeze(-1).long(), -1, picks)
     return torch.nn.functional.pad(picks, (0, topk - k), value=-1).to(torch.int32)
 
 
@@ -57,7 +57,7 @@ def select_fp8(q_fp8: torch.Tensor, keys_fp8: torch.Tensor, key_scales: torch.Te
                positions: torch.Tensor, rate: int, topk: int, *, backend: str | None = None) -> torch.Tensor:
     """flashdsa's selection: ``q_fp8 [B, S, H, 128] e4m3``, ``keys_fp8 [B, E, 128] e4m3`` with ``key_scales
     [B, E] f32``, ``weights [B, S, H] f32`` (scaled by H^-0.5 and d^-0.5 already, as flashdsa folds them),
-    ``positions [S]`` -> ``[B, S, topk] int32`` entry indices (the selected set in position order, -1
+    ``positions [S]`` or ``[B, S]`` -> ``[B, S, topk] int32`` entry indices (the selected set in position order, -1
     padding), exact for the fp8 scores: every request's rows in one ragged launch over its own keys (the
     fused op: the logits' memory bounded, the rows' bounds read back once; decode scores paged keys instead)."""
     B, S, H, d = q_fp8.shape
@@ -66,7 +66,7 @@ def select_fp8(q_fp8: torch.Tensor, keys_fp8: torch.Tensor, key_scales: torch.Te
         return torch.full((B, S, topk), -1, dtype=torch.int32, device=q_fp8.device)
     first = (E * torch.arange(B, device=q_fp8.device, dtype=torch.int32))[:, None]
     ks = first.expand(B, S).reshape(-1).contiguous()
-    ke = (first + visible_entries(positions, rate).to(q_fp8.device)[None]).reshape(-1)
+    ke = (first + visible_entries(positions, rate).to(q_fp8.device).expand(B, S)).reshape(-1)
     picks = ops.indexer_topk_ragged(q_fp8.reshape(B * S, H, d), keys_fp8.reshape(B * E, d), key_scales.reshape(-1),
                                     weights.reshape(B * S, H), ks, ke, topk, backend=backend)
     return picks.view(B, S, topk)

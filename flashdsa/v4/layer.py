@@ -48,12 +48,14 @@ PRECISIONS = ("exact", "fp8")
 @dataclass(frozen=True)
 class V4State:
     """B requests' state in one V4 layer (the module docstring says what each buffer holds); ``length``: tokens
-    every request has seen."""
+    every request has seen (padding included); ``pads [B] int64``: each request's leading padding tokens (None:
+    none), which no query sees in its window."""
     length: int
     rows: torch.Tensor
     index_keys: torch.Tensor | None = None
     comp: tuple[torch.Tensor, torch.Tensor] | None = None
     index_comp: tuple[torch.Tensor, torch.Tensor] | None = None
+    pads: torch.Tensor | None = None
 
     @property
     def batch(self) -> int:
@@ -65,11 +67,20 @@ class V4State:
 
 
 def _rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """V4's RoPE: interleaved pairs over the trailing ``2 * cos.shape[-1]`` channels of ``x [B, S, ..., D]``
-    at ``cos, sin [S, R / 2]``, in fp32, back to x's dtype (HF's ``apply_rotary_pos_emb``)."""
+    """V4's RoPE: interleaved pairs over the trailing ``2 * cos.shape[-1]`` channels of ``x [B, S, ..., D]`` at
+    ``cos, sin [B, S, R / 2]`` (each row's own positions), in fp32, back to x's dtype (HF's
+    ``apply_rotary_pos_emb``)."""
     r = 2 * cos.shape[-1]
-    rot = apply_rope(x[..., -r:].transpose(0, 1), cos.float(), sin.float(), True).transpose(0, 1).to(x.dtype)
-    return torch.cat((x[..., :-r], rot), dim=-1)
+    B, S = x.shape[:2]
+    tail = x[..., -r:].reshape(B * S, *x.shape[2:-1], r)
+    rot = apply_rope(tail, cos.reshape(B * S, -1).float(), sin.reshape(B * S, -1).float(), True)
+    return torch.cat((x[..., :-r], rot.view(x.shape[:-1] + (r,)).to(x.dtype)), dim=-1)
+
+
+def _rows_of(positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, B: int):
+    """``positions [S] | [B, S]`` and ``cos, sin [S | B, S, R / 2]`` as ``[B, S]`` and ``[B, S, R / 2]``."""
+    S = positions.shape[-1]
+    return (positions.expand(B, S), cos.expand(B, S, cos.shape[-1]), sin.expand(B, S, sin.shape[-1]))
 
 
 def _ring_state(ring: tuple[torch.Tensor, torch.Tensor], bias: torch.Tensor, rate: int, overlap: bool,
@@ -117,8 +128,10 @@ class V4LayerStep:
             raise ValueError(f"attn: fp8 mode keeps indexer keys on flashdsa's {INDEX_DIM}-dim index pages, this "
                              f"layer's index_head_dim is {attn.compressor.indexer.head_dim}")
 
-    def empty_state(self, batch: int, dtype: torch.dtype, device=None, capacity: int = 0) -> V4State:
-        """A state of ``batch`` new requests, room for ``capacity`` entries (more is allocated as needed)."""
+    def empty_state(self, batch: int, dtype: torch.dtype, device=None, capacity: int = 0,
+                    pads: torch.Tensor | None = None) -> V4State:
+        """A state of ``batch`` new requests, room for ``capacity`` entries (more is allocated as needed);
+        ``pads [B]``: each request's leading padding tokens (left-padded prompts), None for none."""
         a = self.attn
         rows = self._alloc_rows(batch, capacity, dtype, device)
         keys = comp = index_comp = None
@@ -127,7 +140,9 @@ class V4LayerStep:
         if self.kind == CSA:
             index_comp = self._alloc_ring(a.compressor.indexer, batch, dtype, device)
             keys = self._alloc_keys(batch, rows.shape[1] - self.window, dtype, device)
-        return V4State(0, rows, keys, comp, index_comp)
+        if pads is not None:
+            pads = pads.to(device=device, dtype=torch.long).reshape(batch)
+        return V4State(0, rows, keys, comp, index_comp, pads)
 
     def _alloc_rows(self, batch: int, capacity: int, dtype, device) -> torch.Tensor:
         n = -(-(self.window + capacity) // PAGE_SIZE) * PAGE_SIZE
@@ -184,28 +199,37 @@ class V4LayerStep:
         normed = module.kv_norm(raw)
         pos = (torch.arange(raw.shape[1], device=h.device) + state.entries) * module.compress_rate
         cos, sin = module.rotary_emb(normed, position_ids=pos[None], layer_type=module.rope_layer_type)
-        return _rope_tail(normed, cos[0], sin[0]), (kv, gate)
+        return _rope_tail(normed, *(t.expand(normed.shape[0], -1, -1) for t in (cos, sin))), (kv, gate)
 
     @torch.no_grad()
     def __call__(self, h: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  state: V4State) -> tuple[torch.Tensor, V4State]:
-        """``h [B, S, hidden]`` the chunk's hidden states at ``positions [S]`` (``state.length ..``, the same for
-        every request), ``cos, sin [S, R / 2]`` of this layer's rope type (HF's
+        """``h [B, S, hidden]``: the chunk's hidden states, tokens ``state.length ..`` of every request;
+        ``positions [S]`` or ``[B, S]``: their position ids (a left-padded request's are its own, as HF's generate
+        makes them); ``cos, sin [S | B, S, R / 2]`` of this layer's rope type (HF's
         ``position_embeddings[attn.rope_layer_type]``) -> the layer's output ``[B, S, hidden]`` and the new
-        state (module docstring: the buffers are written in place)."""
+        state (module docstring: the buffers are written in place).
+
+        Where the two differ (padding), HF's V4 does as follows, and so does this step: RoPE of queries and keys
+        and which entries a query may see (``(position + 1) // rate``) follow the position ids; the window, the
+        compressor's windows and the entries' RoPE follow token indices (padding tokens are pooled into entries,
+        never seen in a window); a decode step of an HCA layer sees every entry closed so far."""
         B, S, _ = h.shape
         if state.batch != B:
             raise ValueError(f"state: holds {state.batch} requests, h {B}")
         if S == 1:
             return self.decode(h, positions, cos, sin, state)
+        positions, cos, sin = _rows_of(positions, cos, sin, B)
         a = self.attn
         D, win, p0 = a.head_dim, self.window, state.length
         q_res = a.q_a_norm(a.q_a_proj(h))
-        q = _rope_tail(a.q_b_norm(a.q_b_proj(q_res).view(B, S, -1, D)), cos[:, None], sin[:, None])
+        q = _rope_tail(a.q_b_norm(a.q_b_proj(q_res).view(B, S, -1, D)), cos, sin)
         kv = self._rows(_rope_tail(a.kv_norm(a.kv_proj(h)), cos, sin))
-        seen = min(p0, win - 1)  # earlier tokens a query's window may reach, in position order, then the chunk's
+        seen = min(p0, win - 1)  # earlier tokens a query's window may reach, in token order, then the chunk's
         raw = torch.cat((state.rows[:, torch.arange(p0 - seen, p0, device=h.device) % win], kv), dim=1)
-        lists = [window_indices(positions - (p0 - seen), win)]
+        tokens = torch.arange(p0, p0 + S, device=h.device)
+        pads = None if state.pads is None else state.pads - (p0 - seen)  # rows of padding in `raw`
+        lists = [window_indices(tokens - (p0 - seen), win, pads=pads)]
         rows, comp, index_comp = raw, None, None
         if self.kind in (CSA, HCA):
             new, comp = self._entries(a.compressor, h, state.comp, p0, self.kind == CSA)
@@ -223,7 +247,7 @@ class V4LayerStep:
         idx = torch.where(idx >= 0, idx + N * torch.arange(B, device=h.device)[:, None, None].to(idx.dtype), -1)
         run = attend_fp8 if self.precision == "fp8" else attend
         out = run(q.reshape(B * S, -1, D), rows.reshape(B * N, -1), idx.reshape(B * S, -1).to(torch.int32), a.sinks,
-                  a.scaling, cos.repeat(B, 1), sin.repeat(B, 1), backend=self.backend).to(h.dtype)
+                  a.scaling, cos.reshape(B * S, -1), sin.reshape(B * S, -1), backend=self.backend).to(h.dtype)
         out = a.o_b_proj(a.o_a_proj(out.view(B, S, a.config.o_groups, -1)).flatten(-2))
         _write_ring(state.rows[:, :win], kv, p0 + S)
         if comp is not None:
@@ -269,8 +293,8 @@ class V4LayerStep:
         DSA's decode step); an fp8 chunk gathers its requests' keys for the ragged op."""
         a, B, S = self.attn, h.shape[0], h.shape[1]
         ix = a.compressor.indexer
-        icos, isin = ix.rotary_emb(h, position_ids=positions[None], layer_type=ix.rope_layer_type)
-        q_ix = _rope_tail(ix.q_b_proj(q_res).view(B, S, -1, ix.head_dim), icos[0][:, None], isin[0][:, None])
+        icos, isin = ix.rotary_emb(h, position_ids=positions, layer_type=ix.rope_layer_type)
+        q_ix = _rope_tail(ix.q_b_proj(q_res).view(B, S, -1, ix.head_dim), icos, isin)
         w = ix.scorer.weights_proj(h).float() * ix.scorer.weights_scaling
         if self.precision != "fp8":
             return select_exact(q_ix, state.index_keys[:, :count], w, positions, ix.compress_rate, ix.index_topk)
@@ -283,7 +307,7 @@ class V4LayerStep:
                               w, positions, ix.compress_rate, ix.index_topk, backend=self.backend)
         if count == 0:
             return torch.full((B, 1, ix.index_topk), -1, dtype=torch.int32, device=h.device)
-        visible = visible_entries(positions, ix.compress_rate).to(h.device).expand(B).contiguous()
+        visible = visible_entries(positions, ix.compress_rate).to(h.device).reshape(B).contiguous()
         table = torch.arange(pages.shape[0] * pages.shape[1], device=h.device, dtype=torch.int32).view(B, -1)
         logits = ops.indexer_logits_paged(q_fp8, state.index_keys, w.view(B, -1), visible[:, None], table, count,
                                           backend=self.backend)
@@ -297,13 +321,15 @@ class V4LayerStep:
     @torch.no_grad()
     def decode(self, h: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                state: V4State, capturable: bool = False) -> tuple[torch.Tensor, V4State]:
-        """One decode token a request (``h [B, 1, hidden]`` at ``positions [1]``), the keys read in place: the
+        """One decode token a request (``h [B, 1, hidden]`` at ``positions [1] | [B, 1]``, ``cos, sin`` as
+        :meth:`__call__` takes them), the keys read in place: the
         token's row goes into its ring slot, a closing window's entry into the entries, and the attention reads
         the buffer itself (no copy of the context a step, as :meth:`__call__` makes for a chunk).
 
         ``capturable=True``: nothing read back to the host and every shape fixed by the buffers (the position
         only on the device: entries past it scored -inf, a window that has not closed written as what was
-        there) — a CUDA graph can hold the step; :meth:`reserve` the capacity first. Otherwise the host's
+        there; the token's index is its position plus the request's padding) — a CUDA graph can hold the step;
+        :meth:`reserve` the capacity first. Otherwise the host's
         ``state.length`` bounds the entries scored (so exact mode's ``torch.topk`` sees HF's row, ties and all).
 
         Writes land in slots no query of this position reads before the write, so a failed call retried at
@@ -312,26 +338,31 @@ class V4LayerStep:
         a = self.attn
         B = h.shape[0]
         D, win = a.head_dim, self.window
-        p = positions.long().reshape(1)
+        positions, cos, sin = _rows_of(positions, cos, sin, B)
         if not capturable:
             state = self.reserve(state, state.length + 1)
+            t = torch.full((1,), state.length, dtype=torch.long, device=h.device)  # the token's index
+        else:  # from the device: position + padding (HF's position ids count a request's real tokens)
+            t = positions[:1, 0].long() + (state.pads[:1] if state.pads is not None else 0)
         q_res = a.q_a_norm(a.q_a_proj(h))
-        q = _rope_tail(a.q_b_norm(a.q_b_proj(q_res).view(B, 1, -1, D)), cos[:, None], sin[:, None])
+        q = _rope_tail(a.q_b_norm(a.q_b_proj(q_res).view(B, 1, -1, D)), cos, sin)
         kv = self._rows(_rope_tail(a.kv_norm(a.kv_proj(h)), cos, sin))
         rows = state.rows
-        rows.index_copy_(1, p % win, kv)  # the ring is the buffer's first `win` rows
+        rows.index_copy_(1, t % win, kv)  # the ring is the buffer's first `win` rows
         slots = torch.arange(win, device=h.device)
-        lists = [torch.where(p - (p - slots) % win >= 0, slots, -1)[None, None]]  # the ring: the whole window
+        token = t - (t - slots) % win  # the token each ring slot holds
+        seen = token >= (0 if state.pads is None else state.pads[:, None])  # [win] | [B, win]: not before 0 / padding
+        lists = [torch.where(seen, slots, -1).view(-1, 1, win)]  # the ring: the whole window
         if self.rate:
             count = state.entries(win) if capturable else (state.length + 1) // self.rate
-            n, closes = (p + 1) // self.rate - 1, (p + 1) % self.rate == 0
-            entry = _close_entry(a.compressor, h, state.comp, p, self.kind == CSA)
+            n, closes = (t + 1) // self.rate - 1, (t + 1) % self.rate == 0
+            entry = _close_entry(a.compressor, h, state.comp, t, self.kind == CSA)
             _put(rows[:, win:], n, closes, self._rows(entry))
-            if self.kind == HCA:
-                lists.append(causal_entry_indices(positions, self.rate, count, win)[None])
+            if self.kind == HCA:  # every entry closed so far (HF's decode step masks none)
+                lists.append(causal_entry_indices(t, self.rate, count, win)[None])
             else:
                 ix = a.compressor.indexer
-                self._put_keys(state, n, _close_entry(ix, h, state.index_comp, p, True), closes)
+                self._put_keys(state, n, _close_entry(ix, h, state.index_comp, t, True), closes)
                 picks = self._pick(h, q_res, positions, state, count)
                 lists.append(torch.where(picks >= 0, picks + win, -1).to(torch.int32))
         N = rows.shape[1]
@@ -339,7 +370,7 @@ class V4LayerStep:
         idx = torch.where(idx >= 0, idx + N * torch.arange(B, device=h.device)[:, None, None].to(idx.dtype), -1)
         run = attend_fp8 if self.precision == "fp8" else attend
         out = run(q.reshape(B, -1, D), rows.view(B * N, -1), idx.view(B, -1).to(torch.int32), a.sinks, a.scaling,
-                  cos.expand(B, -1), sin.expand(B, -1), backend=self.backend).to(h.dtype)
+                  cos.reshape(B, -1), sin.reshape(B, -1), backend=self.backend).to(h.dtype)
         out = a.o_b_proj(a.o_a_proj(out.view(B, 1, a.config.o_groups, -1)).flatten(-2))
         return out, replace(state, length=state.length + 1)
 
@@ -383,4 +414,4 @@ def _close_entry(module, h: torch.Tensor, ring: tuple[torch.Tensor, torch.Tensor
     normed = module.kv_norm(raw)
     pos = (n.clamp(min=0) * rate)[None]
     cos, sin = module.rotary_emb(normed, position_ids=pos, layer_type=module.rope_layer_type)
-    return _rope_tail(normed, cos[0], sin[0])
+    return _rope_tail(normed, *(t.expand(normed.shape[0], -1, -1) for t in (cos, sin)))

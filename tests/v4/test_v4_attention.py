@@ -447,7 +447,7 @@ def test_fp8_decode_scores_the_paged_keys_as_the_chunk_does(backend):
         count = (t + 1) // 4
         q_res = attn.q_a_norm(attn.q_a_proj(x))
         chunk = V4LayerStep._pick(step, torch.cat((x, x), dim=1), torch.cat((q_res, q_res), dim=1),
-                                  torch.tensor([t, t]), state, count)[:, :1]
+                                  torch.tensor([[t, t]]).expand(B, 2), state, count)[:, :1]
         assert torch.equal(picked[-1], chunk), t
         assert (picked[-1] >= 0).sum(-1).min() == min(count, attn.compressor.indexer.index_topk)
     with pytest.raises(ValueError, match="^attn: fp8 mode"):
