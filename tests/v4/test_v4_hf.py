@@ -180,3 +180,13 @@ def test_decode_from_cuda_graphs(indexer):
     assert patch.graph_replays == 17
     tol = 1e-4 if indexer == "exact" else 2e-2
     assert (la - lb).abs().max() <= tol * la.abs().max()
+    padded = again.clone()
+    mask = torch.ones_like(padded)
+    mask[0, :9] = 0  # row 0 left-padded: its positions run 9 behind its token indices
+    padded[0, :9] = 0
+
+    def run(m):
+        return m.generate(padded, attention_mask=mask, max_new_tokens=6, min_new_tokens=6, do_sample=False,
+                          pad_token_id=0)
+    assert torch.equal(run(graphed), run(eager))
+    assert patch.graph_replays == 22 and patch.graph_failure is None
