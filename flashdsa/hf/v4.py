@@ -34,6 +34,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from flashdsa.hf.graphs import _capture
 from flashdsa.v4.layer import PRECISIONS, V4LayerStep
 
 _GRAPH_MAX_BATCH = 16     # decode batches up to this size replay graphs
@@ -259,16 +260,7 @@ class _V4Graph:
                 patch._capturing = False
 
         # the warm-up runs write this position's slots; the replay writes them again with the same values
-        with torch.cuda.device(ids.device):
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    run()
-            torch.cuda.current_stream().wait_stream(stream)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                out = run()
+        self.graph, out = _capture(run, ids.device)
         self.out_type = type(out)
         self.cache_key = next((k for k, v in out.items() if v is cache), None)
         self.hidden = out["last_hidden_state"]
