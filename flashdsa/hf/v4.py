@@ -198,6 +198,9 @@ def _decoder_forward(patch: V4Patch, orig, *args, **kwargs):
         _keep(patch, i, cache, states[i])
     key, buffers = (len(states[0].rows), reserved), tuple(s.rows.data_ptr() for s in states)
     graph = patch.graphs.get(key)
+    if graph is not None and graph.weights != _weights(patch):
+        patch.graphs.clear()  # the weights moved (model.to(...)): the graphs read the old ones
+        graph = None
     if graph is None or graph.buffers != buffers:  # new, or another live cache's buffers: capture on these
         for old in [k for k in patch.graphs if k[0] == key[0]]:  # this batch size's outgrown or other buffers
             del patch.graphs[old]
@@ -224,6 +227,14 @@ def _decoder_forward(patch: V4Patch, orig, *args, **kwargs):
     return out
 
 
+def _weights(patch: V4Patch) -> tuple:
+    """Addresses a graph depends on that ``model.to(...)`` changes (the first and last layers', the head's)."""
+    first, last = patch.steps[0].attn, patch.steps[-1].attn
+    base = getattr(patch.model, "model", patch.model)
+    return (first.q_a_proj.weight.data_ptr(), last.o_b_proj.weight.data_ptr(), base.embed_tokens.weight.data_ptr(),
+            first.q_a_proj.weight.dtype)
+
+
 def _advance(cache, layer_idx: int, state) -> None:
     """HF's cache layer counts the replayed token (what the eager forward's ``cache.update`` does)."""
     layer = cache.layers[layer_idx]
@@ -241,6 +252,7 @@ class _V4Graph:
 
     def __init__(self, patch: V4Patch, orig, kwargs: dict, cache, buffers: tuple):
         self.buffers = buffers  # the layers' state buffers it reads and writes (their addresses)
+        self.weights = _weights(patch)
         ids = kwargs["input_ids"]
         with torch.inference_mode(False):  # later steps may copy into them outside inference mode
             self.ids = ids.clone()
