@@ -34,7 +34,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from flashdsa.hf.graphs import _capture
+from flashdsa.hf.graphs import _capture, _graphs_possible
 from flashdsa.v4.layer import PRECISIONS, V4LayerStep
 
 _GRAPH_MAX_BATCH = 16     # decode batches up to this size replay graphs
@@ -162,7 +162,7 @@ def _graph_states(patch: V4Patch, kwargs: dict) -> list | None:
     if not (patch.cuda_graphs and patch.graph_failure is None) or patch.backend == "torch":
         return None
     ids, cache = kwargs.get("input_ids"), _cache_of(kwargs)
-    if not isinstance(ids, torch.Tensor) or ids.device.type != "cuda" or ids.dim() != 2 or ids.shape[1] != 1:
+    if not isinstance(ids, torch.Tensor) or not _graphs_possible(ids.device) or ids.dim() != 2 or ids.shape[1] != 1:
         return None
     if ids.shape[0] > _GRAPH_MAX_BATCH or cache is None or kwargs.get("inputs_embeds") is not None:
         return None
@@ -260,19 +260,24 @@ class _V4Graph:
         self._position(kwargs, cache)
         cache_key = "cache" if "cache" in kwargs or "past_key_values" not in kwargs else "past_key_values"
         # a dict mask: HF's decoder takes it as built and makes none (the attention reads no mask)
-        static = {"input_ids": self.ids, "position_ids": self.pos, "attention_mask": {"all": None}, cache_key: cache,
-                  "use_cache": True}
+        static = {"input_ids": self.ids, "position_ids": self.pos, "attention_mask": {"all": None}, "use_cache": True}
+        # the cache only while the graph is made (or run): holding it would keep a finished request's cache, and
+        # the buffers the next one could take over, alive
+        self._cache = [cache]
 
         def run():
             patch._capturing = True
             try:
                 with torch.no_grad():
-                    return orig(**static)
+                    return orig(**static, **{cache_key: self._cache[0]})
             finally:
                 patch._capturing = False
 
         # the warm-up runs write this position's slots; the replay writes them again with the same values
-        self.graph, out = _capture(run, ids.device)
+        try:
+            self.graph, out = _capture(run, ids.device)
+        finally:
+            self._cache[0] = None
         self.out_type = type(out)
         self.cache_key = next((k for k, v in out.items() if v is cache), None)
         self.hidden = out["last_hidden_state"]
@@ -287,7 +292,11 @@ class _V4Graph:
     def replay(self, kwargs: dict, cache):
         self.ids.copy_(kwargs["input_ids"])
         self._position(kwargs, cache)
-        self.graph.replay()
+        self._cache[0] = cache
+        try:
+            self.graph.replay()
+        finally:
+            self._cache[0] = None
         out = {"last_hidden_state": self.hidden.clone()}  # the buffer is the next replay's output too
         if self.cache_key is not None:
             out[self.cache_key] = cache

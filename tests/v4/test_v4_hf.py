@@ -190,3 +190,43 @@ def test_decode_from_cuda_graphs(indexer):
                           pad_token_id=0)
     assert torch.equal(run(graphed), run(eager))
     assert patch.graph_replays == 22 and patch.graph_failure is None
+
+
+def test_graph_bookkeeping_on_cpu(monkeypatch):
+    """The graph path's host side, on the CPU: ``_capture`` replaced by a stand-in whose "replay" runs the captured
+    call again (the decoder's forward with the capturable decode step, from the static buffers), so everything
+    but CUDA's capture runs — the gate, the reservation, the static token / position buffers, the host advancing
+    the states and HF's cache lengths, a new cache taking over a gone one's buffers. fp32 exact: the tokens of
+    the eager patch and of HF, unpadded and left-padded; one "capture" a batch shape, every later step a replay."""
+    import flashdsa.hf.v4 as hv
+    captures = []
+
+    def fake_capture(run, device):
+        out = run()  # the warm-up's write of this position's slots (retry-safe: the replay writes them again)
+        captures.append(device)
+        hidden = out["last_hidden_state"]  # not `out`: it holds the cache
+
+        class Replay:
+            def replay(self):
+                hidden.copy_(run()["last_hidden_state"])
+        return Replay(), out
+    monkeypatch.setattr(hv, "_capture", fake_capture)
+    monkeypatch.setattr(hv, "_graphs_possible", lambda device: True)
+    hf = tiny_model(index_n_heads=8)  # few exact-0 ties: the capturable top-k runs over the reserved row on CPU
+    eager, graphed = copy.deepcopy(hf), copy.deepcopy(hf)
+    fh.apply(eager, indexer="exact", cuda_graphs=False)
+    patch = fh.apply(graphed, indexer="exact")
+    g = torch.Generator().manual_seed(15)
+    ids = torch.randint(1, 128, (2, 45), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :6] = 0
+
+    def run(model, m):
+        return model.generate(ids, attention_mask=m, max_new_tokens=8, min_new_tokens=8, do_sample=False,
+                              pad_token_id=0)
+    for m in (torch.ones_like(ids), mask):
+        want = run(hf, m)
+        assert torch.equal(run(eager, m), want)
+        assert torch.equal(run(graphed, m), want)
+    assert patch.graph_failure is None and len(captures) == 1 and patch.graph_replays == 14
+    assert list(patch.graphs) == [(2, 1024)]
