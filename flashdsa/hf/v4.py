@@ -261,8 +261,9 @@ class _V4Graph:
         cache_key = "cache" if "cache" in kwargs or "past_key_values" not in kwargs else "past_key_values"
         # a dict mask: HF's decoder takes it as built and makes none (the attention reads no mask)
         static = {"input_ids": self.ids, "position_ids": self.pos, "attention_mask": {"all": None}, "use_cache": True}
-        # the cache only while the graph is made (or run): holding it would keep a finished request's cache, and
-        # the buffers the next one could take over, alive
+        # run() reads the cache from here, set only while the graph is made or replayed: a stand-in of _capture
+        # that re-runs the call (the CPU test of this path) sees the current cache, and nothing here keeps a
+        # finished request's cache (whose buffers the next request takes over) alive
         self._cache = [cache]
 
         def run():
