@@ -181,6 +181,8 @@ def _graph_states(patch: V4Patch, kwargs: dict) -> list | None:
         seen = layer.get_seq_length()
         if state is None or seen == 0 or state.length != seen or state.batch != ids.shape[0]:
             return None  # the eager path says what is wrong, or starts the state
+        if not isinstance(getattr(layer, "cumulative_length", None), int):
+            return None  # not a cache layer whose length the host can advance after a replay (DynamicCache's)
         states.append(state)
     return states
 
@@ -220,7 +222,7 @@ def _decoder_forward(patch: V4Patch, orig, *args, **kwargs):
         patch.graphs[key] = graph
     out = graph.replay(kwargs, cache)
     for i, step in enumerate(patch.steps):
-        _advance(cache, step.attn.layer_idx, states[i])
+        _advance(cache, step.attn.layer_idx)
         _keep(patch, i, cache, replace(states[i], length=length + 1))
         patch.calls[i] += 1
     patch.graph_replays += 1
@@ -235,14 +237,9 @@ def _weights(patch: V4Patch) -> tuple:
             first.q_a_proj.weight.dtype)
 
 
-def _advance(cache, layer_idx: int, state) -> None:
+def _advance(cache, layer_idx: int) -> None:
     """HF's cache layer counts the replayed token (what the eager forward's ``cache.update`` does)."""
-    layer = cache.layers[layer_idx]
-    if isinstance(getattr(layer, "cumulative_length", None), int):
-        layer.cumulative_length += 1
-    else:
-        z = torch.zeros(state.batch, 1, 1, 1, device=state.rows.device)
-        cache.update(z, z, layer_idx)
+    cache.layers[layer_idx].cumulative_length += 1
 
 
 class _V4Graph:
