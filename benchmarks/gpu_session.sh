@@ -12,7 +12,8 @@
 # Compute sections of our Gluon sparse-MLA kernels and FlashMLA's, decode and prefill: $OUT/ncu*.txt; and our
 # kernels' per-SASS-instruction counters, summarised by benchmarks/ncu_sass_top.py: $OUT/ncu-sass*.txt),
 # gluon-indexer (the Gluon paged indexer checked and timed next to the Triton kernel and DeepGEMM; under a
-# minute), grid (benchmarks/sparse_decode_grid.py: sparse decode over batch x heads), selection / layer / host (`flashdsa bench
+# minute), grid (benchmarks/sparse_decode_grid.py: sparse decode over batch x heads), v4 (DeepSeek-V4 through
+# flashdsa.hf: GPU tests, benchmarks/v4_hf_check.py, bench_hf --arch v4), selection / layer / host (`flashdsa bench
 # --ops <stage>`: decode selection against DeepGEMM -> fast_topk_transform_fused, the decode step per stage, the
 # host cost of plain calls; SGL_LIBS=.anchors/sglk by default when that folder exists).
 # BENCH_ARGS go to every bench.
@@ -52,6 +53,11 @@ for stage in "$@"; do
     gluon-indexer)
            timeout 280 python3 benchmarks/gluon_indexer_probe.py 2>&1 | tee "$OUT/gluon_indexer.log" | tail -22 ;;
     grid)  timeout 400 python3 benchmarks/sparse_decode_grid.py 2>&1 | tee "$OUT/sparse_decode_grid.log" | tail -20 ;;
+    v4)    # DeepSeek-V4 through flashdsa.hf (needs the transformers wheel in .anchors/): the GPU tests, where it
+           # leaves HF's numbers and whether its decode captures, then generate() against HF eager
+           timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/v4 -rf 2>&1 | tee "$OUT/tests-v4.log" | tail -8
+           timeout 200 python3 benchmarks/v4_hf_check.py 2>&1 | tee "$OUT/v4_hf_check.log" | tail -30
+           timeout 200 python3 benchmarks/bench_hf.py --arch v4 --quick ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_hf_v4.log" | tail -10 ;;
     ncu)   for mode in "" --prefill; do
              timeout 150 ncu --kernel-name regex:'ws_kernel|mla|sparse' --launch-count 12 --section SpeedOfLight \
                --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \

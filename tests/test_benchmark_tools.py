@@ -106,3 +106,18 @@ def test_prefill_selection_parts_smoke():
     assert run.returncode == 0, run.stderr[-2000:]
     last = run.stdout.rstrip().splitlines()[-1].split("|")
     assert last[0].strip() == "40x100" and last[1].strip() == "True", run.stdout[-2000:]
+
+
+def test_v4_hf_check_smoke():
+    """``v4_hf_check.py --smoke`` on the CPU: every attention layer type of the tiny V4 against HF's on HF's own
+    inputs, both backends, within fp32 rounding (the table's errors are printed as numbers)."""
+    import os
+    import subprocess
+    import sys
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root))
+    run = subprocess.run([sys.executable, str(root / "benchmarks" / "v4_hf_check.py"), "--smoke"],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = [line.split("|") for line in run.stdout.splitlines() if line[:1].isdigit()]
+    assert len(rows) == 8 and all(float(r[3]) < 1e-5 for r in rows), run.stdout
