@@ -87,17 +87,11 @@ class _GraphDecode:
             self.graphs.clear()  # the weights moved (model.to(...)): the graphs read the old ones
             graph = None
         if graph is None:
-            calls = list(self.calls)
             try:
-                graph = _DecodeGraph(self, orig, fwd, kwargs)
-            except Exception as e:  # a module that cannot be captured (a host sync, a data-dependent shape)
-                self.graph_failure = f"{type(e).__name__}: {e}"
+                graph = new_graph(self, lambda: _DecodeGraph(self, orig, fwd, kwargs), "the decode step", 2)
             finally:
-                self.calls[:] = calls  # warm-up and capture are not forwards of the model
                 self._fwd = fwd
             if graph is None:
-                warnings.warn(f"flashdsa.hf: capturing the decode step in a CUDA graph failed ({self.graph_failure}); "
-                              "decoding eagerly from now on", RuntimeWarning, stacklevel=2)
                 return orig(*args, **kwargs)
             self.graphs[key] = graph
         out = graph.replay(fwd, kwargs)
@@ -111,6 +105,23 @@ class _GraphDecode:
         a, b = self.attentions[0], self.attentions[-1]
         return (a.q_a_proj.weight.data_ptr(), a.kv_b_proj.weight.data_ptr(), b.o_proj.weight.data_ptr(),
                 a.q_a_proj.weight.dtype)
+
+
+def new_graph(patch, make, what: str, stacklevel: int):
+    """``make()`` a captured decode step for ``patch`` (the DSA or the V4 patch), its forward counters
+    (``calls``) kept as they were: warm-up and capture are not forwards of the model. A step that cannot be
+    captured (a host sync, a data-dependent shape) sets ``patch.graph_failure``, warns once (``what`` names the
+    step; ``stacklevel`` as the caller's own ``warnings.warn`` would take it) and gives None: decode eagerly."""
+    calls = list(patch.calls)
+    try:
+        return make()
+    except Exception as e:
+        patch.graph_failure = f"{type(e).__name__}: {e}"
+    finally:
+        patch.calls[:] = calls
+    warnings.warn(f"flashdsa.hf: capturing {what} in a CUDA graph failed ({patch.graph_failure}); decoding eagerly "
+                  "from now on", RuntimeWarning, stacklevel=stacklevel + 1)
+    return None
 
 
 def _graphs_possible(device: torch.device) -> bool:

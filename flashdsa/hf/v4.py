@@ -28,13 +28,12 @@ was cropped or reused mid-sequence.
 
 from __future__ import annotations
 
-import warnings
 import weakref
 from dataclasses import dataclass, field, replace
 
 import torch
 
-from flashdsa.hf.graphs import _capture, _graphs_possible
+from flashdsa.hf.graphs import _capture, _graphs_possible, new_graph
 from flashdsa.v4.layer import PRECISIONS, V4LayerStep
 
 _GRAPH_MAX_BATCH = 16     # decode batches up to this size replay graphs
@@ -196,8 +195,10 @@ def _decoder_forward(patch: V4Patch, orig, *args, **kwargs):
     length = states[0].length
     reserved = max(_GRAPH_MIN_TOKENS, 1 << length.bit_length())  # > length: room for this step
     for i, step in enumerate(patch.steps):
-        states[i] = step.reserve(states[i], reserved)
-        _keep(patch, i, cache, states[i])
+        grown = step.reserve(states[i], reserved)
+        if grown is not states[i]:  # new buffers: the cache (and its slab) keep them from now on
+            states[i] = grown
+            _keep(patch, i, cache, grown)
     key, buffers = (len(states[0].rows), reserved), tuple(s.rows.data_ptr() for s in states)
     graph = patch.graphs.get(key)
     if graph is not None and graph.weights != _weights(patch):
@@ -206,18 +207,9 @@ def _decoder_forward(patch: V4Patch, orig, *args, **kwargs):
     if graph is None or graph.buffers != buffers:  # new, or another live cache's buffers: capture on these
         for old in [k for k in patch.graphs if k[0] == key[0]]:  # this batch size's outgrown or other buffers
             del patch.graphs[old]
-        graph = None
-        calls = list(patch.calls)
-        try:
-            graph = _V4Graph(patch, orig, kwargs, cache, buffers)
-        except Exception as e:  # a part that cannot be captured (a host read, a data-dependent shape)
-            patch.graph_failure = f"{type(e).__name__}: {e}"
-        finally:
-            patch.calls[:] = calls  # warm-up and capture are not forwards of the model
-            patch._capturing = False
+        graph = new_graph(patch, lambda: _V4Graph(patch, orig, kwargs, cache, buffers), "the DeepSeek-V4 decode step",
+                          3)
         if graph is None:
-            warnings.warn(f"flashdsa.hf: capturing the DeepSeek-V4 decode step in a CUDA graph failed "
-                          f"({patch.graph_failure}); decoding eagerly from now on", RuntimeWarning, stacklevel=3)
             return orig(*args, **kwargs)
         patch.graphs[key] = graph
     out = graph.replay(kwargs, cache)

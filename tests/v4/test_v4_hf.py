@@ -230,3 +230,25 @@ def test_graph_bookkeeping_on_cpu(monkeypatch):
         assert torch.equal(run(graphed, m), want)
     assert patch.graph_failure is None and len(captures) == 1 and patch.graph_replays == 14
     assert list(patch.graphs) == [(2, 1024)]
+
+
+def test_graph_capture_failure_warns_once_and_decodes_eagerly(monkeypatch):
+    """A decode step that cannot be captured (the stand-in ``_capture`` raises, as a host read under capture
+    does): one RuntimeWarning naming the cause, ``graph_failure`` set, every later step eager with HF's tokens,
+    and the failed warm-up not counted as forwards."""
+    import flashdsa.hf.v4 as hv
+
+    def broken(run, device):
+        raise RuntimeError("operation not permitted when stream is capturing")
+    monkeypatch.setattr(hv, "_capture", broken)
+    monkeypatch.setattr(hv, "_graphs_possible", lambda device: True)
+    hf = tiny_model()
+    ours = copy.deepcopy(hf)
+    patch = fh.apply(ours, indexer="exact")
+    ids = prompts()[0]
+    with pytest.warns(RuntimeWarning, match="capturing the DeepSeek-V4 decode step .*not permitted") as seen:
+        got = greedy(ours, ids)
+    assert len([w for w in seen if "CUDA graph" in str(w.message)]) == 1
+    assert torch.equal(got, greedy(hf, ids))
+    assert "not permitted" in patch.graph_failure and not patch.graphs and patch.graph_replays == 0
+    assert patch.calls == [8] * len(patch.calls)  # a prompt forward and 7 eager decode steps a layer
