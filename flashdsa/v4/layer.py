@@ -73,7 +73,8 @@ def _rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     r = 2 * cos.shape[-1]
     B, S = x.shape[:2]
     tail = x[..., -r:].reshape(B * S, *x.shape[2:-1], r)
-    rot = apply_rope(tail, cos.reshape(B * S, -1).float(), sin.reshape(B * S, -1).float(), True)
+    half = cos.shape[-1]  # (not -1: a chunk that closes no entry has S = 0)
+    rot = apply_rope(tail, cos.reshape(B * S, half).float(), sin.reshape(B * S, half).float(), True)
     return torch.cat((x[..., :-r], rot.view(x.shape[:-1] + (r,)).to(x.dtype)), dim=-1)
 
 

@@ -452,3 +452,34 @@ def test_fp8_decode_scores_the_paged_keys_as_the_chunk_does(backend):
         assert (picked[-1] >= 0).sum(-1).min() == min(count, attn.compressor.indexer.index_topk)
     with pytest.raises(ValueError, match="^attn: fp8 mode"):
         V4LayerStep(tiny_model().model.layers[1].self_attn, precision="fp8")
+
+
+@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated")
+def test_layer_step_over_a_chunk_that_closes_no_entry():
+    """An extend whose tokens close no entry in either compressed layer (positions 37, 38: CSA rate 4 closes at
+    39, HCA rate 8 at 39) still runs and equals HF's layers, and the next token's entries are right (the
+    rotary of zero new entries once failed to reshape)."""
+    from flashdsa.v4.layer import V4LayerStep
+    model = tiny_model()
+    g = torch.Generator().manual_seed(9)
+    B = 2
+    chunks = [torch.randint(0, 128, (B, n), generator=g) for n in (37, 2, 1, 1)]
+    steps = [V4LayerStep(layer.self_attn, "torch") for layer in model.model.layers]
+    states = [s.empty_state(B, torch.float32) for s in steps]
+    cache = None
+    for chunk in chunks:
+        seen = []
+        handles = [layer.self_attn.register_forward_hook(
+            lambda m, a, kw, out: seen.append((dict(kw, hidden_states=a[0] if a else kw["hidden_states"]), out[0])),
+            with_kwargs=True) for layer in model.model.layers]
+        try:
+            with torch.no_grad():
+                cache = model(chunk, past_key_values=cache, use_cache=True).past_key_values
+        finally:
+            for h in handles:
+                h.remove()
+        for i, (inputs, want) in enumerate(seen):
+            cos, sin = (t[0] for t in inputs["position_embeddings"][steps[i].attn.rope_layer_type])
+            got, states[i] = steps[i](inputs["hidden_states"], inputs["position_ids"][0], cos, sin, states[i])
+            assert (got - want).abs().max() <= 64 * torch.finfo(torch.float32).eps * want.abs().max(), (i, chunk.shape)
+    assert states[1].length == 41 and states[2].length == 41

@@ -252,3 +252,19 @@ def test_graph_capture_failure_warns_once_and_decodes_eagerly(monkeypatch):
     assert torch.equal(got, greedy(hf, ids))
     assert "not permitted" in patch.graph_failure and not patch.graphs and patch.graph_replays == 0
     assert patch.calls == [8] * len(patch.calls)  # a prompt forward and 7 eager decode steps a layer
+
+
+@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated")
+def test_prompts_shorter_than_a_compressed_window_equal_hf():
+    """Prompts of 1, 3 and 6 tokens: shorter than HCA's rate 8 (and 1, 3 than CSA's 4), so a prefill closes no
+    entry (a V4 release's HCA rate is 128: every prompt under 128 tokens). HF's fp32 logits and greedy tokens."""
+    hf = tiny_model()
+    ours = copy.deepcopy(hf)
+    fh.apply(ours, indexer="exact")
+    g = torch.Generator().manual_seed(5)
+    for n in (1, 3, 6):
+        ids = torch.randint(1, 128, (2, n), generator=g)
+        with torch.no_grad():
+            want, got = hf(ids).logits, ours(ids).logits
+        assert (got - want).abs().max() <= 1e-3 * want.abs().max(), n
+        assert torch.equal(greedy(ours, ids), greedy(hf, ids)), n
