@@ -62,6 +62,7 @@ from _common import print_table, write_json
 
 import flashdsa.hf as fh
 from flashdsa import ops
+from flashdsa.v4.layer import V4LayerStep
 from transformers import DeepseekV32Config, DeepseekV32ForCausalLM
 
 MODEL = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
@@ -190,28 +191,92 @@ def check(model, vocab: int, prompt: int, device: str, max_tokens: int, new: int
     assert not torch.equal(fp8, exact16), "fp8 mode should differ from exact"
 
 
+def v4_layer_errors(model, ids) -> list[dict]:
+    """Every attention layer of the fp32 V4 ``model`` on prompt ``ids [1, P]``: HF's output against
+    ``V4LayerStep``'s on the very inputs HF's layer got (teacher-forced), with the default backend and with
+    ``backend="torch"``; max |diff| / max |HF| over the prompt and the position where it peaks. Here the
+    selection sees HF's own inputs, so exact mode picks HF's entries and the rest differs in summation order
+    only: ~1e-6 (fp32 rounding of sums of a few hundred terms, a few ops deep); a pick that differs from HF's
+    moves a row by about one key's softmax weight (~1 / (window + topk), ~1e-3)."""
+    seen = []
+
+    def hook(module, args, kwargs, out):
+        seen.append((module, dict(kwargs, hidden_states=args[0] if args else kwargs["hidden_states"]), out[0]))
+    handles = [layer.self_attn.register_forward_hook(hook, with_kwargs=True) for layer in model.model.layers]
+    with torch.no_grad():
+        model(ids, use_cache=False)
+    for h in handles:
+        h.remove()
+    rows = []
+    for i, (attn, inputs, want) in enumerate(seen):
+        cos, sin = (t[0] for t in inputs["position_embeddings"][attn.rope_layer_type])
+        for backend in (None, "torch"):
+            step = V4LayerStep(attn, backend)
+            got, _ = step(inputs["hidden_states"], inputs["position_ids"][0], cos, sin,
+                          step.empty_state(1, torch.float32, ids.device))
+            err = (got - want).abs().amax(-1)[0] / want.abs().max()
+            rows.append({"layer": i, "type": attn.layer_type, "backend": backend or "default",
+                         "max_err": float(err.max()), "at": int(err.argmax()), "mean_err": float(err.mean())})
+    return rows
+
+
 def check_v4(model, vocab: int, prompt: int, device: str, new: int = 8) -> None:
-    """V4's numerics against HF before any timing: the fp32 copy in exact mode gives HF's prompt logits (within
-    1e-3 of their maximum, #43's bar; they differ in summation order only) and its greedy tokens; the bf16 fp8
-    mode's next-token argmax agreement with exact mode (printed)."""
-    ids = torch.randint(1, vocab, (1, prompt), device=device, generator=torch.Generator(device).manual_seed(1))
+    """V4's numerics against HF before any timing, on the fp32 copy in exact mode and the bf16 model.
+
+    Asserted (what holds by construction): a prompt short enough that no CSA layer drops an entry (``rate x
+    topk - new`` tokens) gives HF's logits within 1e-4 of their maximum (v32's bound) and its greedy tokens; at
+    ``prompt`` tokens, where the indexer selects, every attention layer fed HF's inputs is HF's within 1e-5
+    (:func:`v4_layer_errors`: the same picks). Printed, not bounded: the whole model at ``prompt`` tokens. Its
+    layers see hidden states that differ from HF's by rounding, so a near-tie at the top-k boundary can pick
+    another entry (~1e-3 from there on, 1.7e-3 at 3072 tokens on CPU and 2.2e-3 on an H100, 2026-12-07); HF's
+    own fp32 run is printed beside it against an fp64 run. fp8 mode's argmax agreement with exact mode is
+    printed beside HF bf16's with HF fp32 (on this model's near-flat random logits both are low)."""
+    g = torch.Generator(device).manual_seed(1)
+    ids = torch.randint(1, vocab, (1, prompt), device=device, generator=g)
+    tc = text_config(model)
+    dense = tc.compress_rates["compressed_sparse_attention"] * tc.index_topk - new
     with torch.no_grad():
         m32 = copy.deepcopy(model).float()
-        ref, tokens = m32(ids).logits.float(), generate(m32, ids, new)
+        short = ids[:, :dense]
+        ref_d, tokens_d = m32(short).logits, generate(m32, short, new)
+        ref, tokens = m32(ids).logits, generate(m32, ids, new)
+        layers = v4_layer_errors(m32, ids)
         fh.apply(m32, indexer="exact")
-        ours, our_tokens = m32(ids).logits.float(), generate(m32, ids, new)
+        ours_d, our_tokens_d = m32(short).logits, generate(m32, short, new)
+        ours, our_tokens = m32(ids).logits, generate(m32, ids, new)
+        fh.unapply(m32)
+        m32.config._experts_implementation = "eager"  # grouped_mm has no fp64
+        ref64 = m32.double()(ids).logits
         del m32
+        gc.collect()
+        ref16 = model(ids).logits
         fh.apply(model, indexer="exact")
-        exact16 = model(ids).logits.float()
+        exact16 = model(ids).logits
         fh.apply(model, indexer="fp8")
-        fp8 = model(ids).logits.float()
+        fp8 = model(ids).logits
         fh.unapply(model)
-    err = float((ours - ref).abs().max() / ref.abs().max())
-    same = int((our_tokens[0, prompt:] == tokens[0, prompt:]).sum())
-    agree = float((fp8.argmax(-1) == exact16.argmax(-1)).float().mean())
-    print(f"[check] prompt {prompt}, fp32 model: exact vs HF max|diff| / max|HF| {err:.2e} (bound 1e-3), greedy "
-          f"tokens equal {same}/{new}; bf16 fp8 vs exact argmax agreement {agree:.3f} (#43's bar 0.9)")
-    assert err < 1e-3 and same == new, "the V4 exact path is not HF's"
+
+    def err(a, b):
+        return float((a.double() - b.double()).abs().max() / b.double().abs().max())
+
+    def agree(a, b):
+        return float((a.argmax(-1) == b.argmax(-1)).float().mean())
+
+    def same(a, b, p):
+        return int((a[0, p:] == b[0, p:]).sum())
+    e_dense, s_dense = err(ours_d, ref_d), same(our_tokens_d, tokens_d, dense)
+    worst = max((r for r in layers if r["backend"] == "default"), key=lambda r: r["max_err"])
+    print(f"[check] prompt {dense} (no CSA layer drops an entry), fp32 model: exact vs HF max|diff| / max|HF| "
+          f"{e_dense:.2e} (bound 1e-4), greedy tokens equal {s_dense}/{new}")
+    print(f"[check] prompt {prompt}, each attention layer on HF's inputs: worst {worst['max_err']:.2e} (layer "
+          f"{worst['layer']} {worst['type']}, bound 1e-5)")
+    print(f"[check] prompt {prompt}, whole fp32 model (near-ties may flip: not bounded): exact vs HF "
+          f"{err(ours, ref):.2e}, vs HF fp64 {err(ours, ref64):.2e} (HF fp32 vs HF fp64 {err(ref, ref64):.2e}), "
+          f"greedy tokens equal {same(our_tokens, tokens, prompt)}/{new}")
+    print(f"[check] bf16 model, prompt {prompt}: fp8 vs exact argmax agreement {agree(fp8, exact16):.3f}; exact vs "
+          f"HF bf16 {agree(exact16, ref16):.3f}; HF bf16 vs HF fp32 {agree(ref16, ref):.3f}")
+    assert e_dense < 1e-4 and s_dense == new, "the V4 exact path is not HF's where nothing is selected"
+    assert worst["max_err"] < 1e-5, "a V4 layer is not HF's on HF's inputs"
 
 
 def profile(model, ids, device: str, max_tokens: int, path: str | None) -> None:

@@ -5,11 +5,11 @@ the GPU box (issue #43), no timing.
 
 1. Every attention layer of ``bench_hf.py``'s V4 model (fp32, default initialisation) on a ``--prompt``-token
    prompt: HF's output against ``V4LayerStep``'s on the very inputs HF's layer got, with the default backend and
-   with ``backend="torch"``; max |diff| / max |HF| and the position where it peaks. On the CPU this is fp32
-   rounding (~1e-6); on the H100 (2026-12-07) ``bench_hf.py``'s whole-model check measured 2.2e-3 at 3072 tokens:
-   this says which layer type and backend it comes from. A row far above rounding whose torch-backend twin is
-   at rounding points at a kernel; both far above points at the selection (e.g. scores not bitwise HF's, so a
-   near-tie at the top-k boundary flips).
+   with ``backend="torch"``; max |diff| / max |HF| and the position where it peaks (``bench_hf.v4_layer_errors``).
+   On this model at 3072 tokens on a CPU every layer is at fp32 rounding (<= 5.6e-7, 2026-12-07) while the whole
+   model is 1.7e-3 from HF: later layers see hidden states rounded differently and a near-tie at the top-k
+   boundary picks another entry. A row far above rounding whose torch-backend twin is at rounding points at a
+   kernel; both far above points at the selection (scores not bitwise HF's on HF's own inputs).
 2. ``flashdsa.hf`` decode from CUDA graphs on a tiny model, exact (fp32) and fp8 (bf16): whether the capture
    worked, and if not the traceback of the op that broke it (the patch only keeps the message). On the H100 the
    exact capture worked and the fp8 one failed ("operation not permitted when stream is capturing").
@@ -28,34 +28,14 @@ import torch
 import bench_hf as bh
 import flashdsa.hf as fh
 import flashdsa.hf.v4 as hv
-from flashdsa.v4.layer import V4LayerStep
 
 
 def layer_errors(cfg: dict, prompt: int, device: str) -> list[dict]:
     model = bh.build(cfg, device, torch.float32, "v4")
     ids = torch.randint(1, cfg["vocab_size"], (1, prompt), device=device,
                         generator=torch.Generator(device).manual_seed(1))
-    seen = []
-
-    def hook(module, args, kwargs, out):
-        seen.append((module, dict(kwargs, hidden_states=args[0] if args else kwargs["hidden_states"]), out[0]))
-    handles = [layer.self_attn.register_forward_hook(hook, with_kwargs=True) for layer in model.model.layers]
-    with torch.no_grad():
-        model(ids, use_cache=False)
-    for h in handles:
-        h.remove()
-    rows = []
-    for i, (attn, inputs, want) in enumerate(seen):
-        cos, sin = (t[0] for t in inputs["position_embeddings"][attn.rope_layer_type])
-        for backend in (None, "torch"):
-            step = V4LayerStep(attn, backend)
-            got, _ = step(inputs["hidden_states"], inputs["position_ids"][0], cos, sin,
-                          step.empty_state(1, torch.float32, device))
-            err = (got - want).abs().amax(-1)[0] / want.abs().max()
-            rows.append({"layer": i, "type": attn.layer_type, "backend": backend or "default",
-                         "max_err": f"{float(err.max()):.2e}", "at": int(err.argmax()),
-                         "mean_err": f"{float(err.mean()):.2e}"})
-    return rows
+    rows = bh.v4_layer_errors(model, ids)
+    return [dict(r, **{k: f"{r[k]:.2e}" for k in ("max_err", "mean_err")}) for r in rows]
 
 
 def capture(indexer: str) -> str:
