@@ -70,8 +70,11 @@ def _emit_json(obj, dest: str, indent: int | None = None) -> None:
 
 def _demo(args: argparse.Namespace) -> int:
     from flashdsa.demo import run_demo
+    from flashdsa.demo.v4 import V4_PRESETS
 
     _check_out("json", args.json)
+    if args.preset in V4_PRESETS:
+        return _v4_demo(args)
     if args.cp is not None or args.dcp is not None:
         return _parallel_demo(args)
     if args.cp_split is not None:
@@ -80,6 +83,26 @@ def _demo(args: argparse.Namespace) -> int:
                       backend=args.backend, layers=args.layers, kv_format=args.kv_format,
                       log=None if args.json == "-" else print, force=args.force, offload=args.offload,
                       device_buffer=args.device_buffer, kpool=args.kpool)
+    if args.json:
+        _emit_json(report, args.json)
+    return 0 if report["ok"] else 1
+
+
+def _v4_demo(args: argparse.Namespace) -> int:
+    """``demo --preset v4-flash | v4-tiny``: DeepSeek-V4's layer types against transformers' (flashdsa/demo/v4.py)."""
+    from flashdsa.demo.v4 import run_v4_demo
+
+    # the DSA scenario's flags mean nothing here: refused, never dropped
+    dsa_only = {"next_n": args.next_n != 2, "kv_format": args.kv_format != "fp8", "layers": args.layers is not None,
+                "kpool": args.kpool is not None, "force": args.force, "offload": args.offload,
+                "device_buffer": args.device_buffer is not None, "cp": args.cp is not None,
+                "dcp": args.dcp is not None, "cp_split": args.cp_split is not None}
+    for flag, given in dsa_only.items():
+        if given:
+            raise ValueError(f"{flag}: a flag of the DSA demo; --preset {args.preset} serves DeepSeek-V4's layers in "
+                             f"both precisions (exact, fp8) on its own scenario")
+    report = run_v4_demo(preset=args.preset, device=args.device, seed=args.seed, backend=args.backend,
+                         log=None if args.json == "-" else print)
     if args.json:
         _emit_json(report, args.json)
     return 0 if report["ok"] else 1
@@ -265,14 +288,16 @@ def _add_report(sub) -> None:
 def _add_demo(sub) -> None:
     from flashdsa.config import PRESETS
     from flashdsa.demo import KV_FORMATS
+    from flashdsa.demo.v4 import V4_PRESETS
 
     about = "serve a random model of a preset through the DSA pipeline and check it"
     demo = sub.add_parser("demo", help=about, description=about + (
         "; refuses a preset whose memory estimate (weights + KV caches + activations) exceeds the device's "
         "free memory, and says how many layers fit"))
-    demo.add_argument("--preset", default="tiny", choices=sorted(PRESETS),
+    demo.add_argument("--preset", default="tiny", choices=sorted(PRESETS) + list(V4_PRESETS),
                       help="model shapes: tiny (CPU, seconds), v32 (DeepSeek-V3.2), glm5 (GLM-5) or glm5-flash "
-                           "(GLM-5.3-Flash: its 11 DSA layers, NoPE, kpool 16)")
+                           "(GLM-5.3-Flash: its 11 DSA layers, NoPE, kpool 16); v4-flash / v4-tiny: DeepSeek-V4's "
+                           "sliding, CSA and HCA layers against transformers' own (needs transformers >= 5.23)")
     demo.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     demo.add_argument("--next-n", type=int, default=2,
                       help="draft tokens per request in the MTP verify step (>= 1; the longest request with its "
