@@ -38,6 +38,7 @@ from flashdsa import ops
 from flashdsa.cache.layouts import INDEX_DIM, INDEX_PAGE_BYTES, MLA_DIM, MLA_FP8_BYTES, PAGE_SIZE, index_page_views
 from flashdsa.quant import apply_rope
 from flashdsa.v4.attention import attend, attend_fp8, causal_entry_indices, fp8_rows, mla_rows, window_indices
+from flashdsa.v4.close_entry import close_entry
 from flashdsa.v4.compressor import CompressState, compress
 from flashdsa.v4.config import CSA, HCA
 from flashdsa.v4.indexer import quantize, select_exact, select_fp8, visible_entries
@@ -189,6 +190,12 @@ class V4LayerStep:
 
     def _rows(self, x: torch.Tensor) -> torch.Tensor:
         return fp8_rows(x) if self.precision == "fp8" else mla_rows(x)
+
+    @property
+    def _close_backend(self) -> str | None:
+        # exact mode keeps HF's ops (HF's bits: its entries feed HF's selection); fp8 mode takes the one-launch
+        # kernel (the same roundings, another summation order) where the backend allows
+        return "torch" if self.precision == "exact" else self.backend
 
     def _entries(self, module, h, ring, length: int, overlap: bool):
         """Pool ``h [B, S, hidden]`` through compressor ``module`` after ``length`` tokens whose projections sit
@@ -357,13 +364,13 @@ class V4LayerStep:
         if self.rate:
             count = state.entries(win) if capturable else (state.length + 1) // self.rate
             n, closes = (t + 1) // self.rate - 1, (t + 1) % self.rate == 0
-            entry = _close_entry(a.compressor, h, state.comp, t, self.kind == CSA)
+            entry = close_entry(a.compressor, h, state.comp, t, self.kind == CSA, self._close_backend)
             _put(rows[:, win:], n, closes, self._rows(entry))
             if self.kind == HCA:  # every entry closed so far (HF's decode step masks none)
                 lists.append(causal_entry_indices(t, self.rate, count, win)[None])
             else:
                 ix = a.compressor.indexer
-                self._put_keys(state, n, _close_entry(ix, h, state.index_comp, t, True), closes)
+                self._put_keys(state, n, close_entry(ix, h, state.index_comp, t, True, self._close_backend), closes)
                 picks = self._pick(h, q_res, positions, state, count)
                 lists.append(torch.where(picks >= 0, picks + win, -1).to(torch.int32))
         N = rows.shape[1]
@@ -385,34 +392,3 @@ def _put(buf: torch.Tensor, n: torch.Tensor, closes: torch.Tensor, value: torch.
     keep = buf.index_select(1, i)
     mask = closes.view((1,) * value.dim())
     buf.index_copy_(1, i, torch.where(mask, value.to(buf.dtype), keep))
-
-
-def _close_entry(module, h: torch.Tensor, ring: tuple[torch.Tensor, torch.Tensor], p: torch.Tensor,
-                 overlap: bool) -> torch.Tensor:
-    """One decode token through compressor ``module``: its projections written to the ring (slot ``p % ring``),
-    and the entry of the window that ends at ``p`` (``[B, 1, D]``, normalised and rotated at its position) —
-    meaningful only where ``(p + 1) % rate == 0``. The same ops in the same layout as :func:`compress` over one
-    closing window (and HF's decode step), so the same bits."""
-    kv_ring, gate_ring = ring
-    rate, R = module.compress_rate, kv_ring.shape[1]
-    slot = p % R
-    kv_ring.index_copy_(1, slot, module.kv_proj(h).to(kv_ring.dtype))
-    gate_ring.index_copy_(1, slot, module.gate_proj(h).to(gate_ring.dtype))
-    n = (p + 1) // rate - 1
-    cur = n * rate + torch.arange(rate, device=h.device)
-    ckv, cgate = kv_ring[:, cur % R], gate_ring[:, cur % R] + module.position_bias
-    if overlap:
-        half = kv_ring.shape[-1] // 2
-        prev = cur - rate
-        seen = (prev >= 0)[None, :, None]  # entry 0 has no earlier window: weight 0
-        pkv = torch.where(seen, kv_ring[:, prev % R, :half], 0)
-        pgate = torch.where(seen, gate_ring[:, prev % R, :half] + module.position_bias[:, :half], float("-inf"))
-        ckv = torch.cat((pkv, ckv[..., half:]), dim=1)
-        cgate = torch.cat((pgate, cgate[..., half:]), dim=1)
-    # compress()'s layout for one window, [B, 1, slots, D]: softmax in fp32, cast, product and sum in the dtype
-    ckv, cgate = ckv[:, None], cgate[:, None]
-    raw = (ckv * cgate.softmax(dim=2, dtype=torch.float32).to(ckv.dtype)).sum(dim=2)
-    normed = module.kv_norm(raw)
-    pos = (n.clamp(min=0) * rate)[None]
-    cos, sin = module.rotary_emb(normed, position_ids=pos, layer_type=module.rope_layer_type)
-    return _rope_tail(normed, *(t.expand(normed.shape[0], -1, -1) for t in (cos, sin)))
