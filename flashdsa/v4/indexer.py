@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from flashdsa import ops
+from flashdsa.cache.layouts import INDEX_DIM
 from flashdsa.quant import act_quant, hadamard
 
 
@@ -72,12 +73,21 @@ def select_fp8(q_fp8: torch.Tensor, keys_fp8: torch.Tensor, key_scales: torch.Te
     return picks.view(B, S, topk)
 
 
-def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(x: torch.Tensor, *, backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Indexer keys or queries for :func:`select_fp8`: ``x [..., d]`` (RoPE applied) rotated by the Hadamard
     transform (dot products unchanged, outliers spread: docs/DSA.md §3) and quantised to e4m3 with one UE8M0
-    scale a row (d <= 128; d = 128 in the releases) -> ``(x_fp8 [..., d], scale [...] float32)``."""
+    scale a row (d <= 128; d = 128 in the releases) -> ``(x_fp8 [..., d], scale [...] float32)``.
+
+    d = 128 goes through ``ops.indexer_quant`` (DSA's indexer numerics, one launch on CUDA where the torch
+    composition is ~70 small kernels) with an identity RoPE — V4 rotates before, on its trailing channels — so
+    the rotated row is rounded to x's dtype before the e4m3 cast, as DSA's keys are."""
     d = x.shape[-1]
     if d > 128 or d & (d - 1):
         raise ValueError(f"x: expected a power-of-two head dim <= 128 (one scale a row), got {d}")
+    if d == INDEX_DIM and x.dtype in (torch.bfloat16, torch.float32):
+        rows = x.reshape(-1, d)
+        ones = torch.ones(rows.shape[0], d // 4, dtype=torch.float32, device=x.device)
+        x_fp8, scale = ops.indexer_quant(rows, ones, torch.zeros_like(ones), False, backend=backend)
+        return x_fp8.view(x.shape), scale.view(x.shape[:-1])
     x_fp8, scale = act_quant(hadamard(x.float()), block=d)
     return x_fp8, scale[..., 0]

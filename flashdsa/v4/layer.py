@@ -283,7 +283,7 @@ class V4LayerStep:
             else:
                 _put(state.index_keys, where, closes, keys)
             return
-        k_fp8, k_scale = quantize(keys)
+        k_fp8, k_scale = quantize(keys, backend=self.backend)
         pages, scales = self._key_pages(state)
         if closes is None:
             e = torch.arange(where.start, where.stop, device=keys.device)
@@ -306,7 +306,7 @@ class V4LayerStep:
         w = ix.scorer.weights_proj(h).float() * ix.scorer.weights_scaling
         if self.precision != "fp8":
             return select_exact(q_ix, state.index_keys[:, :count], w, positions, ix.compress_rate, ix.index_topk)
-        q_fp8, q_scale = quantize(q_ix)
+        q_fp8, q_scale = quantize(q_ix, backend=self.backend)
         w = w * q_scale * ix.head_dim ** -0.5
         pages, scales = self._key_pages(state)
         if S > 1:

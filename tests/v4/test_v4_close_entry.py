@@ -108,3 +108,24 @@ def test_backend_refusals():
     ring = (torch.zeros(1, 64, 64), torch.zeros(1, 64, 64))
     with pytest.raises(ValueError, match="^backend:"):
         close_entry(module, torch.zeros(1, 1, 64), ring, torch.tensor([63]), overlap, backend="cuda")
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_indexer_quantize_is_dsas_indexer_numerics(backend):
+    """flashdsa.v4.indexer.quantize at d = 128 goes through ops.indexer_quant with an identity RoPE: fp32 rows
+    give the torch composition's bits (Hadamard in fp32, e4m3 with a UE8M0 scale); bf16 rows round the rotated
+    row to bf16 first (DSA's keys do), so each e4m3 value is the composition's or its neighbour (2^-3 relative of
+    the element, at most one e4m3 step) and the scales are equal or one power of two apart at a rounding edge."""
+    from flashdsa.quant import act_quant, hadamard
+    from flashdsa.v4.indexer import quantize
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(3, 5, 7, 128, generator=g) * torch.rand(3, 5, 7, 1, generator=g) * 10
+    got, scale = quantize(x, backend=backend)
+    want, want_scale = act_quant(hadamard(x), block=128)
+    assert got.shape == x.shape and scale.shape == x.shape[:-1]
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)) and torch.equal(scale, want_scale[..., 0])
+    xb = x.to(torch.bfloat16)
+    got, scale = quantize(xb, backend=backend)
+    want, want_scale = act_quant(hadamard(xb.float()), block=128)
+    a, b = got.float() * scale[..., None], want.float() * want_scale
+    assert ((a - b).abs() <= 2 ** -3 * b.abs().clamp_min(2 ** -6 * want_scale)).all()
