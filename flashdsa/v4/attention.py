@@ -25,7 +25,7 @@ import torch
 
 from flashdsa import ops
 from flashdsa.cache.layouts import MLA_DIM, MLA_FP8_BYTES, MLA_LATENT, PAGE_SIZE, encode_mla
-from flashdsa.quant import apply_rope
+from flashdsa.v4.rope import rope_tail
 
 
 def mla_rows(x: torch.Tensor) -> torch.Tensor:
@@ -79,18 +79,19 @@ def attend_fp8(q: torch.Tensor, rows: torch.Tensor, indices: torch.Tensor, sinks
     out, lse = ops.sparse_mla_decode(mla_rows(q.to(torch.bfloat16)).view(T, 1, h, MLA_DIM), pages,
                                      indices.view(T, 1, -1), scale, backend=backend)
     # sinks and the RoPE undone in fp32: the kernel's bf16 output and the result are the only roundings
-    return _finish(out.view(T, h, -1).float(), lse.view(T, h), sinks, D, cos, sin, backend).to(torch.bfloat16)
+    return _finish(out.view(T, h, -1).float(), lse.view(T, h), sinks, D, cos, sin, backend,
+                   backend).to(torch.bfloat16)
 
 
 def _finish(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor, D: int, cos: torch.Tensor | None,
-            sin: torch.Tensor | None, backend: str | None) -> torch.Tensor:
+            sin: torch.Tensor | None, backend: str | None, rope_backend: str | None = "torch") -> torch.Tensor:
     """Both paths' end: the sinks on ``out [T, h, 512]`` (in its dtype), its first D channels, then the trailing
-    RoPE slice rotated back by the query's position (the values carried the keys'), fp32 from there."""
+    RoPE slice rotated back by the query's position (the values carried the keys'), fp32 from there
+    (``rope_backend``: :func:`flashdsa.v4.rope.rope_tail`'s; "torch" keeps HF's bits)."""
     out = ops.attention_sinks(out, lse, sinks.to(device=out.device, dtype=torch.float32), backend=backend)[..., :D]
     if cos is None:
         return out
-    r = 2 * cos.shape[-1]
-    return torch.cat((out[..., :D - r].float(), apply_rope(out[..., D - r:], cos, -sin, True)), dim=-1)
+    return rope_tail(out, cos, sin, inverse=True, out_dtype=torch.float32, backend=rope_backend)
 
 
 def attend(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sinks: torch.Tensor, scale: float,

@@ -36,12 +36,12 @@ import torch
 
 from flashdsa import ops
 from flashdsa.cache.layouts import INDEX_DIM, INDEX_PAGE_BYTES, MLA_DIM, MLA_FP8_BYTES, PAGE_SIZE, index_page_views
-from flashdsa.quant import apply_rope
 from flashdsa.v4.attention import attend, attend_fp8, causal_entry_indices, fp8_rows, mla_rows, window_indices
 from flashdsa.v4.close_entry import close_entry
 from flashdsa.v4.compressor import CompressState, compress
 from flashdsa.v4.config import CSA, HCA
 from flashdsa.v4.indexer import quantize, select_exact, select_fp8, visible_entries
+from flashdsa.v4.rope import rope_tail
 
 PRECISIONS = ("exact", "fp8")
 
@@ -67,16 +67,14 @@ class V4State:
         return self.rows.shape[1] - window
 
 
-def _rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def _rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: str | None = "torch") -> torch.Tensor:
     """V4's RoPE: interleaved pairs over the trailing ``2 * cos.shape[-1]`` channels of ``x [B, S, ..., D]`` at
     ``cos, sin [B, S, R / 2]`` (each row's own positions), in fp32, back to x's dtype (HF's
-    ``apply_rotary_pos_emb``)."""
-    r = 2 * cos.shape[-1]
+    ``apply_rotary_pos_emb``; ``backend`` "torch": its bits, :mod:`flashdsa.v4.rope`)."""
     B, S = x.shape[:2]
-    tail = x[..., -r:].reshape(B * S, *x.shape[2:-1], r)
+    flat = x.reshape(B * S, *x.shape[2:])
     half = cos.shape[-1]  # (not -1: a chunk that closes no entry has S = 0)
-    rot = apply_rope(tail, cos.reshape(B * S, half).float(), sin.reshape(B * S, half).float(), True)
-    return torch.cat((x[..., :-r], rot.view(x.shape[:-1] + (r,)).to(x.dtype)), dim=-1)
+    return rope_tail(flat, cos.reshape(B * S, half), sin.reshape(B * S, half), backend=backend).view(x.shape)
 
 
 def _rows_of(positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, B: int):
@@ -192,9 +190,9 @@ class V4LayerStep:
         return fp8_rows(x) if self.precision == "fp8" else mla_rows(x)
 
     @property
-    def _close_backend(self) -> str | None:
+    def _fused_backend(self) -> str | None:
         # exact mode keeps HF's ops (HF's bits: its entries feed HF's selection); fp8 mode takes the one-launch
-        # kernel (the same roundings, another summation order) where the backend allows
+        # kernels (the compressor's step, RoPE: the same roundings, another order or FMAs) where the backend allows
         return "torch" if self.precision == "exact" else self.backend
 
     def _entries(self, module, h, ring, length: int, overlap: bool):
@@ -231,8 +229,8 @@ class V4LayerStep:
         a = self.attn
         D, win, p0 = a.head_dim, self.window, state.length
         q_res = a.q_a_norm(a.q_a_proj(h))
-        q = _rope_tail(a.q_b_norm(a.q_b_proj(q_res).view(B, S, -1, D)), cos, sin)
-        kv = self._rows(_rope_tail(a.kv_norm(a.kv_proj(h)), cos, sin))
+        q = _rope_tail(a.q_b_norm(a.q_b_proj(q_res).view(B, S, -1, D)), cos, sin, self._fused_backend)
+        kv = self._rows(_rope_tail(a.kv_norm(a.kv_proj(h)), cos, sin, self._fused_backend))
         seen = min(p0, win - 1)  # earlier tokens a query's window may reach, in token order, then the chunk's
         raw = torch.cat((state.rows[:, torch.arange(p0 - seen, p0, device=h.device) % win], kv), dim=1)
         tokens = torch.arange(p0, p0 + S, device=h.device)
@@ -302,7 +300,7 @@ class V4LayerStep:
         a, B, S = self.attn, h.shape[0], h.shape[1]
         ix = a.compressor.indexer
         icos, isin = ix.rotary_emb(h, position_ids=positions, layer_type=ix.rope_layer_type)
-        q_ix = _rope_tail(ix.q_b_proj(q_res).view(B, S, -1, ix.head_dim), icos, isin)
+        q_ix = _rope_tail(ix.q_b_proj(q_res).view(B, S, -1, ix.head_dim), icos, isin, self._fused_backend)
         w = ix.scorer.weights_proj(h).float() * ix.scorer.weights_scaling
         if self.precision != "fp8":
             return select_exact(q_ix, state.index_keys[:, :count], w, positions, ix.compress_rate, ix.index_topk)
@@ -353,8 +351,8 @@ class V4LayerStep:
         else:  # from the device: position + padding (HF's position ids count a request's real tokens)
             t = positions[:1, 0].long() + (state.pads[:1] if state.pads is not None else 0)
         q_res = a.q_a_norm(a.q_a_proj(h))
-        q = _rope_tail(a.q_b_norm(a.q_b_proj(q_res).view(B, 1, -1, D)), cos, sin)
-        kv = self._rows(_rope_tail(a.kv_norm(a.kv_proj(h)), cos, sin))
+        q = _rope_tail(a.q_b_norm(a.q_b_proj(q_res).view(B, 1, -1, D)), cos, sin, self._fused_backend)
+        kv = self._rows(_rope_tail(a.kv_norm(a.kv_proj(h)), cos, sin, self._fused_backend))
         rows = state.rows
         rows.index_copy_(1, t % win, kv)  # the ring is the buffer's first `win` rows
         slots = torch.arange(win, device=h.device)
@@ -364,13 +362,13 @@ class V4LayerStep:
         if self.rate:
             count = state.entries(win) if capturable else (state.length + 1) // self.rate
             n, closes = (t + 1) // self.rate - 1, (t + 1) % self.rate == 0
-            entry = close_entry(a.compressor, h, state.comp, t, self.kind == CSA, self._close_backend)
+            entry = close_entry(a.compressor, h, state.comp, t, self.kind == CSA, self._fused_backend)
             _put(rows[:, win:], n, closes, self._rows(entry))
             if self.kind == HCA:  # every entry closed so far (HF's decode step masks none)
                 lists.append(causal_entry_indices(t, self.rate, count, win)[None])
             else:
                 ix = a.compressor.indexer
-                self._put_keys(state, n, close_entry(ix, h, state.index_comp, t, True, self._close_backend), closes)
+                self._put_keys(state, n, close_entry(ix, h, state.index_comp, t, True, self._fused_backend), closes)
                 picks = self._pick(h, q_res, positions, state, count)
                 lists.append(torch.where(picks >= 0, picks + win, -1).to(torch.int32))
         N = rows.shape[1]
