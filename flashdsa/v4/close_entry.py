@@ -19,8 +19,8 @@ keeps the torch ops.
 
 Design: the slots are read from the ring in blocks of SB slots x every channel ([SB, D] tiles: D <= 512 keeps
 the pooled row in registers for the norm); the softmax takes three passes over them (max, sum, weighted sum) so
-that each weight is final — rounded to the dtype — before it multiplies, as HF's order requires. The window's
-last slot is the token itself: read from the projection, not the ring the same program just wrote. RoPE pairs
+that each weight is final — rounded to the dtype — before it multiplies, as HF's order requires. The window is read from the ring after the program's own write of the
+token (a barrier between), so every step — closing or not — pools what the torch ops pool. RoPE pairs
 (2i, 2i + 1) are re-read from the output after a barrier (a pair's two channels sit in different threads).
 """
 
@@ -34,47 +34,42 @@ _TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl
 
 
 @triton.jit
-def _slot_rows(j, n, t, R, rate: tl.constexpr, D: tl.constexpr, OVERLAP: tl.constexpr):
-    """Slots ``j [SB]`` of the window ending at entry n: (token, channel offset, position-bias row, valid)."""
+def _slot_rows(j, n, R, rate: tl.constexpr, D: tl.constexpr, OVERLAP: tl.constexpr):
+    """Slots ``j [SB]`` of the window ending at entry n: (ring slot, token, channel offset, position-bias row,
+    valid). As the torch ops index the ring (token mod ring, Python's modulo), a window that has not closed
+    (n < 0) reads finite stale slots: its entry is never stored, but it passes value checks."""
     if OVERLAP:  # slots 0..rate-1: the previous window, first D channels; then this window, last D
         prev = j < rate
         tok = tl.where(prev, (n - 1) * rate + j, n * rate + j - rate)
         off = tl.where(prev, 0, D)
         brow = tl.where(prev, j, j - rate)
-        nslots = 2 * rate
+        ok = (j < 2 * rate) & ((tok >= 0) | ~prev)  # the first window has no earlier half: weight 0
     else:
         tok = n * rate + j
         off = j * 0
         brow = j
-        nslots = rate
-    return tok, off, brow, (j < nslots) & (tok >= 0)
+        ok = j < rate
+    return (tok % R + R) % R, tok, off, brow, ok
 
 
 @triton.jit
-def _gate(gate_ring, gate_new, bias, b, j, n, t, R, W: tl.constexpr, rate: tl.constexpr, D: tl.constexpr,
-          c, cm, OVERLAP: tl.constexpr, GDT: tl.constexpr):
+def _gate(gate_ring, bias, b, j, n, R, W: tl.constexpr, rate: tl.constexpr, D: tl.constexpr, c, cm,
+          OVERLAP: tl.constexpr, GDT: tl.constexpr):
     """[SB, BLOCK_D] fp32: gate + position bias rounded to the sum's dtype; -inf where a slot is not there."""
-    tok, off, brow, ok = _slot_rows(j, n, t, R, rate, D, OVERLAP)
-    ring = tl.where(tok >= 0, tok % R, 0)
+    ring, tok, off, brow, ok = _slot_rows(j, n, R, rate, D, OVERLAP)
     m = ok[:, None] & cm[None, :]
-    g_ring = tl.load(gate_ring + (b * R + ring)[:, None] * W + off[:, None] + c[None, :],
-                     mask=m & (tok != t)[:, None], other=0.0).to(tl.float32)
-    g_new = tl.load(gate_new + b * W + off[:, None] + c[None, :], mask=m & (tok == t)[:, None], other=0.0)
-    g = g_ring + g_new.to(tl.float32)
-    g = (g + tl.load(bias + brow[:, None] * W + off[:, None] + c[None, :], mask=m, other=0.0).to(tl.float32))
+    g = tl.load(gate_ring + (b * R + ring)[:, None] * W + off[:, None] + c[None, :], mask=m, other=0.0)
+    g = g.to(tl.float32) + tl.load(bias + brow[:, None] * W + off[:, None] + c[None, :], mask=m, other=0.0).to(
+        tl.float32)
     return tl.where(m, g.to(GDT).to(tl.float32), float("-inf"))
 
 
 @triton.jit
-def _kv(kv_ring, kv_new, b, j, n, t, R, W: tl.constexpr, rate: tl.constexpr, D: tl.constexpr, c, cm,
-        OVERLAP: tl.constexpr):
-    tok, off, brow, ok = _slot_rows(j, n, t, R, rate, D, OVERLAP)
-    ring = tl.where(tok >= 0, tok % R, 0)
+def _kv(kv_ring, b, j, n, R, W: tl.constexpr, rate: tl.constexpr, D: tl.constexpr, c, cm, OVERLAP: tl.constexpr):
+    ring, tok, off, brow, ok = _slot_rows(j, n, R, rate, D, OVERLAP)
     m = ok[:, None] & cm[None, :]
-    x = tl.load(kv_ring + (b * R + ring)[:, None] * W + off[:, None] + c[None, :], mask=m & (tok != t)[:, None],
-                other=0.0).to(tl.float32)
-    return x + tl.load(kv_new + b * W + off[:, None] + c[None, :], mask=m & (tok == t)[:, None],
-                       other=0.0).to(tl.float32)
+    return tl.load(kv_ring + (b * R + ring)[:, None] * W + off[:, None] + c[None, :], mask=m, other=0.0).to(
+        tl.float32)
 
 
 @triton.jit
@@ -94,22 +89,23 @@ def close_entry_kernel(kv_new, gate_new, kv_ring, gate_ring, bias, norm_w, inv_f
         mw = cw < W
         tl.store(kv_ring + (b * R + slot) * W + cw, tl.load(kv_new + b * W + cw, mask=mw), mask=mw)
         tl.store(gate_ring + (b * R + slot) * W + cw, tl.load(gate_new + b * W + cw, mask=mw), mask=mw)
+    tl.debug_barrier()  # the window's reads below see the token just written, from other threads
     n = (t + 1) // rate - 1
     NS: tl.constexpr = 2 * rate if OVERLAP else rate
     s = tl.arange(0, SB)
     mx = tl.full([BLOCK_D], float("-inf"), tl.float32)
     for s0 in range(0, NS, SB):
-        mx = tl.maximum(mx, tl.max(_gate(gate_ring, gate_new, bias, b, s0 + s, n, t, R, W, rate, D, c, cm,
-                                         OVERLAP, GDT), axis=0))
+        mx = tl.maximum(mx, tl.max(_gate(gate_ring, bias, b, s0 + s, n, R, W, rate, D, c, cm, OVERLAP, GDT),
+                                   axis=0))
     den = tl.zeros([BLOCK_D], tl.float32)
     for s0 in range(0, NS, SB):
-        g = _gate(gate_ring, gate_new, bias, b, s0 + s, n, t, R, W, rate, D, c, cm, OVERLAP, GDT)
+        g = _gate(gate_ring, bias, b, s0 + s, n, R, W, rate, D, c, cm, OVERLAP, GDT)
         den += tl.sum(tl.exp(g - mx[None, :]), axis=0)
     acc = tl.zeros([BLOCK_D], tl.float32)
     for s0 in range(0, NS, SB):
-        g = _gate(gate_ring, gate_new, bias, b, s0 + s, n, t, R, W, rate, D, c, cm, OVERLAP, GDT)
+        g = _gate(gate_ring, bias, b, s0 + s, n, R, W, rate, D, c, cm, OVERLAP, GDT)
         w = (tl.exp(g - mx[None, :]) / den[None, :]).to(DT).to(tl.float32)
-        x = _kv(kv_ring, kv_new, b, s0 + s, n, t, R, W, rate, D, c, cm, OVERLAP)
+        x = _kv(kv_ring, b, s0 + s, n, R, W, rate, D, c, cm, OVERLAP)
         acc += tl.sum((x * w).to(DT).to(tl.float32), axis=0)
     raw = tl.where(cm, acc.to(DT).to(tl.float32), 0.0)
     y = raw * (1.0 / tl.sqrt(tl.sum(raw * raw, axis=0) / D + eps))
