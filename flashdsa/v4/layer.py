@@ -187,7 +187,7 @@ class V4LayerStep:
         return replace(state, rows=rows, index_keys=keys)
 
     def _rows(self, x: torch.Tensor) -> torch.Tensor:
-        return fp8_rows(x) if self.precision == "fp8" else mla_rows(x)
+        return fp8_rows(x, backend=self.backend) if self.precision == "fp8" else mla_rows(x)
 
     @property
     def _fused_backend(self) -> str | None:
