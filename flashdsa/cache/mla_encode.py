@@ -29,7 +29,8 @@ assert FP8_MAX == 448.0  # the scale rule below reads amax's bits against 1.75 *
 
 
 @triton.jit
-def mla_656_kernel(kv, out, N, BF16: tl.constexpr, SOFT_CASTS: tl.constexpr, BLOCK_R: tl.constexpr):
+def mla_656_kernel(kv, out, N, AMAX_FLOOR: tl.constexpr, BF16: tl.constexpr, SOFT_CASTS: tl.constexpr,
+                   BLOCK_R: tl.constexpr):
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rm = r < N
     r64 = r.to(tl.int64)
@@ -66,6 +67,6 @@ def quantize_mla_656_triton(kv: torch.Tensor) -> torch.Tensor:
         bf16 = kv.dtype == torch.bfloat16
         block = 4
         src = kv.view(torch.int16) if bf16 else kv  # bf16 read as its bits and widened by a shift (exact)
-        mla_656_kernel[(triton.cdiv(N, block),)](src, out, N, BF16=bf16, SOFT_CASTS=interpreting(), BLOCK_R=block,
-                                                 num_warps=4)
+        mla_656_kernel[(triton.cdiv(N, block),)](src, out, N, AMAX_FLOOR=AMAX_FLOOR, BF16=bf16,
+                                                 SOFT_CASTS=interpreting(), BLOCK_R=block, num_warps=4)
     return out
