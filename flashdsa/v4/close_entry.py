@@ -19,9 +19,10 @@ keeps the torch ops.
 
 Design: the slots are read from the ring in blocks of SB slots x every channel ([SB, D] tiles: D <= 512 keeps
 the pooled row in registers for the norm); the softmax takes three passes over them (max, sum, weighted sum) so
-that each weight is final — rounded to the dtype — before it multiplies, as HF's order requires. The window is read from the ring after the program's own write of the
-token (a barrier between), so every step — closing or not — pools what the torch ops pool. RoPE pairs
-(2i, 2i + 1) are re-read from the output after a barrier (a pair's two channels sit in different threads).
+that each weight is final — rounded to the dtype — before it multiplies, as HF's order requires. The window is
+read from the ring after the program's own write of the token (a barrier between), so every step — closing or
+not — pools what the torch ops pool. RoPE pairs (2i, 2i + 1) are re-read from the output after a barrier (a
+pair's two channels sit in different threads).
 """
 
 from __future__ import annotations
