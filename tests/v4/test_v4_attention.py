@@ -56,6 +56,26 @@ def capture(model, ids):
     return seen
 
 
+def calls_with_cache(model, chunks):
+    """HF's eager forward over ``chunks`` in turn with its cache: for each chunk, each attention layer's (inputs,
+    HF output)."""
+    out, cache = [], None
+    for chunk in chunks:
+        seen = []
+
+        def hook(module, args, kwargs, output):
+            seen.append((dict(kwargs, hidden_states=args[0] if args else kwargs["hidden_states"]), output[0]))
+        handles = [layer.self_attn.register_forward_hook(hook, with_kwargs=True) for layer in model.model.layers]
+        try:
+            with torch.no_grad():
+                cache = model(chunk, past_key_values=cache, use_cache=True).past_key_values
+        finally:
+            for h in handles:
+                h.remove()
+        out.append(seen)
+    return out
+
+
 def ours(attn, inputs, backend):
     """The layer's output from HF's projections / compressor / indexer and flashdsa's attention core."""
     h = inputs["hidden_states"]
@@ -300,19 +320,7 @@ def test_layer_step_equals_hf_over_prompt_decode_and_extend(backend, capturable)
     chunks += [torch.randint(0, 128, (B, 1), generator=g) for _ in range(20)]
     steps = [V4LayerStep(layer.self_attn, backend) for layer in model.model.layers]
     states = [s.empty_state(B, torch.float32) for s in steps]
-    cache = None
-    for chunk in chunks:
-        seen = []
-
-        def hook(module, args, kwargs, output):
-            seen.append((dict(kwargs, hidden_states=args[0] if args else kwargs["hidden_states"]), output[0]))
-        handles = [layer.self_attn.register_forward_hook(hook, with_kwargs=True) for layer in model.model.layers]
-        try:
-            with torch.no_grad():
-                cache = model(chunk, past_key_values=cache, use_cache=True).past_key_values
-        finally:
-            for h in handles:
-                h.remove()
+    for seen in calls_with_cache(model, chunks):
         for i, (inputs, want) in enumerate(seen):
             step = steps[i]
             S = want.shape[1]
@@ -466,18 +474,7 @@ def test_layer_step_over_a_chunk_that_closes_no_entry():
     chunks = [torch.randint(0, 128, (B, n), generator=g) for n in (37, 2, 1, 1)]
     steps = [V4LayerStep(layer.self_attn, "torch") for layer in model.model.layers]
     states = [s.empty_state(B, torch.float32) for s in steps]
-    cache = None
-    for chunk in chunks:
-        seen = []
-        handles = [layer.self_attn.register_forward_hook(
-            lambda m, a, kw, out: seen.append((dict(kw, hidden_states=a[0] if a else kw["hidden_states"]), out[0])),
-            with_kwargs=True) for layer in model.model.layers]
-        try:
-            with torch.no_grad():
-                cache = model(chunk, past_key_values=cache, use_cache=True).past_key_values
-        finally:
-            for h in handles:
-                h.remove()
+    for chunk, seen in zip(chunks, calls_with_cache(model, chunks)):
         for i, (inputs, want) in enumerate(seen):
             cos, sin = (t[0] for t in inputs["position_embeddings"][steps[i].attn.rope_layer_type])
             got, states[i] = steps[i](inputs["hidden_states"], inputs["position_ids"][0], cos, sin, states[i])
