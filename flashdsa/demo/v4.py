@@ -39,7 +39,7 @@ import torch
 from flashdsa.cache.layouts import INDEX_DIM
 from flashdsa.demo.scenario import parse_device
 from flashdsa.testing.compare import cos_diff
-from flashdsa.v4.config import CSA, HCA, LAYER_TYPES, SLIDING, V4Config
+from flashdsa.v4.config import CSA, HCA, LAYER_TYPES, V4Config
 
 V4_PRESETS = ("v4-flash", "v4-tiny")
 EXACT_TOL = 1e-5   # max |ours - HF| / max |HF| of a layer's output, exact mode (module docstring)
@@ -125,8 +125,11 @@ def _replay_us(step, state, inputs: dict, device: torch.device) -> float | None:
     return time_us(lambda: step.decode(h, pos, cos, sin, state, capturable=True))
 
 
-def _replay(step, state, hf_calls, i: int, device, errs, rels, coss, ours_s, hf_s):
-    """Layer ``i``'s HF calls through ``step`` from ``state``: errors and seconds appended; the final state."""
+def _replay(step, state, hf_calls, i: int, device) -> tuple:
+    """Layer ``i``'s HF calls through ``step`` from ``state``: the final state and, per call, the errors against
+    HF's output (max, relative norm, cosine distance) and the seconds of ours and HF's by phase."""
+    errs, rels, coss = [], [], []
+    ours_s, hf_s = {"prefill": [], "decode": []}, {"prefill": [], "decode": []}
     for calls in hf_calls:
         inputs, want, took = calls[i]
         cos, sin = (t[0] for t in inputs["position_embeddings"][step.attn.rope_layer_type])
@@ -140,7 +143,7 @@ def _replay(step, state, hf_calls, i: int, device, errs, rels, coss, ours_s, hf_
         errs.append(float((got.double() - want.double()).abs().max() / want.double().abs().max()))
         rels.append(float((got.double() - want.double()).norm() / want.double().norm()))
         coss.append(cos_diff(got, want))
-    return state
+    return state, errs, rels, coss, ours_s, hf_s
 
 
 def _serve(model, precision: str, chunks, backend: str | None, device: torch.device, log) -> dict[str, dict]:
@@ -154,10 +157,8 @@ def _serve(model, precision: str, chunks, backend: str | None, device: torch.dev
         attn = layer.self_attn
         step = V4LayerStep(attn, backend, precision)
         for _ in range(2):  # the first pass compiles the kernels: the second is timed and checked
-            state = step.empty_state(chunks[0].shape[0], dtype, device)
-            errs, coss, rels, ours_s = [], [], [], {"prefill": [], "decode": []}
-            hf_s = {"prefill": [], "decode": []}
-            state = _replay(step, state, hf_calls, i, device, errs, rels, coss, ours_s, hf_s)
+            state, errs, rels, coss, ours_s, hf_s = _replay(step, step.empty_state(chunks[0].shape[0], dtype, device),
+                                                            hf_calls, i, device)
         last_decode = hf_calls[-1][i][0]
         row = {"layer": attn.layer_type, "precision": precision, "max_err": max(errs), "max_rel": max(rels),
                "max_cos_diff": max(coss),
@@ -213,10 +214,9 @@ def run_v4_demo(preset: str = "v4-tiny", device: str = "cpu", seed: int = 0, bac
     t0 = time.perf_counter()
     rows = list(_serve(model, "exact", chunks, backend, dev, log).values())
     rows += list(_serve(model.to(torch.bfloat16), "fp8", chunks, backend, dev, log).values())
-    plan = cfg.cache_bytes_per_token()
     report = {"preset": preset, "device": str(dev), "backend": backend or ("triton" if dev.type == "cuda" else "torch"),
               "batch": batch, "prompt": length, "chunk": chunk, "decode_steps": steps, "layers": rows,
-              "plan_cache_bytes_per_token_bf16": {SLIDING: plan[SLIDING], CSA: plan[CSA], HCA: plan[HCA]},
+              "plan_cache_bytes_per_token_bf16": cfg.cache_bytes_per_token(),
               "seconds": time.perf_counter() - t0, "ok": all(r["ok"] for r in rows)}
     log(f"[demo] {'ok' if report['ok'] else 'FAILED'}: exact within {EXACT_TOL:g} of HF's layers, fp8 finite "
         f"({report['seconds']:.1f} s)")
