@@ -21,11 +21,12 @@ import triton
 import triton.language as tl
 
 from flashdsa.ops._triton_utils import interpreting
-from flashdsa.ops.indexer_quant.triton import _e4m3_bits, _load_f32, _round_bf16
+from flashdsa.cache.layouts import MLA_DIM, MLA_FP8_BYTES, MLA_LATENT
+from flashdsa.ops.indexer_quant.triton import _e4m3_bits, _load_f32, _round_bf16, _ue8m0_scale
 from flashdsa.quant import AMAX_FLOOR, FP8_MAX
 
-LATENT, ROPE, ROW = 512, 64, 656
-assert FP8_MAX == 448.0  # the scale rule below reads amax's bits against 1.75 * 2^8
+assert FP8_MAX == 448.0  # the scale rule (_ue8m0_scale) reads amax's bits against 1.75 * 2^8
+assert (MLA_DIM, MLA_LATENT, MLA_FP8_BYTES) == (576, 512, 656)  # the kernel's offsets below
 
 
 @triton.jit
@@ -37,11 +38,7 @@ def mla_656_kernel(kv, out, N, AMAX_FLOOR: tl.constexpr, BF16: tl.constexpr, SOF
     d = tl.arange(0, 128)
     for blk in tl.static_range(4):
         x = _load_f32(kv + r64[:, None] * 576 + blk * 128 + d[None, :], rm[:, None], BF16)
-        amax = tl.maximum(tl.max(tl.abs(x), axis=1), AMAX_FLOOR)
-        bits = amax.to(tl.int32, bitcast=True)
-        e = (bits >> 23) - 8 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
-        scale = (e << 23).to(tl.float32, bitcast=True)
-        inv = ((254 - e) << 23).to(tl.float32, bitcast=True)
+        scale, inv = _ue8m0_scale(tl.maximum(tl.max(tl.abs(x), axis=1), AMAX_FLOOR))
         q = _e4m3_bits(x * inv[:, None], SOFT_CASTS)
         tl.store(out + r64[:, None] * 656 + blk * 128 + d[None, :], q, mask=rm[:, None])
         p_s = (out + r64 * 656 + 512).to(tl.pointer_type(tl.float32), bitcast=True)
@@ -58,11 +55,11 @@ def mla_656_kernel(kv, out, N, AMAX_FLOOR: tl.constexpr, BF16: tl.constexpr, SOF
 def quantize_mla_656_triton(kv: torch.Tensor) -> torch.Tensor:
     """``kv [N, 576]`` bf16 / fp32 -> ``[N, 656] uint8``: :func:`~flashdsa.cache.layouts.quantize_mla_656`'s bits
     (UE8M0 scales) in one launch."""
-    if kv.dim() != 2 or kv.shape[1] != 576 or kv.dtype not in (torch.bfloat16, torch.float32):
-        raise ValueError(f"kv: expected [N, 576] bfloat16 or float32, got {kv.dtype} {list(kv.shape)}")
+    if kv.dim() != 2 or kv.shape[1] != MLA_DIM or kv.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"kv: expected [N, {MLA_DIM}] bfloat16 or float32, got {kv.dtype} {list(kv.shape)}")
     kv = kv.contiguous()
     N = kv.shape[0]
-    out = torch.empty(N, ROW, dtype=torch.uint8, device=kv.device)
+    out = torch.empty(N, MLA_FP8_BYTES, dtype=torch.uint8, device=kv.device)
     if N:
         bf16 = kv.dtype == torch.bfloat16
         block = 4

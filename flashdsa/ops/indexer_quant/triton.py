@@ -95,6 +95,20 @@ def _e4m3_bits(b_v, SOFT_CASTS: tl.constexpr):
 
 
 @triton.jit
+def _ue8m0_scale(b_amax):
+    """act_quant's UE8M0 scale of a block whose amax (floored) is ``b_amax`` fp32, and its exact reciprocal.
+
+    The reference rounds s = fl(amax / 448) up to a power of two 2^k, the smallest with fl(amax / 448) <= 2^k,
+    i.e. (no fp32 lies between 448 * 2^k and the rounding boundary above it, see README.md) with amax <= 448 *
+    2^k = 1.75 * 2^(k + 8). From amax's bits 1.m * 2^E: k = E - 8 if 1.m <= 1.75 (mantissa bits <= 0x600000),
+    else E - 7. No division. 1 / 2^(E - 127) = 2^(127 - E) exactly, so z * inv == z / scale bit for bit; |z| <=
+    amax <= 448 * 2^k, so the reference's clamp to ±448 never bites and callers need none."""
+    b_bits = b_amax.to(tl.int32, bitcast=True)
+    b_exp = (b_bits >> 23) - 8 + ((b_bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+    return (b_exp << 23).to(tl.float32, bitcast=True), ((254 - b_exp) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _load_f32(p, mask, BF16: tl.constexpr):
     """Load fp32, or bf16 stored as int16 bits and widened to fp32 exactly (a shift)."""
     b = tl.load(p, mask=mask, other=0)
@@ -223,19 +237,11 @@ def indexer_quant_fwd_kernel(x, cos, sin, x_fp8, scale, R, H,
             b_z2 = _round_bf16(b_z2, SOFT_CASTS)
             b_z3 = _round_bf16(b_z3, SOFT_CASTS)
 
-        # [BLOCK_R] per-row scale: the reference rounds s = fl(amax / 448) up to a power of two 2^k, the
-        # smallest with fl(amax / 448) <= 2^k, i.e. (no fp32 lies between 448 * 2^k and the rounding
-        # boundary above it, see README.md) with amax <= 448 * 2^k = 1.75 * 2^(k + 8). From amax's bits
-        # 1.m * 2^E: k = E - 8 if 1.m <= 1.75 (mantissa bits <= 0x600000), else E - 7. No division.
-        # (max is exact in any order: reduce the four streams element-wise first, then across threads once)
+        # [BLOCK_R] per-row scale (_ue8m0_scale). (max is exact in any order: reduce the four streams
+        # element-wise first, then across threads once)
         b_amax = tl.maximum(tl.maximum(tl.abs(b_z0), tl.abs(b_z1)), tl.maximum(tl.abs(b_z2), tl.abs(b_z3)))
-        b_amax = tl.maximum(tl.max(b_amax, axis=1), AMAX_FLOOR)
-        b_bits = b_amax.to(tl.int32, bitcast=True)
-        b_exp = (b_bits >> 23) - 8 + ((b_bits & 0x7FFFFF) > 0x600000).to(tl.int32)
-        b_scale = (b_exp << 23).to(tl.float32, bitcast=True)
-        # 1 / 2^(E - 127) = 2^(127 - E) exactly, so z * inv == z / scale bit for bit; |z| <= amax <=
-        # 448 * 2^k, so the reference's clamp to ±448 never bites and there is none here
-        b_inv = ((254 - b_exp) << 23).to(tl.float32, bitcast=True)[:, None]
+        b_scale, b_inv = _ue8m0_scale(tl.maximum(tl.max(b_amax, axis=1), AMAX_FLOOR))
+        b_inv = b_inv[:, None]
 
         p_q = x_fp8 + o_r.to(tl.int64)[:, None] * D
         tl.store(p_q + o_0[None, :], _e4m3_bits(b_z0 * b_inv, SOFT_CASTS), mask=m_r)
