@@ -25,6 +25,7 @@ import torch
 
 from flashdsa import ops
 from flashdsa.cache.layouts import MLA_DIM, MLA_FP8_BYTES, MLA_LATENT, PAGE_SIZE, encode_mla
+from flashdsa.ops._common import pick_backend
 from flashdsa.v4.rope import rope_tail
 
 
@@ -58,17 +59,20 @@ def causal_entry_indices(positions: torch.Tensor, rate: int, entries: int, first
     return torch.where(visible, w + first_row, -1).to(torch.int32)
 
 
+def _fp8_rows_triton(rows: torch.Tensor) -> torch.Tensor:
+    from flashdsa.cache.mla_encode import quantize_mla_656_triton  # (imports triton: on first use)
+    return quantize_mla_656_triton(rows)
+
+
+_FP8_ROWS = {"torch": lambda rows: encode_mla(rows, "fp8"), "triton": _fp8_rows_triton}
+
+
 def fp8_rows(x: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
     """``[..., D]`` K = V rows -> ``[..., 656] uint8``: flashdsa's fp8 MLA rows (e4m3 latent in 128-blocks with
     UE8M0 scales, the zero rope part in bf16), what the fp8 mode stores. ``backend``: "torch" (the layout's
     encode), "triton" (the same bits in one launch, flashdsa.cache.mla_encode), None: Triton on CUDA."""
-    if backend not in (None, "torch", "triton"):
-        raise ValueError(f"backend: expected None, 'torch' or 'triton', got {backend!r}")
-    rows = mla_rows(x.to(torch.bfloat16)).reshape(-1, MLA_DIM)
-    if backend == "triton" or (backend is None and rows.is_cuda):
-        from flashdsa.cache.mla_encode import quantize_mla_656_triton
-        return quantize_mla_656_triton(rows).view(*x.shape[:-1], MLA_FP8_BYTES)
-    return encode_mla(rows, "fp8").view(*x.shape[:-1], MLA_FP8_BYTES)
+    encode = pick_backend(backend, _FP8_ROWS, x.device, "fp8_rows")
+    return encode(mla_rows(x.to(torch.bfloat16)).reshape(-1, MLA_DIM)).view(*x.shape[:-1], MLA_FP8_BYTES)
 
 
 def attend_fp8(q: torch.Tensor, rows: torch.Tensor, indices: torch.Tensor, sinks: torch.Tensor, scale: float,

@@ -31,14 +31,16 @@ import torch
 import triton
 import triton.language as tl
 
+from flashdsa.ops._common import pick_backend
+
 _TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
 @triton.jit
 def _slot_rows(j, n, R, rate: tl.constexpr, D: tl.constexpr, OVERLAP: tl.constexpr):
-    """Slots ``j [SB]`` of the window ending at entry n: (ring slot, token, channel offset, position-bias row,
-    valid). As the torch ops index the ring (token mod ring, Python's modulo), a window that has not closed
-    (n < 0) reads finite stale slots: its entry is never stored, but it passes value checks."""
+    """Slots ``j [SB]`` of the window ending at entry n: (ring slot, channel offset, position-bias row, valid).
+    As the torch ops index the ring (token mod ring, Python's modulo), a window that has not closed (n < 0)
+    reads finite stale slots: its entry is never stored, but it passes value checks."""
     if OVERLAP:  # slots 0..rate-1: the previous window, first D channels; then this window, last D
         prev = j < rate
         tok = tl.where(prev, (n - 1) * rate + j, n * rate + j - rate)
@@ -50,14 +52,14 @@ def _slot_rows(j, n, R, rate: tl.constexpr, D: tl.constexpr, OVERLAP: tl.constex
         off = j * 0
         brow = j
         ok = j < rate
-    return (tok % R + R) % R, tok, off, brow, ok
+    return (tok % R + R) % R, off, brow, ok
 
 
 @triton.jit
 def _gate(gate_ring, bias, b, j, n, R, W: tl.constexpr, rate: tl.constexpr, D: tl.constexpr, c, cm,
           OVERLAP: tl.constexpr, GDT: tl.constexpr):
     """[SB, BLOCK_D] fp32: gate + position bias rounded to the sum's dtype; -inf where a slot is not there."""
-    ring, tok, off, brow, ok = _slot_rows(j, n, R, rate, D, OVERLAP)
+    ring, off, brow, ok = _slot_rows(j, n, R, rate, D, OVERLAP)
     m = ok[:, None] & cm[None, :]
     g = tl.load(gate_ring + (b * R + ring)[:, None] * W + off[:, None] + c[None, :], mask=m, other=0.0)
     g = g.to(tl.float32) + tl.load(bias + brow[:, None] * W + off[:, None] + c[None, :], mask=m, other=0.0).to(
@@ -67,7 +69,7 @@ def _gate(gate_ring, bias, b, j, n, R, W: tl.constexpr, rate: tl.constexpr, D: t
 
 @triton.jit
 def _kv(kv_ring, b, j, n, R, W: tl.constexpr, rate: tl.constexpr, D: tl.constexpr, c, cm, OVERLAP: tl.constexpr):
-    ring, tok, off, brow, ok = _slot_rows(j, n, R, rate, D, OVERLAP)
+    ring, off, brow, ok = _slot_rows(j, n, R, rate, D, OVERLAP)
     m = ok[:, None] & cm[None, :]
     return tl.load(kv_ring + (b * R + ring)[:, None] * W + off[:, None] + c[None, :], mask=m, other=0.0).to(
         tl.float32)
@@ -201,9 +203,8 @@ def close_entry(module, h: torch.Tensor, ring: tuple[torch.Tensor, torch.Tensor]
                 backend: str | None = None) -> torch.Tensor:
     """The decode compressor step: ``backend`` "torch" (HF's bits), "triton" (one launch), None: Triton on CUDA
     where :func:`kernel_fits`, else torch."""
-    if backend not in (None, "torch", "triton"):
-        raise ValueError(f"backend: expected None, 'torch' or 'triton', got {backend!r}")
-    use = backend == "triton" or (backend is None and h.is_cuda and kernel_fits(module, ring))
-    if use and not kernel_fits(module, ring):
+    fits = kernel_fits(module, ring)
+    if backend == "triton" and not fits:
         raise ValueError("backend: 'triton' serves compressors of D <= 512 with a static RoPE in bf16 / fp16 / fp32")
-    return (close_entry_triton if use else close_entry_torch)(module, h, ring, p, overlap)
+    impls = {"torch": close_entry_torch, **({"triton": close_entry_triton} if fits else {})}
+    return pick_backend(backend, impls, h.device, "close_entry")(module, h, ring, p, overlap)

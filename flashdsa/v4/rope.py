@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from flashdsa.ops._common import pick_backend
 from flashdsa.quant import apply_rope
 
 
@@ -70,12 +71,13 @@ def rope_tail_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inve
     return out
 
 
+_IMPLS = {"torch": rope_tail_torch, "triton": rope_tail_triton}
+
+
 def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False,
               out_dtype: torch.dtype | None = None, *, backend: str | None = None) -> torch.Tensor:
     """:func:`rope_tail_torch` (``backend`` "torch", HF's bits) or the kernel ("triton"; None: the kernel on CUDA)."""
-    if backend not in (None, "torch", "triton"):
-        raise ValueError(f"backend: expected None, 'torch' or 'triton', got {backend!r}")
+    impl = pick_backend(backend, _IMPLS, x.device, "rope_tail")
     if not 0 < 2 * cos.shape[-1] <= x.shape[-1]:
         raise ValueError(f"cos: expected R / 2 with 0 < R <= the head dim {x.shape[-1]}, got {cos.shape[-1]}")
-    use = backend == "triton" or (backend is None and x.is_cuda)
-    return (rope_tail_triton if use else rope_tail_torch)(x, cos, sin, inverse, out_dtype)
+    return impl(x, cos, sin, inverse, out_dtype)
