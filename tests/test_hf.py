@@ -593,6 +593,33 @@ def test_graph_decode_falls_back_when_capture_fails(ref, patched, monkeypatch):
     _close(torch.stack(got.scores), torch.stack(ref["gen"].scores), "scores")
     assert not patch.graphs and "not permitted" in patch.graph_failure and patch.calls == [NEW] * 3
 
+def test_decoder_that_names_its_cache_past_key_values(ref, patched, monkeypatch):
+    """transformers 5.23-5.24 name the decoder's cache argument `past_key_values` (5.25: `cache`) and pass an
+    unknown keyword on to the layers unread. The patch hands its cache under the decoder's own name: under the
+    other one such a decoder made a DynamicCache of its own and returned it, so generate()'s next step began a
+    new sequence (refused: the attention mask was longer than that cache). HF's tokens, eagerly and from
+    (stand-in) graphs."""
+    model, ids = ref["model"], ref["ids"]
+    new = type(model.model)
+
+    class OldNames(new):
+        def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                    inputs_embeds=None, use_cache=None, **kwargs):
+            kwargs.pop("cache", None)  # 5.23's decoder hands unknown keywords to its layers, which ignore them
+            return new.forward(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                               cache=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
+
+    monkeypatch.setattr(model.model, "__class__", OldNames)
+    patch = patched(indexer="exact", cuda_graphs=False)
+    assert patch.cache_kw == "past_key_values"
+    got = _generate(model, ids)
+    assert torch.equal(got.sequences, ref["gen"].sequences)
+    _stand_in(monkeypatch, model)
+    patch = patched(indexer="exact")
+    got = _generate(model, ids)
+    assert torch.equal(got.sequences, ref["gen"].sequences) and patch.graph_replays == NEW - 1
+
+
 # ---- the exact precision of the indexer, outside HF -----------------------------------------------------
 
 def _brute(q, k, w, ks, ke, absolute: bool = False):

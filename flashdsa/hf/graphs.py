@@ -29,7 +29,7 @@ from flashdsa.hf.cache import FlashDSACache, _Forward, _NoMasks
 
 _GRAPH_MAX_BATCH = 16   # decode batches up to this size replay graphs ("batch 1 and small batches")
 _GRAPH_MIN_PAGES = 16   # the narrowest block table a graph gets (1024 tokens)
-_DECODE_KWARGS = {"input_ids", "attention_mask", "position_ids", "cache", "inputs_embeds", "use_cache"}
+_DECODE_KWARGS = {"input_ids", "attention_mask", "position_ids", "cache", "past_key_values", "inputs_embeds", "use_cache"}
 
 
 class _GraphDecode:
@@ -179,8 +179,8 @@ class _DecodeGraph:
             self.pos = torch.empty(self.ids.shape[:2], dtype=torch.long, device=self.ids.device)
         self._positions(kwargs.get("position_ids"), fwd.cache)
         off = {k: v for k, v in kwargs.items() if k not in _DECODE_KWARGS}  # None / False (_graph_pages)
-        static = dict(off, **{self.name: self.ids}, position_ids=self.pos, attention_mask=_NoMasks(), cache=fwd.cache,
-                      use_cache=kwargs.get("use_cache"))
+        static = dict(off, **{self.name: self.ids}, position_ids=self.pos, attention_mask=_NoMasks(),
+                      use_cache=kwargs.get("use_cache"), **{patch.cache_kw: fwd.cache})
 
         def run():
             # a fresh _Forward each run: the RoPE tables and the shared-layer selection are made inside

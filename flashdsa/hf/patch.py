@@ -89,6 +89,7 @@ class Patch(_GraphDecode):
     hf_layers: list[int] = field(default_factory=list)
     num_hf_layers: int = 0
     cuda_graphs: bool = True
+    cache_kw: str = "cache"               # the decoder's name for its cache argument
     calls: list[int] = field(default_factory=list)
     runner: Runner | None = None
     closed: bool = False
@@ -111,8 +112,11 @@ class Patch(_GraphDecode):
             raise RuntimeError("flashdsa.hf: this patch was removed (unapply / a new apply)")
         if len(args) > 1:
             raise ValueError("flashdsa.hf: pass the decoder's arguments by keyword (input_ids=..., attention_mask=...)")
-        if "past_key_values" in kwargs:  # HF's deprecated name
-            kwargs["cache"] = kwargs.pop("past_key_values")
+        # the cache by either name (transformers >= 5.25 calls it `cache`, earlier `past_key_values`), handed on
+        # under the decoder's own name: a decoder that does not know the name makes a cache of its own
+        given = kwargs.pop("cache", None)
+        old = kwargs.pop("past_key_values", None)
+        given = old if given is None else given
         ids = kwargs.get("input_ids", args[0] if args else None)
         ref = ids if ids is not None else kwargs.get("inputs_embeds")
         if ref is None:
@@ -123,8 +127,8 @@ class Patch(_GraphDecode):
         use_cache = kwargs.get("use_cache")
         if use_cache is None:
             use_cache = getattr(self.model.config, "use_cache", True)
-        cache, temporary = self._cache_for(kwargs.get("cache"), use_cache)
-        kwargs["cache"] = cache
+        cache, temporary = self._cache_for(given, use_cache)
+        kwargs[self.cache_kw] = cache
         real = self._real_tokens(kwargs.get("attention_mask"), cache, B, S)
         kwargs["attention_mask"] = _NoMasks()
         if self.hybrid and real is not None and S > 1:
@@ -282,6 +286,7 @@ def _adopt(hf_attn, cfg: DSAConfig, lid: int, precision: str) -> DSAAttention:
     for name in _MLA_PARTS:
         setattr(attn, name, getattr(hf_attn, name))
     attn.softmax_scale = float(hf_attn.scaling)
+    attn.fused_rows = precision != "exact"  # exact: the torch ops, HF's bits (layers.mla_rows)
     if attn.indexer is not None:
         missing = [p for p in _INDEXER_PARTS if not hasattr(hf_indexer, p)]
         if missing:
@@ -366,6 +371,8 @@ def apply(model, indexer: str = "fp8", *, kv_format: str = "auto", max_tokens: i
         returns_topk = "prev_topk_indices" in inspect.signature(type(hf_attn).forward).parameters
         hf_attn.forward = _attention_forward(patch, i, returns_topk)
         patch._patched.append(hf_attn)
+    if "cache" not in inspect.signature(type(base).forward).parameters:
+        patch.cache_kw = "past_key_values"  # transformers 5.23-5.24
     base.forward = functools.partial(patch._decoder_forward, type(base).forward.__get__(base))
     patch._patched.append(base)
     patch._hooks = [base.register_forward_pre_hook(patch._begin, with_kwargs=True),
