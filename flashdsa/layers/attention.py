@@ -39,14 +39,13 @@ from torch import nn
 
 from flashdsa import ops
 from flashdsa._checks import trusted_inputs
-from flashdsa.cache.layouts import MLA_DIM
 from flashdsa.cache.metadata import EXTEND, BatchMetadata
 from flashdsa.cache.pool import KVPool
 from flashdsa.config import DSAConfig
 from flashdsa.layers.indexer import (Indexer, IndexerOutput, exact_kpool_groups, exact_logits_paged, exact_logits_ragged,
                                      exact_topk, pool_as_hf)
+from flashdsa.layers.mla_rows import mla_rows
 from flashdsa.ops.topk.reference import translate
-from flashdsa.quant import apply_rope
 
 
 class RMSNorm(nn.Module):
@@ -76,8 +75,6 @@ class DSAAttention(nn.Module):
         self.softmax_scale = cfg.softmax_scale
         self.index_topk = cfg.index_topk
         self.kpool = cfg.index_kpool
-        # NoPE (GLM-5.3-Flash): the 576-dim rows hold a zero rope part (cache.layouts.mla_rows_fit)
-        self.zero_rope = MLA_DIM - self.kv_lora_rank - self.rope
         self.q_a_proj = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=False, dtype=dtype)
         self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
         self.q_b_proj = nn.Linear(cfg.q_lora_rank, self.h * (self.nope + self.rope), bias=False, dtype=dtype)
@@ -95,10 +92,16 @@ class DSAAttention(nn.Module):
     # bf16 for the bf16 / fp8 caches; fp32 for the "fp32" cache, whose kernels are exact to fp32 rounding
     # (set per layer by whoever makes the pool, e.g. flashdsa.hf for an fp32 model).
     mla_dtype: torch.dtype = torch.bfloat16
+    # One launch for the RoPE / norm / casts of prepare() (its last-ulp norm differs from the torch ops':
+    # flashdsa.hf's exact mode clears it to keep HF's bits)
+    fused_rows: bool = True
 
-    def prepare(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    def prepare(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: str | None = None):
         """``x [T, hidden]`` -> (``q [T, h, 576]`` absorbed query, ``kv [T, 576]`` cache rows, both in
-        ``self.mla_dtype`` (bf16 or fp32), ``qr [T, q_lora]`` the normed query latent the indexer reads)."""
+        ``self.mla_dtype`` (bf16 or fp32), ``qr [T, q_lora]`` the normed query latent the indexer reads).
+
+        The RoPE, latent norm and casts run as one launch (:mod:`flashdsa.layers.mla_rows`) where ``backend``
+        picks Triton and ``self.fused_rows`` is set; the torch ops otherwise."""
         T = x.shape[0]
         qr = self.q_a_layernorm(self.q_a_proj(x))
         q = self.q_b_proj(qr).view(T, self.h, self.nope + self.rope)
@@ -107,15 +110,9 @@ class DSAAttention(nn.Module):
         # In the weights' dtype (fp32 accumulation inside the GEMM): an fp32 copy of W_uk per call would
         # move 3x its bytes every decode step, and q is rounded to mla_dtype for the kernels anyway.
         q_lat = torch.einsum("thn,hnc->thc", q_nope.to(w_uk.dtype), w_uk)
-        q_pe = apply_rope(q_pe, cos, sin, interleave=True)
         kv = self.kv_a_proj_with_mqa(x)
-        c, k_pe = kv.split([self.kv_lora_rank, self.rope], dim=-1)
-        k_pe = apply_rope(k_pe, cos, sin, interleave=True)
-        if self.zero_rope:
-            q_pe = q_pe.new_zeros(T, self.h, self.zero_rope)
-            k_pe = k_pe.new_zeros(T, self.zero_rope)
-        q_abs = torch.cat((q_lat, q_pe), dim=-1).to(self.mla_dtype)
-        kv_rows = torch.cat((self.kv_a_layernorm(c).float(), k_pe), dim=-1).to(self.mla_dtype)
+        q_abs, kv_rows = mla_rows(q_lat, q_pe, kv, self.kv_a_layernorm, cos, sin, self.mla_dtype,
+                                  backend=backend if self.fused_rows else "torch")
         return q_abs, kv_rows, qr
 
     def finish(self, out_latent: torch.Tensor) -> torch.Tensor:
@@ -145,7 +142,7 @@ class DSAAttention(nn.Module):
         checked).
         """
         with trusted_inputs():
-            q, kv_rows, qr = self.prepare(x, cos, sin)
+            q, kv_rows, qr = self.prepare(x, cos, sin, batch.backend)
             idx = self.indexer(x, qr, cos, sin) if self.indexer is not None else None
             par = batch.parallel  # several ranks (flashdsa.parallel): CP gathers the sequence, DCP keeps a shard
             if par is not None:

@@ -1,0 +1,92 @@
+"""The tail of :meth:`DSAAttention.prepare`: the absorbed query and the cache row of each new token, in torch
+ops and in one Triton launch.
+
+In torch this is ~37 small kernels a layer (RoPE on the query's and the key's rope parts: ~10 each; the
+latent RMSNorm: ~7; the casts and the two ``cat``): an eager decode step (``flashdsa.hf`` with
+``cuda_graphs=False``, a notebook) pays their host cost at every layer, and a CUDA graph replays them all.
+The kernel writes both outputs in one launch: one program per (token, block of heads) for the query, one
+more per token for the cache row.
+
+Numerics. The query and the rope part of the row are the torch ops' bits (the products in fp32, rounded,
+then subtracted: the kernel is compiled without FMA contraction). The RMSNorm's sum of squares and
+``rsqrt`` round differently from torch's reduction, so a latent value can differ by one ulp of the model
+dtype (the tests' bound). So ``flashdsa.hf``'s exact mode keeps the torch ops (HF's bits); the fp8 mode and
+the engine take the kernel.
+
+Two RMSNorm forms are known (:func:`norm_form`): transformers' DSA models (``weight * x_normed.to(dtype)``:
+the product in the model dtype) and flashdsa's own :class:`~flashdsa.layers.attention.RMSNorm`
+(``(weight * x * rsqrt).to(dtype)`` in fp32, DeepSeek's reference). Any other norm module runs the torch ops.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flashdsa.cache.layouts import MLA_DIM
+from flashdsa.ops._common import pick_backend
+from flashdsa.quant import apply_rope
+
+# transformers' RMSNorm classes of the DSA models, all ``weight * (x.float() * rsqrt(mean(x^2) + eps)).to(dtype)``
+HF_NORMS = ("DeepseekV32RMSNorm", "GlmMoeDsaRMSNorm", "Glm5NextTextRMSNorm", "Glm5NextRMSNorm")
+FORMS = ("hf", "fp32")
+
+
+def norm_form(norm: torch.nn.Module) -> str | None:
+    """``"hf"`` for transformers' RMSNorm of a DSA model, ``"fp32"`` for flashdsa's own, None for any other
+    module (whose formula the kernel does not know)."""
+    from flashdsa.layers.attention import RMSNorm
+    if type(norm) is RMSNorm:
+        return "fp32"
+    if type(norm).__name__ in HF_NORMS and "forward" not in norm.__dict__:
+        return "hf"
+    return None
+
+
+def mla_rows_torch(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, norm: torch.nn.Module,
+                   cos: torch.Tensor, sin: torch.Tensor, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch ops (module docstring). Args as :func:`mla_rows`."""
+    T, H, lat = q_lat.shape
+    rope = q_pe.shape[-1]
+    c, k_pe = kv.split([lat, rope], dim=-1)
+    q_pe = apply_rope(q_pe, cos, sin, interleave=True)
+    k_pe = apply_rope(k_pe, cos, sin, interleave=True)
+    zero = MLA_DIM - lat - rope
+    if zero:  # NoPE (GLM-5.3-Flash): the rows' rope part is zero
+        q_pe = q_pe.new_zeros(T, H, zero)
+        k_pe = k_pe.new_zeros(T, zero)
+    q_abs = torch.cat((q_lat, q_pe), dim=-1).to(out_dtype)
+    kv_rows = torch.cat((norm(c).float(), k_pe), dim=-1).to(out_dtype)
+    return q_abs, kv_rows
+
+
+def norm_eps(norm: torch.nn.Module) -> float:
+    return norm.eps if hasattr(norm, "eps") else norm.variance_epsilon
+
+
+def _triton(*args):
+    from flashdsa.layers.mla_rows_triton import mla_rows_triton  # importing triton is slow: on first use
+    return mla_rows_triton(*args)
+
+
+_IMPLS = {"torch": mla_rows_torch, "triton": _triton}
+
+
+def mla_rows(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, norm: torch.nn.Module, cos: torch.Tensor,
+             sin: torch.Tensor, out_dtype: torch.dtype, *, backend: str | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The absorbed query and the cache rows of T new tokens.
+
+    Args:
+        q_lat:     ``[T, h, 512]`` the query's nope part mapped into the latent space (any float dtype).
+        q_pe:      ``[T, h, R]`` the query's rope part before RoPE (R = 64, or 0 for NoPE).
+        kv:        ``[T, 512 + R]`` ``kv_a_proj_with_mqa``'s output: the latent, then the key's rope part.
+        norm:      ``kv_a_layernorm`` (an RMSNorm over the latent).
+        cos, sin:  ``[T, R / 2] float32`` the tokens' angles (interleaved pairs, DeepSeek's MLA layout).
+        out_dtype: the rows' dtype (bf16, or fp32 for the "fp32" cache).
+        backend:   "torch" (the ops), "triton" (one launch), None (Triton on CUDA).
+
+    Returns ``q [T, h, 576]`` and ``kv_rows [T, 576]`` in ``out_dtype``: ``[latent | RoPE'd rope part]``, the
+    rope part zero-filled to 64 under NoPE.
+    """
+    impl = pick_backend(backend, _IMPLS, q_lat.device, "mla_rows")
+    return impl(q_lat, q_pe, kv, norm, cos, sin, out_dtype)

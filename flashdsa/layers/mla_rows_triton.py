@@ -1,0 +1,95 @@
+"""The Triton kernel of :func:`flashdsa.layers.mla_rows.mla_rows` (its docstring: what it replaces, its numerics)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from flashdsa.cache.layouts import MLA_DIM
+from flashdsa.layers.mla_rows import mla_rows_torch, norm_eps, norm_form
+
+
+@triton.jit
+def _rope_pairs(src, dst, cs, sn, j, m, DT: tl.constexpr):
+    """Interleaved pairs (2j, 2j + 1) at ``src`` rotated by the angles ``cs, sn`` in fp32, stored at ``dst``
+    (pointer blocks of any shape that broadcast with ``j``)."""
+    a = tl.load(src + 2 * j, mask=m, other=0.0).to(tl.float32)
+    b = tl.load(src + 2 * j + 1, mask=m, other=0.0).to(tl.float32)
+    tl.store(dst + 2 * j, (a * cs - b * sn).to(DT), mask=m)
+    tl.store(dst + 2 * j + 1, (b * cs + a * sn).to(DT), mask=m)
+
+
+@triton.jit
+def mla_rows_kernel(q_lat, s_lt, s_lh, q_pe, s_pt, s_ph, kv, s_kv, w, cos, sin, s_cos, q_out, kv_out, H, eps,
+                    LAT: tl.constexpr, R: tl.constexpr, ZERO: tl.constexpr, HF_FORM: tl.constexpr,
+                    ROUND_PRODUCT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
+                    BLOCK_Z: tl.constexpr):
+    """Program (t, i): heads [i BLOCK_H, (i + 1) BLOCK_H) of token t's query, or (i = last) token t's row."""
+    t = tl.program_id(0).to(tl.int64)
+    i = tl.program_id(1)
+    DT = q_out.dtype.element_ty
+    D: tl.constexpr = LAT + R + ZERO
+    c = tl.arange(0, LAT)
+    j = tl.arange(0, BLOCK_R)
+    jm = j < R // 2
+    cs = tl.load(cos + t * s_cos + j, mask=jm, other=0.0)
+    sn = tl.load(sin + t * s_cos + j, mask=jm, other=0.0)
+    z = tl.arange(0, BLOCK_Z)
+    zeros = tl.zeros([BLOCK_Z], tl.float32).to(DT)
+    if i * BLOCK_H < H:
+        hs = i * BLOCK_H + tl.arange(0, BLOCK_H)
+        hm = hs < H
+        lat = tl.load(q_lat + t * s_lt + hs[:, None] * s_lh + c[None, :], mask=hm[:, None], other=0.0)
+        qd = q_out + (t * H + hs[:, None]) * D
+        tl.store(qd + c[None, :], lat.to(DT), mask=hm[:, None])
+        if R > 0:
+            _rope_pairs(q_pe + t * s_pt + hs[:, None] * s_ph, qd + LAT, cs[None, :], sn[None, :], j[None, :],
+                        hm[:, None] & jm[None, :], DT)
+        if ZERO > 0:
+            tl.store(qd + LAT + R + z[None, :], zeros[None, :], mask=hm[:, None] & (z[None, :] < ZERO))
+    else:
+        XT = kv.dtype.element_ty
+        x = tl.load(kv + t * s_kv + c).to(tl.float32)
+        r = tl.math.div_rn(1.0, tl.sqrt_rn(tl.sum(x * x, axis=0) / LAT + eps))
+        wv = tl.load(w + c).to(tl.float32)
+        if HF_FORM:  # weight * (x * rsqrt).to(dtype): the product in the promoted dtype
+            y = (x * r).to(XT).to(tl.float32) * wv
+            if ROUND_PRODUCT:
+                y = y.to(XT).to(tl.float32)
+        else:        # (weight * x * rsqrt).to(dtype), in fp32
+            y = (wv * x * r).to(XT).to(tl.float32)
+        kd = kv_out + t * D
+        tl.store(kd + c, y.to(DT))
+        if R > 0:
+            _rope_pairs(kv + t * s_kv + LAT, kd + LAT, cs, sn, j, jm, DT)
+        if ZERO > 0:
+            tl.store(kd + LAT + R + z, zeros, mask=z < ZERO)
+
+
+BLOCK_H = 16
+
+
+def mla_rows_triton(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, norm: torch.nn.Module,
+                    cos: torch.Tensor, sin: torch.Tensor, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`mla_rows_torch` in one launch (the module docstring's numerics). Args as :func:`mla_rows`."""
+    T, H, lat = q_lat.shape
+    rope = q_pe.shape[-1]
+    form = norm_form(norm)
+    product = torch.promote_types(norm.weight.dtype, kv.dtype)  # the dtype of HF's weight * x_normed
+    if (form is None or (form == "hf" and product not in (kv.dtype, torch.float32))
+            or any(a.stride(-1) != 1 for a in (q_lat, q_pe, kv, cos, sin)) or cos.stride() != sin.stride()):
+        return mla_rows_torch(q_lat, q_pe, kv, norm, cos, sin, out_dtype)
+    q_abs = torch.empty(T, H, MLA_DIM, dtype=out_dtype, device=q_lat.device)
+    kv_rows = torch.empty(T, MLA_DIM, dtype=out_dtype, device=q_lat.device)
+    if T:
+        zero = MLA_DIM - lat - rope
+        grid = (T, triton.cdiv(H, BLOCK_H) + 1)
+        mla_rows_kernel[grid](q_lat, q_lat.stride(0), q_lat.stride(1), q_pe, q_pe.stride(0), q_pe.stride(1), kv,
+                              kv.stride(0), norm.weight, cos, sin, cos.stride(0), q_abs, kv_rows, H,
+                              float(norm_eps(norm)), LAT=lat, R=rope, ZERO=zero, HF_FORM=form == "hf",
+                              ROUND_PRODUCT=product != torch.float32, BLOCK_H=BLOCK_H,
+                              BLOCK_R=triton.next_power_of_2(max(rope // 2, 1)),
+                              BLOCK_Z=triton.next_power_of_2(max(zero, 1)), num_warps=4,
+                              enable_fp_fusion=False)  # the torch ops' roundings (module docstring)
+    return q_abs, kv_rows
