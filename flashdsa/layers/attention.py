@@ -44,7 +44,7 @@ from flashdsa.cache.pool import KVPool
 from flashdsa.config import DSAConfig
 from flashdsa.layers.indexer import (Indexer, IndexerOutput, exact_kpool_groups, exact_logits_paged, exact_logits_ragged,
                                      exact_topk, pool_as_hf)
-from flashdsa.layers.mla_rows import mla_rows
+from flashdsa.layers.mla_rows import mla_rows, rms_norm
 from flashdsa.ops.topk.reference import translate
 
 
@@ -100,10 +100,12 @@ class DSAAttention(nn.Module):
         """``x [T, hidden]`` -> (``q [T, h, 576]`` absorbed query, ``kv [T, 576]`` cache rows, both in
         ``self.mla_dtype`` (bf16 or fp32), ``qr [T, q_lora]`` the normed query latent the indexer reads).
 
-        The RoPE, latent norm and casts run as one launch (:mod:`flashdsa.layers.mla_rows`) where ``backend``
-        picks Triton and ``self.fused_rows`` is set; the torch ops otherwise."""
+        The query latent's norm, and the RoPE, latent norm and casts of the rows, run as one launch each
+        (:mod:`flashdsa.layers.mla_rows`) where ``backend`` picks Triton and ``self.fused_rows`` is set; the
+        torch ops otherwise."""
         T = x.shape[0]
-        qr = self.q_a_layernorm(self.q_a_proj(x))
+        be = backend if self.fused_rows else "torch"
+        qr = rms_norm(self.q_a_proj(x), self.q_a_layernorm, backend=be)
         q = self.q_b_proj(qr).view(T, self.h, self.nope + self.rope)
         q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
         w_uk, _ = self._w_kv_b()
@@ -111,8 +113,7 @@ class DSAAttention(nn.Module):
         # move 3x its bytes every decode step, and q is rounded to mla_dtype for the kernels anyway.
         q_lat = torch.einsum("thn,hnc->thc", q_nope.to(w_uk.dtype), w_uk)
         kv = self.kv_a_proj_with_mqa(x)
-        q_abs, kv_rows = mla_rows(q_lat, q_pe, kv, self.kv_a_layernorm, cos, sin, self.mla_dtype,
-                                  backend=backend if self.fused_rows else "torch")
+        q_abs, kv_rows = mla_rows(q_lat, q_pe, kv, self.kv_a_layernorm, cos, sin, self.mla_dtype, backend=be)
         return q_abs, kv_rows, qr
 
     def finish(self, out_latent: torch.Tensor) -> torch.Tensor:

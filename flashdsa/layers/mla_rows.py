@@ -5,7 +5,8 @@ In torch this is ~37 small kernels a layer (RoPE on the query's and the key's ro
 latent RMSNorm: ~7; the casts and the two ``cat``): an eager decode step (``flashdsa.hf`` with
 ``cuda_graphs=False``, a notebook) pays their host cost at every layer, and a CUDA graph replays them all.
 The kernel writes both outputs in one launch: one program per (token, block of heads) for the query, one
-more per token for the cache row.
+more per token for the cache row. :func:`rms_norm` is the same norm for the query latent (``q_a_layernorm``:
+~8 kernels in torch, one launch).
 
 Numerics. The query and the rope part of the row are the torch ops' bits (the products in fp32, rounded,
 then subtracted: the kernel is compiled without FMA contraction). The RMSNorm's sum of squares and
@@ -61,6 +62,15 @@ def mla_rows_torch(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, no
 
 def norm_eps(norm: torch.nn.Module) -> float:
     return norm.eps if hasattr(norm, "eps") else norm.variance_epsilon
+
+
+def rms_norm(x: torch.Tensor, norm: torch.nn.Module, *, backend: str | None = None) -> torch.Tensor:
+    """``norm(x)`` for ``x [T, D]``: the module ("torch") or one launch ("triton"; None: Triton on CUDA) for the
+    two known RMSNorm forms, within 2 ulps of the module's (the cache row's latent bound)."""
+    if pick_backend(backend, _IMPLS, x.device, "rms_norm") is mla_rows_torch:
+        return norm(x)
+    from flashdsa.layers.mla_rows_triton import rms_norm_triton
+    return rms_norm_triton(x, norm)
 
 
 def _triton(*args):

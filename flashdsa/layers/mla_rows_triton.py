@@ -8,6 +8,7 @@ import triton.language as tl
 
 from flashdsa.cache.layouts import MLA_DIM
 from flashdsa.layers.mla_rows import mla_rows_torch, norm_eps, norm_form
+from flashdsa.ops._launch import KernelLauncher, aligned
 
 
 @triton.jit
@@ -67,29 +68,89 @@ def mla_rows_kernel(q_lat, s_lt, s_lh, q_pe, s_pt, s_ph, kv, s_kv, w, cos, sin, 
             tl.store(kd + LAT + R + z, zeros, mask=z < ZERO)
 
 
+@triton.jit
+def rms_norm_kernel(x, s_x, w, out, D, eps, HF_FORM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Program t: row t of ``x`` normed as the module's form (see :func:`mla_rows_kernel`'s cache row)."""
+    t = tl.program_id(0).to(tl.int64)
+    XT = x.dtype.element_ty
+    c = tl.arange(0, BLOCK_D)
+    m = c < D
+    v = tl.load(x + t * s_x + c, mask=m, other=0.0).to(tl.float32)
+    r = tl.math.div_rn(1.0, tl.sqrt_rn(tl.sum(v * v, axis=0) / D + eps))
+    wv = tl.load(w + c, mask=m, other=0.0).to(tl.float32)
+    if HF_FORM:  # the product rounds to out's dtype (the promoted one) at the store
+        y = (v * r).to(XT).to(tl.float32) * wv
+    else:
+        y = wv * v * r
+    tl.store(out + t * D + c, y.to(out.dtype.element_ty), mask=m)
+
+
 BLOCK_H = 16
 
 
 def mla_rows_triton(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, norm: torch.nn.Module,
                     cos: torch.Tensor, sin: torch.Tensor, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`mla_rows_torch` in one launch (the module docstring's numerics). Args as :func:`mla_rows`."""
+    """:func:`mla_rows_torch` in one launch (the module docstring's numerics). Args as :func:`mla_rows`.
+
+    Launched from a plan (ops/_launch.py: Triton's own launch costs tens of µs of host time, which is what this
+    kernel is for)."""
     T, H, lat = q_lat.shape
     rope = q_pe.shape[-1]
     form = norm_form(norm)
-    product = torch.promote_types(norm.weight.dtype, kv.dtype)  # the dtype of HF's weight * x_normed
+    w = norm.weight
+    product = torch.promote_types(w.dtype, kv.dtype)  # the dtype of HF's weight * x_normed
     if (form is None or (form == "hf" and product not in (kv.dtype, torch.float32))
             or any(a.stride(-1) != 1 for a in (q_lat, q_pe, kv, cos, sin)) or cos.stride() != sin.stride()):
         return mla_rows_torch(q_lat, q_pe, kv, norm, cos, sin, out_dtype)
     q_abs = torch.empty(T, H, MLA_DIM, dtype=out_dtype, device=q_lat.device)
     kv_rows = torch.empty(T, MLA_DIM, dtype=out_dtype, device=q_lat.device)
-    if T:
+    if T == 0:
+        return q_abs, kv_rows
+    eps = float(norm_eps(norm))
+    ptrs = (q_lat.data_ptr(), q_pe.data_ptr(), kv.data_ptr(), w.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+            q_abs.data_ptr(), kv_rows.data_ptr())
+    key = (q_lat.device, T, H, lat, rope, q_lat.stride(), q_pe.stride(), kv.stride(), cos.stride(), q_lat.dtype,
+           q_pe.dtype, kv.dtype, w.dtype, cos.dtype, out_dtype, eps, form) if aligned(*ptrs) else None
+
+    def build():
         zero = MLA_DIM - lat - rope
-        grid = (T, triton.cdiv(H, BLOCK_H) + 1)
-        mla_rows_kernel[grid](q_lat, q_lat.stride(0), q_lat.stride(1), q_pe, q_pe.stride(0), q_pe.stride(1), kv,
-                              kv.stride(0), norm.weight, cos, sin, cos.stride(0), q_abs, kv_rows, H,
-                              float(norm_eps(norm)), LAT=lat, R=rope, ZERO=zero, HF_FORM=form == "hf",
-                              ROUND_PRODUCT=product != torch.float32, BLOCK_H=BLOCK_H,
-                              BLOCK_R=triton.next_power_of_2(max(rope // 2, 1)),
-                              BLOCK_Z=triton.next_power_of_2(max(zero, 1)), num_warps=4,
-                              enable_fp_fusion=False)  # the torch ops' roundings (module docstring)
+        return (T, triton.cdiv(H, BLOCK_H) + 1), dict(
+            q_lat=q_lat, s_lt=q_lat.stride(0), s_lh=q_lat.stride(1), q_pe=q_pe, s_pt=q_pe.stride(0),
+            s_ph=q_pe.stride(1), kv=kv, s_kv=kv.stride(0), w=w, cos=cos, sin=sin, s_cos=cos.stride(0), q_out=q_abs,
+            kv_out=kv_rows, H=H, eps=eps, LAT=lat, R=rope, ZERO=zero, HF_FORM=form == "hf",
+            ROUND_PRODUCT=product != torch.float32, BLOCK_H=BLOCK_H, BLOCK_R=triton.next_power_of_2(max(rope // 2, 1)),
+            BLOCK_Z=triton.next_power_of_2(max(zero, 1)), num_warps=4,
+            enable_fp_fusion=False)  # the torch ops' roundings (module docstring)
+
+    _LAUNCH(key, ptrs, build)
     return q_abs, kv_rows
+
+
+_LAUNCH = KernelLauncher(mla_rows_kernel, ("q_lat", "q_pe", "kv", "w", "cos", "sin", "q_out", "kv_out"))
+
+
+def rms_norm_triton(x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
+    """``norm(x)`` for ``x [T, D]`` in one launch (from a plan); the torch module where its form is unknown."""
+    form = norm_form(norm)
+    w = norm.weight
+    product = torch.promote_types(w.dtype, x.dtype)
+    if form is None or x.dim() != 2 or x.stride(-1) != 1 or (form == "hf" and product not in (x.dtype, torch.float32)):
+        return norm(x)
+    T, D = x.shape
+    # HF: weight * x_normed.to(dtype) in the promoted dtype; flashdsa's: (weight * x * rsqrt).to(x.dtype)
+    out = torch.empty(T, D, dtype=product if form == "hf" else x.dtype, device=x.device)
+    if T == 0:
+        return out
+    eps = float(norm_eps(norm))
+    ptrs = (x.data_ptr(), w.data_ptr(), out.data_ptr())
+    key = (x.device, T, D, x.stride(0), x.dtype, w.dtype, out.dtype, eps, form) if aligned(*ptrs) else None
+
+    def build():
+        return (T,), dict(x=x, s_x=x.stride(0), w=w, out=out, D=D, eps=eps, HF_FORM=form == "hf",
+                          BLOCK_D=triton.next_power_of_2(D), num_warps=4, enable_fp_fusion=False)
+
+    _NORM(key, ptrs, build)
+    return out
+
+
+_NORM = KernelLauncher(rms_norm_kernel, ("x", "w", "out"))

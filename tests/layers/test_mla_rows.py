@@ -20,7 +20,8 @@ import torch
 
 from flashdsa.config import DSAConfig
 from flashdsa.layers.attention import DSAAttention, RMSNorm
-from flashdsa.layers.mla_rows import mla_rows, mla_rows_torch, norm_form
+from flashdsa.layers.mla_rows import mla_rows, mla_rows_torch, norm_form, rms_norm
+from flashdsa.ops import _launch
 from flashdsa.testing.inputs import poison_torch_empty
 
 hf_v32 = pytest.importorskip("transformers.models.deepseek_v32.modeling_deepseek_v32")
@@ -31,13 +32,13 @@ def _poison(monkeypatch):
     poison_torch_empty(monkeypatch)
 
 
-def _norm(kind: str, dtype, g, device):
+def _norm(kind: str, dtype, g, device, D: int = 512):
     if kind == "ours":
-        n = RMSNorm(512, 1e-6)
+        n = RMSNorm(D, 1e-6)
     else:
-        n = hf_v32.DeepseekV32RMSNorm(512, 1e-6)
+        n = hf_v32.DeepseekV32RMSNorm(D, 1e-6)
         n.weight.data = n.weight.data.to(torch.float32 if kind == "hf-fp32-weight" else dtype)
-    n.weight.data = torch.randn(512, generator=g).to(n.weight.dtype) * 0.5 + 1
+    n.weight.data = torch.randn(D, generator=g).to(n.weight.dtype) * 0.5 + 1
     return n.to(device)
 
 
@@ -72,6 +73,28 @@ def _check(device):
         roundings = 2 + truncations
         err = (got_kv[:, :512].float() - want_kv[:, :512]).abs()
         assert (err <= roundings * ulp * want_kv[:, :512].abs()).all(), (T, H, kind, float(err.max()))
+        # a second call of the shape launches from the plan (ops/_launch.py; VERIFY: its arguments are Triton's)
+        again = mla_rows(args[0], args[1], args[2], norm, *args[3:], backend="triton")
+        assert torch.equal(again[0], got_q) and torch.equal(again[1], got_kv)
+
+
+def _check_norm(device):
+    """``rms_norm`` (the query latent's norm) against the module: the cache row's latent bound, for any width."""
+    g = torch.Generator().manual_seed(5)
+    for T, D, dtype, kind in [(5, 384, torch.bfloat16, "hf"), (1, 1536, torch.bfloat16, "hf"),
+                              (3, 100, torch.float32, "hf"), (2, 64, torch.bfloat16, "ours"),
+                              (4, 384, torch.bfloat16, "hf-fp32-weight"),
+                              (0, 64, torch.bfloat16, "hf")]:
+        norm = _norm(kind, dtype, g, device, D)
+        x = (torch.randn(T, D, generator=g) * 3).to(device, dtype)
+        want = norm(x)
+        got = rms_norm(x, norm, backend="triton")
+        assert got.dtype == want.dtype and got.shape == want.shape
+        ulp = 2 ** -7 if want.dtype == torch.bfloat16 or dtype == torch.bfloat16 else 2 ** -22
+        # interpreter: the normed value's and the product's truncations (HF, bf16), the result's (ours, bf16)
+        truncations = 0 if device != "cpu" or dtype != torch.bfloat16 else 2 if kind == "hf" else 1
+        err = (got.float() - want.float()).abs()
+        assert (err <= (2 + truncations) * ulp * want.float().abs()).all(), (T, D, kind, float(err.max()))
 
 
 def _round(x32: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -84,11 +107,14 @@ def _round(x32: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def test_kernel_matches_the_torch_ops():
     _check("cpu")
+    _check_norm("cpu")
 
 
 @pytest.mark.gpu
-def test_compiled_kernel_matches_the_torch_ops():
+def test_compiled_kernel_matches_the_torch_ops(monkeypatch):
+    monkeypatch.setattr(_launch, "VERIFY", True)
     _check("cuda")
+    _check_norm("cuda")
 
 
 def test_norm_forms():
