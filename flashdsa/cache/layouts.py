@@ -140,6 +140,9 @@ def store_index_keys(index_cache: torch.Tensor, slots: torch.Tensor, k_fp8: torc
            "k_scale", f"float32 [{slots.shape[0]}]", _describe(k_scale))
     _check_device(index_cache, k_fp8=k_fp8, k_scale=k_scale)
     check_finite("k_fp8", k_fp8)  # a NaN key would make the indexer backends disagree (ops.indexer_logits_paged)
+    if index_cache.is_cuda:  # one launch instead of five small kernels (cache/index_store.py: the same bytes)
+        from flashdsa.cache.index_store import store_index_keys_triton  # (imports triton: on first use)
+        return store_index_keys_triton(index_cache, slots.to(index_cache.device), k_fp8, k_scale)
     slots = slots.to(index_cache.device, torch.int64)
     page, row = slots // PAGE_SIZE, slots % PAGE_SIZE
     keys[page, row] = k_fp8
