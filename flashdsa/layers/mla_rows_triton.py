@@ -9,23 +9,33 @@ import triton.language as tl
 from flashdsa.cache.layouts import MLA_DIM
 from flashdsa.layers.mla_rows import mla_rows_torch, norm_eps, norm_form
 from flashdsa.ops._launch import KernelLauncher, aligned
+from flashdsa.ops._triton_utils import interpreting
+from flashdsa.ops.indexer_quant.triton import _round_bf16
 
 
 @triton.jit
-def _rope_pairs(src, dst, cs, sn, j, m, DT: tl.constexpr):
+def _cast(v, DT: tl.constexpr, SOFT: tl.constexpr):
+    """fp32 -> DT rounding to nearest even: the interpreter's own cast to bf16 truncates (SOFT: integer code)."""
+    if SOFT and DT == tl.bfloat16:
+        v = _round_bf16(v, True)
+    return v.to(DT)
+
+
+@triton.jit
+def _rope_pairs(src, dst, cs, sn, j, m, DT: tl.constexpr, SOFT: tl.constexpr):
     """Interleaved pairs (2j, 2j + 1) at ``src`` rotated by the angles ``cs, sn`` in fp32, stored at ``dst``
     (pointer blocks of any shape that broadcast with ``j``)."""
     a = tl.load(src + 2 * j, mask=m, other=0.0).to(tl.float32)
     b = tl.load(src + 2 * j + 1, mask=m, other=0.0).to(tl.float32)
-    tl.store(dst + 2 * j, (a * cs - b * sn).to(DT), mask=m)
-    tl.store(dst + 2 * j + 1, (b * cs + a * sn).to(DT), mask=m)
+    tl.store(dst + 2 * j, _cast(a * cs - b * sn, DT, SOFT), mask=m)
+    tl.store(dst + 2 * j + 1, _cast(b * cs + a * sn, DT, SOFT), mask=m)
 
 
 @triton.jit
 def mla_rows_kernel(q_lat, s_lt, s_lh, q_pe, s_pt, s_ph, kv, s_kv, w, cos, sin, s_cos, q_out, kv_out, H, eps,
                     LAT: tl.constexpr, R: tl.constexpr, ZERO: tl.constexpr, HF_FORM: tl.constexpr,
-                    ROUND_PRODUCT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
-                    BLOCK_Z: tl.constexpr):
+                    ROUND_PRODUCT: tl.constexpr, SOFT: tl.constexpr, BLOCK_H: tl.constexpr,
+                    BLOCK_R: tl.constexpr, BLOCK_Z: tl.constexpr):
     """Program (t, i): heads [i BLOCK_H, (i + 1) BLOCK_H) of token t's query, or (i = last) token t's row."""
     t = tl.program_id(0).to(tl.int64)
     i = tl.program_id(1)
@@ -43,10 +53,10 @@ def mla_rows_kernel(q_lat, s_lt, s_lh, q_pe, s_pt, s_ph, kv, s_kv, w, cos, sin, 
         hm = hs < H
         lat = tl.load(q_lat + t * s_lt + hs[:, None] * s_lh + c[None, :], mask=hm[:, None], other=0.0)
         qd = q_out + (t * H + hs[:, None]) * D
-        tl.store(qd + c[None, :], lat.to(DT), mask=hm[:, None])
+        tl.store(qd + c[None, :], _cast(lat.to(tl.float32), DT, SOFT), mask=hm[:, None])
         if R > 0:
             _rope_pairs(q_pe + t * s_pt + hs[:, None] * s_ph, qd + LAT, cs[None, :], sn[None, :], j[None, :],
-                        hm[:, None] & jm[None, :], DT)
+                        hm[:, None] & jm[None, :], DT, SOFT)
         if ZERO > 0:
             tl.store(qd + LAT + R + z[None, :], zeros[None, :], mask=hm[:, None] & (z[None, :] < ZERO))
     else:
@@ -55,21 +65,21 @@ def mla_rows_kernel(q_lat, s_lt, s_lh, q_pe, s_pt, s_ph, kv, s_kv, w, cos, sin, 
         r = tl.math.div_rn(1.0, tl.sqrt_rn(tl.sum(x * x, axis=0) / LAT + eps))
         wv = tl.load(w + c).to(tl.float32)
         if HF_FORM:  # weight * (x * rsqrt).to(dtype): the product in the promoted dtype
-            y = (x * r).to(XT).to(tl.float32) * wv
+            y = _cast(x * r, XT, SOFT).to(tl.float32) * wv
             if ROUND_PRODUCT:
-                y = y.to(XT).to(tl.float32)
+                y = _cast(y, XT, SOFT).to(tl.float32)
         else:        # (weight * x * rsqrt).to(dtype), in fp32
-            y = (wv * x * r).to(XT).to(tl.float32)
+            y = _cast(wv * x * r, XT, SOFT).to(tl.float32)
         kd = kv_out + t * D
-        tl.store(kd + c, y.to(DT))
+        tl.store(kd + c, _cast(y, DT, SOFT))
         if R > 0:
-            _rope_pairs(kv + t * s_kv + LAT, kd + LAT, cs, sn, j, jm, DT)
+            _rope_pairs(kv + t * s_kv + LAT, kd + LAT, cs, sn, j, jm, DT, SOFT)
         if ZERO > 0:
             tl.store(kd + LAT + R + z, zeros, mask=z < ZERO)
 
 
 @triton.jit
-def rms_norm_kernel(x, s_x, w, out, D, eps, HF_FORM: tl.constexpr, BLOCK_D: tl.constexpr):
+def rms_norm_kernel(x, s_x, w, out, D, eps, HF_FORM: tl.constexpr, SOFT: tl.constexpr, BLOCK_D: tl.constexpr):
     """Program t: row t of ``x`` normed as the module's form (see :func:`mla_rows_kernel`'s cache row)."""
     t = tl.program_id(0).to(tl.int64)
     XT = x.dtype.element_ty
@@ -79,10 +89,10 @@ def rms_norm_kernel(x, s_x, w, out, D, eps, HF_FORM: tl.constexpr, BLOCK_D: tl.c
     r = tl.math.div_rn(1.0, tl.sqrt_rn(tl.sum(v * v, axis=0) / D + eps))
     wv = tl.load(w + c, mask=m, other=0.0).to(tl.float32)
     if HF_FORM:  # the product rounds to out's dtype (the promoted one) at the store
-        y = (v * r).to(XT).to(tl.float32) * wv
+        y = _cast(v * r, XT, SOFT).to(tl.float32) * wv
     else:
         y = wv * v * r
-    tl.store(out + t * D + c, y.to(out.dtype.element_ty), mask=m)
+    tl.store(out + t * D + c, _cast(y, out.dtype.element_ty, SOFT), mask=m)
 
 
 BLOCK_H = 16
@@ -118,7 +128,8 @@ def mla_rows_triton(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, n
             q_lat=q_lat, s_lt=q_lat.stride(0), s_lh=q_lat.stride(1), q_pe=q_pe, s_pt=q_pe.stride(0),
             s_ph=q_pe.stride(1), kv=kv, s_kv=kv.stride(0), w=w, cos=cos, sin=sin, s_cos=cos.stride(0), q_out=q_abs,
             kv_out=kv_rows, H=H, eps=eps, LAT=lat, R=rope, ZERO=zero, HF_FORM=form == "hf",
-            ROUND_PRODUCT=product != torch.float32, BLOCK_H=BLOCK_H, BLOCK_R=triton.next_power_of_2(max(rope // 2, 1)),
+            ROUND_PRODUCT=product != torch.float32, SOFT=interpreting(), BLOCK_H=BLOCK_H,
+            BLOCK_R=triton.next_power_of_2(max(rope // 2, 1)),
             BLOCK_Z=triton.next_power_of_2(max(zero, 1)), num_warps=4,
             enable_fp_fusion=False)  # the torch ops' roundings (module docstring)
 
@@ -147,7 +158,8 @@ def rms_norm_triton(x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
 
     def build():
         return (T,), dict(x=x, s_x=x.stride(0), w=w, out=out, D=D, eps=eps, HF_FORM=form == "hf",
-                          BLOCK_D=triton.next_power_of_2(D), num_warps=4, enable_fp_fusion=False)
+                          SOFT=interpreting(), BLOCK_D=triton.next_power_of_2(D), num_warps=4,
+                          enable_fp_fusion=False)
 
     _NORM(key, ptrs, build)
     return out
