@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import inspect
 
 import pytest
 import torch
@@ -774,8 +775,10 @@ def test_graph_decode_gpu_bf16_matches_eager(arch, indexer):
         with torch.no_grad():
             out = model(ids[:, :T])
             rows = [out.logits[:, -1]]
+            # the GPU box's transformers (5.23) names the cache past_key_values, in and out; 5.25 `cache`
+            name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
             for i in range(T, T + NEW - 1):
-                out = model(ids[:, i:i + 1], cache=out.cache)
+                out = model(ids[:, i:i + 1], **{name: getattr(out, name)})
                 rows.append(out.logits[:, -1])
         return torch.stack(rows, 1).float(), patch
 

@@ -148,6 +148,11 @@ def _linear_state(cache: FlashDSACache) -> list[torch.Tensor]:
     """The tensors HF's linear-attention cache layers change in a decode step (none without such layers)."""
     out = []
     for layer in cache._linear_layers():
+        if not isinstance(getattr(layer, "cumulative_length_linear", None), torch.Tensor):
+            # transformers < 5.25: the layer keeps host-side flags and may replace its state tensors, which a
+            # graph cannot follow
+            raise ValueError("CUDA graphs of a hybrid stack need transformers >= 5.25 (linear-attention cache "
+                             "layers whose state stays at fixed addresses)")
         out.append(layer.cumulative_length_linear)
         for states in (layer.conv_states, layer.recurrent_states):
             out += [t for t in states.values() if t is not None]
