@@ -293,8 +293,11 @@ def store_mla(kv_cache: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor, sca
     _check(slots.shape[0] == kv.shape[0], "slots", f"one slot per row of kv ({kv.shape[0]})", slots.shape[0])
     _check_device(kv_cache, kv=kv)
     rows = encode_mla(kv, fmt, scale)
-    if kv_cache.is_contiguous():  # one flat row index (int32 is fine): 3 kernels fewer than page and row
-        kv_cache.view(-1, kv_cache.shape[-1])[slots.to(kv_cache.device)] = rows
+    if kv_cache.is_contiguous():  # one flat row index: 3 kernels fewer than page and row
+        slots = slots.to(kv_cache.device)
+        if slots.dtype not in (torch.int32, torch.int64):  # index tensors: int32 / int64 (int16 slots are valid)
+            slots = slots.long()
+        kv_cache.view(-1, kv_cache.shape[-1])[slots] = rows
         return
     slots = slots.to(kv_cache.device, torch.int64)
     kv_cache[slots // PAGE_SIZE, slots % PAGE_SIZE] = rows
