@@ -3,8 +3,8 @@
     PYTHONPATH=. python benchmarks/hf_eager_profile.py [--prompt 4096] [--batch 1]
 
 bench_hf's random bf16 V3.2 (4 layers). Per implementation: ms per decode step (plain forwards with a cache,
-the best of three rounds of 20 steps, each synchronised once), kernels a step and their summed GPU time (torch.profiler), and for flashdsa
-cProfile's cumulative host time per function over one step.
+the best of three rounds of 20 steps, each synchronised once), kernels a step and their summed GPU time
+(torch.profiler), and for flashdsa cProfile's cumulative host time per function over one step.
 """
 from __future__ import annotations
 

@@ -29,7 +29,8 @@ from flashdsa.hf.cache import FlashDSACache, _Forward, _NoMasks
 
 _GRAPH_MAX_BATCH = 16   # decode batches up to this size replay graphs ("batch 1 and small batches")
 _GRAPH_MIN_PAGES = 16   # the narrowest block table a graph gets (1024 tokens)
-_DECODE_KWARGS = {"input_ids", "attention_mask", "position_ids", "cache", "past_key_values", "inputs_embeds", "use_cache"}
+_DECODE_KWARGS = {"input_ids", "attention_mask", "position_ids", "cache", "past_key_values", "inputs_embeds",
+                  "use_cache"}
 
 
 class _GraphDecode:

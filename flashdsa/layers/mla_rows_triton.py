@@ -98,6 +98,14 @@ def rms_norm_kernel(x, s_x, w, out, D, eps, HF_FORM: tl.constexpr, SOFT: tl.cons
 BLOCK_H = 16
 
 
+def _kernel_form(norm: torch.nn.Module, dtype: torch.dtype) -> tuple[str | None, torch.dtype]:
+    """The norm's form where the kernels compute it for inputs of ``dtype`` (None: run the torch module), and
+    the dtype of HF's product ``weight * x_normed`` (its promoted dtype: the input's, or fp32)."""
+    form = norm_form(norm)
+    product = torch.promote_types(norm.weight.dtype, dtype)
+    return (None if form == "hf" and product not in (dtype, torch.float32) else form), product
+
+
 def mla_rows_triton(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, norm: torch.nn.Module,
                     cos: torch.Tensor, sin: torch.Tensor, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`mla_rows_torch` in one launch (the module docstring's numerics). Args as :func:`mla_rows`.
@@ -106,11 +114,9 @@ def mla_rows_triton(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, n
     kernel is for)."""
     T, H, lat = q_lat.shape
     rope = q_pe.shape[-1]
-    form = norm_form(norm)
+    form, product = _kernel_form(norm, kv.dtype)
     w = norm.weight
-    product = torch.promote_types(w.dtype, kv.dtype)  # the dtype of HF's weight * x_normed
-    if (form is None or (form == "hf" and product not in (kv.dtype, torch.float32))
-            or any(a.stride(-1) != 1 for a in (q_lat, q_pe, kv, cos, sin)) or cos.stride() != sin.stride()):
+    if form is None or any(a.stride(-1) != 1 for a in (q_lat, q_pe, kv, cos, sin)) or cos.stride() != sin.stride():
         return mla_rows_torch(q_lat, q_pe, kv, norm, cos, sin, out_dtype)
     q_abs = torch.empty(T, H, MLA_DIM, dtype=out_dtype, device=q_lat.device)
     kv_rows = torch.empty(T, MLA_DIM, dtype=out_dtype, device=q_lat.device)
@@ -142,10 +148,9 @@ _LAUNCH = KernelLauncher(mla_rows_kernel, ("q_lat", "q_pe", "kv", "w", "cos", "s
 
 def rms_norm_triton(x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
     """``norm(x)`` for ``x [T, D]`` in one launch (from a plan); the torch module where its form is unknown."""
-    form = norm_form(norm)
+    form, product = _kernel_form(norm, x.dtype)
     w = norm.weight
-    product = torch.promote_types(w.dtype, x.dtype)
-    if form is None or x.dim() != 2 or x.stride(-1) != 1 or (form == "hf" and product not in (x.dtype, torch.float32)):
+    if form is None or x.dim() != 2 or x.stride(-1) != 1:
         return norm(x)
     T, D = x.shape
     # HF: weight * x_normed.to(dtype) in the promoted dtype; flashdsa's: (weight * x * rsqrt).to(x.dtype)
