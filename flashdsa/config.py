@@ -269,7 +269,7 @@ class DSAConfig:
 
     @property
     def kv_cache_dim(self) -> int:
-        """Dims per token in the MLA cache: latent + rope (576 for V3.2 and GLM-5)."""
+        """Dims per token in the MLA cache: latent + rope (576 for V3.2 and GLM-5, 512 for NoPE GLM-5.3-Flash)."""
         return self.kv_lora_rank + self.qk_rope_head_dim
 
     @property

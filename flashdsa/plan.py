@@ -10,14 +10,14 @@ definitions follow docs/DSA.md §1, §4 and §8. Notation:
     d_c    kv_lora_rank (512)           d_r   qk_rope_head_dim (64); MLA cache dims d_c + d_r = 576
     S      context (history tokens)     p     ranks (GPUs)
 
-KV bytes per token and layer: MLA bf16 1152, fp8 656 (FlashMLA), fp8_raw 576; indexer 132 / c (only on
-the L_I indexer layers). All layers: ``mla * L + 132 / c * L_I``.
+KV bytes per token and layer: MLA bf16 1152, fp8 656 (FlashMLA), fp8_raw 576 (NoPE, d_r 0: 1024, 528, 512);
+indexer 132 / c (only on the L_I indexer layers). All layers: ``mla * L + 132 / c * L_I``.
 
 FLOPs per query token and layer (2 per multiply-add; the attention part only, no projections):
 
     indexer     2 H_I D_I S / c            (fp8; one history token costs 2 H_I D_I = 16384 for V3.2)
-    sparse MLA  2 h_q (576 + 512) min(S, k')   (bf16; one attended token costs 278528 for V3.2)
-    dense MLA   2 h_q (576 + 512) S
+    sparse MLA  2 h_q (d_c + d_r + 512) min(S, k')   (bf16; one attended token costs 278528 for V3.2)
+    dense MLA   2 h_q (d_c + d_r + 512) S
 
 k' = k + c - 1 is the widest selection (kpool: topk / c groups of c tokens plus the unfinished tail group,
 up to c - 1 tokens; k' = k without kpool). Crossover: the smallest S at which the indexer's FLOPs reach
@@ -56,7 +56,7 @@ import os
 from fractions import Fraction
 from typing import Any
 
-from flashdsa.cache.layouts import BYTES_PER_TOKEN, INDEX_PAGE_BYTES, MLA_FORMATS
+from flashdsa.cache.layouts import BYTES_PER_TOKEN, INDEX_PAGE_BYTES, MLA_FORMATS, mla_row_bytes
 from flashdsa.config import PRESETS, DSAConfig
 
 PARALLEL_MODES = ("tp", "cp")
@@ -123,8 +123,13 @@ def _indexer_bytes_per_layer(cfg: DSAConfig) -> Fraction:
     return Fraction(BYTES_PER_TOKEN["index"], cfg.index_kpool)
 
 
+def _mla_bytes(cfg: DSAConfig, kv_format: str) -> int:
+    """One token's MLA row in ``kv_format``: the NoPE rows (``qk_rope_head_dim`` 0) have no rope part."""
+    return mla_row_bytes(kv_format, cfg.qk_rope_head_dim)
+
+
 def _mla_unit(cfg: DSAConfig) -> int:
-    """FLOPs per attended token per query token: QK^T over 576 dims + PV over 512, all h_q heads."""
+    """FLOPs per attended token per query token: QK^T over 576 dims (NoPE 512) + PV over 512, all h_q heads."""
     return 2 * cfg.num_attention_heads * (cfg.kv_cache_dim + cfg.kv_lora_rank)
 
 
@@ -145,12 +150,12 @@ def kv_bytes_per_token(cfg: DSAConfig) -> dict[str, Any]:
     """
     L, L_I = cfg.num_hidden_layers, len(cfg.topk_layers)
     idx = _indexer_bytes_per_layer(cfg)
-    per_layer = {"mla": {f: BYTES_PER_TOKEN[f] for f in MLA_FORMATS}, "indexer": _num(idx),
-                 "total": {f: _num(BYTES_PER_TOKEN[f] + idx) for f in MLA_FORMATS}}
+    per_layer = {"mla": {f: _mla_bytes(cfg, f) for f in MLA_FORMATS}, "indexer": _num(idx),
+                 "total": {f: _num(_mla_bytes(cfg, f) + idx) for f in MLA_FORMATS}}
     idx_all = idx * L_I
-    all_layers = {"mla": {f: BYTES_PER_TOKEN[f] * L for f in MLA_FORMATS}, "indexer": _num(idx_all),
-                  "total": {f: _num(BYTES_PER_TOKEN[f] * L + idx_all) for f in MLA_FORMATS},
-                  "dense_bf16": BYTES_PER_TOKEN["bf16"] * L}
+    all_layers = {"mla": {f: _mla_bytes(cfg, f) * L for f in MLA_FORMATS}, "indexer": _num(idx_all),
+                  "total": {f: _num(_mla_bytes(cfg, f) * L + idx_all) for f in MLA_FORMATS},
+                  "dense_bf16": _mla_bytes(cfg, "bf16") * L}
     return {"per_layer": per_layer, "all_layers": all_layers}
 
 
@@ -158,7 +163,7 @@ def indexer_share(cfg: DSAConfig, kv_format: str = "fp8") -> float:
     """Fraction of a token's KV bytes (all layers) held by the indexer cache, next to a ``kv_format`` MLA cache."""
     _check_choice("kv_format", kv_format, MLA_FORMATS)
     idx = _indexer_bytes_per_layer(cfg) * len(cfg.topk_layers)
-    return float(idx / (BYTES_PER_TOKEN[kv_format] * cfg.num_hidden_layers + idx))
+    return float(idx / (_mla_bytes(cfg, kv_format) * cfg.num_hidden_layers + idx))
 
 
 def flops_per_token(cfg: DSAConfig, context: int) -> dict[str, Any]:
@@ -271,7 +276,7 @@ def memory_gb(cfg: DSAConfig, batch: int, context: int, gpus: int, kv_format: st
     _check_choice("parallel", parallel, PARALLEL_MODES)
     tokens = S if parallel == "tp" else math.ceil(S / P)
     pages = B * math.ceil(tokens / cfg.page_size)
-    mla = pages * cfg.page_size * BYTES_PER_TOKEN[kv_format] * cfg.num_hidden_layers
+    mla = pages * cfg.page_size * _mla_bytes(cfg, kv_format) * cfg.num_hidden_layers
     # An indexer page of 8448 bytes covers the same page_size (= 64 c) tokens as an MLA page.
     indexer = pages * INDEX_PAGE_BYTES * len(cfg.topk_layers)
     return {
@@ -400,11 +405,12 @@ def format_plan(report: dict[str, Any]) -> str:
         + (f" ({m['dsa_layers']} DSA, the rest linear attention: 'all layers' below are the DSA ones)"
            if m["dsa_layers"] != m["num_hidden_layers"] else "")
         + f", {m['indexer_layers']} with an indexer, top-{m['index_topk']}, kpool {m['index_kpool']}"
-        + (", NoPE (512-dim latent, stored in 576-dim rows with a zero rope part)" if m["nope"] else ""),
+        + (", NoPE (512-dim rows, no rope part)" if m["nope"] else ""),
         "",
         f"{'KV bytes per token':<26}{'per layer':>12}{'all layers':>14}",
     ]
-    rows = [("MLA bf16 (dense)", "bf16"), ("MLA fp8 (656)", "fp8"), ("MLA fp8_raw (576)", "fp8_raw")]
+    rows = [("MLA bf16 (dense)", "bf16"), (f"MLA fp8 ({kvl['mla']['fp8']})", "fp8"),
+            (f"MLA fp8_raw ({kvl['mla']['fp8_raw']})", "fp8_raw")]
     for label, f in rows:
         lines.append(f"  {label:<24}{kvl['mla'][f]:>10} B{_si(kv['mla'][f], 'B'):>14}")
     lines.append(f"  {'indexer (indexer layers)':<24}{kvl['indexer']:>10} B{_si(kv['indexer'], 'B'):>14}")

@@ -104,16 +104,19 @@ def test_glm5_numbers():
 
 def test_glm5_flash_costs_its_dsa_layers():
     """GLM-5.3-Flash: 45 layers, 11 of them DSA (the KDA layers hold no KV of ours); NoPE MLA over the
-    512-dim latent (FLOPs of the model's math), stored in 656-B rows; kpool 16: one pooled key per 16 tokens."""
+    512-dim latent (FLOPs of the model's math), stored in the 528-B NoPE rows; kpool 16: one pooled key per 16
+    tokens."""
     cfg = DSAConfig.preset("glm5-flash")
     report = P.plan(cfg, context=131072)
     m = report["model"]
     assert (m["num_hidden_layers"], m["dsa_layers"], m["indexer_layers"], m["nope"]) == (45, 11, 11, True)
     kv = report["kv_bytes_per_token"]
-    assert kv["mla"]["fp8"] == 656 * 11 and kv["indexer"] == pytest.approx(11 * 132 / 16)
+    assert kv["mla"]["fp8"] == 528 * 11 and kv["indexer"] == pytest.approx(11 * 132 / 16)
+    assert (kv["mla"]["bf16"], kv["mla"]["fp8_raw"], kv["dense_bf16"]) == (1024 * 11, 512 * 11, 1024 * 11)
     fl = report["flops_per_token"]
     assert fl["per_history_token"]["mla"] == 2 * 64 * (512 + 512)
     assert "11 DSA" in P.format_plan(report) and "NoPE" in P.format_plan(report)
+    assert "MLA fp8 (528)" in P.format_plan(report)
 
 
 # ---- skip-top-k layers and kpool -------------------------------------------------------------------

@@ -5,13 +5,20 @@ Indexer cache, one page of 64 tokens = 8448 bytes (DeepGEMM's paged layout)::
     bytes [0, 8192)     64 x 128 float8_e4m3fn keys, token-major (token t at bytes 128 t .. 128 t + 127)
     bytes [8192, 8448)  64 x float32 scales (token t at 8192 + 4 t)
 
-MLA cache, per token, three deployment formats (``MLA_FORMATS``) and one for exactness studies:
+MLA cache, per token, three deployment formats (``MLA_FORMATS``) and one for exactness studies, each in two
+widths: a row of D = 512 + R dims with R = 64 rope dims (V3.2, GLM-5) or R = 0 (NoPE: GLM-5.3-Flash):
 
-    "bf16"     1152 B: 576 bf16 (512 latent + 64 rope)
-    "fp8"       656 B: 512 e4m3 latent | 4 fp32 scales (one per 128 latent dims) | 64 bf16 rope   (FlashMLA)
-    "fp8_raw"   576 B: 576 e4m3, one per-tensor fp32 scale held by the pool
-    "fp32"     2304 B: 576 fp32 — an fp32 model's cache rows kept as the model computes them, so that
-               attention over them is exact to fp32 rounding (``flashdsa.hf``'s default for fp32 models)
+                 R = 64   R = 0
+    "bf16"       1152 B   1024 B: D bf16 (512 latent, then the R rope dims)
+    "fp8"         656 B    528 B: 512 e4m3 latent | 4 fp32 scales (one per 128 latent dims) | R bf16 rope
+                                  (FlashMLA's layout; the NoPE row is the same without its rope tail)
+    "fp8_raw"     576 B    512 B: D e4m3, one per-tensor fp32 scale held by the pool
+    "fp32"       2304 B   2048 B: D fp32 — an fp32 model's cache rows kept as the model computes them, so that
+                                  attention over them is exact to fp32 rounding (``flashdsa.hf``'s default for
+                                  fp32 models)
+
+Every width is distinct per dtype, so a cache's format and R are read off its dtype and last dim
+(:func:`mla_cache_layout`).
 
 Slot of token p of a request: ``block_table[p // 64] * 64 + p % 64``; the page is ``slot // 64``.
 """
@@ -39,13 +46,29 @@ MLA_BF16_BYTES = 2 * MLA_DIM  # 1152
 MLA_FP8_BYTES = MLA_LATENT + 4 * (MLA_LATENT // 128) + 2 * MLA_ROPE  # 656
 MLA_FP8_RAW_BYTES = MLA_DIM  # 576
 MLA_FP32_BYTES = 4 * MLA_DIM  # 2304
+MLA_ROPES = (MLA_ROPE, 0)  # the row's rope dims: 64, or 0 for NoPE
+MLA_FP8_NOPE_BYTES = MLA_FP8_BYTES - 2 * MLA_ROPE  # 528
+
+
+def mla_row_width(fmt: str, rope: int = MLA_ROPE) -> int:
+    """Last dim of a cache row of format ``fmt`` with ``rope`` rope dims, in the row tensor's elements (bytes
+    for the uint8 formats): bf16 / fp8_raw / fp32 512 + rope, fp8 528 + 2 rope."""
+    if fmt not in ALL_MLA_FORMATS:
+        raise ValueError(f"fmt: expected one of {ALL_MLA_FORMATS}, got {fmt!r}")
+    if rope not in MLA_ROPES:
+        raise ValueError(f"rope: expected one of {MLA_ROPES} (rope dims of a cache row), got {rope!r}")
+    return MLA_FP8_NOPE_BYTES + 2 * rope if fmt == "fp8" else MLA_LATENT + rope
+
+
+def mla_row_bytes(fmt: str, rope: int = MLA_ROPE) -> int:
+    """Bytes of one token's cache row (format ``fmt``, ``rope`` rope dims)."""
+    return mla_row_width(fmt, rope) * {"bf16": 2, "fp32": 4}.get(fmt, 1)
 
 
 
 def mla_rows_fit(kv_lora_rank: int, qk_rope_head_dim: int, index_head_dim: int) -> str | None:
     """None if a model's MLA and indexer fit these rows, else why not. A NoPE model (``qk_rope_head_dim`` 0,
-    GLM-5.3-Flash) is stored in the same 576-dim rows with a zero rope part: its q . k is the same sum
-    (0 x 0 terms), every kernel unchanged, at 64 / 576 more bytes and FLOPs than 512-dim rows would take."""
+    GLM-5.3-Flash) is stored in the NoPE rows (R = 0: 528 B fp8, 1024 B bf16)."""
     if kv_lora_rank != MLA_LATENT or qk_rope_head_dim not in (0, MLA_ROPE):
         return (f"kv_lora_rank = {MLA_LATENT} and qk_rope_head_dim = {MLA_ROPE} or 0 (NoPE), got {kv_lora_rank} "
                 f"and {qk_rope_head_dim}")
@@ -159,31 +182,37 @@ def gather_index_keys(index_cache: torch.Tensor, slots: torch.Tensor) -> tuple[t
 
 # ---- MLA cache ---------------------------------------------------------------------------------------
 
-def _check_kv(kv: torch.Tensor) -> None:
-    _check(isinstance(kv, torch.Tensor) and kv.dim() == 2 and kv.shape[1] == MLA_DIM and kv.is_floating_point(),
-           "kv", f"a float tensor [N, {MLA_DIM}]", _describe(kv))
+def _check_kv(kv: torch.Tensor, rope: int | None = None) -> int:
+    """kv [N, 512 + R] float with R in MLA_ROPES (== ``rope`` when given) -> R."""
+    dims = [MLA_LATENT + r for r in (MLA_ROPES if rope is None else (rope,))]
+    ok = isinstance(kv, torch.Tensor) and kv.dim() == 2 and kv.shape[1] in dims and kv.is_floating_point()
+    _check(ok, "kv", f"a float tensor [N, {' or '.join(map(str, dims))}] (512 latent + the rope dims)", _describe(kv))
+    return kv.shape[1] - MLA_LATENT
 
 
 def quantize_mla_656(kv: torch.Tensor, ue8m0: bool = True) -> torch.Tensor:
-    """``kv [N, 576] bf16 -> [N, 656] u8``: e4m3 latent with one scale per 128 dims, rope kept in bf16.
+    """``kv [N, 576] bf16 -> [N, 656] u8``: e4m3 latent with one scale per 128 dims, rope kept in bf16
+    (``kv [N, 512]``, NoPE: ``[N, 528] u8``, the same row without its rope tail).
 
     The scales are powers of two (ue8m0) by default, as FlashMLA's test quantiser makes them, so the
     dequantised latent is exactly representable in bf16.
     """
-    _check_kv(kv)
+    rope = _check_kv(kv)
     n = kv.shape[0]
     latent_fp8, scale = act_quant(kv[:, :MLA_LATENT], block=128, ue8m0=ue8m0)  # [N, 512], [N, 4]
-    out = torch.empty(n, MLA_FP8_BYTES, dtype=torch.uint8, device=kv.device)
+    out = torch.empty(n, mla_row_width("fp8", rope), dtype=torch.uint8, device=kv.device)
     out[:, :MLA_LATENT] = latent_fp8.view(torch.uint8)
     out[:, MLA_LATENT:MLA_LATENT + 16] = scale.contiguous().view(torch.uint8)
-    out[:, MLA_LATENT + 16:] = kv[:, MLA_LATENT:].to(torch.bfloat16).contiguous().view(torch.uint8)
+    if rope:
+        out[:, MLA_LATENT + 16:] = kv[:, MLA_LATENT:].to(torch.bfloat16).contiguous().view(torch.uint8)
     return out
 
 
 def mla_656_fields(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Split ``[..., 656] u8`` into ``latent [..., 512] e4m3``, ``scale [..., 4] f32``, ``rope [..., 64] bf16``."""
-    _check(packed.dtype == torch.uint8 and packed.shape[-1] == MLA_FP8_BYTES, "kv_cache",
-           f"uint8 [..., {MLA_FP8_BYTES}]", f"{packed.dtype} {list(packed.shape)}")
+    """Split ``[..., 656] u8`` into ``latent [..., 512] e4m3``, ``scale [..., 4] f32``, ``rope [..., 64] bf16``
+    (``[..., 528]``, NoPE: rope ``[..., 0]``)."""
+    _check(packed.dtype == torch.uint8 and packed.shape[-1] in (MLA_FP8_BYTES, MLA_FP8_NOPE_BYTES), "kv_cache",
+           f"uint8 [..., {MLA_FP8_BYTES} or {MLA_FP8_NOPE_BYTES}]", f"{packed.dtype} {list(packed.shape)}")
     packed = packed.contiguous()
     latent = packed[..., :MLA_LATENT].view(FP8)
     scale = packed[..., MLA_LATENT:MLA_LATENT + 16].contiguous().view(torch.float32)
@@ -192,43 +221,51 @@ def mla_656_fields(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, to
 
 
 def dequantize_mla_656(packed: torch.Tensor) -> torch.Tensor:
-    """``[..., 656] u8 -> [..., 576] bf16``: latent * its per-128 scale, rope as stored."""
+    """``[..., 656] u8 -> [..., 576] bf16``: latent * its per-128 scale, rope as stored (NoPE: 528 -> 512)."""
     latent, scale, rope = mla_656_fields(packed)
     lat = (latent.float().unflatten(-1, (4, 128)) * scale.unsqueeze(-1)).flatten(-2)
     return torch.cat((lat.to(torch.bfloat16), rope), dim=-1)
 
 
 def quantize_mla_576(kv: torch.Tensor, scale: float) -> torch.Tensor:
-    """``kv [N, 576] -> [N, 576] u8`` (raw e4m3 of every dim, rope too) with one per-tensor ``scale`` > 0."""
+    """``kv [N, D] -> [N, D] u8`` (raw e4m3 of every dim, rope too; D 576 or 512) with one per-tensor
+    ``scale`` > 0."""
     _check_kv(kv)
     _check_scale("fp8_raw", scale)
     return (kv.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(torch.uint8)
 
 
 def dequantize_mla_576(packed: torch.Tensor, scale: float) -> torch.Tensor:
-    """``[..., 576] u8 -> [..., 576] bf16``."""
-    _check(packed.dtype == torch.uint8 and packed.shape[-1] == MLA_FP8_RAW_BYTES, "kv_cache",
-           f"uint8 [..., {MLA_FP8_RAW_BYTES}]", f"{packed.dtype} {list(packed.shape)}")
+    """``[..., D] u8 -> [..., D] bf16`` (D 576 or 512)."""
+    _check(packed.dtype == torch.uint8 and packed.shape[-1] in (MLA_FP8_RAW_BYTES, MLA_LATENT), "kv_cache",
+           f"uint8 [..., {MLA_FP8_RAW_BYTES} or {MLA_LATENT}]", f"{packed.dtype} {list(packed.shape)}")
     _check_scale("fp8_raw", scale)
     return (packed.view(FP8).float() * scale).to(torch.bfloat16)
 
 
-def mla_cache_format(kv_cache: torch.Tensor, name: str = "kv_cache") -> str:
-    """Which MLA format a paged cache holds, from its dtype and last dim: 'bf16', 'fp8', 'fp8_raw' or
-    'fp32' (ValueError naming ``name`` for anything else)."""
+# (dtype, last dim) -> (format, rope dims); every entry distinct (module docstring)
+_LAYOUTS = {(dtype, mla_row_width(fmt, rope)): (fmt, rope)
+            for fmt, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32), ("fp8", torch.uint8),
+                               ("fp8_raw", torch.uint8))
+            for rope in MLA_ROPES}
+
+
+def mla_cache_layout(kv_cache: torch.Tensor, name: str = "kv_cache") -> tuple[str, int]:
+    """(format, rope dims) of a paged MLA cache or of cache rows, from its dtype and last dim: format 'bf16',
+    'fp8', 'fp8_raw' or 'fp32', rope 64 or 0 (NoPE). ValueError naming ``name`` for anything else."""
     if not isinstance(kv_cache, torch.Tensor) or kv_cache.dim() == 0:
         raise ValueError(f"{name}: expected a tensor [..., width], got {_describe(kv_cache)}")
-    if kv_cache.dtype == torch.bfloat16 and kv_cache.shape[-1] == MLA_DIM:
-        return "bf16"
-    if kv_cache.dtype == torch.float32 and kv_cache.shape[-1] == MLA_DIM:
-        return "fp32"
-    if kv_cache.dtype == torch.uint8 and kv_cache.shape[-1] == MLA_FP8_BYTES:
-        return "fp8"
-    if kv_cache.dtype == torch.uint8 and kv_cache.shape[-1] == MLA_FP8_RAW_BYTES:
-        return "fp8_raw"
-    raise ValueError(f"{name}: expected bf16 [..., {MLA_DIM}], uint8 [..., {MLA_FP8_BYTES}], uint8 "
-                     f"[..., {MLA_FP8_RAW_BYTES}] or float32 [..., {MLA_DIM}], got {kv_cache.dtype} "
-                     f"{list(kv_cache.shape)}")
+    found = _LAYOUTS.get((kv_cache.dtype, kv_cache.shape[-1]))
+    if found is None:
+        raise ValueError(f"{name}: expected bf16 [..., {MLA_DIM} or {MLA_LATENT}], uint8 [..., {MLA_FP8_BYTES} or "
+                         f"{MLA_FP8_NOPE_BYTES}] (fp8), uint8 [..., {MLA_FP8_RAW_BYTES} or {MLA_LATENT}] (fp8_raw) or "
+                         f"float32 [..., {MLA_DIM} or {MLA_LATENT}], got {kv_cache.dtype} {list(kv_cache.shape)}")
+    return found
+
+
+def mla_cache_format(kv_cache: torch.Tensor, name: str = "kv_cache") -> str:
+    """The format of :func:`mla_cache_layout`."""
+    return mla_cache_layout(kv_cache, name)[0]
 
 
 def _check_scale(fmt: str, scale) -> None:
@@ -243,7 +280,8 @@ def _check_scale(fmt: str, scale) -> None:
 
 def encode_mla(kv: torch.Tensor, fmt: str, scale: float | None = None) -> torch.Tensor:
     """``kv [N, 576]`` -> one token row per cache format: bf16 [N, 576], u8 [N, 656] / [N, 576] or
-    fp32 [N, 576]. ``scale``: the per-tensor scale of "fp8_raw", None for the other formats."""
+    fp32 [N, 576]; NoPE ``kv [N, 512]``: bf16 [N, 512], u8 [N, 528] / [N, 512], fp32 [N, 512].
+    ``scale``: the per-tensor scale of "fp8_raw", None for the other formats."""
     if fmt not in ALL_MLA_FORMATS:
         raise ValueError(f"fmt: expected one of {ALL_MLA_FORMATS}, got {fmt!r}")
     _check_kv(kv)
@@ -258,8 +296,8 @@ def encode_mla(kv: torch.Tensor, fmt: str, scale: float | None = None) -> torch.
 
 
 def decode_mla(rows: torch.Tensor, scale: float | None = None) -> torch.Tensor:
-    """Token rows of any MLA format -> ``[..., 576]`` bf16, or fp32 for the fp32 format (format read off
-    dtype and width; ``scale`` as in :func:`encode_mla`)."""
+    """Token rows of any MLA format -> ``[..., D]`` bf16 (D = 512 + the rows' rope dims), or fp32 for the fp32
+    format (format and rope read off dtype and width; ``scale`` as in :func:`encode_mla`)."""
     fmt = mla_cache_format(rows, "rows")
     _check_scale(fmt, scale)
     if fmt in ("bf16", "fp32"):
@@ -269,26 +307,28 @@ def decode_mla(rows: torch.Tensor, scale: float | None = None) -> torch.Tensor:
     return dequantize_mla_576(rows, scale)
 
 
-def _check_paged_mla(kv_cache: torch.Tensor, page_size: int | None) -> str:
-    """Format of a paged MLA cache ``[P, page_size, width]`` (any page size when None); ValueError otherwise."""
-    fmt = mla_cache_format(kv_cache)
+def _check_paged_mla(kv_cache: torch.Tensor, page_size: int | None) -> tuple[str, int]:
+    """(format, rope dims) of a paged MLA cache ``[P, page_size, width]`` (any page size when None); ValueError
+    otherwise."""
+    layout = mla_cache_layout(kv_cache)
     _check(kv_cache.dim() == 3 and (page_size is None or kv_cache.shape[1] == page_size), "kv_cache",
            f"[P, {page_size or 'page_size'}, width]", list(kv_cache.shape))
-    return fmt
+    return layout
 
 
 @op("store_mla", lambda kv_cache, slots, kv, scale=None: None, mutates_args=("kv_cache",))
 def store_mla(kv_cache: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor, scale: float | None = None) -> None:
     """Quantise (per the cache's format) and write N tokens at N distinct slots; nothing else changes.
 
-    ``kv_cache: [P, 64, 576] bf16 | [P, 64, 656] u8 | [P, 64, 576] u8 | [P, 64, 576] f32``, written in place through its
-    strides (a slice of a bigger pool is fine, an expanded view is not); ``slots [N] int`` with slot
-    ``page * 64 + row``; ``kv [N, 576]`` float. Every argument is checked before anything is written.
+    ``kv_cache: [P, 64, 576] bf16 | [P, 64, 656] u8 | [P, 64, 576] u8 | [P, 64, 576] f32`` (NoPE: [P, 64, 512] bf16
+    | [P, 64, 528] u8 | [P, 64, 512] u8 | [P, 64, 512] f32), written in place through its strides (a slice of a
+    bigger pool is fine, an expanded view is not); ``slots [N] int`` with slot ``page * 64 + row``; ``kv [N, D]``
+    float, D = 512 + the cache's rope dims. Every argument is checked before anything is written.
     """
-    fmt = _check_paged_mla(kv_cache, PAGE_SIZE)
+    fmt, rope = _check_paged_mla(kv_cache, PAGE_SIZE)
     _check(all(st != 0 or n <= 1 for n, st in zip(kv_cache.shape, kv_cache.stride())), "kv_cache",
            "a tensor that can be written in place (no expanded, stride-0 dims)", f"strides {kv_cache.stride()}")
-    _check_kv(kv)
+    _check_kv(kv, rope)
     check_slots("slots", slots, kv_cache.shape[0] * PAGE_SIZE, distinct=True)
     _check(slots.shape[0] == kv.shape[0], "slots", f"one slot per row of kv ({kv.shape[0]})", slots.shape[0])
     _check_device(kv_cache, kv=kv)
@@ -305,7 +345,7 @@ def store_mla(kv_cache: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor, sca
 
 def gather_mla(kv_cache: torch.Tensor, slots: torch.Tensor, scale: float | None = None) -> torch.Tensor:
     """Read and dequantise tokens: ``kv_cache [P, page_size, width]`` (any strides), ``slots [N] int`` in
-    ``[0, P * page_size)`` -> ``[N, 576] bf16`` (fp32 for an fp32 cache)."""
+    ``[0, P * page_size)`` -> ``[N, D] bf16`` (fp32 for an fp32 cache; D = 512 + the cache's rope dims)."""
     _check_paged_mla(kv_cache, None)
     page_size = kv_cache.shape[1]
     check_slots("slots", slots, kv_cache.shape[0] * page_size)

@@ -4,7 +4,8 @@ All caches share one page allocator, so one page id addresses the same tokens in
 layer, and one block table per batch serves all layers. Shapes (P pages, page_size = 64 c, c = kpool)::
 
     MLA cache, per layer       [P, page_size, 576] bf16 | [P, page_size, 656] u8 ("fp8") | [P, page_size, 576] u8 ("fp8_raw")
-                               | [P, page_size, 576] f32 ("fp32": exactness studies of fp32 models, 2304 B a token)
+                               | [P, page_size, 576] f32 ("fp32": exactness studies of fp32 models, 2304 B a token);
+                               a NoPE model's (qk_rope_head_dim 0) rows have no rope part: 512 | 528 | 512 | 512
     indexer cache, top-k layer [P, 8448] u8: 64 keys per page (layouts.py); skip-top-k layers have none
 
 Token p of a request (MLA):        slot = block_table[p // (64 c)] * 64 c + p % (64 c)
@@ -46,8 +47,6 @@ from flashdsa._checks import check_finite, check_slots
 from flashdsa.quant import FP8
 
 _MLA_DTYPE = {"bf16": torch.bfloat16, "fp8": torch.uint8, "fp8_raw": torch.uint8, "fp32": torch.float32}
-_MLA_WIDTH = {"bf16": layouts.MLA_DIM, "fp8": layouts.MLA_FP8_BYTES, "fp8_raw": layouts.MLA_FP8_RAW_BYTES,
-              "fp32": layouts.MLA_DIM}
 
 
 def _fail(name: str, expected: str, got) -> None:
@@ -58,7 +57,7 @@ def page_bytes(config: DSAConfig, kv_format: str) -> int:
     """Bytes one page costs across all layers: MLA rows of every layer + one indexer page per top-k layer."""
     if kv_format not in layouts.ALL_MLA_FORMATS:
         _fail("kv_format", f"one of {layouts.ALL_MLA_FORMATS}", repr(kv_format))
-    mla = config.num_hidden_layers * config.page_size * layouts.BYTES_PER_TOKEN[kv_format]
+    mla = config.num_hidden_layers * config.page_size * layouts.mla_row_bytes(kv_format, config.qk_rope_head_dim)
     return mla + len(config.topk_layers) * layouts.INDEX_PAGE_BYTES
 
 
@@ -77,7 +76,8 @@ class KVPool:
         config:    the model; uses ``num_hidden_layers``, ``topk_layers``, ``page_size`` (64 c), ``index_kpool``.
         num_pages: pages per cache (>= 1); capacity ``num_pages * page_size`` tokens.
         kv_format: MLA cache format, "bf16" (1152 B/token), "fp8" (656 B, FlashMLA), "fp8_raw" (576 B) or
-                   "fp32" (2304 B: an fp32 model's rows unrounded, for exactness studies).
+                   "fp32" (2304 B: an fp32 model's rows unrounded, for exactness studies); a NoPE model
+                   (``qk_rope_head_dim`` 0) gets the rows without a rope part: 1024 / 528 / 512 / 2048 B.
         device:    where the caches live.
         kv_scale:  the per-tensor fp32 scale of "fp8_raw" (required there, must be None otherwise).
         max_requests: kpool: live requests with a tail ring row (default 256).
@@ -122,8 +122,9 @@ class KVPool:
         self.page_size = config.page_size
         self.kpool = config.index_kpool
         self.num_layers = config.num_hidden_layers
+        self.mla_dim = layouts.MLA_LATENT + config.qk_rope_head_dim  # a row's dims: 576, or 512 for NoPE
         self.allocator = PageAllocator(num_pages, self.page_size, self.device)
-        shape = (num_pages, self.page_size, _MLA_WIDTH[kv_format])
+        shape = (num_pages, self.page_size, layouts.mla_row_width(kv_format, config.qk_rope_head_dim))
         self.mla_caches: list[torch.Tensor] = [
             self._new_mla_cache(shape, _MLA_DTYPE[kv_format]) for _ in range(self.num_layers)]
         self.index_caches: dict[int, torch.Tensor] = {
@@ -303,7 +304,7 @@ class KVPool:
         Args:
             slots:         ``[N] int`` MLA slots (``slots()``), distinct (ValueError otherwise, when value
                            checks are on).
-            kv:            ``[N, 576]`` float: 512 latent + 64 rope.
+            kv:            ``[N, mla_dim]`` float: 512 latent + 64 rope (NoPE: the 512 latent dims).
             index_k_fp8:   ``[M, 128] float8_e4m3fn`` indexer keys (M = N with c = 1; pooled keys with c > 1), no
                            NaN codes (ValueError when value checks are on).
             index_k_scale: ``[M] float32``, given together with ``index_k_fp8``.
@@ -315,9 +316,9 @@ class KVPool:
         """
         self._check_layer(layer)
         check_slots("slots", slots, self.num_pages * self.page_size, distinct=True)
-        if not (isinstance(kv, torch.Tensor) and kv.dim() == 2 and kv.shape[1] == layouts.MLA_DIM
+        if not (isinstance(kv, torch.Tensor) and kv.dim() == 2 and kv.shape[1] == self.mla_dim
                 and kv.is_floating_point() and kv.shape[0] == slots.shape[0]):
-            _fail("kv", f"a float tensor [{slots.shape[0]}, {layouts.MLA_DIM}] (one row per slot)",
+            _fail("kv", f"a float tensor [{slots.shape[0]}, {self.mla_dim}] (one row per slot)",
                   _describe(kv))
         if (index_k_fp8 is None) != (index_k_scale is None):
             _fail("index_k_scale", "given together with index_k_fp8", "only one of them")
@@ -345,7 +346,7 @@ class KVPool:
             layouts.store_index_keys(index, index_slots.to(self.device), index_k_fp8, index_k_scale)
 
     def read(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
-        """Dequantised MLA rows: ``slots [N] -> [N, 576] bf16`` (fp32 for the "fp32" format)."""
+        """Dequantised MLA rows: ``slots [N] -> [N, mla_dim] bf16`` (fp32 for the "fp32" format)."""
         check_slots("slots", slots, self.num_pages * self.page_size)
         return self._gather_mla(self._check_layer(layer), slots)
 
@@ -379,7 +380,8 @@ class KVPool:
         ``kpool_tail`` (kpool's tail rings made so far: per request, not per token), ``total`` (ints, all
         layers), and per token of capacity ``mla_per_token``, ``index_per_token``, ``exact_index_per_token``,
         ``total_per_token`` (floats: the indexer costs 132 / c per token per top-k layer)."""
-        mla = self.num_layers * self.num_pages * self.page_size * layouts.BYTES_PER_TOKEN[self.kv_format]
+        row = layouts.mla_row_bytes(self.kv_format, self.config.qk_rope_head_dim)
+        mla = self.num_layers * self.num_pages * self.page_size * row
         index = len(self.index_caches) * self.num_pages * layouts.INDEX_PAGE_BYTES
         exact = sum(t.numel() * t.element_size() for t in self.exact_index_caches.values())
         tail = sum(t.numel() * t.element_size() for t in self.tail_rings.values())

@@ -167,8 +167,8 @@ def run_demo(preset: str = "tiny", device: str = "cpu", next_n: int = 2, seed: i
     n_index = len(cfg.topk_layers)
     L = cfg.num_hidden_layers
     index_bytes = layouts.INDEX_BYTES_PER_TOKEN * n_index / cfg.index_kpool  # one 132-B key per c tokens
-    kv_bytes = {"bf16": layouts.MLA_BF16_BYTES * L, "fp8": layouts.MLA_FP8_BYTES * L,
-                "fp8_raw": layouts.MLA_FP8_RAW_BYTES * L, "index": index_bytes,
+    rope = cfg.qk_rope_head_dim  # NoPE rows (0) have no rope part
+    kv_bytes = {**{f: layouts.mla_row_bytes(f, rope) * L for f in layouts.MLA_FORMATS}, "index": index_bytes,
                 "total": pool_bytes_per_token}
     tol = TOL_RMS_PER_LAYER * L
     rms = [c.rel_rms for c in (dense, chunk, verify) if c is not None]

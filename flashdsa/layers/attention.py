@@ -97,7 +97,7 @@ class DSAAttention(nn.Module):
     fused_rows: bool = True
 
     def prepare(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: str | None = None):
-        """``x [T, hidden]`` -> (``q [T, h, 576]`` absorbed query, ``kv [T, 576]`` cache rows, both in
+        """``x [T, hidden]`` -> (``q [T, h, D]`` absorbed query, ``kv [T, D]`` cache rows (D = 576, or 512 NoPE), in
         ``self.mla_dtype`` (bf16 or fp32), ``qr [T, q_lora]`` the normed query latent the indexer reads).
 
         The query latent's norm, and the RoPE, latent norm and casts of the rows, run as one launch each

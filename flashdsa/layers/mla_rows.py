@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import torch
 
-from flashdsa.cache.layouts import MLA_DIM
 from flashdsa.ops._common import pick_backend
 from flashdsa.quant import apply_rope
 
@@ -52,10 +51,6 @@ def mla_rows_torch(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, no
     c, k_pe = kv.split([lat, rope], dim=-1)
     q_pe = apply_rope(q_pe, cos, sin, interleave=True)
     k_pe = apply_rope(k_pe, cos, sin, interleave=True)
-    zero = MLA_DIM - lat - rope
-    if zero:  # NoPE (GLM-5.3-Flash): the rows' rope part is zero
-        q_pe = q_pe.new_zeros(T, H, zero)
-        k_pe = k_pe.new_zeros(T, zero)
     q_abs = torch.cat((q_lat, q_pe), dim=-1).to(out_dtype)
     kv_rows = torch.cat((norm(c).float(), k_pe), dim=-1).to(out_dtype)
     return q_abs, kv_rows
@@ -96,8 +91,8 @@ def mla_rows(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, norm: to
         out_dtype: the rows' dtype (bf16, or fp32 for the "fp32" cache).
         backend:   "torch" (the ops), "triton" (one launch), None (Triton on CUDA).
 
-    Returns ``q [T, h, 576]`` and ``kv_rows [T, 576]`` in ``out_dtype``: ``[latent | RoPE'd rope part]``, the
-    rope part zero-filled to 64 under NoPE.
+    Returns ``q [T, h, 512 + R]`` and ``kv_rows [T, 512 + R]`` in ``out_dtype``: ``[latent | RoPE'd rope part]``
+    (NoPE: the latent alone, the cache's NoPE rows).
     """
     impl = pick_backend(backend, _IMPLS, q_lat.device, "mla_rows")
     return impl(q_lat, q_pe, kv, norm, cos, sin, out_dtype)

@@ -6,7 +6,6 @@ import torch
 import triton
 import triton.language as tl
 
-from flashdsa.cache.layouts import MLA_DIM
 from flashdsa.layers.mla_rows import mla_rows_torch, norm_eps, norm_form
 from flashdsa.ops._launch import KernelLauncher, aligned
 from flashdsa.ops._triton_utils import interpreting
@@ -33,21 +32,19 @@ def _rope_pairs(src, dst, cs, sn, j, m, DT: tl.constexpr, SOFT: tl.constexpr):
 
 @triton.jit
 def mla_rows_kernel(q_lat, s_lt, s_lh, q_pe, s_pt, s_ph, kv, s_kv, w, cos, sin, s_cos, q_out, kv_out, H, eps,
-                    LAT: tl.constexpr, R: tl.constexpr, ZERO: tl.constexpr, HF_FORM: tl.constexpr,
+                    LAT: tl.constexpr, R: tl.constexpr, HF_FORM: tl.constexpr,
                     ROUND_PRODUCT: tl.constexpr, SOFT: tl.constexpr, BLOCK_H: tl.constexpr,
-                    BLOCK_R: tl.constexpr, BLOCK_Z: tl.constexpr):
+                    BLOCK_R: tl.constexpr):
     """Program (t, i): heads [i BLOCK_H, (i + 1) BLOCK_H) of token t's query, or (i = last) token t's row."""
     t = tl.program_id(0).to(tl.int64)
     i = tl.program_id(1)
     DT = q_out.dtype.element_ty
-    D: tl.constexpr = LAT + R + ZERO
+    D: tl.constexpr = LAT + R
     c = tl.arange(0, LAT)
     j = tl.arange(0, BLOCK_R)
     jm = j < R // 2
     cs = tl.load(cos + t * s_cos + j, mask=jm, other=0.0)
     sn = tl.load(sin + t * s_cos + j, mask=jm, other=0.0)
-    z = tl.arange(0, BLOCK_Z)
-    zeros = tl.zeros([BLOCK_Z], tl.float32).to(DT)
     if i * BLOCK_H < H:
         hs = i * BLOCK_H + tl.arange(0, BLOCK_H)
         hm = hs < H
@@ -57,8 +54,6 @@ def mla_rows_kernel(q_lat, s_lt, s_lh, q_pe, s_pt, s_ph, kv, s_kv, w, cos, sin, 
         if R > 0:
             _rope_pairs(q_pe + t * s_pt + hs[:, None] * s_ph, qd + LAT, cs[None, :], sn[None, :], j[None, :],
                         hm[:, None] & jm[None, :], DT, SOFT)
-        if ZERO > 0:
-            tl.store(qd + LAT + R + z[None, :], zeros[None, :], mask=hm[:, None] & (z[None, :] < ZERO))
     else:
         XT = kv.dtype.element_ty
         x = tl.load(kv + t * s_kv + c).to(tl.float32)
@@ -74,8 +69,6 @@ def mla_rows_kernel(q_lat, s_lt, s_lh, q_pe, s_pt, s_ph, kv, s_kv, w, cos, sin, 
         tl.store(kd + c, _cast(y, DT, SOFT))
         if R > 0:
             _rope_pairs(kv + t * s_kv + LAT, kd + LAT, cs, sn, j, jm, DT, SOFT)
-        if ZERO > 0:
-            tl.store(kd + LAT + R + z, zeros, mask=z < ZERO)
 
 
 @triton.jit
@@ -118,8 +111,8 @@ def mla_rows_triton(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, n
     w = norm.weight
     if form is None or any(a.stride(-1) != 1 for a in (q_lat, q_pe, kv, cos, sin)) or cos.stride() != sin.stride():
         return mla_rows_torch(q_lat, q_pe, kv, norm, cos, sin, out_dtype)
-    q_abs = torch.empty(T, H, MLA_DIM, dtype=out_dtype, device=q_lat.device)
-    kv_rows = torch.empty(T, MLA_DIM, dtype=out_dtype, device=q_lat.device)
+    q_abs = torch.empty(T, H, lat + rope, dtype=out_dtype, device=q_lat.device)
+    kv_rows = torch.empty(T, lat + rope, dtype=out_dtype, device=q_lat.device)
     if T == 0:
         return q_abs, kv_rows
     eps = float(norm_eps(norm))
@@ -129,14 +122,12 @@ def mla_rows_triton(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, n
            q_pe.dtype, kv.dtype, w.dtype, cos.dtype, out_dtype, eps, form) if aligned(*ptrs) else None
 
     def build():
-        zero = MLA_DIM - lat - rope
         return (T, triton.cdiv(H, BLOCK_H) + 1), dict(
             q_lat=q_lat, s_lt=q_lat.stride(0), s_lh=q_lat.stride(1), q_pe=q_pe, s_pt=q_pe.stride(0),
             s_ph=q_pe.stride(1), kv=kv, s_kv=kv.stride(0), w=w, cos=cos, sin=sin, s_cos=cos.stride(0), q_out=q_abs,
-            kv_out=kv_rows, H=H, eps=eps, LAT=lat, R=rope, ZERO=zero, HF_FORM=form == "hf",
+            kv_out=kv_rows, H=H, eps=eps, LAT=lat, R=rope, HF_FORM=form == "hf",
             ROUND_PRODUCT=product != torch.float32, SOFT=interpreting(), BLOCK_H=BLOCK_H,
-            BLOCK_R=triton.next_power_of_2(max(rope // 2, 1)),
-            BLOCK_Z=triton.next_power_of_2(max(zero, 1)), num_warps=4,
+            BLOCK_R=triton.next_power_of_2(max(rope // 2, 1)), num_warps=4,
             enable_fp_fusion=False)  # the torch ops' roundings (module docstring)
 
     _LAUNCH(key, ptrs, build)

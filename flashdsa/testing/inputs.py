@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from flashdsa.cache.layouts import (INDEX_DIM, INDEX_PAGE_BYTES, MLA_DIM, MLA_FP8_BYTES, PAGE_SIZE, encode_mla,
-                                    index_page_views)
+from flashdsa.cache.layouts import (INDEX_DIM, INDEX_PAGE_BYTES, MLA_LATENT, PAGE_SIZE, encode_mla, index_page_views,
+                                    mla_row_width)
 
 CHUNK_PAGES = 4096  # pages (256K tokens) generated per slice: bounds the fp32 temporaries of big caches
 
@@ -76,19 +76,21 @@ def index_cache(P: int, g: torch.Generator, device) -> torch.Tensor:
     return cache
 
 
-def mla_cache(P: int, g: torch.Generator, device, fmt: str = "fp8") -> torch.Tensor:
+def mla_cache(P: int, g: torch.Generator, device, fmt: str = "fp8", rope: int = 64) -> torch.Tensor:
     """``[P, 64, 656] uint8`` MLA pages in FlashMLA's fp8 layout: layouts.quantize_mla_656 of random bf16
     rows ``[64 P, 576]``; ``fmt="bf16"``: those rows themselves, ``[P, 64, 576] bfloat16`` (the same
-    tokens as the fp8 pages from a generator in the same state)."""
+    tokens as the fp8 pages from a generator in the same state). ``rope`` 0: NoPE rows (``[P, 64, 528]``
+    uint8, ``[P, 64, 512]`` bf16)."""
     if fmt not in ("fp8", "bf16"):
         raise ValueError(f"fmt: expected 'fp8' or 'bf16', got {fmt!r}")
+    dim = MLA_LATENT + rope
     if fmt == "bf16":
-        cache = torch.empty(P, PAGE_SIZE, MLA_DIM, dtype=torch.bfloat16, device=device)
+        cache = torch.empty(P, PAGE_SIZE, dim, dtype=torch.bfloat16, device=device)
     else:
-        cache = torch.empty(P, PAGE_SIZE, MLA_FP8_BYTES, dtype=torch.uint8, device=device)
+        cache = torch.empty(P, PAGE_SIZE, mla_row_width("fp8", rope), dtype=torch.uint8, device=device)
     for p0 in range(0, P, CHUNK_PAGES):
         p1 = min(P, p0 + CHUNK_PAGES)
-        rows = randn(((p1 - p0) * PAGE_SIZE, MLA_DIM), g, device, torch.bfloat16)
+        rows = randn(((p1 - p0) * PAGE_SIZE, dim), g, device, torch.bfloat16)
         cache[p0:p1] = encode_mla(rows, fmt).view(p1 - p0, PAGE_SIZE, -1)
     return cache
 

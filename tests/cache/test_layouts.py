@@ -266,13 +266,49 @@ def test_mla_576_bad_scale(scale):
 
 # ---- formats, encode / decode ----------------------------------------------------------------------
 
+def test_mla_row_widths():
+    want = {("bf16", 64): (576, 1152), ("fp8", 64): (656, 656), ("fp8_raw", 64): (576, 576), ("fp32", 64): (576, 2304),
+            ("bf16", 0): (512, 1024), ("fp8", 0): (528, 528), ("fp8_raw", 0): (512, 512), ("fp32", 0): (512, 2048)}
+    for (fmt, rope), (width, nbytes) in want.items():
+        assert (L.mla_row_width(fmt, rope), L.mla_row_bytes(fmt, rope)) == (width, nbytes)
+    with pytest.raises(ValueError, match="^rope: expected one of"):
+        L.mla_row_width("fp8", 32)
+    with pytest.raises(ValueError, match="^fmt: expected one of"):
+        L.mla_row_width("fp4")
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "fp8_raw", "fp32"])
+def test_nope_rows_are_the_rows_without_their_rope_part(fmt):
+    """A NoPE row (512 dims) holds the same latent bytes as the 576-dim row of the same latent: fp8's scales
+    come from the latent alone, so the 528-B row is the 656-B row's first 528 bytes."""
+    scale = 0.25 if fmt == "fp8_raw" else None
+    kv = torch.randn(70, 576) * 3
+    wide, nope = L.encode_mla(kv, fmt, scale), L.encode_mla(kv[:, :512], fmt, scale)
+    assert nope.shape == (70, L.mla_row_width(fmt, 0))
+    assert torch.equal(nope, wide[:, :nope.shape[1]])
+    assert torch.equal(L.decode_mla(nope, scale), L.decode_mla(wide, scale)[:, :512])
+    cache = torch.full((2, 64, nope.shape[1]), 7, dtype=nope.dtype)
+    L.store_mla(cache, torch.arange(3, 73), kv[:, :512], scale)
+    assert torch.equal(L.gather_mla(cache, torch.arange(3, 73), scale), L.decode_mla(nope, scale))
+    assert (cache.view(-1, nope.shape[1])[:3] == 7).all()  # nothing else written
+    with pytest.raises(ValueError, match=r"^kv: expected a float tensor \[N, 512\]"):
+        L.store_mla(cache, torch.arange(3), kv[:3], scale)  # 576-dim rows into a NoPE cache
+
+
 def test_mla_cache_format():
     assert L.mla_cache_format(torch.zeros(2, 64, 576, dtype=torch.bfloat16)) == "bf16"
     assert L.mla_cache_format(torch.zeros(2, 64, 656, dtype=torch.uint8)) == "fp8"
     assert L.mla_cache_format(torch.zeros(2, 64, 576, dtype=torch.uint8)) == "fp8_raw"
     assert L.mla_cache_format(torch.zeros(2, 64, 576, dtype=torch.float32)) == "fp32"
+    # NoPE rows (no rope part): every width distinct per dtype
+    assert L.mla_cache_layout(torch.zeros(2, 64, 512, dtype=torch.bfloat16)) == ("bf16", 0)
+    assert L.mla_cache_layout(torch.zeros(2, 64, 528, dtype=torch.uint8)) == ("fp8", 0)
+    assert L.mla_cache_layout(torch.zeros(2, 64, 512, dtype=torch.uint8)) == ("fp8_raw", 0)
+    assert L.mla_cache_layout(torch.zeros(2, 64, 512, dtype=torch.float32)) == ("fp32", 0)
+    assert L.mla_cache_layout(torch.zeros(2, 64, 656, dtype=torch.uint8)) == ("fp8", 64)
     for bad in (torch.zeros(2, 64, 576, dtype=torch.float16), torch.zeros(2, 64, 656, dtype=torch.bfloat16),
-                torch.zeros(2, 64, 576, dtype=torch.float64), torch.zeros(2, 64, 512, dtype=torch.float32),
+                torch.zeros(2, 64, 576, dtype=torch.float64), torch.zeros(2, 64, 528, dtype=torch.float32),
+                torch.zeros(2, 64, 1024, dtype=torch.uint8), torch.zeros(2, 64, 528, dtype=torch.bfloat16),
                 torch.zeros(2, 64, 600, dtype=torch.uint8), torch.zeros(2, 64, 576, dtype=torch.float8_e4m3fn)):
         with pytest.raises(ValueError, match="kv_cache"):
             L.mla_cache_format(bad)
@@ -287,8 +323,8 @@ def test_encode_decode_errors():
     with pytest.raises(ValueError, match="scale"):
         L.decode_mla(L.encode_mla(kv, "fp8_raw", 1.0))
     for fmt in L.ALL_MLA_FORMATS:
-        with pytest.raises(ValueError, match="kv"):
-            L.encode_mla(torch.randn(3, 512), fmt, 1.0)
+        with pytest.raises(ValueError, match="^kv: expected a float tensor"):
+            L.encode_mla(torch.randn(3, 540), fmt, 1.0 if fmt == "fp8_raw" else None)
         with pytest.raises(ValueError, match="kv"):
             L.encode_mla(torch.ones(3, 576, dtype=torch.int32), fmt, 1.0)
     with pytest.raises(ValueError, match="kv_cache"):

@@ -1,7 +1,7 @@
 """flashdsa.cache.mla_encode: FlashMLA's 656-B fp8 row in one Triton launch (the interpreter here, compiled with
 ``-m gpu``) against layouts.quantize_mla_656, bit for bit: random rows over many magnitudes, all-zero blocks
 (the amax floor), amax exactly 448 * 2^k (the scale rule's edge) and just above, e4m3 subnormals, fp32 rope
-values that round to bf16 both ways."""
+values that round to bf16 both ways; NoPE rows (512 dims -> 528 B) too."""
 
 from __future__ import annotations
 
@@ -30,13 +30,14 @@ def rows(n: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _check(device):
-    for dtype in (torch.bfloat16, torch.float32):
-        for n in (1, 5, 37):
-            x = rows(max(n, 5), dtype)[:n].to(device)
-            want = quantize_mla_656(x)
-            got = quantize_mla_656_triton(x)
-            assert got.dtype == torch.uint8 and got.shape == (n, 656)
-            assert torch.equal(got, want), (dtype, n, (got != want).nonzero()[:5].tolist())
+    for width, dim in ((656, 576), (528, 512)):
+        for dtype in (torch.bfloat16, torch.float32):
+            for n in (1, 5, 37):
+                x = rows(max(n, 5), dtype)[:n, :dim].to(device)
+                want = quantize_mla_656(x)
+                got = quantize_mla_656_triton(x)
+                assert got.dtype == torch.uint8 and got.shape == (n, width)
+                assert torch.equal(got, want), (dtype, n, (got != want).nonzero()[:5].tolist())
 
 
 def test_bits_equal_the_reference():
@@ -50,5 +51,6 @@ def test_compiled_bits_equal_the_reference():
 
 def test_refuses_bad_rows():
     with pytest.raises(ValueError, match="^kv:"):
-        quantize_mla_656_triton(torch.zeros(2, 512))
+        quantize_mla_656_triton(torch.zeros(2, 513))
     assert quantize_mla_656_triton(torch.zeros(0, 576)).shape == (0, 656)
+    assert quantize_mla_656_triton(torch.zeros(0, 512)).shape == (0, 528)

@@ -192,6 +192,29 @@ def _expected_memory(cfg: DSAConfig, fmt: str, pages: int) -> dict:
     return {"mla": mla, "index": index, "total": mla + index}
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_nope_model_gets_rows_without_a_rope_part(fmt):
+    """qk_rope_head_dim 0 (GLM-5.3-Flash): 512-dim rows, 528 B in fp8; written and read back as 512 dims,
+    counted at their size; a 576-dim row is refused."""
+    cfg = tiny().replace(qk_rope_head_dim=0)
+    pool = KVPool(cfg, 3, fmt, kv_scale=SCALE[fmt])
+    dtype, width = WIDTH[fmt]
+    width = 528 if fmt == "fp8" else 512
+    assert pool.mla_dim == 512
+    for t in pool.mla_caches:
+        assert t.shape == (3, 64, width) and t.dtype == dtype and layouts.mla_cache_layout(t) == (fmt, 0)
+    row = {"bf16": 1024, "fp8": 528, "fp8_raw": 512, "fp32": 2048}[fmt]
+    assert pool.memory_bytes()["mla_per_token"] == cfg.num_hidden_layers * row
+    assert page_bytes(cfg, fmt) == pool.memory_bytes()["total"] // 3
+    kv = torch.randn(5, 512)
+    slots = torch.tensor([0, 3, 64, 65, 191])
+    pool.write(2, slots, kv)
+    want = layouts.decode_mla(layouts.encode_mla(kv, fmt, SCALE[fmt]), SCALE[fmt])
+    assert torch.equal(pool.read(2, slots), want)
+    with pytest.raises(ValueError, match=r"^kv: expected a float tensor \[5, 512\]"):
+        pool.write(2, slots, torch.randn(5, 576))
+
+
 @pytest.mark.parametrize("preset,pages", [("tiny", 3), ("v32", 2)])
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_memory_accounting(preset, pages, fmt):

@@ -1,10 +1,12 @@
-"""The Gluon sparse-MLA decode kernel (``ops/sparse_mla/gluon.py``, sm_90) and the rule that picks it.
+"""The Gluon sparse-MLA kernels (``ops/sparse_mla/gluon.py``, ``gluon_bf16.py``, sm_90) and the rules that
+pick them, over 576-dim rows (fp8 656 B, bf16) and NoPE rows (rope 0: fp8 528 B, bf16 512, a 512-dim q).
 
-Triton's interpreter cannot run Gluon, so the kernel's own tests need an sm_90 GPU (``-m gpu``): the fp32
+Triton's interpreter cannot run Gluon, so the kernels' own tests need an sm_90 GPU (``-m gpu``): the fp32
 reference on dequantised inputs, NaN-poisoned outputs, ragged -1 padding, other negatives and slots past
 the cache, rows with no valid slot, s_q 1 / 2 / 4, h_q 64 / 128 / 192, short and long top-k lists, and the
-planned second launch. On the CPU: the rule, the error of a forced ``backend="gluon"`` it does not
-apply to, the gather layouts' bank conflicts and loads, and both kernels compiled for sm_90 (ptxas included).
+planned second launch, each for both row widths. On the CPU: the rules, the error of a forced
+``backend="gluon"`` they do not apply to, the gather layouts' bank conflicts and loads, and both kernels
+compiled for sm_90 (ptxas included) with and without the rope.
 
 Tolerance, from the numerics: the kernel rounds P to bf16 (|dp| <= 2^-8 p, as FlashMLA does) and the
 output to bf16 (2^-8 |out|), the rest is fp32, so ``|out - ref| <= 2^-8 (max |v| + |ref|)`` elementwise,
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import types
@@ -37,7 +40,7 @@ needs_sm90 = pytest.mark.skipif(not SM90, reason="the Gluon kernel needs an sm_9
 
 def check(out, lse, ref_out, ref_lse, cache):
     """The bound of the module docstring, FlashMLA's cosine diff and lse tolerance, exact empty rows.
-    ``cache``: the paged cache, or prefill's [N, 576] bf16 KV."""
+    ``cache``: the paged cache, or prefill's [N, D] bf16 KV (D 576, NoPE 512)."""
     assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
     assert not torch.isnan(out).any() and not torch.isnan(lse).any()
     assert_close(lse, ref_lse, name="lse", **LSE_TOL)
@@ -57,47 +60,79 @@ def _poison_empty(monkeypatch):
     poison_torch_empty(monkeypatch)
 
 
-def _inputs(device, B, s_q, h_q, topk, pages, fmt="fp8"):
-    cache = make_cache(fmt, pages, device)
-    q = torch.randn(B, s_q, h_q, 576, device=device).to(torch.bfloat16)
+def _inputs(device, B, s_q, h_q, topk, pages, fmt="fp8", rope=64):
+    """q [B, s_q, h_q, 512 + rope] bf16, a paged cache of ``pages`` pages of ``fmt`` rows with ``rope`` rope dims
+    (0: NoPE), indices [B, s_q, topk] int32 (make_indices: row 0 all invalid, ragged -1, slots past the cache)."""
+    cache = make_cache(fmt, pages, device, rope=rope)
+    q = torch.randn(B, s_q, h_q, 512 + rope, device=device).to(torch.bfloat16)
     idx = make_indices((B, s_q, topk), pages * PAGE_SIZE, device)
     return q, cache, idx
 
 
+FP8_WHY = "the fp8 656-B or 528-B (NoPE) cache"
+
+
+@pytest.mark.parametrize("rope", [64, 0])
 @pytest.mark.parametrize("fmt,h_q,d_v,why", [
-    ("fp8", 64, 512, "an sm_90 GPU"), ("bf16", 64, 512, "an sm_90 GPU"), ("fp8_raw", 64, 512, "the fp8 656-B cache"),
-    ("fp8", 32, 512, "an sm_90 GPU"), ("bf16", 32, 512, "h_q a multiple of 64"),
+    ("fp8", 64, 512, "an sm_90 GPU"), ("bf16", 64, 512, "an sm_90 GPU"), ("fp8_raw", 64, 512, FP8_WHY),
+    ("fp32", 64, 512, FP8_WHY), ("fp8", 32, 512, "an sm_90 GPU"), ("bf16", 32, 512, "h_q a multiple of 64"),
     ("fp8", 128, 256, "d_v 512"), ("bf16", 128, 256, "d_v 512")])
-def test_rule_says_why_not(fmt, h_q, d_v, why):
-    """``unsupported`` names the first requirement a call misses; a forced backend="gluon" raises it."""
-    q, cache, idx = _inputs("cpu", 1, 1, h_q, 8, 1, fmt)
+def test_rule_says_why_not(fmt, h_q, d_v, why, rope):
+    """``unsupported`` names the first requirement a call misses, for 576-dim and NoPE rows alike (on the CPU
+    the fp8 656-B / 528-B and bf16 caches miss only the GPU); a forced backend="gluon" raises it."""
+    q, cache, idx = _inputs("cpu", 1, 1, h_q, 8, 1, fmt, rope)
+    if fmt == "fp32":
+        q = q.float()
     if fmt == "bf16":
         assert why in gluon_bf16.unsupported(q, cache, d_v)
     else:
         assert why in gluon.unsupported(q, cache, fmt, d_v)
     kw = dict(kv_scale=0.5) if fmt == "fp8_raw" else {}
-    with pytest.raises(ValueError, match=f"^backend: expected 'gluon' for a call it supports: it needs .*{why}"):
+    with pytest.raises(ValueError,
+                       match=f"^backend: expected 'gluon' for a call it supports: it needs .*{re.escape(why)}"):
         sparse_mla_decode(q, cache, idx, SM_SCALE, d_v, backend="gluon", **kw)
 
 
-def test_prefill_rule_takes_transposed_kv():
+@pytest.mark.parametrize("rope", [64, 0])
+def test_prefill_rule_takes_transposed_kv(rope):
     """KV rows with a non-unit inner stride are copied first (as the Triton path does): only the device is
     then missing on the CPU, not alignment."""
-    q = torch.randn(3, 64, 576).to(torch.bfloat16)
-    kv = torch.randn(576, 101).to(torch.bfloat16).t()
+    q = torch.randn(3, 64, 512 + rope).to(torch.bfloat16)
+    kv = torch.randn(512 + rope, 101).to(torch.bfloat16).t()
     assert "an sm_90 GPU" in gluon_bf16.unsupported(q, kv, 512)
 
 
+@pytest.mark.parametrize("rope", [64, 0])
 @pytest.mark.parametrize("h_q,d_v,kv_dtype,why", [
     (64, 512, torch.bfloat16, "an sm_90 GPU"), (96, 512, torch.bfloat16, "h_q a multiple of 64"),
     (64, 128, torch.bfloat16, "d_v 512"), (64, 512, torch.float32, "bf16 KV")])
-def test_prefill_rule_says_why_not(h_q, d_v, kv_dtype, why):
-    q = torch.randn(3, h_q, 576).to(torch.float32 if kv_dtype == torch.float32 else torch.bfloat16)
-    kv = torch.randn(100, 576).to(kv_dtype)
+def test_prefill_rule_says_why_not(h_q, d_v, kv_dtype, why, rope):
+    q = torch.randn(3, h_q, 512 + rope).to(torch.float32 if kv_dtype == torch.float32 else torch.bfloat16)
+    kv = torch.randn(100, 512 + rope).to(kv_dtype)
     idx = torch.randint(0, 100, (3, 16), dtype=torch.int32)
     assert why in gluon_bf16.unsupported(q, kv, d_v)
     with pytest.raises(ValueError, match=f"^backend: expected 'gluon' for a call it supports: it needs .*{why}"):
         sparse_mla_prefill(q, kv, idx, SM_SCALE, d_v, backend="gluon")
+
+
+def test_kernel_args_take_the_rope_from_q():
+    """The launchers compile ROPE from q's last dim (64 for 576, 0 for 512) and refuse a cache whose rows do
+    not match it (the op raises on that before any kernel: this guards direct launches)."""
+    def fp8_args(d, width):
+        q, out = torch.empty(1, 1, 64, d, dtype=torch.bfloat16), torch.empty(1, 1, 64, 512, dtype=torch.bfloat16)
+        cache, idx = torch.empty(2, 64, width, dtype=torch.uint8), torch.empty(1, 1, 64, dtype=torch.int32)
+        return gluon.kernel_args(q, cache, idx, SM_SCALE, out, torch.empty(1, 1, 64))[1]
+
+    def bf16_args(d, width):
+        q3, kv = torch.empty(2, 64, d, dtype=torch.bfloat16), torch.empty(100, width, dtype=torch.bfloat16)
+        return gluon_bf16.kernel_args(q3, kv, 64 * width, width, 100, torch.empty(2, 16, dtype=torch.int32), SM_SCALE,
+                                      torch.empty(2, 64, 512, dtype=torch.bfloat16), torch.empty(2, 64))[1]
+
+    assert fp8_args(576, 656)["ROPE"] == 64 and fp8_args(512, 528)["ROPE"] == 0
+    assert bf16_args(576, 576)["ROPE"] == 64 and bf16_args(512, 512)["ROPE"] == 0
+    for args, d, width in ((fp8_args, 512, 656), (fp8_args, 576, 528), (bf16_args, 512, 576), (bf16_args, 576, 512)):
+        with pytest.raises(AssertionError):
+            args(d, width)
 
 
 DECODE_CASES = [
@@ -114,10 +149,12 @@ DECODE_CASES = [
 
 @pytest.mark.gpu
 @needs_sm90
+@pytest.mark.parametrize("rope", [64, 0])
 @pytest.mark.parametrize("fmt", ["fp8", "bf16"])
 @pytest.mark.parametrize("B,s_q,h_q,topk,pages", DECODE_CASES)
-def test_gluon_decode_matches_reference(B, s_q, h_q, topk, pages, fmt):
-    q, cache, idx = _inputs("cuda", B, s_q, h_q, topk, pages, fmt)
+def test_gluon_decode_matches_reference(B, s_q, h_q, topk, pages, fmt, rope):
+    """Both kernels over 576-dim rows and NoPE rows (fp8 528 B, bf16 512, a 512-dim q) against the reference."""
+    q, cache, idx = _inputs("cuda", B, s_q, h_q, topk, pages, fmt, rope)
     if fmt == "bf16":
         assert gluon_bf16.unsupported(q, cache, 512) is None
     else:
@@ -132,17 +169,20 @@ def test_gluon_decode_matches_reference(B, s_q, h_q, topk, pages, fmt):
 
 @pytest.mark.gpu
 @needs_sm90
-def test_gluon_decode_with_scales_not_powers_of_two():
+@pytest.mark.parametrize("rope", [64, 0])
+def test_gluon_decode_with_scales_not_powers_of_two(rope):
     """Scales that are not powers of two (a cache quantised with amax / 448, not flashdsa's ue8m0): the
     kernel dequantises with the reference's arithmetic for any scale, so it is within the bound of the
-    reference on the cache as it is (FlashMLA's bf16 scale multiply would need every scale rounded to bf16)."""
+    reference on the cache as it is (FlashMLA's bf16 scale multiply would need every scale rounded to bf16).
+    The 656-B rows and the 528-B NoPE ones (the same scales at byte 512)."""
     g = torch.Generator(device="cuda").manual_seed(11)
     pages = 40
-    kv = torch.randn(pages * PAGE_SIZE, 576, device="cuda", generator=g).to(torch.bfloat16)
+    kv = torch.randn(pages * PAGE_SIZE, 512 + rope, device="cuda", generator=g).to(torch.bfloat16)
     cache = quantize_mla_656(kv, ue8m0=False).view(pages, PAGE_SIZE, -1)
     scales = cache[..., 512:528].contiguous().view(torch.float32)
     assert (torch.frexp(scales).mantissa.abs() != 0.5).any()  # really not powers of two
-    q = torch.randn(2, 2, 128, 576, device="cuda", generator=g).to(torch.bfloat16)
+    assert cache.shape[-1] == 528 + 2 * rope
+    q = torch.randn(2, 2, 128, 512 + rope, device="cuda", generator=g).to(torch.bfloat16)
     idx = make_indices((2, 2, 2048), pages * PAGE_SIZE, "cuda")
     out, lse = gluon.sparse_mla_decode_gluon(q, cache, idx, SM_SCALE)
     ref_out, ref_lse = sparse_mla_decode(q, cache, idx, SM_SCALE, backend="torch")
@@ -252,10 +292,12 @@ def test_gather_layouts_load_whole_lines_and_share_rows(linear):
 
 @pytest.mark.gpu
 @needs_sm90
-def test_default_backend_is_gluon_where_it_applies(monkeypatch):
+@pytest.mark.parametrize("rope", [64, 0])
+def test_default_backend_is_gluon_where_it_applies(monkeypatch, rope):
     """On sm_90 the default picks the Gluon fp8 kernel for h_q 128 at any batch (B 64 whole lists, B 2 the list
-    split over CTAs, h_q 16 in a 64-head CTA); the same bits as forcing the backend."""
-    q, cache, idx = _inputs("cuda", 64, 1, 128, 256, 8)
+    split over CTAs, h_q 16 in a 64-head CTA), over the 656-B and the 528-B NoPE cache; the same bits as
+    forcing the backend."""
+    q, cache, idx = _inputs("cuda", 64, 1, 128, 256, 8, rope=rope)
     for b in (64, 2):
         qb, ib = q[:b].contiguous(), idx[:b].contiguous()
         forced = sparse_mla_decode(qb, cache, ib, SM_SCALE, backend="gluon")
@@ -283,11 +325,13 @@ def test_decode_splits_make_one_wave():
 
 @pytest.mark.gpu
 @needs_sm90
+@pytest.mark.parametrize("rope", [64, 0])
 @pytest.mark.parametrize("B,h_q", [(1, 16), (64, 16), (3, 32), (2, 96)])
-def test_gluon_decode_pads_heads(B, h_q):
+def test_gluon_decode_pads_heads(B, h_q, rope):
     """h_q not a multiple of 64 runs in whole 64-head CTAs (heads >= h_q read as 0, never stored): the
-    reference's numbers for the h_q heads asked, with and without a split of the list, NaN-poisoned outputs."""
-    q, cache, idx = _inputs("cuda", B, 1, h_q, 2048, 40)
+    reference's numbers for the h_q heads asked, with and without a split of the list, NaN-poisoned outputs,
+    576-dim and NoPE rows."""
+    q, cache, idx = _inputs("cuda", B, 1, h_q, 2048, 40, rope=rope)
     ref_out, ref_lse = sparse_mla_decode(q, cache, idx, SM_SCALE, backend="torch")
     for splits in (None, 1):
         out, lse = gluon.sparse_mla_decode(q, cache, idx, SM_SCALE, 512, None, splits)
@@ -297,11 +341,13 @@ def test_gluon_decode_pads_heads(B, h_q):
 
 @pytest.mark.gpu
 @needs_sm90
+@pytest.mark.parametrize("rope", [64, 0])
 @pytest.mark.parametrize("splits,topk", [(2, 2048), (3, 2048), (16, 2048), (16, 2063), (4, 130)])
-def test_gluon_decode_splits_match_reference(splits, topk):
+def test_gluon_decode_splits_match_reference(splits, topk, rope):
     """The list in ``splits`` slices (bf16 partials merged by the combine kernel) against the fp32
-    reference, NaN-poisoned outputs, the all-invalid row empty, lists that do not divide (padded)."""
-    q, cache, idx = _inputs("cuda", 2, 2, 128, topk, 40)
+    reference, NaN-poisoned outputs, the all-invalid row empty, lists that do not divide (padded), 576-dim
+    and NoPE rows."""
+    q, cache, idx = _inputs("cuda", 2, 2, 128, topk, 40, rope=rope)
     ref_out, ref_lse = sparse_mla_decode(q, cache, idx, SM_SCALE, backend="torch")
     assert torch.isneginf(ref_lse[0, 0]).all()
     for _ in range(2):
@@ -322,15 +368,17 @@ PREFILL_CASES = [
 
 @pytest.mark.gpu
 @needs_sm90
+@pytest.mark.parametrize("rope", [64, 0])
 @pytest.mark.parametrize("T,N,h_q,topk", PREFILL_CASES)
-def test_gluon_prefill_matches_reference(T, N, h_q, topk):
-    """Prefill over gathered bf16 KV, also read in place from a wider buffer (row stride 640); chunked
-    calls give the one-shot call's bits."""
-    q = torch.randn(T, h_q, 576, device="cuda").to(torch.bfloat16)
+def test_gluon_prefill_matches_reference(T, N, h_q, topk, rope):
+    """Prefill over gathered bf16 KV of 576 dims or NoPE's 512 (a 512-dim q), also read in place from a wider
+    buffer (row stride 640); chunked calls give the one-shot call's bits."""
+    d = 512 + rope
+    q = torch.randn(T, h_q, d, device="cuda").to(torch.bfloat16)
     wide = torch.randn(N, 640, device="cuda").to(torch.bfloat16)
     idx = make_indices((T, topk), N, "cuda")
     # contiguous, a wider buffer read in place, and a transposed buffer (copied first, like the Triton path)
-    for kv in (wide[:, :576].contiguous(), wide[:, :576], wide[:, :576].t().contiguous().t()):
+    for kv in (wide[:, :d].contiguous(), wide[:, :d], wide[:, :d].t().contiguous().t()):
         assert gluon_bf16.unsupported(q, kv, 512) is None
         ref_out, ref_lse = sparse_mla_prefill(q, kv, idx, SM_SCALE, backend="torch")
         assert torch.isneginf(ref_lse[0]).all()  # the all-invalid row really is empty
@@ -344,11 +392,12 @@ def test_gluon_prefill_matches_reference(T, N, h_q, topk):
 
 @pytest.mark.gpu
 @needs_sm90
-def test_default_backend_is_gluon_for_bf16_where_it_applies(monkeypatch):
-    """bf16 pages and prefill KV: the default picks the bf16 Gluon kernel at h_q 64 / 128 (decode: at B 64, where
-    its CTAs cover a third of the SMs), Triton at h_q 16."""
-    q, cache, idx = _inputs("cuda", 64, 1, 128, 256, 8, "bf16")
-    kv = cache.view(-1, 576)
+@pytest.mark.parametrize("rope", [64, 0])
+def test_default_backend_is_gluon_for_bf16_where_it_applies(monkeypatch, rope):
+    """bf16 pages and prefill KV (576-dim and NoPE rows): the default picks the bf16 Gluon kernel at h_q 64 / 128
+    (decode: at B 64, where its CTAs cover a third of the SMs), Triton at h_q 16."""
+    q, cache, idx = _inputs("cuda", 64, 1, 128, 256, 8, "bf16", rope)
+    kv = cache.view(-1, 512 + rope)
     qp, ip = q[:, 0].contiguous(), idx[:, 0].contiguous()
     calls = []
     for name in ("sparse_mla_decode", "sparse_mla_prefill"):
@@ -391,21 +440,32 @@ def test_failed_first_launch_falls_back_to_triton_once(monkeypatch):
 
 _COMPILE_SCRIPT = r'''
 from flashdsa.ops.sparse_mla import gluon, gluon_bf16
+# the rope's wgmma of one QK (k 64 in steps of 16) times the kernel's QK sites: gluon.py's consumer 0, both
+# of gluon_bf16.py's consumers
+ROPE_WGMMA = {gluon: 4, gluon_bf16: 8}
 for mod in (gluon, gluon_bf16):
-    k = mod.compile_sm90()
-    assert k.asm["cubin"] and "setmaxnreg" in k.asm["ptx"], mod.__name__
-    assert k.metadata.shared <= 227 * 1024, (mod.__name__, k.metadata.shared)
-    notes = ptxas_notes(k)
-    # C7513-C7515: ptxas serialised the wgmma (what an accumulator or operand held across an async wgmma does)
-    assert not any(f"C751{i}" in notes for i in (3, 4, 5)), (mod.__name__, notes[-2000:])
+    ks = {}
+    for rope in (64, 0):
+        k = ks[rope] = mod.compile_sm90(rope)
+        what = (mod.__name__, rope)
+        assert k.asm["cubin"] and "setmaxnreg" in k.asm["ptx"], what
+        assert k.metadata.shared <= 227 * 1024, (what, k.metadata.shared)
+        notes = ptxas_notes(k)
+        # C7513-C7515: ptxas serialised the wgmma (what an accumulator or operand held across an async wgmma does)
+        assert not any(f"C751{i}" in notes for i in (3, 4, 5)), (what, notes[-2000:])
+    # NoPE: no rope tiles and no rope wgmma
+    assert ks[0].metadata.shared < ks[64].metadata.shared, mod.__name__
+    wgmma = {r: k.asm["ptx"].count("wgmma.mma_async") for r, k in ks.items()}
+    assert wgmma[64] - wgmma[0] == ROPE_WGMMA[mod], (mod.__name__, wgmma)
 print("compiled")
 '''
 
 
 def test_gluon_kernels_compile_for_hopper():
     """The default decode (fp8 pages) and bf16 kernels compile for sm_90 through Triton's code generator and
-    ptxas without a GPU (CI has none), fit in shared memory, have their setmaxnreg register moves,
-    and ptxas does not serialise their wgmma."""
+    ptxas without a GPU (CI has none), over 576-dim rows and NoPE rows (ROPE 0), fit in shared memory, have
+    their setmaxnreg register moves, and ptxas does not serialise their wgmma; the NoPE kernels hold no rope
+    tiles and issue no rope wgmma."""
     pytest.importorskip("triton.experimental.gluon")
     from test_indexer_triton import PTXAS_NOTES, compile_without_interpreter
     compile_without_interpreter(PTXAS_NOTES + _COMPILE_SCRIPT)
@@ -413,13 +473,15 @@ def test_gluon_kernels_compile_for_hopper():
 
 @pytest.mark.gpu
 @needs_sm90
-def test_gluon_kernels_repeat_and_rows_do_not_depend_on_s_q():
+@pytest.mark.parametrize("rope", [64, 0])
+def test_gluon_kernels_repeat_and_rows_do_not_depend_on_s_q(rope):
     """Same input, same bits (10 repeats), for the fp8 decode and the bf16 prefill kernel; and, for one split
     count, a decode row's bits do not depend on the rows beside it (s_q 2 against two calls of s_q 1). The
     default split count follows the number of query rows (``gluon.decode_splits``, as FlashMLA's follows the
     batch), so by default a row of verify (s_q 2) and of decode (s_q 1) may differ by the partials' bf16
-    rounding. (Checked on the H200 on 2026-12-03 with 30 repeats before the split existed.)"""
-    q, cache, idx = _inputs("cuda", 3, 2, 128, 2048, 64)
+    rounding. (Checked on the H200 on 2026-12-03 with 30 repeats before the split existed.) 576-dim and NoPE
+    rows."""
+    q, cache, idx = _inputs("cuda", 3, 2, 128, 2048, 64, rope=rope)
     first = sparse_mla_decode(q, cache, idx, SM_SCALE, backend="gluon")
     for _ in range(10):
         again = sparse_mla_decode(q, cache, idx, SM_SCALE, backend="gluon")
@@ -429,7 +491,8 @@ def test_gluon_kernels_repeat_and_rows_do_not_depend_on_s_q():
         one = [gluon.sparse_mla_decode(q[:, j:j + 1].contiguous(), cache, idx[:, j:j + 1].contiguous(), SM_SCALE,
                                        512, None, splits) for j in range(2)]
         assert torch.equal(torch.cat([s[0] for s in one], 1), both[0])
-    qp, kv = (torch.randn(n, *d, device="cuda").to(torch.bfloat16) for n, d in ((700, (128, 576)), (3000, (576,))))
+    d = 512 + rope
+    qp, kv = (torch.randn(n, *s, device="cuda").to(torch.bfloat16) for n, s in ((700, (128, d)), (3000, (d,))))
     ip = make_indices((700, 2048), 3000, "cuda")
     first = sparse_mla_prefill(qp, kv, ip, SM_SCALE, backend="gluon")
     for _ in range(10):

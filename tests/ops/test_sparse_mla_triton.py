@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from flashdsa.cache.layouts import PAGE_SIZE, encode_mla
+from flashdsa.cache.layouts import PAGE_SIZE, decode_mla, encode_mla
 from flashdsa.ops import merge_attention, sparse_mla_decode, sparse_mla_prefill
 from flashdsa.ops.sparse_mla import reference
 from flashdsa.ops.sparse_mla import triton as tri
@@ -34,9 +34,9 @@ def _poison_empty(monkeypatch):
     poison_torch_empty(monkeypatch)
 
 
-def make_cache(fmt: str, pages: int, device, scale: float = RAW_SCALE):
-    """A paged MLA cache of ``pages`` pages filled with random tokens (never zeros)."""
-    kv = torch.randn(pages * PAGE_SIZE, 576, device=device).to(torch.bfloat16)
+def make_cache(fmt: str, pages: int, device, scale: float = RAW_SCALE, rope: int = 64):
+    """A paged MLA cache of ``pages`` pages filled with random tokens (never zeros); ``rope`` 0: NoPE rows."""
+    kv = torch.randn(pages * PAGE_SIZE, 512 + rope, device=device).to(torch.bfloat16)
     rows = encode_mla(kv, fmt, scale if fmt == "fp8_raw" else None)
     return rows.view(pages, PAGE_SIZE, rows.shape[-1])
 
@@ -95,6 +95,71 @@ def test_decode_matches_reference(device, fmt, B, s_q, h_q, topk, pages):
     assert out.shape == (B, s_q, h_q, 512) and lse.shape == (B, s_q, h_q)
     assert torch.isneginf(ref_lse[0, 0]).all()  # the all-invalid row really is empty
     check(out, lse, ref_out, ref_lse)
+
+
+NOPE_CASES = [
+    # fmt, B, s_q, h_q, topk, pages: NoPE rows (GLM-5.3-Flash), q of 512 dims, every format and tiling
+    pytest.param("fp8", 2, 1, 16, 100, 3, id="nope-fp8-B2-s1-H16-k100"),
+    pytest.param("fp8", 1, 2, 64, 65, 2, id="nope-fp8-B1-s2-H64-k65"),
+    pytest.param("fp8", 1, 1, 128, 130, 3, id="nope-fp8-B1-s1-H128-k130"),
+    pytest.param("bf16", 2, 1, 16, 64, 2, id="nope-bf16-B2-s1-H16-k64"),
+    pytest.param("bf16", 1, 2, 64, 63, 2, id="nope-bf16-B1-s2-H64-k63"),
+    pytest.param("fp8_raw", 1, 1, 20, 70, 2, id="nope-raw-B1-s1-H20-k70"),
+    pytest.param("fp32", 1, 1, 16, 65, 2, id="nope-fp32-B1-s1-H16-k65"),
+]
+
+
+@pytest.mark.parametrize("fmt,B,s_q,h_q,topk,pages", NOPE_CASES)
+def test_nope_decode_matches_reference(device, fmt, B, s_q, h_q, topk, pages):
+    """NoPE rows (528-B fp8, 512-dim bf16 / raw / fp32) against the reference, and against the 576-dim rows
+    with a zero rope part (what NoPE models were stored as before: the same scores)."""
+    cache = make_cache(fmt, pages, device, rope=0)
+    assert cache.shape[-1] == {"fp8": 528, "bf16": 512, "fp8_raw": 512, "fp32": 512}[fmt]
+    q = torch.randn(B, s_q, h_q, 512, device=device).to(torch.bfloat16)
+    idx = make_indices((B, s_q, topk), pages * PAGE_SIZE, device)
+    kv_scale = RAW_SCALE if fmt == "fp8_raw" else None
+    out, lse = sparse_mla_decode(q, cache, idx, SM_SCALE, kv_scale=kv_scale, backend="triton")
+    ref_out, ref_lse = sparse_mla_decode(q, cache, idx, SM_SCALE, kv_scale=kv_scale, backend="torch")
+    assert out.shape == (B, s_q, h_q, 512) and lse.shape == (B, s_q, h_q)
+    if fmt == "fp32":
+        assert_close(out, ref_out, name="out", atol=1e-5, rtol=1e-5)
+        assert_close(lse, ref_lse, name="lse", **LSE_TOL)
+    else:
+        check(out, lse, ref_out, ref_lse)
+    # the same tokens in 576-dim rows with a zero rope part and a zero-padded q: the same attention
+    rows = decode_mla(cache.reshape(-1, cache.shape[-1]), kv_scale).float()
+    wide = encode_mla(torch.cat((rows, rows.new_zeros(rows.shape[0], 64)), 1), fmt, kv_scale)
+    q_wide = torch.cat((q, q.new_zeros(*q.shape[:-1], 64)), -1)
+    wide_out, wide_lse = sparse_mla_decode(q_wide, wide.view(pages, PAGE_SIZE, -1), idx, SM_SCALE,
+                                           kv_scale=kv_scale, backend="torch")
+    assert_close(wide_out, ref_out, name="out vs 576-dim rows", atol=1e-6, rtol=1e-6)
+    assert_close(wide_lse, ref_lse, name="lse vs 576-dim rows", atol=1e-6, rtol=1e-6)
+
+
+def test_nope_prefill_matches_reference(device):
+    T, N, h_q, topk = 3, 130, 64, 65
+    kv = torch.randn(N, 512, device=device).to(torch.bfloat16)
+    q = torch.randn(T, h_q, 512, device=device).to(torch.bfloat16)
+    idx = make_indices((T, topk), N, device)
+    out, lse = sparse_mla_prefill(q, kv, idx, SM_SCALE, backend="triton")
+    ref_out, ref_lse = sparse_mla_prefill(q, kv, idx, SM_SCALE, backend="torch")
+    assert out.shape == (T, h_q, 512)
+    check(out, lse, ref_out, ref_lse, PREFILL_TOL)
+
+
+@pytest.mark.parametrize("q_dim,rows", [(576, 528), (512, 656), (512, 576), (576, 512)])
+def test_q_width_must_match_the_rows(q_dim, rows):
+    """A 512-dim q over 576-dim rows (or the reverse) is a caller's error, named before any kernel runs."""
+    dtype = torch.uint8 if rows in (528, 656) else torch.bfloat16
+    cache = torch.zeros(1, PAGE_SIZE, rows, dtype=dtype)
+    q = torch.randn(1, 1, 4, q_dim).to(torch.bfloat16)
+    idx = torch.zeros(1, 1, 4, dtype=torch.int32)
+    want = {528: 512, 656: 576, 576: 576, 512: 512}[rows]
+    with pytest.raises(ValueError, match=f"^q: expected last dim {want} "):
+        sparse_mla_decode(q, cache, idx, SM_SCALE)
+    if dtype == torch.bfloat16:
+        with pytest.raises(ValueError, match=f"^q: expected last dim {want} "):
+            sparse_mla_prefill(q[0], cache[0], idx[0], SM_SCALE)
 
 
 # every kernel variant and split count on one odd shape (h_q 20: a partial head block; d_v 200: a

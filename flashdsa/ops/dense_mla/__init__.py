@@ -8,11 +8,11 @@ import importlib
 import torch
 
 from flashdsa._library import op
-from flashdsa.cache.layouts import MLA_DIM, MLA_LATENT
+from flashdsa.cache.layouts import MLA_LATENT
 from flashdsa.ops._common import (check_range, check_scalar, check_tensor, dense, fail, pick_backend, raise_deferred,
                                   value_checks_enabled)
 from flashdsa.ops.dense_mla import reference
-from flashdsa.ops.sparse_mla import _out_dtype, _widen_for_fp32
+from flashdsa.ops.sparse_mla import _out_dtype, _widen_for_fp32, check_rows_kv
 
 # imported on first use: importing triton is slow and CPU-only users never need it
 _module = functools.cache(importlib.import_module)
@@ -37,9 +37,9 @@ def dense_mla_prefill(q: torch.Tensor, kv: torch.Tensor, cu_seqlens_q: torch.Ten
 
     Args:
         q:             ``[T, h_q, 576] bfloat16``, requests concatenated (float32 with float32 kv; a bf16
-                       q is then widened).
+                       q is then widened); NoPE: ``[T, h_q, 512]``.
         kv:            ``[N, 576] bfloat16``, each request's full KV concatenated; or float32 (the fp32
-                       cache's rows: computed in fp32 throughout, IEEE products).
+                       cache's rows: computed in fp32 throughout, IEEE products); NoPE: ``[N, 512]``.
         cu_seqlens_q:  ``[B + 1] int32`` query offsets; cu_seqlens_kv ``[B + 1] int32`` key offsets.
                        Request b's queries are its LAST ``q_len`` tokens: query i sits at position
                        ``kv_len - q_len + i`` and sees keys ``0 .. kv_len - q_len + i``.
@@ -54,9 +54,7 @@ def dense_mla_prefill(q: torch.Tensor, kv: torch.Tensor, cu_seqlens_q: torch.Ten
     check_tensor("q", q, dtype=(torch.bfloat16, torch.float32), ndim=3)
     T, h_q, d = q.shape
     dev = q.device
-    if d != MLA_DIM:
-        fail("q", f"last dim {MLA_DIM}", d)
-    check_tensor("kv", kv, dtype=(torch.bfloat16, torch.float32), shape=(None, MLA_DIM), device=dev)
+    check_rows_kv(q, kv)
     q = _widen_for_fp32(q, "fp32" if kv.dtype == torch.float32 else "bf16", "kv")
     check_tensor("cu_seqlens_q", cu_seqlens_q, dtype=torch.int32, ndim=1, device=dev)
     check_tensor("cu_seqlens_kv", cu_seqlens_kv, dtype=torch.int32, shape=tuple(cu_seqlens_q.shape), device=dev)

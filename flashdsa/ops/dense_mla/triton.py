@@ -23,7 +23,7 @@ def dense_mla_prefill(q: torch.Tensor, kv: torch.Tensor, cu_seqlens_q: torch.Ten
                       sm_scale: float, d_v: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Arguments as :func:`flashdsa.ops.dense_mla_prefill` (validated there).
 
-    ``q [T, h_q, 576]``, ``kv [N, 576]`` both bf16 or both fp32, ``cu_seqlens_q / cu_seqlens_kv [B + 1]
+    ``q [T, h_q, D]``, ``kv [N, D]`` (D 576, or 512 for NoPE rows) both bf16 or both fp32, ``cu_seqlens_q / cu_seqlens_kv [B + 1]
     int32`` -> ``out [T, h_q, d_v]`` in q's dtype, ``lse [T, h_q] f32``. Reads the offsets on the host
     (a prefill op).
     """

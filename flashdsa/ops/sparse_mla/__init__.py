@@ -8,7 +8,7 @@ import importlib
 import torch
 
 from flashdsa._library import op
-from flashdsa.cache.layouts import MLA_DIM, MLA_LATENT, PAGE_SIZE, mla_cache_format
+from flashdsa.cache.layouts import MLA_DIM, MLA_LATENT, PAGE_SIZE, mla_cache_layout
 from flashdsa.ops._common import check_scalar, check_tensor, dense, facts, fail, pick_backend, raise_deferred, remember
 from flashdsa.ops._gluon import GluonKernels
 from flashdsa.ops._triton_utils import num_sms  # torch only: no triton import
@@ -91,6 +91,24 @@ _DECODE = {"torch": reference.sparse_mla_decode, "triton": _triton_decode, "gluo
 _PREFILL = {"torch": reference.sparse_mla_prefill, "triton": _triton_prefill, "gluon": _gluon_prefill}
 
 
+def check_rows_kv(q: torch.Tensor, kv: torch.Tensor) -> None:
+    """Prefill's ``q [T, h_q, D]`` and ``kv [N, D]`` (bf16 or fp32) with D 576, or 512 for NoPE rows."""
+    d = q.shape[-1]
+    if d not in (MLA_DIM, MLA_LATENT):
+        fail("q", f"last dim {MLA_DIM} (512 latent + 64 rope) or {MLA_LATENT} (NoPE)", d)
+    check_tensor("kv", kv, dtype=(torch.bfloat16, torch.float32), ndim=2, device=q.device)
+    if kv.shape[1] not in (MLA_DIM, MLA_LATENT):
+        fail("kv", f"[N, {MLA_DIM}] or [N, {MLA_LATENT}] (NoPE) rows", list(kv.shape))
+    _check_q_width(d, kv.shape[1] - MLA_LATENT, "kv")
+
+
+def _check_q_width(d: int, rope: int, kv_name: str) -> None:
+    """q's last dim is the KV rows' 512 + rope: the rope dims are part of every score, so a mismatch is a caller's
+    error (a NoPE model's 512-dim q against 576-dim rows, or the reverse), never padded here."""
+    if d != MLA_LATENT + rope:
+        fail("q", f"last dim {MLA_LATENT + rope} (512 latent + {rope} rope, as the {kv_name}'s rows)", d)
+
+
 def _check_d_v(d_v) -> None:
     if isinstance(d_v, bool) or not isinstance(d_v, int) or not 1 <= d_v <= MLA_LATENT:
         fail("d_v", f"an int in 1..{MLA_LATENT} (the value is the leading latent dims)", d_v)
@@ -139,18 +157,20 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Te
         q:        ``[B, s_q, h_q, 576] bfloat16`` absorbed queries (512 latent + 64 rope); s_q = 1 for
                   decode, next_n for MTP verify; any h_q. float32 with an fp32 cache (a bf16 q is then
                   widened: the fp32 path computes in fp32 throughout, IEEE products, no tf32).
+                  ``[B, s_q, h_q, 512]`` over a NoPE cache (rows without a rope part: GLM-5.3-Flash).
         kv_cache: ``[P, 64, 656] uint8`` (fp8 latent + 4 fp32 scales + bf16 rope, FlashMLA's layout),
                   ``[P, 64, 576] bfloat16``, ``[P, 64, 576] uint8`` (raw fp8, needs ``kv_scale``) or
-                  ``[P, 64, 576] float32`` (the "fp32" format).
+                  ``[P, 64, 576] float32`` (the "fp32" format); NoPE rows ``[P, 64, 528] uint8``,
+                  ``[P, 64, 512]`` bfloat16 / uint8 / float32 (``cache/layouts.py``).
                   Any page / row stride (read in place), unit stride within a token row.
         indices:  ``[B, s_q, topk] int32`` physical slots ``page * 64 + row``; -1 or >= P * 64 = skip.
         sm_scale: softmax scale.
-        d_v:      value dims (the first d_v of the 576).
+        d_v:      value dims (the first d_v of the latent).
         kv_scale: per-tensor scale of the raw fp8 cache; None for the other formats.
         backend:  None (the rule below), "gluon", "triton" or "torch" (the fp32 reference).
 
     Backends: on an sm_90 GPU with d_v 512 and 16-byte aligned rows, a warp-specialised Gluon kernel: over
-    the fp8 656-B cache ``gluon.py``, any h_q (64-head CTAs, heads past h_q masked), the top-k list split over
+    the fp8 656-B (or 528-B NoPE) cache ``gluon.py``, any h_q (64-head CTAs, heads past h_q masked), the top-k list split over
     CTAs where the queries are few (``gluon.decode_splits``: B 1 h_q 128 within 1.06x of FlashMLA on the H200); over
     the bf16 cache ``gluon_bf16.py``, h_q a multiple of 64, where its CTAs (one per query row and 64 heads,
     no split) cover a third of the SMs. Everywhere else on CUDA (other GPUs, caches, the interpreter) the
@@ -182,10 +202,11 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Te
     check_tensor("q", q, dtype=(torch.bfloat16, torch.float32), ndim=4)
     B, s_q, h_q, d = q.shape
     dev = q.device
-    if d != MLA_DIM:
-        fail("q", f"last dim {MLA_DIM} (512 latent + 64 rope)", d)
+    if d not in (MLA_DIM, MLA_LATENT):
+        fail("q", f"last dim {MLA_DIM} (512 latent + 64 rope) or {MLA_LATENT} (NoPE)", d)
     check_tensor("kv_cache", kv_cache, ndim=3, device=dev)
-    fmt = mla_cache_format(kv_cache)
+    fmt, rope = mla_cache_layout(kv_cache)
+    _check_q_width(d, rope, "cache")
     if kv_cache.shape[1] != PAGE_SIZE:
         fail("kv_cache", f"pages of {PAGE_SIZE} tokens [P, {PAGE_SIZE}, width]", list(kv_cache.shape))
     _check_cache_strides(kv_cache, fmt)
@@ -230,9 +251,10 @@ def sparse_mla_prefill(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
     """Sparse MLA prefill over a gathered bf16 KV buffer.
 
     Args:
-        q:       ``[T, h_q, 576] bfloat16`` (float32 with float32 kv; a bf16 q is then widened).
+        q:       ``[T, h_q, 576] bfloat16`` (float32 with float32 kv; a bf16 q is then widened); NoPE:
+                 ``[T, h_q, 512]``.
         kv:      ``[N, 576] bfloat16`` (the requests' KV, gathered and dequantised), or float32 (the
-                 fp32 cache's rows: computed in fp32 throughout, IEEE products).
+                 fp32 cache's rows: computed in fp32 throughout, IEEE products); NoPE: ``[N, 512]``.
         indices: ``[T, topk] int32`` rows of ``kv``; -1 or >= N = skip.
 
     Backends: on an sm_90 GPU with bf16 kv (16-byte aligned rows), h_q a multiple of 64 and d_v 512 the
@@ -249,9 +271,7 @@ def sparse_mla_prefill(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
     check_tensor("q", q, dtype=(torch.bfloat16, torch.float32), ndim=3)
     T, h_q, d = q.shape
     dev = q.device
-    if d != MLA_DIM:
-        fail("q", f"last dim {MLA_DIM} (512 latent + 64 rope)", d)
-    check_tensor("kv", kv, dtype=(torch.bfloat16, torch.float32), shape=(None, MLA_DIM), device=dev)
+    check_rows_kv(q, kv)
     q = _widen_for_fp32(q, "fp32" if kv.dtype == torch.float32 else "bf16", "kv")
     check_tensor("indices", indices, dtype=torch.int32, shape=(T, None), device=dev)
     sm_scale = check_scalar("sm_scale", sm_scale)

@@ -1,8 +1,9 @@
-"""Sparse MLA decode over the fp8 656-B paged cache as a warp-specialised Gluon kernel for Hopper (sm_90),
-after FlashMLA's sm90 sparse fp8 decode schedule (issue #16). ``flashdsa.ops.sparse_mla_decode`` runs it
-where :func:`unsupported` says it applies; the interpreter cannot run Gluon, so CI covers the Triton path
-and ``-m gpu`` tests this one. Math: ``reference.py``, the latent dequantised with its arithmetic for any
-scale (e4m3 -> fp32, times the fp32 scale, rounded once to bf16); P is rounded to bf16 for P V.
+"""Sparse MLA decode over the fp8 656-B paged cache (and its 528-B NoPE rows) as a warp-specialised Gluon
+kernel for Hopper (sm_90), after FlashMLA's sm90 sparse fp8 decode schedule (issue #16).
+``flashdsa.ops.sparse_mla_decode`` runs it where :func:`unsupported` says it applies; the interpreter cannot
+run Gluon, so CI covers the Triton path and ``-m gpu`` tests this one. Math: ``reference.py``, the latent
+dequantised with its arithmetic for any scale (e4m3 -> fp32, times the fp32 scale, rounded once to bf16); P
+is rounded to bf16 for P V.
 
 One CTA owns one query row and 64 heads (h_q 128: two CTAs, next to each other in the grid so the second
 one's gathers hit L2) and walks the top-k list in steps of 64 tokens with three warpgroups
@@ -28,6 +29,11 @@ own (the producer meets 2 barriers a step, not 5); Q's stores get one explicit b
 not one in front of every step's S; and the barrier after the one-thread ``p_ready`` arrive falls behind
 the P V wait, where the warps are in step (consumer 0 meets 2 a step, consumer 1 one).
 
+NoPE rows (``ROPE`` 0: 528 B, q of 512 dims; GLM-5.3-Flash) run the same schedule with the rope left out
+at compile time: no rope tiles (shared memory 206,192 B), no rope loads in the producer or ``load_q``, S
+over the 512 latent dims (32 wgmma), 5 lines a row asked into L2 instead of 6. The ROPE 64 kernel is the
+SASS it was before the constexpr existed. (Not timed yet.)
+
 What bounds it: the consumers. Alone (no gathers, no dequantisation) they took 99.6-101.7 us at B 64 h 128
 top-2048, ~3.2 us a step against ~1.2 us of tensor work: QK as m64n64k16 with both operands in shared
 memory uses all of its bandwidth, and the softmax sits between QK and P V (FlashMLA: 2.95 us a step). The
@@ -46,7 +52,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from flashdsa.cache.layouts import MLA_FP8_BYTES
+from flashdsa.cache.layouts import MLA_FP8_BYTES, MLA_FP8_NOPE_BYTES
 from flashdsa.ops._gluon import compile_sm90 as compile_sm90_kernel
 from flashdsa.ops._gluon_sync import release as _release, warps_barrier as _warps_barrier
 from flashdsa.ops._launch import KernelLauncher, aligned, capability
@@ -120,11 +126,13 @@ def tile_smem(rows, cols):
 # ---- producer -----------------------------------------------------------------------------------------
 
 @gluon.jit
-def _prefetch_rows(p_row, valid, o_l):
-    """Ask L2 for the 6 128-B lines of each valid 656-B row (``prefetch.global.L2``: an LSU op, no register
-    result, nothing to wait for). p_row / valid [64] in SliceLayout(1, L), o_l = 128 * arange(8) in
-    SliceLayout(0, L); a row starts 16-B aligned, so its bytes lie in the lines of offsets 0..640."""
-    m = valid[:, None] & (o_l[None, :] < 656)
+def _prefetch_rows(p_row, valid, o_l, ROPE: gl.constexpr):
+    """Ask L2 for the 128-B lines of each valid row (``prefetch.global.L2``: an LSU op, no register result,
+    nothing to wait for): 6 of a 656-B row, 5 of a 528-B NoPE row. p_row / valid [64] in SliceLayout(1, L),
+    o_l = 128 * arange(8) in SliceLayout(0, L); a row starts 16-B aligned (at most 112 B into its first
+    line), so its bytes lie in the lines of the offsets below its width (0..640, NoPE 0..512)."""
+    ROW: gl.constexpr = 528 + 2 * ROPE
+    m = valid[:, None] & (o_l[None, :] < ROW)
     return gl.inline_asm_elementwise(
         "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
         "=r,l,r", [p_row[:, None] + o_l[None, :], m.to(gl.int32)], dtype=gl.int32, is_pure=False, pack=1)
@@ -142,10 +150,10 @@ def _slots(p_idx, k0, topk, n_slots, kv, stride_kv_page, stride_kv_row, L: gl.co
 
 
 @gluon.jit
-def _gather(p_row, valid, o_c, o_r, SR: gl.constexpr):
+def _gather(p_row, valid, o_c, o_r, SR: gl.constexpr, ROPE: gl.constexpr):
     """One step's loads of the rows at ``p_row`` (``valid`` masks; [64] in the latent layout): [64, 128] u8 x 4
     latent groups, the [64, 4] f32 scales (byte 512, :func:`scales_layout`) split into four [64] columns,
-    [64, 64] bf16 rope (byte 528, rows in layout SR)."""
+    [64, 64] bf16 rope (byte 528, rows in layout SR; ROPE 0: (), the row ends at the scales)."""
     p_lat = p_row[:, None] + o_c[None, :]
     m_lat = valid[:, None]
     b_u0 = gl.load(p_lat, mask=m_lat, other=0)
@@ -166,8 +174,11 @@ def _gather(p_row, valid, o_c, o_r, SR: gl.constexpr):
     b_s1 = gl.convert_layout(b_s1, SG)
     b_s2 = gl.convert_layout(b_s2, SG)
     b_s3 = gl.convert_layout(b_s3, SG)
-    p_rope = (gl.convert_layout(p_row, SR) + 528).to(gl.pointer_type(gl.bfloat16))
-    b_rope = gl.load(p_rope[:, None] + o_r[None, :], mask=gl.convert_layout(valid, SR)[:, None], other=0.0)
+    if ROPE:
+        p_rope = (gl.convert_layout(p_row, SR) + 528).to(gl.pointer_type(gl.bfloat16))
+        b_rope = gl.load(p_rope[:, None] + o_r[None, :], mask=gl.convert_layout(valid, SR)[:, None], other=0.0)
+    else:
+        b_rope = ()  # no value (a None cannot be returned in a tuple)
     return b_u0, b_u1, b_u2, b_u3, b_s0, b_s1, b_s2, b_s3, b_rope
 
 
@@ -179,15 +190,16 @@ def _dequant(b_u, b_sc):
 
 
 @gluon.jit
-def _stage(tiles, valid, k_lat, k_rope, k_bias, k_ready, b):
+def _stage(tiles, valid, k_lat, k_rope, k_bias, k_ready, b, ROPE: gl.constexpr):
     """Dequantise a step's :func:`_gather` tiles into buffer ``b`` with the [64] additive score mask (0 valid,
-    -inf skipped), then publish it to the consumers."""
+    -inf skipped), then publish it to the consumers (ROPE 0: no rope tile, ``k_rope`` ())."""
     b_u0, b_u1, b_u2, b_u3, b_s0, b_s1, b_s2, b_s3, b_rope = tiles
     k_lat[0].index(b).store(_dequant(b_u0, b_s0))
     k_lat[1].index(b).store(_dequant(b_u1, b_s1))
     k_lat[2].index(b).store(_dequant(b_u2, b_s2))
     k_lat[3].index(b).store(_dequant(b_u3, b_s3))
-    k_rope.index(b).store(b_rope)
+    if ROPE:
+        k_rope.index(b).store(b_rope)
     k_bias.index(b).store(gl.where(valid, 0.0, float("-inf")))
     # generic-proxy stores -> async-proxy (wgmma) reads
     fence_async_shared()
@@ -196,7 +208,7 @@ def _stage(tiles, valid, k_lat, k_rope, k_bias, k_ready, b):
 
 @gluon.jit
 def _producer(kv, idx, stride_kv_page, stride_kv_row, stride_i_row, n_slots, topk, n_steps, n_hb,
-              k_lat, k_rope, k_bias, k_ready, k_free):
+              k_lat, k_rope, k_bias, k_ready, k_free, ROPE: gl.constexpr):
     """Gather, dequantise and stage the K/V tile of every step, the slot loads out of the gathers' critical
     path: step i + 1's row pointers come from slots loaded during step i, and step i + PREFETCH's rows are
     asked into L2 at the end of step i (their slots loaded at its top, so that load's latency hides under
@@ -216,7 +228,7 @@ def _producer(kv, idx, stride_kv_page, stride_kv_row, stride_i_row, n_slots, top
     for j in range(1, PREFETCH):
         p_pf, v_pf = _slots(p_idx, j * BLOCK_N, topk, n_slots, kv, stride_kv_page, stride_kv_row,
                             gl.SliceLayout(1, LP))
-        _prefetch_rows(p_pf, v_pf, o_l)
+        _prefetch_rows(p_pf, v_pf, o_l, ROPE)
     p_row, valid = _slots(p_idx, 0, topk, n_slots, kv, stride_kv_page, stride_kv_row, SG)
     for i in range(n_steps):
         b = i % NBUF
@@ -224,10 +236,10 @@ def _producer(kv, idx, stride_kv_page, stride_kv_row, stride_i_row, n_slots, top
         p_row_n, valid_n = _slots(p_idx, (i + 1) * BLOCK_N, topk, n_slots, kv, stride_kv_page, stride_kv_row, SG)
         p_pf, v_pf = _slots(p_idx, (i + PREFETCH) * BLOCK_N, topk, n_slots, kv, stride_kv_page, stride_kv_row,
                             gl.SliceLayout(1, LP))
-        tiles = _gather(p_row, valid, o_c, o_r, SR)
+        tiles = _gather(p_row, valid, o_c, o_r, SR, ROPE)
         mbarrier.wait(k_free.index(b), ((i // NBUF) & 1) ^ 1)
-        _stage(tiles, valid, k_lat, k_rope, k_bias, k_ready, b)
-        _prefetch_rows(p_pf, v_pf, o_l)
+        _stage(tiles, valid, k_lat, k_rope, k_bias, k_ready, b, ROPE)
+        _prefetch_rows(p_pf, v_pf, o_l, ROPE)
         p_row = p_row_n
         valid = valid_n
 
@@ -235,11 +247,17 @@ def _producer(kv, idx, stride_kv_page, stride_kv_row, stride_i_row, n_slots, top
 # ---- consumer 0: S, softmax, O[:, :256] ---------------------------------------------------------------
 
 @gluon.jit
-def _scores(q_lat, q_rope, k_lat, k_rope, b, zero_s):
-    # [64 heads, 64 tokens] = Q_rope K_rope^T + sum_g Q_g K_g^T, five async wgmma groups, none waited here
-    s = warpgroup_mma(q_rope, k_rope.index(b).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-    for g in gl.static_range(4):
-        s = warpgroup_mma(q_lat.index(g), k_lat[g].index(b).permute((1, 0)), s, is_async=True)
+def _scores(q_lat, q_rope, k_lat, k_rope, b, zero_s, ROPE: gl.constexpr):
+    # [64 heads, 64 tokens] = Q_rope K_rope^T + sum_g Q_g K_g^T, five async wgmma groups (ROPE 0: the four
+    # latent ones), none waited here
+    if ROPE:
+        s = warpgroup_mma(q_rope, k_rope.index(b).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        for g in gl.static_range(4):
+            s = warpgroup_mma(q_lat.index(g), k_lat[g].index(b).permute((1, 0)), s, is_async=True)
+    else:
+        s = warpgroup_mma(q_lat.index(0), k_lat[0].index(b).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        for g in gl.static_range(1, 4):
+            s = warpgroup_mma(q_lat.index(g), k_lat[g].index(b).permute((1, 0)), s, is_async=True)
     return s
 
 
@@ -278,49 +296,54 @@ def _rescale(o0, o1, alpha, p16, M128: gl.constexpr, PA: gl.constexpr):
 
 
 @gluon.jit
-def load_q(q, stride_q_row, stride_q_h, h_q, i_row, i_hb, q_lat, q_rope, PART: gl.constexpr = 0):
-    """Q of this row and head block into shared memory, once: ``q_lat`` [4, 64, 128] bf16 (latent), ``q_rope``
-    [64, 64] bf16 (a tile), then ``fence_async_shared`` for the wgmma reads. Every load is issued before the
-    first store: one DRAM latency instead of five (with O's 16-B stores, :func:`store_o`, 180 us less fixed
-    cost over gluon_bf16.py's 8192 CTAs). PART 0 loads it all; gluon_bf16.py's consumers load half each,
-    PART 1 latent groups 0 and 1, PART 2 groups 2 and 3 and the rope. Heads >= h_q read as 0."""
+def load_q(q, stride_q_row, stride_q_h, h_q, i_row, i_hb, q_lat, q_rope, PART: gl.constexpr = 0,
+           ROPE: gl.constexpr = 64):
+    """Q of this row and head block (q's rows: 512 latent dims, then ROPE rope dims) into shared memory, once:
+    ``q_lat`` [4, 64, 128] bf16 (latent), ``q_rope`` [64, 64] bf16 (a tile; ROPE 0: (), nothing read), then
+    ``fence_async_shared`` for the wgmma reads. Every load is issued before the first store: one DRAM
+    latency instead of five (with O's 16-B stores, :func:`store_o`, 180 us less fixed cost over
+    gluon_bf16.py's 8192 CTAs). PART 0 loads it all; gluon_bf16.py's consumers load half each, PART 1 latent
+    groups 0 and 1, PART 2 groups 2 and 3 and the rope. Heads >= h_q read as 0."""
     LQ: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])   # [64, 128] bf16
     LQR: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])   # [64, 64] bf16
     o_h = i_hb * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(1, LQ))
     o_c = gl.arange(0, 128, gl.SliceLayout(0, LQ))
     p_q = q + i_row * stride_q_row + o_h.to(gl.int64)[:, None] * stride_q_h + o_c[None, :]
     m_q = (o_h < h_q)[:, None]
-    o_hr = i_hb * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(1, LQR))
-    o_r = gl.arange(0, 64, gl.SliceLayout(0, LQR))
-    p_r = q + i_row * stride_q_row + o_hr.to(gl.int64)[:, None] * stride_q_h + 512 + o_r[None, :]
-    m_r = (o_hr < h_q)[:, None]
+    if ROPE:
+        o_hr = i_hb * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(1, LQR))
+        o_r = gl.arange(0, 64, gl.SliceLayout(0, LQR))
+        p_r = q + i_row * stride_q_row + o_hr.to(gl.int64)[:, None] * stride_q_h + 512 + o_r[None, :]
+        m_r = (o_hr < h_q)[:, None]
     if PART != 2:
         b_q0 = gl.load(p_q, mask=m_q, other=0.0)
         b_q1 = gl.load(p_q + 128, mask=m_q, other=0.0)
     if PART != 1:
         b_q2 = gl.load(p_q + 256, mask=m_q, other=0.0)
         b_q3 = gl.load(p_q + 384, mask=m_q, other=0.0)
-        b_qr = gl.load(p_r, mask=m_r, other=0.0)
+        if ROPE:
+            b_qr = gl.load(p_r, mask=m_r, other=0.0)
     if PART != 2:
         q_lat.index(0).store(b_q0)
         q_lat.index(1).store(b_q1)
     if PART != 1:
         q_lat.index(2).store(b_q2)
         q_lat.index(3).store(b_q3)
-        q_rope.store(b_qr)
+        if ROPE:
+            q_rope.store(b_qr)
     fence_async_shared()
 
 
 @gluon.jit
 def _consumer0(q, out, lse, stride_q_row, stride_q_h, stride_o_row, stride_o_h, stride_l_row, h_q, n_hb, n_steps,
                q_split, qk_scale, q_lat, q_rope, k_lat, k_rope, k_bias, p_s, alpha_s, fin_s, k_ready, k_free, p_ready,
-               p_free, fin):
+               p_free, fin, ROPE: gl.constexpr):
     M64: gl.constexpr = mma_layout(64)
     M128: gl.constexpr = mma_layout(128)
     PA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=M128, k_width=2)
     i_hb = gl.program_id(0) % n_hb
     i_row = (gl.program_id(0) // n_hb).to(gl.int64)
-    load_q(q, stride_q_row, stride_q_h, h_q, i_row // q_split, i_hb, q_lat, q_rope)
+    load_q(q, stride_q_row, stride_q_h, h_q, i_row // q_split, i_hb, q_lat, q_rope, 0, ROPE)
     # Q's stores must reach every warp's first S wgmma. Left to Triton's shared-memory hazard analysis, that
     # barrier lands in front of the S wgmma inside the loop (it cannot tell iteration 0 apart) and runs every
     # step; here it runs once.
@@ -335,7 +358,7 @@ def _consumer0(q, out, lse, stride_q_row, stride_q_h, stride_o_row, stride_o_h, 
     for i in range(n_steps):
         b = i % NBUF
         mbarrier.wait(k_ready.index(b), (i // NBUF) & 1)
-        s = _scores(q_lat, q_rope, k_lat, k_rope, b, zero_s)
+        s = _scores(q_lat, q_rope, k_lat, k_rope, b, zero_s, ROPE)
         s = warpgroup_mma_wait(0, deps=(s,))
         p16, alpha, m_i, l_i = _softmax(s, k_bias.index(b).load(gl.SliceLayout(0, M64)), qk_scale, m_i, l_i)
         o0, o1, pa = _rescale(o0, o1, alpha, p16, M128, PA)
@@ -411,15 +434,17 @@ def _consumer1(out, stride_o_row, stride_o_h, h_q, n_hb, n_steps, k_lat, p_s, al
 def sparse_mla_decode_ws_kernel(
     q, kv, idx, out, lse,
     stride_q_row, stride_q_h, stride_kv_page, stride_kv_row, stride_i_row, stride_o_row, stride_o_h, stride_l_row,
-    n_slots, h_q, topk, n_steps, n_hb, q_split, qk_scale,
+    n_slots, h_q, topk, n_steps, n_hb, q_split, qk_scale, ROPE: gl.constexpr,
 ):
     """Warp-specialised sparse MLA decode, one (row, 64 heads) per CTA (module docstring).
 
     Rows are slices of a query's top-k list (flash-decoding): row r reads query ``r // q_split`` (q_split 1:
-    one row per query, the whole list).
-    q    [R / q_split, h_q, 576] bf16 (unit stride last)  idx [R, topk] int32 slots (unit stride last)
-    kv   [P, 64, 656] uint8 cache: slot -> kv + (slot // 64) * stride_kv_page + (slot % 64) * stride_kv_row;
-         row = 512 e4m3 | 4 fp32 scales (one per 128 dims) | 64 bf16 rope; strides multiples of 16
+    one row per query, the whole list). ROPE: the rows' rope dims, 64 or 0 (NoPE: no rope tiles, loads or
+    wgmma); D = 512 + ROPE.
+    q    [R / q_split, h_q, D] bf16 (unit stride last)    idx [R, topk] int32 slots (unit stride last)
+    kv   [P, 64, 528 + 2 ROPE] uint8 cache (656 B, NoPE 528 B): slot -> kv + (slot // 64) * stride_kv_page +
+         (slot % 64) * stride_kv_row; row = 512 e4m3 | 4 fp32 scales (one per 128 dims) | ROPE bf16 rope;
+         strides multiples of 16
     out  [R, h_q, 512] bf16 (unit stride last)           lse [R, h_q] fp32, natural log
     n_steps = max(1, cdiv(topk, 64)); n_hb = cdiv(h_q, 64); qk_scale = sm_scale * log2(e).
     """
@@ -427,14 +452,20 @@ def sparse_mla_decode_ws_kernel(
     TR: gl.constexpr = tile_smem(BLOCK_N, 64)
     V1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     q_lat = gl.allocate_shared_memory(gl.bfloat16, [4, BLOCK_H, 128], T)
-    q_rope = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, 64], TR)
+    if ROPE:
+        q_rope = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, 64], TR)
+    else:
+        q_rope = ()  # no value (a None cannot be passed into the partitions)
     # one allocation per latent group g, [buffer, 64, 128] each: Triton's hazard analysis fences stores per
     # allocation, so the producer's warps meet no barrier between two groups' stores
     k_lat = (gl.allocate_shared_memory(gl.bfloat16, [NBUF, BLOCK_N, 128], T),
              gl.allocate_shared_memory(gl.bfloat16, [NBUF, BLOCK_N, 128], T),
              gl.allocate_shared_memory(gl.bfloat16, [NBUF, BLOCK_N, 128], T),
              gl.allocate_shared_memory(gl.bfloat16, [NBUF, BLOCK_N, 128], T))
-    k_rope = gl.allocate_shared_memory(gl.bfloat16, [NBUF, BLOCK_N, 64], TR)
+    if ROPE:
+        k_rope = gl.allocate_shared_memory(gl.bfloat16, [NBUF, BLOCK_N, 64], TR)
+    else:
+        k_rope = ()
     k_bias = gl.allocate_shared_memory(gl.float32, [NBUF, BLOCK_N], V1)
     p_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, BLOCK_N], TR)
     alpha_s = gl.allocate_shared_memory(gl.float32, [BLOCK_H], V1)
@@ -455,21 +486,24 @@ def sparse_mla_decode_ws_kernel(
     gl.warp_specialize([
         (_consumer0, (q, out, lse, stride_q_row, stride_q_h, stride_o_row, stride_o_h, stride_l_row, h_q, n_hb, n_steps,
                       q_split, qk_scale, q_lat, q_rope, k_lat, k_rope, k_bias, p_s, alpha_s, fin_s, k_ready, k_free,
-                      p_ready, p_free, fin)),
+                      p_ready, p_free, fin, ROPE)),
         (_consumer1, (out, stride_o_row, stride_o_h, h_q, n_hb, n_steps, k_lat, p_s, alpha_s, fin_s, k_free, p_ready,
                       p_free, fin, q_lat)),
         (_producer, (kv, idx, stride_kv_page, stride_kv_row, stride_i_row, n_slots, topk, n_steps, n_hb, k_lat, k_rope,
-                     k_bias, k_ready, k_free)),
+                     k_bias, k_ready, k_free, ROPE)),
     ], [4, 4], [REGS_C1, REGS_PROD])
 
 
 # ---- launcher -----------------------------------------------------------------------------------------
 
 def kernel_args(q, cache_u8, indices, sm_scale, out, lse, splits: int = 1):
-    """(grid, kwargs) of one launch of :func:`sparse_mla_decode_ws_kernel` over B * s_q queries, each one's
-    top-k list in ``splits`` slices (``out [B * s_q * splits, h_q, 512]``, ``lse [.., h_q]``: the partials) (also
-    used by the sm_90 compile check)."""
+    """(grid, kwargs) of one launch of :func:`sparse_mla_decode_ws_kernel` over B * s_q queries (q [B, s_q, h_q,
+    D] bf16, D 576 or 512; cache_u8 [P, 64, 656] or, NoPE, [P, 64, 528]), each one's top-k list in ``splits``
+    slices (``out [B * s_q * splits, h_q, 512]``, ``lse [.., h_q]``: the partials) (also used by the sm_90
+    compile check). ROPE is q's rope dims, which the cache's width must match."""
     B, s_q, h_q, _ = q.shape
+    rope = q.shape[-1] - 512
+    assert rope in (0, 64) and cache_u8.shape[-1] == 528 + 2 * rope, (q.shape, cache_u8.shape)
     R, topk = B * s_q * splits, indices.shape[-1] // splits
     n_hb = cdiv(h_q, 64)
     q3 = q.reshape(B * s_q, h_q, q.shape[-1])
@@ -482,19 +516,20 @@ def kernel_args(q, cache_u8, indices, sm_scale, out, lse, splits: int = 1):
         stride_kv_page=cache_u8.stride(0), stride_kv_row=cache_u8.stride(1), stride_i_row=i2.stride(0),
         stride_o_row=o3.stride(0), stride_o_h=o3.stride(1), stride_l_row=l2.stride(0),
         n_slots=cache_u8.shape[0] * cache_u8.shape[1], h_q=h_q, topk=topk, n_steps=max(1, cdiv(topk, 64)),
-        n_hb=n_hb, q_split=splits, qk_scale=sm_scale * LOG2E, num_warps=4, maxnreg=MAXNREG)
+        n_hb=n_hb, q_split=splits, qk_scale=sm_scale * LOG2E, ROPE=rope, num_warps=4, maxnreg=MAXNREG)
 
 
 def sparse_mla_decode_gluon(q: torch.Tensor, cache_u8: torch.Tensor, indices: torch.Tensor, sm_scale: float,
                             d_v: int = 512, out: torch.Tensor | None = None,
                             lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sparse MLA decode over the fp8 656-B paged cache on Hopper (sm_90), Gluon, launched directly (the
-    probe's and the tests' way in; the dispatch uses :func:`sparse_mla_decode`).
+    """Sparse MLA decode over the fp8 656-B (or 528-B NoPE) paged cache on Hopper (sm_90), Gluon, launched
+    directly (the probe's and the tests' way in; the dispatch uses :func:`sparse_mla_decode`).
 
     Args:
-        q:        ``[B, s_q, h_q, 576] bfloat16`` absorbed queries (512 latent + 64 rope), unit stride last.
-        cache_u8: ``[P, 64, 656] uint8`` FlashMLA's fp8 layout (512 e4m3 | 4 fp32 scales | 64 bf16 rope),
-                  unit stride within a row, page / row strides multiples of 16 bytes.
+        q:        ``[B, s_q, h_q, D] bfloat16`` absorbed queries (512 latent + R rope: D 576, NoPE D 512),
+                  unit stride last.
+        cache_u8: ``[P, 64, 528 + 2 R] uint8`` FlashMLA's fp8 layout (512 e4m3 | 4 fp32 scales | R bf16 rope:
+                  656 B, NoPE 528 B), unit stride within a row, page / row strides multiples of 16 bytes.
         indices:  ``[B, s_q, topk] int32`` physical slots ``page * 64 + row``; -1, negative or >= 64 P = skip.
         sm_scale: softmax scale.
         d_v:      512 only (the whole latent is the value).
@@ -505,8 +540,8 @@ def sparse_mla_decode_gluon(q: torch.Tensor, cache_u8: torch.Tensor, indices: to
         valid index gives out 0 and lse -inf.
     """
     B, s_q, h_q, d = q.shape
-    assert d == 576 and d_v == 512 and q.dtype == torch.bfloat16 and q.stride(-1) == 1
-    assert cache_u8.dtype == torch.uint8 and cache_u8.dim() == 3 and cache_u8.shape[1:] == (64, 656)
+    assert d in (576, 512) and d_v == 512 and q.dtype == torch.bfloat16 and q.stride(-1) == 1
+    assert cache_u8.dtype == torch.uint8 and cache_u8.dim() == 3 and cache_u8.shape[1:] == (64, 528 + 2 * (d - 512))
     assert cache_u8.stride(2) == 1 and cache_u8.stride(0) % 16 == 0 and cache_u8.stride(1) % 16 == 0
     assert indices.dtype == torch.int32 and indices.shape[:2] == (B, s_q) and indices.stride(-1) == 1
     if out is None:
@@ -523,7 +558,8 @@ def sparse_mla_decode_gluon(q: torch.Tensor, cache_u8: torch.Tensor, indices: to
 
 
 def compiled_kernel(q, cache_u8, indices, sm_scale):
-    """Launch once and return the compiled kernel (``n_regs``, ``n_spills``, ``metadata.shared``)."""
+    """Launch once (q [B, s_q, h_q, D] bf16, cache_u8 [P, 64, 528 + 2 (D - 512)] uint8, indices [B, s_q, topk]
+    int32) and return the compiled kernel (``n_regs``, ``n_spills``, ``metadata.shared``)."""
     B, s_q, h_q, _ = q.shape
     out = torch.empty(B, s_q, h_q, 512, dtype=torch.bfloat16, device=q.device)
     lse = torch.empty(B, s_q, h_q, dtype=torch.float32, device=q.device)
@@ -531,14 +567,15 @@ def compiled_kernel(q, cache_u8, indices, sm_scale):
     return sparse_mla_decode_ws_kernel[grid](**kw)
 
 
-def compile_sm90():
-    """The decode kernel compiled for sm_90 without a GPU (B 2, h_q 128, top-2048): the CPU test's check and
-    the probe's ``--compile-only``."""
-    q = torch.empty(2, 1, 128, 576, dtype=torch.bfloat16)
-    cache = torch.empty(64, 64, 656, dtype=torch.uint8)
+def compile_sm90(rope: int = 64):
+    """The decode kernel compiled for sm_90 without a GPU (B 2, h_q 128, top-2048) for rows with ``rope`` rope
+    dims (64: the 656-B cache, 0: the 528-B NoPE one): the CPU test's check and the probe's
+    ``--compile-only``."""
+    q = torch.empty(2, 1, 128, 512 + rope, dtype=torch.bfloat16)
+    cache = torch.empty(64, 64, 528 + 2 * rope, dtype=torch.uint8)
     idx = torch.empty(2, 1, 2048, dtype=torch.int32)
     out, lse = torch.empty(2, 1, 128, 512, dtype=torch.bfloat16), torch.empty(2, 1, 128)
-    _, kw = kernel_args(q, cache, idx, 576 ** -0.5, out, lse)
+    _, kw = kernel_args(q, cache, idx, (512 + rope) ** -0.5, out, lse)
     return compile_sm90_kernel(sparse_mla_decode_ws_kernel, kw)
 
 
@@ -549,11 +586,12 @@ _LAUNCHER = KernelLauncher(sparse_mla_decode_ws_kernel, ("q", "kv", "idx", "out"
 
 def unsupported(q: torch.Tensor, kv_cache: torch.Tensor, fmt: str, d_v: int) -> str | None:
     """Why this kernel cannot run a (validated) ``sparse_mla_decode`` call, or None when it can: an sm_90 GPU,
-    the fp8 656-B cache with 16-byte aligned rows, a bf16 query (any h_q: a CTA takes 64 heads, those >= h_q
-    read as 0 and are not stored, as FlashMLA's callers pad to 64; measured faster than the Triton kernels'
-    16-head tiles even at h_q 16: README.md), d_v 512."""
+    the fp8 656-B cache (q [B, s_q, h_q, 576]) or its 528-B NoPE rows (q [.., 512]; the op checks that q's
+    dims match the cache's) with 16-byte aligned rows, a bf16 query (any h_q: a CTA takes 64 heads, those
+    >= h_q read as 0 and are not stored, as FlashMLA's callers pad to 64; measured faster than the Triton
+    kernels' 16-head tiles even at h_q 16: README.md), d_v 512."""
     if fmt != "fp8":
-        return f"the fp8 {MLA_FP8_BYTES}-B cache (got {fmt!r})"
+        return f"the fp8 {MLA_FP8_BYTES}-B or {MLA_FP8_NOPE_BYTES}-B (NoPE) cache (got {fmt!r})"
     if d_v != 512:
         return f"d_v 512 (got {d_v})"
     if q.dtype != torch.bfloat16:
@@ -579,9 +617,11 @@ def decode_splits(queries: int, h_q: int, topk: int, sms: int) -> int:
 
 def sparse_mla_decode(q, kv_cache, indices, sm_scale, d_v, kv_scale, splits: int | None = None):
     """The Gluon backend of :func:`flashdsa.ops.sparse_mla_decode` (inputs validated there, and
-    :func:`unsupported` None), launched from a plan (``ops/_launch.py``) after the first call of a shape.
-    ``splits``: top-k slices per query (None: :func:`decode_splits`); above 1 the kernel writes bf16 partials
-    that ``triton.combine_splits`` merges by their lse in fp32."""
+    :func:`unsupported` None), launched from a plan (``ops/_launch.py``) after the first call of a shape:
+    q [B, s_q, h_q, D] bf16 over kv_cache [P, 64, 656] uint8 (D 576) or [P, 64, 528] (NoPE, D 512), indices
+    [B, s_q, topk] int32 -> out [B, s_q, h_q, 512] bf16, lse [B, s_q, h_q] fp32. ``splits``: top-k slices per
+    query (None: :func:`decode_splits`); above 1 the kernel writes bf16 partials that ``triton.combine_splits``
+    merges by their lse in fp32."""
     B, s_q, h_q, d = q.shape
     R, topk = B * s_q, indices.shape[-1]
     out = torch.empty(B, s_q, h_q, d_v, dtype=torch.bfloat16, device=q.device)
@@ -603,7 +643,7 @@ def sparse_mla_decode(q, kv_cache, indices, sm_scale, d_v, kv_scale, splits: int
         part_o, part_l = out, lse
     ks = kv_cache.stride()
     ptrs = (q3.data_ptr(), kv_cache.data_ptr(), i2.data_ptr(), part_o.data_ptr(), part_l.data_ptr())
-    key = (q.device, R, h_q, topk, q3.stride(), ks, i2.stride()[0], kv_cache.shape[0], sm_scale, S) \
+    key = (q.device, R, h_q, d, topk, q3.stride(), ks, i2.stride()[0], kv_cache.shape[0], sm_scale, S) \
         if aligned(*ptrs) else None
 
     def build():

@@ -18,6 +18,10 @@ warpgroups (``gl.warp_specialize``, registers moved by setmaxnreg: 208 / 208 / 8
   by its half of the other block's V, so both do the same tensor work (gluon.py's consumer 1 only P V).
 * P of block 2j is staged in buffer 0's rope tile (consumer 0's QK, its only reader, is done by then;
   FlashMLA's trick), P of block 2j + 1 in a tile of its own.
+* NoPE rows (``ROPE`` 0: [.., 512] bf16, q of 512 dims; GLM-5.3-Flash): the same schedule with the rope
+  left out at compile time (no rope copies, no Q rope tile, each QK 32 wgmma); P of block 2j keeps an
+  8-KB tile where buffer 0's rope tile was, freed as before (its reader's release of half 0R precedes the
+  refill whose ready barrier consumer 0 waits for before its next store). Shared memory 214,432 B.
 
 Shared memory 230,832 B: Q 72 KB + 2 x 72 KB of K/V + 8 KB of P + the max / sum exchange and barriers.
 Each consumer computes its skip mask from the indices itself (a [64] load issued before it waits for the
@@ -75,10 +79,11 @@ def _slots(p_idx, blk, topk, L: gl.constexpr):
 
 @gluon.jit
 def _copy_half(k_lat, k_rope, buf, RIGHT: gl.constexpr, slot, n_slots, kv, stride_kv_page, stride_kv_row, free, ready,
-               phase):
+               phase, ROPE: gl.constexpr):
     """Wait until half (buf, RIGHT) is free, then cp.async the rows of ``slot`` ([64], SliceLayout(1, LG)) into
-    that half's dims and have its ``ready`` barrier track the copies (count 128: every producer thread arrives).
-    Skipped slots (-1 past the list, < 0, >= n_slots) are masked: cp.async zero-fills them, nothing is read."""
+    that half's dims (the right half's rope only where ROPE) and have its ``ready`` barrier track the copies
+    (count 128: every producer thread arrives). Skipped slots (-1 past the list, < 0, >= n_slots) are masked:
+    cp.async zero-fills them, nothing is read."""
     LG: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])   # [64 rows, 128 bf16]: 16 B a thread
     # [64 rows, 64 bf16] of rope, 8 B a thread: the same rows per thread as LG, so no layout conversion
     LR: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])
@@ -92,16 +97,17 @@ def _copy_half(k_lat, k_rope, buf, RIGHT: gl.constexpr, slot, n_slots, kv, strid
     for g in gl.static_range(2):
         _cp_async(_klat(k_lat, buf, g0 + g), p_row[:, None] + (g0 + g) * 128 + o_c[None, :], mask=valid[:, None])
     if RIGHT:
-        o_r = gl.arange(0, 64, gl.SliceLayout(0, LR))
-        p_r = gl.convert_layout(p_row, gl.SliceLayout(1, LR))
-        v_r = gl.convert_layout(valid, gl.SliceLayout(1, LR))
-        _cp_async(k_rope.index(buf), p_r[:, None] + 512 + o_r[None, :], mask=v_r[:, None])
+        if ROPE:
+            o_r = gl.arange(0, 64, gl.SliceLayout(0, LR))
+            p_r = gl.convert_layout(p_row, gl.SliceLayout(1, LR))
+            v_r = gl.convert_layout(valid, gl.SliceLayout(1, LR))
+            _cp_async(k_rope.index(buf), p_r[:, None] + 512 + o_r[None, :], mask=v_r[:, None])
     async_copy.mbarrier_arrive(ready.index(h), increment_count=False)
 
 
 @gluon.jit
 def _producer(kv, idx, stride_kv_page, stride_kv_row, stride_i_row, n_slots, topk, n_pairs, n_hb, k_lat, k_rope,
-              ready, free):
+              ready, free, ROPE: gl.constexpr):
     SG: gl.constexpr = gl.SliceLayout(1, gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0]))   # _copy_half's rows
     i_row = (gl.program_id(0) // n_hb).to(gl.int64)
     p_idx = idx + i_row * stride_i_row
@@ -115,15 +121,24 @@ def _producer(kv, idx, stride_kv_page, stride_kv_row, stride_i_row, n_slots, top
         n_b = _slots(p_idx, 2 * j + 3, topk, SG)
         # the order the halves are freed in: 0L (consumer 0's own P V), 1R (consumer 1's own P V),
         # 0R (consumer 1's P V on the other P; buffer 0's rope tile held that P), 1L (consumer 0's)
-        _copy_half(k_lat, k_rope, 0, False, s_a, n_slots, kv, stride_kv_page, stride_kv_row, free, ready, ph)
-        _copy_half(k_lat, k_rope, 1, True, s_b, n_slots, kv, stride_kv_page, stride_kv_row, free, ready, ph)
-        _copy_half(k_lat, k_rope, 0, True, s_a, n_slots, kv, stride_kv_page, stride_kv_row, free, ready, ph)
-        _copy_half(k_lat, k_rope, 1, False, s_b, n_slots, kv, stride_kv_page, stride_kv_row, free, ready, ph)
+        _copy_half(k_lat, k_rope, 0, False, s_a, n_slots, kv, stride_kv_page, stride_kv_row, free, ready, ph, ROPE)
+        _copy_half(k_lat, k_rope, 1, True, s_b, n_slots, kv, stride_kv_page, stride_kv_row, free, ready, ph, ROPE)
+        _copy_half(k_lat, k_rope, 0, True, s_a, n_slots, kv, stride_kv_page, stride_kv_row, free, ready, ph, ROPE)
+        _copy_half(k_lat, k_rope, 1, False, s_b, n_slots, kv, stride_kv_page, stride_kv_row, free, ready, ph, ROPE)
         s_a = n_a
         s_b = n_b
 
 
 # ---- consumers ----------------------------------------------------------------------------------------
+
+@gluon.jit
+def _tile0(q_rope, ROPE: gl.constexpr):
+    # Q's [64, 64] rope tile for load_q; ROPE 0: there is none (q_rope is ())
+    t = q_rope
+    if ROPE:
+        t = q_rope.index(0)
+    return t
+
 
 @gluon.jit
 def _bias(p_idx, blk, topk, n_slots, L: gl.constexpr):
@@ -133,9 +148,11 @@ def _bias(p_idx, blk, topk, n_slots, L: gl.constexpr):
 
 
 @gluon.jit
-def _qk_half(s, q_lat, q_rope, k_lat, k_rope, buf, z, RIGHT: gl.constexpr, ready, phase, FIRST: gl.constexpr):
-    """Wait for half (buf, RIGHT) of the K tile, then issue its share of S += Q K^T (async, not waited).
-    ``z`` is 0 as a value of the loop counter (see :func:`_c0_pair`): it keeps Q's descriptors in the loop."""
+def _qk_half(s, q_lat, q_rope, k_lat, k_rope, buf, z, RIGHT: gl.constexpr, ready, phase, FIRST: gl.constexpr,
+             ROPE: gl.constexpr):
+    """Wait for half (buf, RIGHT) of the K tile, then issue its share of S += Q K^T (async, not waited): two
+    latent groups, and the right half's rope where ROPE. ``z`` is 0 as a value of the loop counter (see
+    :func:`_c0_pair`): it keeps Q's descriptors in the loop."""
     mbarrier.wait(ready.index(buf * 2 + RIGHT), phase)
     # cp.async wrote the tile through the generic proxy; wgmma reads it through the async proxy
     fence_async_shared()
@@ -144,7 +161,8 @@ def _qk_half(s, q_lat, q_rope, k_lat, k_rope, buf, z, RIGHT: gl.constexpr, ready
                       is_async=True)
     s = warpgroup_mma(q_lat.index(g0 + 1 + z), _klat(k_lat, buf, g0 + 1).permute((1, 0)), s, is_async=True)
     if RIGHT:
-        s = warpgroup_mma(q_rope.index(z), k_rope.index(buf).permute((1, 0)), s, is_async=True)
+        if ROPE:
+            s = warpgroup_mma(q_rope.index(z), k_rope.index(buf).permute((1, 0)), s, is_async=True)
     return s
 
 
@@ -232,7 +250,7 @@ def _c0_pair(j, s, bias, m_i, l_i, o0, o1, qk_scale, k_lat, k_rope, p1_s, m_s, m
 @gluon.jit
 def _consumer0(q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, stride_o_row, stride_o_h, stride_l_row,
                n_slots, h_q, topk, n_pairs, n_hb, qk_scale, q_lat, q_rope, k_lat, k_rope, p1_s, m_s, l_s, ready, free,
-               q_bar, m_bar, s_bar, l_bar):
+               q_bar, m_bar, s_bar, l_bar, ROPE: gl.constexpr):
     M64: gl.constexpr = mma_layout(64)
     M128: gl.constexpr = mma_layout(128)
     t = gl.program_id(0)
@@ -240,7 +258,7 @@ def _consumer0(q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, stride_
     i_row = (t // n_hb).to(gl.int64)
     p_idx = idx + i_row * stride_i_row
     # latent groups 0 and 1 of Q; consumer 1 loads the rest, and both wait for both halves
-    load_q(q, stride_q_row, stride_q_h, h_q, i_row, i_hb, q_lat, q_rope.index(0), 1)
+    load_q(q, stride_q_row, stride_q_h, h_q, i_row, i_hb, q_lat, _tile0(q_rope, ROPE), 1, ROPE)
     mbarrier.arrive(q_bar, count=1)
     mbarrier.wait(q_bar, 0)
 
@@ -253,8 +271,8 @@ def _consumer0(q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, stride_
         bias = _bias(p_idx, 2 * j, topk, n_slots, gl.SliceLayout(0, M64))
         # made in the loop: a zero accumulator carried across it would hold 32 registers
         s = _qk_half(gl.zeros([BLOCK_H, BLOCK_N], gl.float32, M64), q_lat, q_rope, k_lat, k_rope, b0, b0, False,
-                     ready, j & 1, True)
-        s = _qk_half(s, q_lat, q_rope, k_lat, k_rope, b0, b0, True, ready, j & 1, False)
+                     ready, j & 1, True, ROPE)
+        s = _qk_half(s, q_lat, q_rope, k_lat, k_rope, b0, b0, True, ready, j & 1, False, ROPE)
         s = warpgroup_mma_wait(0, deps=(s,))
         m_i, l_i, o0, o1 = _c0_pair(j, s, bias, m_i, l_i, o0, o1, qk_scale, k_lat, k_rope, p1_s, m_s, m_bar, s_bar,
                                     free)
@@ -266,7 +284,7 @@ def _consumer0(q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, stride_
 @gluon.jit
 def _consumer1(q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, stride_o_row, stride_o_h, stride_l_row,
                n_slots, h_q, topk, n_pairs, n_hb, qk_scale, q_lat, q_rope, k_lat, k_rope, p1_s, m_s, l_s, ready, free,
-               q_bar, m_bar, s_bar, l_bar):
+               q_bar, m_bar, s_bar, l_bar, ROPE: gl.constexpr):
     M64: gl.constexpr = mma_layout(64)
     M128: gl.constexpr = mma_layout(128)
     PA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=M128, k_width=2)
@@ -274,7 +292,7 @@ def _consumer1(q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, stride_
     i_hb = t % n_hb
     i_row = (t // n_hb).to(gl.int64)
     p_idx = idx + i_row * stride_i_row
-    load_q(q, stride_q_row, stride_q_h, h_q, i_row, i_hb, q_lat, q_rope.index(0), 2)
+    load_q(q, stride_q_row, stride_q_h, h_q, i_row, i_hb, q_lat, _tile0(q_rope, ROPE), 2, ROPE)
     mbarrier.arrive(q_bar, count=1)
     mbarrier.wait(q_bar, 0)
 
@@ -289,8 +307,8 @@ def _consumer1(q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, stride_
         bias = _bias(p_idx, 2 * j + 1, topk, n_slots, gl.SliceLayout(0, M64))
         # the right half first: it is freed first (by this consumer's own P V)
         s = _qk_half(gl.zeros([BLOCK_H, BLOCK_N], gl.float32, M64), q_lat, q_rope, k_lat, k_rope, b1, b0, True, ready,
-                     ph, True)
-        s = _qk_half(s, q_lat, q_rope, k_lat, k_rope, b1, b0, False, ready, ph, False)
+                     ph, True, ROPE)
+        s = _qk_half(s, q_lat, q_rope, k_lat, k_rope, b1, b0, False, ready, ph, False, ROPE)
         s = warpgroup_mma_wait(0, deps=(s,))
         mbarrier.wait(m_bar.index(0), ph)
         m0 = m_s.index(0).load(gl.SliceLayout(1, M64))
@@ -329,13 +347,14 @@ def _consumer1(q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, stride_
 def sparse_mla_bf16_ws_kernel(
     q, kv, idx, out, lse,
     stride_q_row, stride_q_h, stride_kv_page, stride_kv_row, stride_i_row, stride_o_row, stride_o_h, stride_l_row,
-    n_slots, h_q, topk, n_pairs, n_hb, n_tiles, qk_scale,
+    n_slots, h_q, topk, n_pairs, n_hb, n_tiles, qk_scale, ROPE: gl.constexpr,
 ):
     """Warp-specialised sparse MLA over bf16 rows, one (query row, 64 heads) per CTA (module docstring).
 
-    q    [R, h_q, 576] bf16 (unit stride last)           idx [R, topk] int32 slots (unit stride last)
-    kv   bf16 rows of 576: slot -> kv + (slot // 64) * stride_kv_page + (slot % 64) * stride_kv_row
-         (element strides, multiples of 8: rows 16-byte aligned); prefill's [N, 576] with page stride 64 x row
+    ROPE: the rows' rope dims, 64 or 0 (NoPE: no rope copies, tiles or wgmma); D = 512 + ROPE.
+    q    [R, h_q, D] bf16 (unit stride last)             idx [R, topk] int32 slots (unit stride last)
+    kv   bf16 rows of D: slot -> kv + (slot // 64) * stride_kv_page + (slot % 64) * stride_kv_row
+         (element strides, multiples of 8: rows 16-byte aligned); prefill's [N, D] with page stride 64 x row
     out  [R, h_q, 512] bf16 (unit stride last)           lse [R, h_q] fp32, natural log
     n_pairs = max(1, cdiv(topk, 128)); n_hb = cdiv(h_q, 64); qk_scale = sm_scale * log2(e). n_tiles = R * n_hb,
     the grid, is not read: it keeps qk_scale's place in the parameter block, so the SASS is the one measured.
@@ -344,9 +363,15 @@ def sparse_mla_bf16_ws_kernel(
     TR: gl.constexpr = tile_smem(BLOCK_N, 64)
     V1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     q_lat = gl.allocate_shared_memory(gl.bfloat16, [4, BLOCK_H, 128], T)
-    q_rope = gl.allocate_shared_memory(gl.bfloat16, [1, BLOCK_H, 64], TR)
+    if ROPE:
+        q_rope = gl.allocate_shared_memory(gl.bfloat16, [1, BLOCK_H, 64], TR)
+    else:
+        q_rope = ()  # no value (a None cannot be passed into the partitions)
     k_lat = gl.allocate_shared_memory(gl.bfloat16, [8, BLOCK_N, 128], T)    # buffer b, latent group g: b * 4 + g
-    k_rope = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, 64], TR)   # buffer 0's also stages P0
+    if ROPE:
+        k_rope = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, 64], TR)   # buffer 0's also stages P0
+    else:
+        k_rope = gl.allocate_shared_memory(gl.bfloat16, [1, BLOCK_N, 64], TR)   # P0's tile only
     p1_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, BLOCK_N], TR)
     m_s = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], V1)
     l_s = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], V1)
@@ -370,21 +395,23 @@ def sparse_mla_bf16_ws_kernel(
     gl.warp_specialize([
         (_consumer0, (q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, stride_o_row, stride_o_h, stride_l_row,
                       n_slots, h_q, topk, n_pairs, n_hb, qk_scale, q_lat, q_rope, k_lat, k_rope, p1_s, m_s, l_s,
-                      ready, free, q_bar, m_bar, s_bar, l_bar)),
+                      ready, free, q_bar, m_bar, s_bar, l_bar, ROPE)),
         (_consumer1, (q, idx, out, lse, stride_q_row, stride_q_h, stride_i_row, stride_o_row, stride_o_h, stride_l_row,
                       n_slots, h_q, topk, n_pairs, n_hb, qk_scale, q_lat, q_rope, k_lat, k_rope, p1_s, m_s, l_s,
-                      ready, free, q_bar, m_bar, s_bar, l_bar)),
+                      ready, free, q_bar, m_bar, s_bar, l_bar, ROPE)),
         (_producer, (kv, idx, stride_kv_page, stride_kv_row, stride_i_row, n_slots, topk, n_pairs, n_hb, k_lat, k_rope,
-                     ready, free)),
+                     ready, free, ROPE)),
     ], [4, 4], [REGS_C1, REGS_PROD])
 
 
 # ---- launcher -----------------------------------------------------------------------------------------
 
 def kernel_args(q3, kv, stride_kv_page, stride_kv_row, n_slots, i2, sm_scale, o3, l2):
-    """(grid, kwargs) of one launch over R rows: q3 [R, h_q, 576], kv bf16 rows, i2 [R, topk], o3 [R, h_q, 512],
-    l2 [R, h_q]."""
+    """(grid, kwargs) of one launch over R rows: q3 [R, h_q, D] bf16 (D 576, NoPE 512), kv bf16 rows of D, i2
+    [R, topk] int32, o3 [R, h_q, 512] bf16, l2 [R, h_q] fp32. ROPE is q's rope dims."""
     R, h_q, _ = q3.shape
+    rope = q3.shape[-1] - 512
+    assert rope in (0, 64) and kv.shape[-1] == q3.shape[-1], (q3.shape, kv.shape)
     topk = i2.shape[-1]
     n_hb = cdiv(h_q, 64)
     return (R * n_hb,), dict(
@@ -392,12 +419,12 @@ def kernel_args(q3, kv, stride_kv_page, stride_kv_row, n_slots, i2, sm_scale, o3
         stride_q_row=q3.stride(0), stride_q_h=q3.stride(1), stride_kv_page=stride_kv_page, stride_kv_row=stride_kv_row,
         stride_i_row=i2.stride(0), stride_o_row=o3.stride(0), stride_o_h=o3.stride(1), stride_l_row=l2.stride(0),
         n_slots=n_slots, h_q=h_q, topk=topk, n_pairs=max(1, cdiv(topk, 128)), n_hb=n_hb, qk_scale=sm_scale * LOG2E,
-        num_warps=4, maxnreg=MAXNREG)
+        ROPE=rope, num_warps=4, maxnreg=MAXNREG)
 
 
 def compiled_kernel(q3, kv, idx, sm_scale):
-    """Launch once over prefill-shaped inputs (q3 [T, h_q, 576], kv [N, 576], idx [T, topk]) and return the
-    compiled kernel (``n_regs``, ``n_spills``, ``metadata.shared``)."""
+    """Launch once over prefill-shaped inputs (q3 [T, h_q, D] bf16, kv [N, D] bf16, D 576 or 512; idx [T, topk]
+    int32) and return the compiled kernel (``n_regs``, ``n_spills``, ``metadata.shared``)."""
     T, h_q, _ = q3.shape
     out = torch.empty(T, h_q, 512, dtype=torch.bfloat16, device=q3.device)
     lse = torch.empty(T, h_q, dtype=torch.float32, device=q3.device)
@@ -405,14 +432,15 @@ def compiled_kernel(q3, kv, idx, sm_scale):
     return sparse_mla_bf16_ws_kernel[grid](**kw)
 
 
-def compile_sm90():
-    """The kernel compiled for sm_90 without a GPU (prefill-shaped: T 4, h_q 128, N 4096, top-2048): the CPU
-    test's check and the prefill probe's ``--compile-only``."""
-    q3 = torch.empty(4, 128, 576, dtype=torch.bfloat16)
-    kv = torch.empty(4096, 576, dtype=torch.bfloat16)
+def compile_sm90(rope: int = 64):
+    """The kernel compiled for sm_90 without a GPU (prefill-shaped: T 4, h_q 128, N 4096, top-2048) for rows
+    with ``rope`` rope dims (64: 576-dim rows, 0: 512-dim NoPE rows): the CPU test's check and the prefill
+    probe's ``--compile-only``."""
+    q3 = torch.empty(4, 128, 512 + rope, dtype=torch.bfloat16)
+    kv = torch.empty(4096, 512 + rope, dtype=torch.bfloat16)
     i2 = torch.empty(4, 2048, dtype=torch.int32)
     o3, l2 = torch.empty(4, 128, 512, dtype=torch.bfloat16), torch.empty(4, 128)
-    _, kw = kernel_args(q3, kv, 64 * kv.stride(0), kv.stride(0), kv.shape[0], i2, 576 ** -0.5, o3, l2)
+    _, kw = kernel_args(q3, kv, 64 * kv.stride(0), kv.stride(0), kv.shape[0], i2, (512 + rope) ** -0.5, o3, l2)
     return compile_sm90_kernel(sparse_mla_bf16_ws_kernel, kw)
 
 
@@ -420,9 +448,10 @@ _LAUNCHER = KernelLauncher(sparse_mla_bf16_ws_kernel, ("q", "kv", "idx", "out", 
 
 
 def unsupported(q: torch.Tensor, kv: torch.Tensor, d_v: int) -> str | None:
-    """Why this kernel cannot run a (validated) call over bf16 rows ``kv`` (prefill's [N, 576] or the bf16
-    paged cache [P, 64, 576]), or None when it can: an sm_90 GPU, bf16 KV with 16-byte aligned rows, a bf16
-    query with h_q a multiple of 64, d_v 512."""
+    """Why this kernel cannot run a (validated) call over bf16 rows ``kv`` of D dims (prefill's [N, D] or the
+    bf16 paged cache [P, 64, D]; D 576, or 512 for NoPE rows, q's last dim: the op checks that they match), or
+    None when it can: an sm_90 GPU, bf16 KV with 16-byte aligned rows, a bf16 query with h_q a multiple of
+    64, d_v 512."""
     if kv.dtype != torch.bfloat16:
         return f"bf16 KV (got {kv.dtype})"
     if d_v != 512:
@@ -446,7 +475,7 @@ def _run(q3, kv, stride_kv_page, stride_kv_row, n_slots, i2, sm_scale, out3, lse
     if i2.stride(-1) != 1:
         i2 = i2.contiguous()
     ptrs = (q3.data_ptr(), kv.data_ptr(), i2.data_ptr(), out3.data_ptr(), lse2.data_ptr())
-    key = (q3.device, R, h_q, i2.shape[1], q3.stride(), stride_kv_page, stride_kv_row, i2.stride(0), n_slots,
+    key = (q3.device, R, h_q, d, i2.shape[1], q3.stride(), stride_kv_page, stride_kv_row, i2.stride(0), n_slots,
            sm_scale) if aligned(*ptrs) else None
 
     def build():
@@ -457,8 +486,8 @@ def _run(q3, kv, stride_kv_page, stride_kv_row, n_slots, i2, sm_scale, out3, lse
 
 def sparse_mla_prefill(q, kv, indices, sm_scale, d_v):
     """The Gluon backend of :func:`flashdsa.ops.sparse_mla_prefill` (inputs validated there and
-    :func:`unsupported` None): q [T, h_q, 576] bf16, kv [N, 576] bf16 (rows with a non-unit inner stride are
-    copied first), indices [T, topk] int32."""
+    :func:`unsupported` None): q [T, h_q, D] bf16, kv [N, D] bf16 (D 576, NoPE 512; rows with a non-unit inner
+    stride are copied first), indices [T, topk] int32 -> out [T, h_q, 512] bf16, lse [T, h_q] fp32."""
     T, h_q, _ = q.shape
     out = torch.empty(T, h_q, d_v, dtype=torch.bfloat16, device=q.device)
     lse = torch.empty(T, h_q, dtype=torch.float32, device=q.device)
@@ -469,8 +498,9 @@ def sparse_mla_prefill(q, kv, indices, sm_scale, d_v):
 
 
 def sparse_mla_decode(q, kv_cache, indices, sm_scale, d_v, kv_scale):
-    """The Gluon backend of :func:`flashdsa.ops.sparse_mla_decode` over the bf16 paged cache [P, 64, 576]
-    (validated there, :func:`unsupported` None)."""
+    """The Gluon backend of :func:`flashdsa.ops.sparse_mla_decode` over the bf16 paged cache [P, 64, D] (D 576,
+    NoPE 512; validated there, :func:`unsupported` None): q [B, s_q, h_q, D] bf16, indices [B, s_q, topk] int32
+    -> out [B, s_q, h_q, 512] bf16, lse [B, s_q, h_q] fp32."""
     B, s_q, h_q, d = q.shape
     R, topk = B * s_q, indices.shape[-1]
     out = torch.empty(B, s_q, h_q, d_v, dtype=torch.bfloat16, device=q.device)

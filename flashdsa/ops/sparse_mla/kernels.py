@@ -4,8 +4,8 @@ and launches them.
 
 Absorbed / MQA form: every query head of a row attends to the SAME selected tokens, so a program owns
 one query row and a block of heads, gathers BLOCK_N selected KV rows per step once, dequantises them
-once and uses the same tiles as K (576 dims: 512 latent + 64 rope) and as V (the first d_v latent
-dims). ``sparse_mla_fwd_kernel`` puts the heads on the tensor-core M side with the latent in four
+once and uses the same tiles as K (576 dims: 512 latent + 64 rope; 512 for NoPE rows, ROPE 0) and as V
+(the first d_v latent dims). ``sparse_mla_fwd_kernel`` puts the heads on the tensor-core M side with the latent in four
 128-dim chunks (bf16 at h_q > 32, fp8 at h_q <= 64); ``sparse_mla_fwd_wide_kernel`` is the same with
 the latent as one 512-dim tile (fp8 at h_q > 64); ``sparse_mla_fwd_small_h_kernel`` computes the
 transposed product so that 16 or 32 heads still use wgmma (bf16). Few rows with long top-k lists split
@@ -19,7 +19,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-# cache formats (constexpr FMT); the 656-B row is 512 e4m3 | 4 fp32 scales at 512 | 64 bf16 rope at 528.
+# cache formats (constexpr FMT); the 656-B row is 512 e4m3 | 4 fp32 scales at 512 | 64 bf16 rope at 528
+# (NoPE, constexpr ROPE 0: 528 B, no rope; the other formats' NoPE rows are their first 512 dims).
 # FMT 3 (fp32 rows, fp32 q) is the exact path: every product in IEEE fp32, P kept in fp32.
 CACHE_FORMATS = {"bf16": 0, "fp8": 1, "fp8_raw": 2, "fp32": 3}
 
@@ -188,13 +189,14 @@ def sparse_mla_fwd_kernel(
     qk_scale, kv_scale,
     D_V: tl.constexpr, FMT: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, SLOTS_AHEAD: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, ROPE: tl.constexpr,
 ):
     """Heads on the M side: one (query row, BLOCK_H heads, BLOCK_DV value dims, top-k split) per program.
 
-    q    [R, h_q, 576] bf16, fp32 with FMT 3 (unit stride last)     idx [R, topk] int32 slots
+    q    [R, h_q, 512 + ROPE] bf16, fp32 with FMT 3 (unit stride last)     idx [R, topk] int32 slots
     kv   paged rows: slot -> kv + (slot // 64) * stride_kv_page + (slot % 64) * stride_kv_row;
-         bf16 / fp32 elements (FMT 0 / 3) or bytes of a 656-B (FMT 1) / 576-B (FMT 2) row
+         bf16 / fp32 elements (FMT 0 / 3) or bytes of a 656-B (FMT 1) / 576-B (FMT 2) row; ROPE 0 (NoPE):
+         the rows without their rope part (528-B FMT 1, 512-B FMT 2, 512 elements FMT 0 / 3)
     out  [R, num_splits, h_q, D_V] (q's dtype final or fp32 partial, unit stride last)
     lse  [R, num_splits, h_q] fp32, natural log; -inf where the row (split) has no valid index
     qk_scale = sm_scale * log2(e): the softmax runs in the exp2 domain.
@@ -227,7 +229,8 @@ def sparse_mla_fwd_kernel(
     b_q1 = _dot_in(tl.load(p_q + c1 + o_c[None, :], mask=m_h[:, None], other=0.0), UPCAST)
     b_q2 = _dot_in(tl.load(p_q + c2 + o_c[None, :], mask=m_h[:, None], other=0.0), UPCAST)
     b_q3 = _dot_in(tl.load(p_q + c3 + o_c[None, :], mask=m_h[:, None], other=0.0), UPCAST)
-    b_qr = _dot_in(tl.load(p_q + 512 + o_r[None, :], mask=m_h[:, None], other=0.0), UPCAST)
+    if ROPE > 0:
+        b_qr = _dot_in(tl.load(p_q + 512 + o_r[None, :], mask=m_h[:, None], other=0.0), UPCAST)
 
     b_m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     b_l = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -248,11 +251,13 @@ def sparse_mla_fwd_kernel(
         b_k1 = _dot_in(_load_chunk(p_row, valid, c1, kv_scale, FMT, UPCAST), UPCAST)
         b_k2 = _dot_in(_load_chunk(p_row, valid, c2, kv_scale, FMT, UPCAST), UPCAST)
         b_k3 = _dot_in(_load_chunk(p_row, valid, c3, kv_scale, FMT, UPCAST), UPCAST)
-        b_kr = _dot_in(_load_rope(p_row, valid, kv_scale, FMT, UPCAST), UPCAST)
 
-        # [BLOCK_H, BLOCK_N] scores over the 576 dims, fp32 accumulation
-        b_s = _mma0(b_qr, tl.trans(b_kr), FMT)
-        b_s = _mma(b_q0, tl.trans(b_k0), b_s, FMT)
+        # [BLOCK_H, BLOCK_N] scores over the 512 + ROPE dims, fp32 accumulation
+        if ROPE > 0:
+            b_kr = _dot_in(_load_rope(p_row, valid, kv_scale, FMT, UPCAST), UPCAST)
+            b_s = _mma(b_q0, tl.trans(b_k0), _mma0(b_qr, tl.trans(b_kr), FMT), FMT)
+        else:
+            b_s = _mma0(b_q0, tl.trans(b_k0), FMT)
         b_s = _mma(b_q1, tl.trans(b_k1), b_s, FMT)
         b_s = _mma(b_q2, tl.trans(b_k2), b_s, FMT)
         b_s = _mma(b_q3, tl.trans(b_k3), b_s, FMT)
@@ -324,6 +329,7 @@ def sparse_mla_fwd_wide_kernel(
     qk_scale, kv_scale,
     D_V: tl.constexpr, FMT: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SLOTS_AHEAD: tl.constexpr, UPCAST: tl.constexpr,
+    ROPE: tl.constexpr,
 ):
     """The contract of :func:`sparse_mla_fwd_kernel` (all D_V value dims per program) with the 512
     latent dims as one tile: three tensor-core ops per step (rope scores, latent scores, P V as
@@ -344,7 +350,8 @@ def sparse_mla_fwd_wide_kernel(
     # [BLOCK_H, 512], [BLOCK_H, 64] queries, loaded once
     p_q = q + i_row * stride_q_row + o_h[:, None].to(tl.int64) * stride_q_h
     b_q = _dot_in(tl.load(p_q + o_d[None, :], mask=m_h[:, None], other=0.0), UPCAST)
-    b_qr = _dot_in(tl.load(p_q + 512 + o_r[None, :], mask=m_h[:, None], other=0.0), UPCAST)
+    if ROPE > 0:
+        b_qr = _dot_in(tl.load(p_q + 512 + o_r[None, :], mask=m_h[:, None], other=0.0), UPCAST)
 
     b_m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     b_l = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -359,9 +366,11 @@ def sparse_mla_fwd_wide_kernel(
                                           BLOCK_N, SLOTS_AHEAD)
         # [BLOCK_N, 512] latent (K and V), [BLOCK_N, 64] rope; bf16
         b_k = _dot_in(_load_latent(p_row, valid, kv_scale, BLOCK_N, FMT, UPCAST), UPCAST)
-        b_kr = _dot_in(_load_rope(p_row, valid, kv_scale, FMT, UPCAST), UPCAST)
-        b_s = _mma0(b_qr, tl.trans(b_kr), FMT)
-        b_s = _mma(b_q, tl.trans(b_k), b_s, FMT)
+        if ROPE > 0:
+            b_kr = _dot_in(_load_rope(p_row, valid, kv_scale, FMT, UPCAST), UPCAST)
+            b_s = _mma(b_q, tl.trans(b_k), _mma0(b_qr, tl.trans(b_kr), FMT), FMT)
+        else:
+            b_s = _mma0(b_q, tl.trans(b_k), FMT)
         b_s = tl.where(valid[None, :], b_s * qk_scale, float("-inf"))
         b_p, b_alpha, b_m, b_l = _online_softmax(b_s, b_m, b_l, 1)
         b_acc = _mma(_p_operand(b_p, FMT, UPCAST), b_k, b_acc * b_alpha[:, None], FMT)
@@ -387,6 +396,7 @@ def sparse_mla_fwd_small_h_kernel(
     qk_scale, kv_scale,
     D_V: tl.constexpr, FMT: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SLOTS_AHEAD: tl.constexpr, UPCAST: tl.constexpr,
+    ROPE: tl.constexpr,
 ):
     """Heads on the N side, for few heads (tensor-parallel shards of 16 or 32): the contract of
     :func:`sparse_mla_fwd_kernel`, computed transposed, ``S^T = K Q^T`` [BLOCK_N, BLOCK_H] and
@@ -409,7 +419,8 @@ def sparse_mla_fwd_small_h_kernel(
     b_q1 = _dot_in(tl.load(p_q + 128 + o_c[:, None], mask=m_h[None, :], other=0.0), UPCAST)
     b_q2 = _dot_in(tl.load(p_q + 256 + o_c[:, None], mask=m_h[None, :], other=0.0), UPCAST)
     b_q3 = _dot_in(tl.load(p_q + 384 + o_c[:, None], mask=m_h[None, :], other=0.0), UPCAST)
-    b_qr = _dot_in(tl.load(p_q + 512 + o_r[:, None], mask=m_h[None, :], other=0.0), UPCAST)
+    if ROPE > 0:
+        b_qr = _dot_in(tl.load(p_q + 512 + o_r[:, None], mask=m_h[None, :], other=0.0), UPCAST)
 
     b_m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     b_l = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -430,11 +441,13 @@ def sparse_mla_fwd_small_h_kernel(
         b_k1 = _dot_in(_load_chunk(p_row, valid, 128, kv_scale, FMT, UPCAST), UPCAST)
         b_k2 = _dot_in(_load_chunk(p_row, valid, 256, kv_scale, FMT, UPCAST), UPCAST)
         b_k3 = _dot_in(_load_chunk(p_row, valid, 384, kv_scale, FMT, UPCAST), UPCAST)
-        b_kr = _dot_in(_load_rope(p_row, valid, kv_scale, FMT, UPCAST), UPCAST)
 
         # [BLOCK_N, BLOCK_H] transposed scores
-        b_s = _mma0(b_kr, b_qr, FMT)
-        b_s = _mma(b_k0, b_q0, b_s, FMT)
+        if ROPE > 0:
+            b_kr = _dot_in(_load_rope(p_row, valid, kv_scale, FMT, UPCAST), UPCAST)
+            b_s = _mma(b_k0, b_q0, _mma0(b_kr, b_qr, FMT), FMT)
+        else:
+            b_s = _mma0(b_k0, b_q0, FMT)
         b_s = _mma(b_k1, b_q1, b_s, FMT)
         b_s = _mma(b_k2, b_q2, b_s, FMT)
         b_s = _mma(b_k3, b_q3, b_s, FMT)

@@ -13,7 +13,7 @@ from typing import NamedTuple
 import torch
 from triton.runtime.errors import OutOfResources
 
-from flashdsa.cache.layouts import MLA_DIM, PAGE_SIZE, mla_cache_format
+from flashdsa.cache.layouts import MLA_LATENT, PAGE_SIZE, mla_cache_format
 from flashdsa.ops._common import remember
 from flashdsa.ops._launch import KernelLauncher, aligned
 from flashdsa.ops._triton_utils import cdiv, next_pow2, num_sms, upcast_bf16
@@ -147,7 +147,8 @@ def sparse_mla_fwd(q: torch.Tensor, kv: torch.Tensor, stride_kv_page: int, strid
                    config: SparseMLAConfig | None = None, split: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Run sparse MLA over R query rows.
 
-    ``q [R, h_q, 576] bf16`` (fp32 with the fp32 format; unit stride last), ``kv`` the cache storage (bf16 /
+    ``q [R, h_q, 512 + R] bf16`` (R = 64 rope dims, or 0 for NoPE rows; fp32 with the fp32 format; unit stride
+    last), ``kv`` the cache storage (bf16 /
     fp32 elements or uint8 bytes, addressed by ``slot -> (slot // 64) * stride_kv_page + (slot % 64) *
     stride_kv_row``), ``indices [R, topk] int32`` (unit stride last). Returns ``out [R, h_q, d_v]`` in q's
     dtype, ``lse [R, h_q] f32``.
@@ -242,7 +243,7 @@ def _launch(cfg: SparseMLAConfig, q, kv, stride_kv_page, stride_kv_row, n_slots,
         sl_row, sl_split = splits * h_q, h_q
     ptrs = (q.data_ptr(), kv.data_ptr(), indices.data_ptr(), o_ptr, l_ptr)
     qs = q.stride()
-    key = (cfg, dev, R, h_q, topk, qs, stride_kv_page, stride_kv_row, indices.stride()[0], os_, ls_[0], n_slots, fmt,
+    key = (cfg, dev, R, h_q, topk, q.shape[-1], qs, stride_kv_page, stride_kv_row, indices.stride()[0], os_, ls_[0], n_slots, fmt,
            sm_scale, d_v, kv_scale) if aligned(*ptrs) else None
 
     def build():
@@ -261,7 +262,8 @@ def _launch(cfg: SparseMLAConfig, q, kv, stride_kv_page, stride_kv_row, n_slots,
             n_slots=n_slots, h_q=h_q, topk=topk, tokens_per_split=per_split, num_splits=splits,
             num_head_blocks=n_hb, qk_scale=sm_scale * LOG2E, kv_scale=1.0 if kv_scale is None else float(kv_scale),
             D_V=d_v, FMT=CACHE_FORMATS[fmt], BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, SLOTS_AHEAD=cfg.slots_ahead,
-            UPCAST=upcast_bf16(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            UPCAST=upcast_bf16(), ROPE=q.shape[-1] - MLA_LATENT, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
         )
         if cfg.kernel not in ("small_h", "wide"):
             return (R * splits * dv_parts * n_hb,), dict(args, BLOCK_DV=BDV)
@@ -314,7 +316,7 @@ def sparse_mla_decode(q, kv_cache, indices, sm_scale, d_v, kv_scale, config: Spa
         ks = kv_cache.stride()
     if fmt == "fp8" and (kv_cache.data_ptr() % 4 or ks[0] % 4 or ks[1] % 4):
         # the kernel reads each row's fp32 scales and bf16 rope in place
-        raise ValueError(f"kv_cache: expected 4-byte aligned rows for the 656-B layout, got data_ptr % 4 = "
+        raise ValueError(f"kv_cache: expected 4-byte aligned rows for the fp8 layout, got data_ptr % 4 = "
                          f"{kv_cache.data_ptr() % 4}, strides {ks}")
     out, lse = sparse_mla_fwd(
         _unit_last(q.reshape(B * s_q, h_q, d)), kv_cache, ks[0], ks[1], kv_cache.shape[0] * PAGE_SIZE, fmt,
@@ -325,11 +327,11 @@ def sparse_mla_decode(q, kv_cache, indices, sm_scale, d_v, kv_scale, config: Spa
 def sparse_mla_prefill(q, kv, indices, sm_scale, d_v, config: SparseMLAConfig | None = None):
     """Triton backend of :func:`flashdsa.ops.sparse_mla_prefill` (inputs already validated); ``config`` as in
     :func:`sparse_mla_fwd`."""
-    assert kv.shape[1] == MLA_DIM
+    assert kv.shape[1] == q.shape[-1]
     kv = _unit_last(kv)
     # No split-K in prefill by default: a row's bits must not depend on how many rows share the call, so
     # chunked prefill equals one-shot prefill exactly (split-K's merge order would differ for small chunks).
-    # A flat [N, 576] buffer is a paged one whose pages are 64 consecutive rows.
+    # A flat [N, D] buffer is a paged one whose pages are 64 consecutive rows.
     fmt = "fp32" if kv.dtype == torch.float32 else "bf16"
     return sparse_mla_fwd(_unit_last(q), kv, PAGE_SIZE * kv.stride(0), kv.stride(0), kv.shape[0], fmt,
                           _unit_last(indices), sm_scale, d_v, None, config, split=False)
