@@ -165,6 +165,9 @@ def sparse_mla_fwd(q: torch.Tensor, kv: torch.Tensor, stride_kv_page: int, strid
     cfg = launch_config(h_q, fmt, R, topk, dev, config, split)
     args = (q, kv, stride_kv_page, stride_kv_row, n_slots, fmt, indices, sm_scale, d_v, kv_scale, out, lse)
     if config is not None:  # an explicit configuration runs as asked (the benchmark reports what fails)
+        why = miscompiled(cfg, dev)
+        if why is not None:
+            raise ValueError(f"config: expected a configuration Triton compiles correctly: {why}")
         _launch(cfg, *args)
         return out, lse
     # The default configurations sit close to the 227 KB shared-memory limit (fp8 h_q > 16: 226 KB,
@@ -176,7 +179,7 @@ def sparse_mla_fwd(q: torch.Tensor, kv: torch.Tensor, stride_kv_page: int, strid
         _launch(cfg, *args)
     except OutOfResources as e:
         fewer = [replace(cfg, num_stages=st) for st in range(cfg.num_stages - 1, 0, -1)]
-        for smaller in fewer + [replace(cfg, num_stages=1, block_n=32)]:
+        for smaller in [c for c in fewer + [replace(cfg, num_stages=1, block_n=32)] if miscompiled(c, dev) is None]:
             try:
                 _launch(smaller, *args)
             except OutOfResources:
@@ -189,6 +192,17 @@ def sparse_mla_fwd(q: torch.Tensor, kv: torch.Tensor, stride_kv_page: int, strid
 
 
 _STEP_DOWN: dict = {}
+
+
+def miscompiled(cfg: SparseMLAConfig, device: torch.device) -> str | None:
+    """Why ``cfg`` must not be launched on ``device``, or None. The heads-on-N kernel at one stage with 64-token
+    steps computes garbage (bf16 rows) or reads out of bounds (fp8 rows) when compiled by Triton 3.6 for sm_90
+    (H100, benchmarks/sparse_mla_config_check.py, 2026-12-08; 32-token steps and 2-3 stages are right): it is
+    refused on CUDA, and the out-of-shared-memory step-down skips it. The interpreter runs it correctly."""
+    if (torch.device(device).type == "cuda" and cfg.kernel == "small_h" and cfg.num_stages == 1
+            and cfg.block_n >= 64):
+        return "kernel 'small_h' with num_stages 1 and block_n >= 64 (miscompiled on sm_90: wrong results)"
+    return None
 
 
 class _Tiles(NamedTuple):
@@ -243,8 +257,8 @@ def _launch(cfg: SparseMLAConfig, q, kv, stride_kv_page, stride_kv_row, n_slots,
         sl_row, sl_split = splits * h_q, h_q
     ptrs = (q.data_ptr(), kv.data_ptr(), indices.data_ptr(), o_ptr, l_ptr)
     qs = q.stride()
-    key = (cfg, dev, R, h_q, topk, q.shape[-1], qs, stride_kv_page, stride_kv_row, indices.stride()[0], os_, ls_[0], n_slots, fmt,
-           sm_scale, d_v, kv_scale) if aligned(*ptrs) else None
+    key = (cfg, dev, R, h_q, topk, q.shape[-1], qs, stride_kv_page, stride_kv_row, indices.stride()[0], os_, ls_[0],
+           n_slots, fmt, sm_scale, d_v, kv_scale) if aligned(*ptrs) else None
 
     def build():
         if part is None:
