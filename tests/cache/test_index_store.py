@@ -37,6 +37,7 @@ def _check(device):
         assert torch.equal(got.cpu(), want), (N, slot_dtype, strided)
 
 
+@pytest.mark.interpreter
 def test_kernel_writes_the_torch_paths_bytes():
     _check("cpu")
 

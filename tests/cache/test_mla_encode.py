@@ -40,6 +40,7 @@ def _check(device):
                 assert torch.equal(got, want), (dtype, n, (got != want).nonzero()[:5].tolist())
 
 
+@pytest.mark.interpreter
 def test_bits_equal_the_reference():
     _check("cpu")
 

@@ -89,6 +89,7 @@ def _check_norm(device):
         assert (err <= 2 * ulp * want.float().abs()).all(), (T, D, kind, float(err.max()))
 
 
+@pytest.mark.interpreter
 def test_kernel_matches_the_torch_ops():
     _check("cpu")
     _check_norm("cpu")
@@ -110,24 +111,24 @@ def test_norm_forms():
     assert norm_form(torch.nn.LayerNorm(512)) is None
 
 
-def test_unknown_norm_runs_the_torch_ops():
+def test_unknown_norm_runs_the_torch_ops(device):
     g = torch.Generator().manual_seed(4)
-    norm = torch.nn.LayerNorm(512)
-    args = _inputs(3, 16, 64, torch.float32, g, "cpu") + (torch.bfloat16,)
+    norm = torch.nn.LayerNorm(512).to(device)
+    args = _inputs(3, 16, 64, torch.float32, g, device) + (torch.bfloat16,)
     want = mla_rows_torch(args[0], args[1], args[2], norm, *args[3:])
     got = mla_rows(args[0], args[1], args[2], norm, *args[3:], backend="triton")
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
-def test_prepare_takes_the_kernel_only_where_asked(monkeypatch):
+def test_prepare_takes_the_kernel_only_where_asked(monkeypatch, device):
     """``fused_rows`` False (flashdsa.hf's exact mode) and backend "torch" keep the torch ops; the kernel runs
     for backend "triton" with ``fused_rows`` set."""
     import flashdsa.layers.mla_rows as mr
     ran = []
     monkeypatch.setitem(mr._IMPLS, "triton", lambda *a: ran.append(1) or mla_rows_torch(*a))
     cfg = DSAConfig.preset("v32").replace(num_hidden_layers=1, hidden_size=64, q_lora_rank=32)
-    attn = DSAAttention(cfg, 0, dtype=torch.float32)
-    x, cos, sin = torch.randn(2, 64), torch.randn(2, 32), torch.randn(2, 32)
+    attn = DSAAttention(cfg, 0, dtype=torch.float32).to(device)
+    x, cos, sin = (torch.randn(2, n, device=device) for n in (64, 32, 32))
     attn.prepare(x, cos, sin, "torch")
     attn.fused_rows = False
     attn.prepare(x, cos, sin, "triton")

@@ -170,8 +170,9 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Te
         backend:  None (the rule below), "gluon", "triton" or "torch" (the fp32 reference).
 
     Backends: on an sm_90 GPU with d_v 512 and 16-byte aligned rows, a warp-specialised Gluon kernel: over
-    the fp8 656-B (or 528-B NoPE) cache ``gluon.py``, any h_q (64-head CTAs, heads past h_q masked), the top-k list split over
-    CTAs where the queries are few (``gluon.decode_splits``: B 1 h_q 128 within 1.06x of FlashMLA on the H200); over
+    the fp8 656-B (or 528-B NoPE) cache ``gluon.py``, any h_q (64-head CTAs, heads past h_q masked), the top-k
+    list split over CTAs where the queries are few (``gluon.decode_splits``: B 1 h_q 128 within 1.06x of
+    FlashMLA on the H200); over
     the bf16 cache ``gluon_bf16.py``, h_q a multiple of 64, where its CTAs (one per query row and 64 heads,
     no split) cover a third of the SMs. Everywhere else on CUDA (other GPUs, caches, the interpreter) the
     Triton kernels, which split the top-k list over CTAs where the rows do not fill the GPU.
