@@ -199,6 +199,7 @@ def test_timing_imports_without_triton_or_cuda():
     subprocess.run([sys.executable, "-c", code], check=True, cwd=root, env={**os.environ, "PYTHONPATH": root})
 
 
+@pytest.mark.interpreter
 def test_host_cost_runs_every_call_on_the_cpu():
     """``flashdsa.testing.host_cost`` (``flashdsa bench --ops host``, bench_host.py) end to end at tiny shapes
     in the interpreter: every call of ours runs in both check modes and gets a row, the value-check setting

@@ -48,6 +48,7 @@ def _poison(monkeypatch):
     poison_torch_empty(monkeypatch)  # an entry element the kernel does not write fails
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kind", ["csa", "indexer", "hca"])
 def test_kernel_matches_the_torch_ops(dtype, kind):

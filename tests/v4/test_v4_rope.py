@@ -40,6 +40,7 @@ def _check(device):
         assert (err <= ulp * pair + 1e-30).all(), (shape, float(err.max()))
 
 
+@pytest.mark.interpreter
 def test_kernel_matches_the_torch_ops():
     _check("cpu")
 
