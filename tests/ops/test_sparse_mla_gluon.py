@@ -26,32 +26,23 @@ import types
 
 import pytest
 import torch
-from test_sparse_mla_triton import LSE_TOL, SM_SCALE, make_cache, make_indices
+from test_sparse_mla_triton import DECODE_TOL, SM_SCALE, make_cache, make_indices
+from test_sparse_mla_triton import check as check_rows
 
-from flashdsa.cache.layouts import PAGE_SIZE, decode_mla, quantize_mla_656
+from flashdsa.cache.layouts import PAGE_SIZE, quantize_mla_656
 from flashdsa.ops import sparse_mla_decode, sparse_mla_prefill
 from flashdsa.ops._gluon import GluonKernels
 from flashdsa.ops.sparse_mla import gluon, gluon_bf16
-from flashdsa.testing.compare import assert_close
 
 SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 needs_sm90 = pytest.mark.skipif(not SM90, reason="the Gluon kernel needs an sm_90 GPU")
 
 
 def check(out, lse, ref_out, ref_lse, cache):
-    """The bound of the module docstring, FlashMLA's cosine diff and lse tolerance, exact empty rows.
-    ``cache``: the paged cache, or prefill's [N, D] bf16 KV (D 576, NoPE 512)."""
-    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
-    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
-    assert_close(lse, ref_lse, name="lse", **LSE_TOL)
-    rows = cache.reshape(-1, cache.shape[-1])
-    v_max = (rows.float() if rows.dtype == torch.bfloat16 else decode_mla(rows))[:, :512].abs().max().item()
-    err = (out.float() - ref_out.float()).abs()
-    bound = 2.0 ** -8 * (v_max + ref_out.float().abs()) + 1e-6
-    assert (err <= bound).all(), f"out: |out - ref| {err.max().item():.3g} exceeds 2^-8 (max|v| + |ref|)"
-    assert_close(out, ref_out, name="out", atol=float("inf"), max_cos_diff=5e-6)  # the cosine diff (bound above)
-    empty = torch.isneginf(ref_lse)
-    assert torch.equal(out[empty].float(), torch.zeros_like(out[empty].float())), "empty rows must give out = 0"
+    """The bound of the module docstring, FlashMLA's cosine diff and lse tolerance, exact empty rows
+    (test_sparse_mla_triton's check over the rows read). ``cache``: the paged cache, or prefill's [N, D] bf16 KV
+    (D 576, NoPE 512)."""
+    check_rows(out, lse, ref_out, ref_lse, DECODE_TOL, rows=cache)
 
 
 @pytest.fixture(autouse=True)
