@@ -156,16 +156,17 @@ class Indexer(nn.Module):
     def _quant(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE, rounding to the model dtype, Hadamard, act_quant: ``[T, ..., D] -> e4m3 [T, ..., D], f32 [T, ...]``.
 
-        One fused op for the shapes of V3.2 / GLM-5 (D 128, rope 64, bf16 / fp32); the same composition
-        in plain torch otherwise."""
+        One fused op for the shapes of V3.2 / GLM-5 (D 128, rope 64, bf16 / fp32) and GLM-5.3-Flash (no rope);
+        the same composition in plain torch otherwise."""
         if _fused_shapes(x, cos):
             return indexer_quant(x, cos, sin, self.interleave)
         return indexer_quant_reference(x, cos, sin, self.interleave)  # any head dim / rope width
 
 
 def _fused_shapes(x: torch.Tensor, cos: torch.Tensor) -> bool:
-    """The shapes ``indexer_quant``'s kernel takes (V3.2 / GLM-5: head dim 128, RoPE on 64, bf16 / fp32)."""
-    return x.shape[-1] == HEAD_DIM and cos.shape[-1] == ROPE_HALF and x.dtype in (torch.bfloat16, torch.float32)
+    """The shapes ``indexer_quant``'s kernel takes (V3.2 / GLM-5: head dim 128, RoPE on 64; GLM-5.3-Flash: no
+    RoPE, cos [T, 0]; bf16 / fp32)."""
+    return x.shape[-1] == HEAD_DIM and cos.shape[-1] in (ROPE_HALF, 0) and x.dtype in (torch.bfloat16, torch.float32)
 
 
 def _as(p: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:

@@ -251,6 +251,27 @@ def _args(**over):
     return a
 
 
+NOPE_CASES = [pytest.param(T, H, d, il, id=f"nope-T{T}-{'k' if H is None else f'H{H}'}-{d}-{'gptj' if il else 'neox'}")
+              for T in (0, 1, 65) for H in (None, 3, 32) for d in DTYPES for il in (False, True)]
+
+
+@pytest.mark.parametrize("T, H, dtype, interleave", NOPE_CASES)
+def test_nope_matches_reference_bitwise(T, H, dtype, interleave):
+    """NoPE (GLM-5.3-Flash: cos, sin [T, 0]): no rotation, the Hadamard and the quantisation alone, the
+    reference's bits (the kernel compiled without its RoPE), through the launcher, the rope-only step and the op."""
+    g = torch.Generator().manual_seed(5 + T + (H or 0))
+    shape = (T, 128) if H is None else (T, H, 128)
+    x = make_x(shape, DTYPES[dtype], g)
+    cos = sin = torch.empty(T, 0, device=DEVICE)
+    ref = reference.indexer_quant(x, cos, sin, interleave)
+    assert_same_bits(run_triton(x, cos, sin, interleave), ref)
+    assert_same_bits(ops.indexer_quant(x, cos, sin, interleave, backend="triton"), ref)
+    assert_same_values(run_triton_rope(x, cos, sin, interleave), reference.rope_model_dtype(x, cos, sin, interleave))
+    if T:  # the reference itself: the unrotated row's Hadamard and quantisation
+        q, scale = act_quant(hadamard(x), block=128)
+        assert_same_bits((q, scale[..., 0]), ref)
+
+
 @pytest.mark.parametrize("over, name", [
     pytest.param(dict(x=torch.randn(3, 2, 64)), "x", id="D64"),
     pytest.param(dict(x=torch.randn(3, 2, 256)), "x", id="D256"),
@@ -262,6 +283,8 @@ def _args(**over):
     pytest.param(dict(cos=torch.rand(3, 64)), "cos", id="cos-64"),
     pytest.param(dict(cos=torch.rand(3, 32).double()), "cos", id="cos-f64"),
     pytest.param(dict(sin=torch.rand(3, 16)), "sin", id="sin-16"),
+    pytest.param(dict(cos=torch.rand(3, 0)), "sin", id="cos-nope-sin-32"),
+    pytest.param(dict(cos=torch.rand(3, 16), sin=torch.rand(3, 16)), "cos", id="cos-16"),
     pytest.param(dict(sin=torch.rand(3, 1, 32)), "sin", id="sin-3d"),
     pytest.param(dict(interleave=2), "interleave", id="interleave-int2"),
 ])
@@ -291,6 +314,19 @@ def test_gpu_large_bitwise(T, H, dtype, interleave):
     assert_same_bits(run_triton(x, cos, sin, interleave, soft_casts=True), ref)
     for block_r, num_warps in ((16, 4), (32, 4), (4, 1)):
         assert_same_bits(run_triton(x, cos, sin, interleave, block_r=block_r, num_warps=num_warps), ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("interleave", (False, True), ids=("neox", "gptj"))
+def test_gpu_nope_bitwise(dtype, interleave):
+    """The compiled NoPE kernel (GLM-5.3-Flash's 32 indexer heads) against the reference, bit for bit."""
+    g = torch.Generator().manual_seed(9)
+    x = make_x((4096, 32, 128), DTYPES[dtype], g)
+    cos = sin = torch.empty(4096, 0, device=DEVICE)
+    ref = reference.indexer_quant(x, cos, sin, interleave)
+    assert_same_bits(run_triton(x, cos, sin, interleave), ref)
+    assert_same_bits(run_triton(x, cos, sin, interleave, soft_casts=True), ref)
 
 
 # ---- the RoPE step alone (kpool's key before pooling) ------------------------------------------------

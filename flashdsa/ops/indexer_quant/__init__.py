@@ -39,8 +39,8 @@ _ROPE_IMPLS = {"torch": reference.rope_model_dtype, "triton": _triton_rope}
 def rope_model_dtype(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool, *,
                      backend: str | None = None) -> torch.Tensor:
     """:func:`indexer_quant`'s first step alone, the same bits: ``x.dtype(indexer_rope(x, cos, sin, interleave))``
-    (``[T, ..., 128]`` bfloat16 / float32, ``cos, sin [T, 32] float32``; a new contiguous tensor of x's
-    dtype). kpool's keys are pooled between the RoPE and the Hadamard (docs/DSA.md §7).
+    (``[T, ..., 128]`` bfloat16 / float32, ``cos, sin [T, 32] float32`` or ``[T, 0]`` for NoPE; a new
+    contiguous tensor of x's dtype). kpool's keys are pooled between the RoPE and the Hadamard (docs/DSA.md §7).
 
     Internal to the indexer layer, which passes its own tensors: no value checks and not a registered op.
     """
@@ -72,7 +72,8 @@ def indexer_quant(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interle
 
     Args:
         x:          ``[T, ..., 128]`` bfloat16 or float32 (the model dtype), unit stride not required.
-        cos, sin:   ``[T, 32] float32`` RoPE tables of each row's position.
+        cos, sin:   ``[T, 32] float32`` RoPE tables of each row's position; ``[T, 0]`` for a NoPE model
+                    (GLM-5.3-Flash): no rotation, the Hadamard and the quantisation alone.
         interleave: ``False``: NeoX pairs (i, i + 32); ``True``: GPT-J pairs (2i, 2i + 1).
 
     Returns:
@@ -84,8 +85,10 @@ def indexer_quant(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interle
     if x.dim() < 2 or x.shape[-1] != HEAD_DIM:
         fail("x", f"a [T, ..., {HEAD_DIM}] tensor", f"shape {list(x.shape)}")
     T = x.shape[0]
-    check_tensor("cos", cos, dtype=torch.float32, shape=(T, ROPE_HALF), device=x.device)
-    check_tensor("sin", sin, dtype=torch.float32, shape=(T, ROPE_HALF), device=x.device)
+    check_tensor("cos", cos, dtype=torch.float32, shape=(T, None), device=x.device)
+    if cos.shape[1] not in (ROPE_HALF, 0):
+        fail("cos", f"[T, {ROPE_HALF}] (or [T, 0]: NoPE, no rotation)", f"shape {list(cos.shape)}")
+    check_tensor("sin", sin, dtype=torch.float32, shape=tuple(cos.shape), device=x.device)
     # 0 / 1 as well: torch.ops.flashdsa.indexer_quant turns any number into a bool before the op sees it
     if not (isinstance(interleave, bool) or type(interleave) is int and interleave in (0, 1)):
         fail("interleave", "a bool (or 0 / 1)", repr(interleave))

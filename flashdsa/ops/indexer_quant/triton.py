@@ -150,7 +150,7 @@ def indexer_quant_fwd_kernel(x, cos, sin, x_fp8, scale, R, H,
                              INTERLEAVE: tl.constexpr, BF16: tl.constexpr, SOFT_CASTS: tl.constexpr,
                              BLOCK_R: tl.constexpr, D: tl.constexpr, AMAX_FLOOR: tl.constexpr,
                              H_SCALE: tl.constexpr, ROPE_ONLY: tl.constexpr, CHECK: tl.constexpr,
-                             X_MAX: tl.constexpr, C_MAX: tl.constexpr):
+                             X_MAX: tl.constexpr, C_MAX: tl.constexpr, ROPE: tl.constexpr):
     # A row's 128 dims as four streams of Q = 32 (k = 0..3), so RoPE pairs and the first / last
     # Hadamard stages meet element-wise, without moving data between threads:
     #   NeoX:  stream k holds dims 32k + j: RoPE pairs (0, 1); stages h = 1..16 inside each stream,
@@ -182,21 +182,27 @@ def indexer_quant_fwd_kernel(x, cos, sin, x_fp8, scale, R, H,
     b_b = _load_f32(p_x + o_1[None, :] * stride_xd, m_r, BF16)
     b_n0 = _load_f32(p_x + o_2[None, :] * stride_xd, m_r, BF16)
     b_n1 = _load_f32(p_x + o_3[None, :] * stride_xd, m_r, BF16)
-    b_c = tl.load(cos + o_t[:, None] * stride_ct + o_j[None, :] * stride_cd, mask=m_r, other=0.0)
-    b_s = tl.load(sin + o_t[:, None] * stride_st + o_j[None, :] * stride_sd, mask=m_r, other=0.0)
     if CHECK:
         # the value checks, error codes code0 + 0 / 1 / 2 (x, cos, sin); masked rows loaded as 0
         bad_x = _out_of_bound(b_a, X_MAX) | _out_of_bound(b_b, X_MAX) | _out_of_bound(b_n0, X_MAX)
         flag_word(flag, bad_x | _out_of_bound(b_n1, X_MAX), 0, code0)
-        flag_word(flag, _out_of_bound(b_c, C_MAX), 0, code0 + 1)
-        flag_word(flag, _out_of_bound(b_s, C_MAX), 0, code0 + 2)
-    # the reference's a * c - b * s and b * c + a * s: two rounded products, then one add / sub
-    # (no FMA: the launch turns contraction off); then rounded to the model dtype as the layer does
-    b_ra = b_a * b_c - b_b * b_s
-    b_rb = b_b * b_c + b_a * b_s
-    if BF16:
-        b_ra = _round_bf16(b_ra, SOFT_CASTS)
-        b_rb = _round_bf16(b_rb, SOFT_CASTS)
+    if ROPE:
+        b_c = tl.load(cos + o_t[:, None] * stride_ct + o_j[None, :] * stride_cd, mask=m_r, other=0.0)
+        b_s = tl.load(sin + o_t[:, None] * stride_st + o_j[None, :] * stride_sd, mask=m_r, other=0.0)
+        if CHECK:
+            flag_word(flag, _out_of_bound(b_c, C_MAX), 0, code0 + 1)
+            flag_word(flag, _out_of_bound(b_s, C_MAX), 0, code0 + 2)
+        # the reference's a * c - b * s and b * c + a * s: two rounded products, then one add / sub
+        # (no FMA: the launch turns contraction off); then rounded to the model dtype as the layer does
+        b_ra = b_a * b_c - b_b * b_s
+        b_rb = b_b * b_c + b_a * b_s
+        if BF16:
+            b_ra = _round_bf16(b_ra, SOFT_CASTS)
+            b_rb = _round_bf16(b_rb, SOFT_CASTS)
+    else:
+        # NoPE (GLM-5.3-Flash: cos / sin [T, 0]): no rotation, the values as loaded (already the model dtype's)
+        b_ra = b_a
+        b_rb = b_b
 
     if ROPE_ONLY:
         # kpool's key: rotated and rounded to the model dtype, stored as it is ([rope | nope], x's dtype;
@@ -280,7 +286,8 @@ def indexer_quant(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interle
 
     Args:
         x:          ``[T, ..., 128]`` bfloat16 / float32, any strides (viewed ``[T, H, 128]``).
-        cos, sin:   ``[T, 32] float32``, any strides.
+        cos, sin:   ``[T, 32] float32``, any strides; ``[T, 0]`` for NoPE (no rotation: the Hadamard and the
+                    quantisation alone).
         interleave: GPT-J pairs (True) or NeoX pairs (False).
         out:        optional contiguous ``(x_fp8 [T, ..., 128] e4m3, scale [T, ...] f32)`` to write into.
         config:     overrides the launch (tests, benchmarks).
@@ -321,9 +328,12 @@ def _launch(launcher, x, cos, sin, interleave, a, a_bits, b, rope_only, config, 
     x3 = x if x.dim() == 3 else x.reshape(T, H, D)  # a view unless the middle dims cannot merge
     bf16 = x.dtype == torch.bfloat16
     cfg = config or _DEFAULT
+    rope = cos.shape[-1] > 0
+    if not rope:  # NoPE: the tables are never read (compiled out); x stands in for their pointers
+        cos = sin = x3
     flag = error_flag(x.device) if check else cos  # unused (compiled out) without checks: any pointer
     ptrs = (x3.data_ptr(), cos.data_ptr(), sin.data_ptr(), a.data_ptr(), b.data_ptr(), flag.data_ptr())
-    key = (x.device, T, H, x3.stride(), bf16, cos.stride(), sin.stride(), interleave, config, check) \
+    key = (x.device, T, H, x3.stride(), bf16, cos.stride(), sin.stride(), interleave, config, check, rope) \
         if aligned(*ptrs) else None
 
     def build():
@@ -341,6 +351,7 @@ def _launch(launcher, x, cos, sin, interleave, a, a_bits, b, rope_only, config, 
             num_warps=cfg.num_warps, enable_fp_fusion=False,
             # every argument by name, the constexpr too: a launch plan (ops/_launch.py) needs them all
             ROPE_ONLY=rope_only, flag=flag, code0=QUANT_CODE0, CHECK=check, X_MAX=X_BOUND, C_MAX=COS_BOUND,
+            ROPE=rope,
         )
         return (cdiv(R, block_r),), kw
 
