@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from flashdsa.config import DSAConfig
-from flashdsa.ops.indexer_quant import HEAD_DIM, ROPE_HALF, indexer_quant, rope_model_dtype
+from flashdsa.ops.indexer_quant import HEAD_DIM, ROPE_HALF, indexer_quant, indexer_quant_weights, rope_model_dtype
 from flashdsa.ops.indexer_quant.reference import indexer_quant as indexer_quant_reference
 from flashdsa.ops.indexer_quant.reference import rope_model_dtype as rope_model_dtype_reference
 from flashdsa.ops.topk import topk_transform
@@ -123,8 +123,9 @@ class Indexer(nn.Module):
         q = self.wq_b(qr).view(T, self.n_heads, self.head_dim)
         kn = self.k_norm
         # weights_proj may be kept in fp32 (HF's _keep_in_fp32_modules) while x is bf16
-        gate = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.n_heads ** -0.5
+        g = self.weights_proj(x.to(self.weights_proj.weight.dtype))
         if self.precision == "exact":
+            gate = g.float() * self.n_heads ** -0.5
             # HF's rounding: LayerNorm and RoPE in the model dtype, so the scores are HF's to the last bit
             k = nn.functional.layer_norm(self.wk(x), kn.normalized_shape, _as(kn.weight, x.dtype),
                                          _as(kn.bias, x.dtype), kn.eps)
@@ -136,8 +137,7 @@ class Indexer(nn.Module):
         # deployment: LayerNorm in fp32 whatever dtype its parameters have, rounded to the model dtype
         k = nn.functional.layer_norm(self.wk(x).float(), kn.normalized_shape, _as(kn.weight, torch.float32),
                                      _as(kn.bias, torch.float32), kn.eps).to(x.dtype)
-        q_fp8, q_scale = self._quant(q, cos, sin)
-        w = gate * q_scale * self.head_dim ** -0.5
+        q_fp8, w = self._quant_weights(q, cos, sin, g)
         if self.kpool > 1:
             # the key as indexer_quant rounds it before rotating: pooled first, rotated and quantised after
             k = self._rope(k, cos, sin)
@@ -152,6 +152,16 @@ class Indexer(nn.Module):
         if _fused_shapes(x, cos):
             return rope_model_dtype(x, cos, sin, self.interleave)
         return rope_model_dtype_reference(x, cos, sin, self.interleave)
+
+    def _quant_weights(self, q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The queries quantised as :meth:`_quant` and the head weights ``w = g H^-0.5 q_scale D^-0.5`` (fp32,
+        rounded after each product): one launch where the fused op takes the shapes, the torch ops otherwise
+        (the same bits)."""
+        if _fused_shapes(q, cos) and g.dtype in (torch.bfloat16, torch.float32):
+            return indexer_quant_weights(q, cos, sin, self.interleave, g, self.n_heads ** -0.5, self.head_dim ** -0.5)
+        q_fp8, q_scale = self._quant(q, cos, sin)
+        return q_fp8, g.float() * self.n_heads ** -0.5 * q_scale * self.head_dim ** -0.5
 
     def _quant(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE, rounding to the model dtype, Hadamard, act_quant: ``[T, ..., D] -> e4m3 [T, ..., D], f32 [T, ...]``.

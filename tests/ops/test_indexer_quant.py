@@ -20,7 +20,7 @@ import flashdsa.layers.indexer as indexer_layer
 from flashdsa import ops
 from flashdsa.config import DSAConfig
 from flashdsa.layers import Indexer
-from flashdsa.ops.indexer_quant import reference
+from flashdsa.ops.indexer_quant import indexer_quant_weights, reference
 from flashdsa.ops.indexer_quant import triton as K
 from flashdsa.quant import FP8, act_quant, hadamard, indexer_rope, rope_cos_sin
 
@@ -183,13 +183,18 @@ def test_indexer_layer_fp8_path():
         calls = []
 
         def fused(*a):
-            calls.append(a[0].shape)
+            calls.append(("quant", a[0].shape))
             return ops.indexer_quant(*a, backend="triton")
+
+        def fused_weights(*a):
+            calls.append(("weights", a[0].shape))
+            return indexer_quant_weights(*a, backend="triton")
 
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(indexer_layer, "indexer_quant", fused)
+            mp.setattr(indexer_layer, "indexer_quant_weights", fused_weights)
             out = idx(x, qr, cos, sin)
-        assert calls == [(T, cfg.index_n_heads, 128), (T, 128)]
+        assert calls == [("weights", (T, cfg.index_n_heads, 128)), ("quant", (T, 128))]
         # the composition, by hand
         q = idx.wq_b(qr).view(T, idx.n_heads, idx.head_dim)
         kn = idx.k_norm
@@ -200,6 +205,28 @@ def test_indexer_layer_fp8_path():
         gate = idx.weights_proj(x).float() * idx.n_heads ** -0.5
         assert_same_bits((out.q, out.weights), (q_fp8, gate * q_scale[..., 0] * 128 ** -0.5))
         assert_same_bits((out.k, out.k_scale), (k_fp8, k_scale[..., 0]))
+
+
+@pytest.mark.parametrize("T", [0, 1, 65])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("gate_dtype", DTYPES)
+@pytest.mark.parametrize("rope", [True, False], ids=("rope", "nope"))
+def test_quant_weights_matches_the_layers_ops(T, dtype, gate_dtype, rope):
+    """indexer_quant_weights (the queries and the head weights in one launch) = the layer's torch ops, bit for
+    bit: the gate in the model dtype or fp32 (HF keeps weights_proj in fp32), strided, its products rounded in
+    fp32 in the layer's order; with and without RoPE."""
+    g = torch.Generator().manual_seed(31 + T)
+    H = 7
+    x = make_x((T, H, 128), DTYPES[dtype], g)
+    gate = (torch.randn(T, 2 * H, generator=g) * 3).to(DEVICE, DTYPES[gate_dtype])[:, ::2]  # strided
+    cos, sin = make_rope(T, g) if rope else (torch.empty(T, 0, device=DEVICE),) * 2
+    c1, c2 = 32 ** -0.5, 128 ** -0.5
+    q_fp8, w = indexer_quant_weights(x, cos, sin, True, gate, c1, c2, backend="triton")
+    want_q, want_scale = reference.indexer_quant(x, cos, sin, True)
+    assert_same_bits((q_fp8, w.float()), (want_q, gate.float() * c1 * want_scale * c2))
+    assert w.dtype == torch.float32 and w.shape == (T, H)
+    ref = indexer_quant_weights(x, cos, sin, True, gate, c1, c2, backend="torch")
+    assert_same_bits((q_fp8, w), ref)
 
 
 # ---- the interpreter's rounding: integer bf16 / e4m3 casts against torch's ----------------------------
@@ -314,6 +341,19 @@ def test_gpu_large_bitwise(T, H, dtype, interleave):
     assert_same_bits(run_triton(x, cos, sin, interleave, soft_casts=True), ref)
     for block_r, num_warps in ((16, 4), (32, 4), (4, 1)):
         assert_same_bits(run_triton(x, cos, sin, interleave, block_r=block_r, num_warps=num_warps), ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("gate_dtype", DTYPES)
+def test_gpu_quant_weights_bitwise(dtype, gate_dtype):
+    """The compiled launch with the head weights (V3.2's 64 indexer heads) against the layer's ops, bit for bit."""
+    g = torch.Generator().manual_seed(12)
+    x = make_x((4096, 64, 128), DTYPES[dtype], g)
+    gate = (torch.randn(4096, 64, generator=g) * 3).to(DEVICE, DTYPES[gate_dtype])
+    cos, sin = make_rope(4096, g)
+    got = indexer_quant_weights(x, cos, sin, False, gate, 64 ** -0.5, 128 ** -0.5, backend="triton")
+    assert_same_bits(got, indexer_quant_weights(x, cos, sin, False, gate, 64 ** -0.5, 128 ** -0.5, backend="torch"))
 
 
 @pytest.mark.gpu

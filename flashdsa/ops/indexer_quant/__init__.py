@@ -47,6 +47,30 @@ def rope_model_dtype(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inte
     return pick_backend(backend, _ROPE_IMPLS, x.device, "rope_model_dtype")(x, cos, sin, interleave)
 
 
+def _triton_weights(x, cos, sin, interleave, gate, gate_scale, head_scale):
+    x_fp8, _, w = _triton_indexer_quant(x, cos, sin, interleave, gate=(gate, gate_scale, head_scale))
+    return x_fp8, w
+
+
+_WEIGHTS_IMPLS = {"torch": reference.indexer_quant_weights, "triton": _triton_weights}
+
+
+def indexer_quant_weights(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool, gate: torch.Tensor,
+                          gate_scale: float, head_scale: float, *,
+                          backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The indexer's queries and head weights in one launch, the layer's bits: ``x [T, H, 128]`` (bfloat16 /
+    float32) quantised as :func:`indexer_quant` does, and ``w = ((gate.float() * gate_scale) * scale) *
+    head_scale`` for ``gate [T, H]`` (bfloat16 / float32: ``weights_proj``'s output) with the quantisation's
+    ``scale [T, H]``, each product rounded in fp32 -> ``x_fp8 [T, H, 128] float8_e4m3fn``, ``w [T, H] float32``.
+    The layer's four elementwise kernels after ``weights_proj`` (cast, scale, times the q scale, scale) run
+    inside the quantisation's launch on the GPU.
+
+    Internal to the indexer layer, which passes its own tensors: no value checks and not a registered op.
+    """
+    impl = pick_backend(backend, _WEIGHTS_IMPLS, x.device, "indexer_quant_weights")
+    return impl(x, cos, sin, interleave, gate, gate_scale, head_scale)
+
+
 def _quant_fake(x, cos, sin, interleave, *, backend=None):
     return (torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device),
             torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device))

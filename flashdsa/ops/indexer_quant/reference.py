@@ -20,3 +20,13 @@ def indexer_quant(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
 def rope_model_dtype(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
     """The first step alone: ``x [T, ..., 128]`` rotated (fp32) and rounded to x's dtype."""
     return indexer_rope(x, cos, sin, interleave).to(x.dtype)
+
+
+def indexer_quant_weights(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool, gate: torch.Tensor,
+                          gate_scale: float, head_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The indexer's queries and head weights as its layer composes them: ``x [T, H, 128]`` quantised by
+    :func:`indexer_quant`, ``w = ((gate.float() * gate_scale) * scale) * head_scale`` for ``gate [T, H]`` ->
+    ``x_fp8 [T, H, 128] e4m3``, ``w [T, H] f32``."""
+    x_fp8, scale = indexer_quant(x, cos, sin, interleave)
+    return x_fp8, gate.float() * gate_scale * scale * head_scale
+

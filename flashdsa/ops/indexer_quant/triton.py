@@ -146,7 +146,8 @@ def _out_of_bound(b, bound):
 @triton.jit
 def indexer_quant_fwd_kernel(x, cos, sin, x_fp8, scale, R, H,
                              stride_xt, stride_xh, stride_xd, stride_ct, stride_cd, stride_st, stride_sd,
-                             flag, code0,
+                             flag, code0, gate, w, stride_gt, stride_gh, gate_scale, head_scale,
+                             GATE: tl.constexpr, GATE_BF16: tl.constexpr,
                              INTERLEAVE: tl.constexpr, BF16: tl.constexpr, SOFT_CASTS: tl.constexpr,
                              BLOCK_R: tl.constexpr, D: tl.constexpr, AMAX_FLOOR: tl.constexpr,
                              H_SCALE: tl.constexpr, ROPE_ONLY: tl.constexpr, CHECK: tl.constexpr,
@@ -255,6 +256,13 @@ def indexer_quant_fwd_kernel(x, cos, sin, x_fp8, scale, R, H,
         tl.store(p_q + o_2[None, :], _e4m3_bits(b_z2 * b_inv, SOFT_CASTS), mask=m_r)
         tl.store(p_q + o_3[None, :], _e4m3_bits(b_z3 * b_inv, SOFT_CASTS), mask=m_r)
         tl.store(scale + o_r, b_scale, mask=o_r < R)
+        if GATE:
+            # the indexer's head weights, the layer's ops in their order: ((gate * H^-0.5) * scale) * D^-0.5,
+            # each product rounded in fp32 (the constants are fp32, as torch rounds a Python scalar)
+            o_rt = o_r // H
+            b_g = _load_f32(gate + o_rt.to(tl.int64) * stride_gt + (o_r % H).to(tl.int64) * stride_gh, o_r < R,
+                            GATE_BF16)
+            tl.store(w + o_r, b_g * gate_scale * b_scale * head_scale, mask=o_r < R)
 
 
 def _pow2(v) -> bool:
@@ -281,7 +289,8 @@ class IndexerQuantConfig:
 
 def indexer_quant(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool, *,
                   out: tuple[torch.Tensor, torch.Tensor] | None = None,
-                  config: IndexerQuantConfig | None = None, check: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                  config: IndexerQuantConfig | None = None, check: bool = False,
+                  gate: tuple[torch.Tensor, float, float] | None = None):
     """Launch :func:`indexer_quant_fwd_kernel` (inputs checked by ``flashdsa.ops.indexer_quant``).
 
     Args:
@@ -293,16 +302,21 @@ def indexer_quant(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interle
         config:     overrides the launch (tests, benchmarks).
         check:      the kernel also flags NaN / inf and out-of-bound values of x, cos and sin (the default
                     mode's device checks: deferred ValueError, ``flashdsa._checks``).
+        gate:       ``(g [T, H] bfloat16 / float32, gate_scale, head_scale)`` (x ``[T, H, 128]``): also the
+                    indexer's head weights ``w = ((g * gate_scale) * scale) * head_scale`` in fp32, the
+                    layer's ops and roundings (:func:`flashdsa.ops.indexer_quant.indexer_quant_weights`).
 
     Returns:
-        ``x_fp8 [T, ..., 128] float8_e4m3fn`` and ``scale [T, ...] float32`` (UE8M0 powers of two).
+        ``x_fp8 [T, ..., 128] float8_e4m3fn`` and ``scale [T, ...] float32`` (UE8M0 powers of two); with
+        ``gate`` also ``w [T, H] float32``.
     """
     if out is None:
         out = (torch.empty(*x.shape, dtype=FP8, device=x.device),
                torch.empty(*x.shape[:-1], dtype=torch.float32, device=x.device))
     x_fp8, scale = out
-    _launch(_LAUNCH, x, cos, sin, interleave, x_fp8, torch.uint8, scale, False, config, check)
-    return x_fp8, scale
+    w = None if gate is None else torch.empty(*x.shape[:-1], dtype=torch.float32, device=x.device)
+    _launch(_LAUNCH, x, cos, sin, interleave, x_fp8, torch.uint8, scale, False, config, check, gate, w)
+    return (x_fp8, scale) if gate is None else (x_fp8, scale, w)
 
 
 def indexer_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool, *,
@@ -317,9 +331,10 @@ def indexer_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interlea
     return out
 
 
-def _launch(launcher, x, cos, sin, interleave, a, a_bits, b, rope_only, config, check) -> None:
+def _launch(launcher, x, cos, sin, interleave, a, a_bits, b, rope_only, config, check, gate=None, w=None) -> None:
     """One launch writing ``a`` (e4m3, or the rotated rows; the kernel sees it as ``a_bits`` when not None)
-    and ``b`` (the scales; unused rope-only); ``check``: with the value checks."""
+    and ``b`` (the scales; unused rope-only); ``check``: with the value checks; ``gate`` (g, gate_scale,
+    head_scale): also the head weights into ``w``."""
     T = x.shape[0]
     H = math.prod(x.shape[1:-1])
     R = T * H
@@ -332,9 +347,14 @@ def _launch(launcher, x, cos, sin, interleave, a, a_bits, b, rope_only, config, 
     if not rope:  # NoPE: the tables are never read (compiled out); x stands in for their pointers
         cos = sin = x3
     flag = error_flag(x.device) if check else cos  # unused (compiled out) without checks: any pointer
-    ptrs = (x3.data_ptr(), cos.data_ptr(), sin.data_ptr(), a.data_ptr(), b.data_ptr(), flag.data_ptr())
-    key = (x.device, T, H, x3.stride(), bf16, cos.stride(), sin.stride(), interleave, config, check, rope) \
-        if aligned(*ptrs) else None
+    g, gate_scale, head_scale = gate if gate is not None else (b, 1.0, 1.0)  # no gate: compiled out
+    if gate is None:
+        w = b
+    g_bf16 = g.dtype == torch.bfloat16
+    ptrs = (x3.data_ptr(), cos.data_ptr(), sin.data_ptr(), a.data_ptr(), b.data_ptr(), flag.data_ptr(),
+            g.data_ptr(), w.data_ptr())
+    key = (x.device, T, H, x3.stride(), bf16, cos.stride(), sin.stride(), interleave, config, check, rope,
+           gate is not None, g.stride(), g_bf16, gate_scale, head_scale) if aligned(*ptrs) else None
 
     def build():
         block_r = cfg.block_r or (BLOCK_R_INTERPRET if interpreting() else BLOCK_R)
@@ -351,7 +371,9 @@ def _launch(launcher, x, cos, sin, interleave, a, a_bits, b, rope_only, config, 
             num_warps=cfg.num_warps, enable_fp_fusion=False,
             # every argument by name, the constexpr too: a launch plan (ops/_launch.py) needs them all
             ROPE_ONLY=rope_only, flag=flag, code0=QUANT_CODE0, CHECK=check, X_MAX=X_BOUND, C_MAX=COS_BOUND,
-            ROPE=rope,
+            ROPE=rope, gate=g.view(torch.int16) if g_bf16 else g, w=w, stride_gt=g.stride(0),
+            stride_gh=g.stride(1) if g.dim() > 1 else 0, gate_scale=gate_scale, head_scale=head_scale,
+            GATE=gate is not None, GATE_BF16=g_bf16,
         )
         return (cdiv(R, block_r),), kw
 
@@ -359,5 +381,6 @@ def _launch(launcher, x, cos, sin, interleave, a, a_bits, b, rope_only, config, 
 
 
 _DEFAULT = IndexerQuantConfig()
-_LAUNCH = KernelLauncher(indexer_quant_fwd_kernel, ("x", "cos", "sin", "x_fp8", "scale", "flag"))
-_ROPE = KernelLauncher(indexer_quant_fwd_kernel, ("x", "cos", "sin", "x_fp8", "scale", "flag"))
+_POINTERS = ("x", "cos", "sin", "x_fp8", "scale", "flag", "gate", "w")
+_LAUNCH = KernelLauncher(indexer_quant_fwd_kernel, _POINTERS)
+_ROPE = KernelLauncher(indexer_quant_fwd_kernel, _POINTERS)
