@@ -9,12 +9,13 @@ Parameter names follow the Hugging Face DeepSeek-V3.2 checkpoint (``self_attn.*`
 
 Absorbed form: ``kv_b_proj`` splits per head into W_uk [nope, 512] and W_uv [v, 512]. The query's
 nope part is mapped into the latent space (``q_nope @ W_uk``) so every head attends over the same
-576-dim cache rows (512 latent + 64 rope), and the attention output (512-dim latent) is mapped back
-with W_uv before ``o_proj``. MLA's own RoPE uses interleaved pairs (DeepSeek's layout).
+576-dim cache rows (512 latent + 64 rope; D = 512 rows without a rope part for a NoPE model, GLM-5.3-Flash),
+and the attention output (512-dim latent) is mapped back with W_uv before ``o_proj``. MLA's own RoPE uses
+interleaved pairs (DeepSeek's layout).
 
 The step (:meth:`DSAAttention.forward`), for the batch's new tokens::
 
-    prepare   projections -> absorbed query q [T, h, 576], cache rows kv [T, 576], query latent qr
+    prepare   projections -> absorbed query q [T, h, D], cache rows kv [T, D], query latent qr
     indexer   (top-k layers) q / weights / keys in fp8 (or exact precision)
     exchange  several ranks (batch.parallel): CP all-gathers every rank's kv rows and index keys, DCP keeps
               this rank's shard (flashdsa.parallel)
@@ -150,7 +151,7 @@ class DSAAttention(nn.Module):
                 kv_rows, idx = par.exchange(kv_rows, idx)
             self.store(kv_rows, idx, batch, pool)
             if batch.mode == EXTEND:
-                kv = pool.read(self.layer_id, batch.kv_slots)  # [N, 576] bf16: every request's whole KV
+                kv = pool.read(self.layer_id, batch.kv_slots)  # [N, D] bf16: every request's whole KV
                 if batch.use_dense:
                     out, _ = ops.dense_mla_prefill(q, kv, batch.cu_seqlens_q, batch.cu_seqlens_kv, self.softmax_scale,
                                                    backend=batch.backend)
@@ -165,7 +166,7 @@ class DSAAttention(nn.Module):
             return self.finish(out), sel
 
     def store(self, kv_rows: torch.Tensor, idx: IndexerOutput | None, batch: BatchMetadata, pool: KVPool) -> None:
-        """Write the new tokens' cache rows ``kv_rows [T, 576]`` and index keys at ``batch.slot_mapping``."""
+        """Write the new tokens' cache rows ``kv_rows [T, D]`` and index keys at ``batch.slot_mapping``."""
         lid = self.layer_id
         if idx is not None and idx.pooled and not idx.exact:
             return self.store_kpool(kv_rows, idx, batch, pool)
@@ -319,7 +320,7 @@ class DSAAttention(nn.Module):
 
     def attend(self, q: torch.Tensor, sel: torch.Tensor, batch: BatchMetadata,
                pool: KVPool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sparse MLA decode / verify of ``q [B * n, h, 576] bf16`` over the selected slots ``sel [B * n, topk]``:
+        """Sparse MLA decode / verify of ``q [B * n, h, D] bf16`` over the selected slots ``sel [B * n, topk]``:
         latent outputs ``[B * n, h, 512] bf16`` and their ``lse [B * n, h] float32``.
 
         The pages and indices come from ``pool.mla_for_attention``: the layer's cache and ``sel`` itself, or,

@@ -40,8 +40,8 @@ class ParallelPlan:
         return rows
 
     def exchange(self, kv_rows: torch.Tensor, idx):
-        """This rank's new cache rows ``[t, 576]`` and :class:`~flashdsa.layers.IndexerOutput` (or None) ->
-        the rows and index keys this rank stores at ``batch.slot_mapping``."""
+        """This rank's new cache rows ``[t, D]`` (D 576; 512 for NoPE) and :class:`~flashdsa.layers.IndexerOutput`
+        (or None) -> the rows and index keys this rank stores at ``batch.slot_mapping``."""
         return kv_rows, idx
 
     def select(self, layer, idx, batch, pool) -> torch.Tensor:
