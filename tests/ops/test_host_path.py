@@ -156,6 +156,7 @@ def _empty_rows(op: str, out, rows) -> bool:
     return bool((out[rows] == -1).all())
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("case", list(BAD))
 def test_device_checks_defer_the_host_error(case, device_checks):
     """A bad value: the call returns (its bad rows empty: nothing read through the value), the error word
@@ -172,6 +173,7 @@ def test_device_checks_defer_the_host_error(case, device_checks):
         ops.topk_transform(torch.zeros(1, 4), _i32(4), 2)
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("case", [c for c in BAD if c.startswith("paged")] + ["paged-good"])
 def test_paged_check_kernel_zeroes_the_bad_request(case, device_checks):
     """The check kernel run before the Gluon paged kernel (which has none in-kernel): the same deferred
@@ -193,6 +195,7 @@ def test_paged_check_kernel_zeroes_the_bad_request(case, device_checks):
     assert torch.equal(ctx, want)
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("case", list(GOOD))
 def test_device_checks_pass_good_inputs_unchanged(case, device_checks, monkeypatch):
     """Good inputs: no error, and the same bits as with the host checks."""
@@ -206,6 +209,7 @@ def test_device_checks_pass_good_inputs_unchanged(case, device_checks, monkeypat
         assert torch.equal(g.view(torch.uint8) if g.dtype == FP8 else g, w.view(torch.uint8) if w.dtype == FP8 else w)
 
 
+@pytest.mark.interpreter
 def test_topk_repeated_call_skips_only_what_it_already_checked(device_checks, monkeypatch):
     """top-k's fast path: a call whose host-known facts (types, dtypes, shapes, strides, devices, the ints,
     the check mode) equal an earlier checked call's launches without the argument checks, with the same
@@ -253,6 +257,7 @@ def test_topk_repeated_call_skips_only_what_it_already_checked(device_checks, mo
     assert len(topk._FAST) == 2
 
 
+@pytest.mark.interpreter
 def test_topk_out_buffer(device_checks, monkeypatch):
     """``topk_transform(out=buf)`` writes the result into ``buf`` (returned), on the fast path too and with
     either backend, with the bits of a call without it; a buffer of the wrong dtype, shape, device or
@@ -272,6 +277,7 @@ def test_topk_out_buffer(device_checks, monkeypatch):
             ops.topk_transform(**_topk(), backend="triton", out=bad)
 
 
+@pytest.mark.interpreter
 def test_paged_repeated_call_skips_only_what_it_already_checked(device_checks, monkeypatch):
     """indexer_logits_paged's fast path: a call whose host-known facts equal an earlier checked call's runs
     the same kernel with the same device checks and without the argument checks, with the same bits; a call
@@ -312,6 +318,7 @@ def test_paged_repeated_call_skips_only_what_it_already_checked(device_checks, m
         call(**BAD["paged-lens-past-width"][2](_paged()))
 
 
+@pytest.mark.interpreter
 def test_sparse_mla_decode_repeated_call_skips_only_what_it_already_checked(monkeypatch):
     """sparse_mla_decode's fast path: a call whose host-known facts equal an earlier checked call's runs the
     kernel that call picked without the argument checks, with the same bits; a call differing in any of them
@@ -363,6 +370,7 @@ def test_sparse_mla_decode_repeated_call_skips_only_what_it_already_checked(monk
     assert call() == ("stand-in",)
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("case", ["paged-lens-past-width", "topk-lengths-past-L", "ragged-ke-past-N", "quant-nan-x"])
 def test_sync_mode_raises_before_any_kernel(case, monkeypatch):
     """"sync": the host checks, an immediate ValueError, as today's default on CPU tensors."""
@@ -396,6 +404,7 @@ def test_modes_and_their_switch(monkeypatch):
     assert _checks.value_check_mode(t, True) is None
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("case", ["topk-lengths-past-L", "paged-page-past-P", "quant-nan-x", "ragged-ke-past-N"])
 def test_trusted_inputs_launch_no_check(case, device_checks, monkeypatch):
     """Under trusted_inputs no check runs: no check kernel, and the op kernels' own checks compiled out
@@ -504,6 +513,7 @@ PLANNED = {
 }
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("checks", ["device", "off"])
 @pytest.mark.parametrize("case", list(PLANNED))
 def test_second_call_launches_the_verified_plan(case, checks, recording, device_checks, monkeypatch):
@@ -520,6 +530,7 @@ def test_second_call_launches_the_verified_plan(case, checks, recording, device_
     assert [e[0] for e in recording] == ["plan"] * len(first)
 
 
+@pytest.mark.interpreter
 def test_launcher_variants_plan_and_verify(recording, monkeypatch):
     """The launch variants tests and benchmarks reach through a config: the TMA paged kernel (interpreted),
     top-k split mode (one launch a row group, cached counters) and fused, misaligned pointers (no plan)."""
@@ -543,6 +554,7 @@ def test_launcher_variants_plan_and_verify(recording, monkeypatch):
     assert [e[0] for e in recording] == ["triton", "triton"]
 
 
+@pytest.mark.interpreter
 def test_a_launcher_that_refuses_plans_falls_back(recording, monkeypatch):
     """Should a Triton's launcher take the plan's arguments otherwise (a TypeError before launching), the
     launch goes Triton's own way, with a warning, and planning stops for that kernel."""
@@ -566,6 +578,7 @@ def _only(cache: dict, buf: torch.Tensor) -> bool:
     return len(cache) == 1 and next(iter(cache.values())) is buf
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("kind", ["fused", "split"])
 def test_topk_scratch_is_kept_per_stream_for_eager_calls(kind, monkeypatch):
     """Eager top-k calls on one stream share one scratch buffer, grown for a larger shape; calls as the

@@ -129,6 +129,7 @@ def _with_upcast(cases, upcast_ids):
 @pytest.mark.parametrize("seq_lens,n,H,lens,extra,cfg,fp8_dot",
                          _with_upcast(PAGED_CASES, {"B5-n2-H8-one-page-per-program", "B2-n4-H32",
                                                        "B2-n4-H64-two-dots-chain"}))
+@pytest.mark.interpreter
 def test_paged_matches_reference(seq_lens, n, H, lens, extra, cfg, fp8_dot):
     q, cache, w, ctx, bt, width = _paged_inputs(seq_lens, n, H, lens, extra, seed=len(seq_lens) * 100 + n * 10 + H)
     cfg = replace(cfg or KP.PagedConfig(), fp8_dot=fp8_dot)
@@ -159,6 +160,7 @@ PAGED_TMA_CASES = [
 ]
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("seq_lens,n,H,lens,extra,cfg", PAGED_TMA_CASES)
 def test_paged_tma_matches_reference(seq_lens, n, H, lens, extra, cfg, monkeypatch):
     # the pointer kernel must not run: a silent fallback would leave the TMA kernel untested
@@ -171,6 +173,7 @@ def test_paged_tma_matches_reference(seq_lens, n, H, lens, extra, cfg, monkeypat
     assert torch.equal(_bits(out), _bits(again))
 
 
+@pytest.mark.interpreter
 def test_paged_tma_dispatch():
     """The interpreter runs the pointer kernel unless asked for the TMA one; a TMA request it cannot honour
     (sub-page steps, the fp16-upcast path) is an error, not a silent fallback."""
@@ -186,6 +189,7 @@ def test_paged_tma_dispatch():
     assert torch.equal(torch.isneginf(got), torch.isneginf(want)) and cos_diff(got, want) < 1e-12
 
 
+@pytest.mark.interpreter
 def test_paged_public_op_dispatches_to_triton():
     q, cache, w, ctx, bt, width = _paged_inputs([65, 130], 2, 8, None, 3, seed=5)
     out = indexer_logits_paged(q, cache, w, ctx, bt, width, backend="triton")
@@ -198,6 +202,7 @@ def test_paged_public_op_dispatches_to_triton():
             assert torch.isfinite(out[b * 2 + j, :L]).all() and torch.isneginf(out[b * 2 + j, L:]).all()
 
 
+@pytest.mark.interpreter
 def test_paged_zero_width_and_no_rows():
     q, cache, w, ctx, bt, _ = _paged_inputs([0, 0], 2, 4, None, 0, seed=1)
     assert indexer_logits_paged(q, cache, w, ctx, bt, 0, backend="triton").shape == (4, 0)
@@ -287,6 +292,7 @@ def _ragged_inputs(T, H, N, D, layout, seed, device="cpu"):
 
 @pytest.mark.parametrize("T,H,N,D,layout,cfg,fp8_dot",
                          _with_upcast(RAGGED_CASES, {"T7-H4-N65", "T9-H3-N257-D96"}))
+@pytest.mark.interpreter
 def test_ragged_matches_reference(T, H, N, D, layout, cfg, fp8_dot):
     q, k, k_scale, w, ks, ke = _ragged_inputs(T, H, N, D, layout, seed=T * 1000 + H * 10 + N)
     shape = (T, k.shape[0])
@@ -298,6 +304,7 @@ def test_ragged_matches_reference(T, H, N, D, layout, cfg, fp8_dot):
     assert torch.equal(_bits(out), _bits(again))
 
 
+@pytest.mark.interpreter
 def test_ragged_public_op_dispatches_to_triton():
     q, k, k_scale, w, ks, ke = _ragged_inputs(20, 8, 90, 128, "prefill", seed=3)
     out = indexer_logits_ragged(q, k, k_scale, w, ks, ke, backend="triton")
@@ -305,6 +312,7 @@ def test_ragged_public_op_dispatches_to_triton():
     _check(out, indexer_logits_ragged(q, k, k_scale, w, ks, ke, backend="torch"))
 
 
+@pytest.mark.interpreter
 def test_ragged_strided_inputs():
     """Non-contiguous q / weights (views into bigger buffers) give the same logits."""
     q, k, k_scale, w, ks, ke = _ragged_inputs(12, 4, 50, 128, "random", seed=9)
@@ -338,6 +346,7 @@ def _unbudgeted(q, k, k_scale, w, ks, ke, topk, out_offsets, backend):
     return topk_transform(logits, ke - ks, topk, row_starts=ks, out_offsets=out_offsets)
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 @pytest.mark.parametrize("offsets", [False, True], ids=["positions", "out-offsets"])
 def test_topk_ragged_budget_matches_unbudgeted(backend, offsets, monkeypatch):
@@ -362,6 +371,7 @@ def test_topk_ragged_budget_matches_unbudgeted(backend, offsets, monkeypatch):
     assert torch.equal(got, want)
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 def test_topk_ragged_host_bounds(backend, monkeypatch):
     """ks / ke handed over on the host: the same answer, the chunk plan made from them (no read of the device
