@@ -34,6 +34,7 @@ from torch import nn
 from flashdsa.config import DSAConfig
 from flashdsa.ops.indexer_quant import HEAD_DIM, ROPE_HALF, indexer_quant, indexer_quant_weights, rope_model_dtype
 from flashdsa.ops.indexer_quant.reference import indexer_quant as indexer_quant_reference
+from flashdsa.ops.indexer_quant.reference import indexer_quant_weights as indexer_quant_weights_reference
 from flashdsa.ops.indexer_quant.reference import rope_model_dtype as rope_model_dtype_reference
 from flashdsa.ops.topk import topk_transform
 from flashdsa.quant import FP8
@@ -158,10 +159,8 @@ class Indexer(nn.Module):
         """The queries quantised as :meth:`_quant` and the head weights ``w = g H^-0.5 q_scale D^-0.5`` (fp32,
         rounded after each product): one launch where the fused op takes the shapes, the torch ops otherwise
         (the same bits)."""
-        if _fused_shapes(q, cos) and g.dtype in (torch.bfloat16, torch.float32):
-            return indexer_quant_weights(q, cos, sin, self.interleave, g, self.n_heads ** -0.5, self.head_dim ** -0.5)
-        q_fp8, q_scale = self._quant(q, cos, sin)
-        return q_fp8, g.float() * self.n_heads ** -0.5 * q_scale * self.head_dim ** -0.5
+        fn = indexer_quant_weights if _fused_shapes(q, cos) else indexer_quant_weights_reference  # any head dim
+        return fn(q, cos, sin, self.interleave, g, self.n_heads ** -0.5, self.head_dim ** -0.5)
 
     def _quant(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE, rounding to the model dtype, Hadamard, act_quant: ``[T, ..., D] -> e4m3 [T, ..., D], f32 [T, ...]``.

@@ -227,6 +227,10 @@ def test_quant_weights_matches_the_layers_ops(T, dtype, gate_dtype, rope):
     assert w.dtype == torch.float32 and w.shape == (T, H)
     ref = indexer_quant_weights(x, cos, sin, True, gate, c1, c2, backend="torch")
     assert_same_bits((q_fp8, w), ref)
+    # a gate the kernel does not read (fp16) takes the torch ops, the same formula
+    half = gate.to(torch.float16)
+    assert_same_bits(indexer_quant_weights(x, cos, sin, True, half, c1, c2, backend="triton"),
+                     (want_q, half.float() * c1 * want_scale * c2))
 
 
 # ---- the interpreter's rounding: integer bf16 / e4m3 casts against torch's ----------------------------

@@ -48,6 +48,8 @@ def rope_model_dtype(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inte
 
 
 def _triton_weights(x, cos, sin, interleave, gate, gate_scale, head_scale):
+    if gate.dtype not in (torch.bfloat16, torch.float32):  # the kernel reads bf16 / fp32 gates: the same bits
+        return reference.indexer_quant_weights(x, cos, sin, interleave, gate, gate_scale, head_scale)
     x_fp8, _, w = _triton_indexer_quant(x, cos, sin, interleave, gate=(gate, gate_scale, head_scale))
     return x_fp8, w
 
