@@ -106,17 +106,24 @@ DECODE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("fmt,B,s_q,h_q,topk,pages", DECODE_CASES)
-def test_decode_matches_reference(device, fmt, B, s_q, h_q, topk, pages):
-    cache = make_cache(fmt, pages, device)
-    q = torch.randn(B, s_q, h_q, 576, device=device).to(torch.bfloat16)
+def decode_both(device, fmt, B, s_q, h_q, topk, pages, rope=64):
+    """A random cache of ``rope`` rope dims, q and slot lists (the first row empty), decoded by the Triton
+    kernels and the torch reference -> (cache, q, idx, kv_scale, (out, lse), (ref_out, ref_lse))."""
+    cache = make_cache(fmt, pages, device, rope=rope)
+    q = torch.randn(B, s_q, h_q, 512 + rope, device=device).to(torch.bfloat16)
     idx = make_indices((B, s_q, topk), pages * PAGE_SIZE, device)
     kv_scale = RAW_SCALE if fmt == "fp8_raw" else None
     out, lse = sparse_mla_decode(q, cache, idx, SM_SCALE, kv_scale=kv_scale, backend="triton")
     ref_out, ref_lse = sparse_mla_decode(q, cache, idx, SM_SCALE, kv_scale=kv_scale, backend="torch")
     assert out.shape == (B, s_q, h_q, 512) and lse.shape == (B, s_q, h_q)
     assert torch.isneginf(ref_lse[0, 0]).all()  # the all-invalid row really is empty
-    check(out, lse, ref_out, ref_lse, rows=cache, scale=kv_scale)
+    return cache, q, idx, kv_scale, (out, lse), (ref_out, ref_lse)
+
+
+@pytest.mark.parametrize("fmt,B,s_q,h_q,topk,pages", DECODE_CASES)
+def test_decode_matches_reference(device, fmt, B, s_q, h_q, topk, pages):
+    cache, _, _, kv_scale, got, ref = decode_both(device, fmt, B, s_q, h_q, topk, pages)
+    check(*got, *ref, rows=cache, scale=kv_scale)
 
 
 NOPE_CASES = [
@@ -135,21 +142,15 @@ NOPE_CASES = [
 def test_nope_decode_matches_reference(device, fmt, B, s_q, h_q, topk, pages):
     """NoPE rows (528-B fp8, 512-dim bf16 / raw / fp32) against the reference, and against the 576-dim rows
     with a zero rope part (what NoPE models were stored as before: the same scores)."""
-    cache = make_cache(fmt, pages, device, rope=0)
+    cache, q, idx, kv_scale, (out, lse), (ref_out, ref_lse) = decode_both(device, fmt, B, s_q, h_q, topk, pages, 0)
     assert cache.shape[-1] == {"fp8": 528, "bf16": 512, "fp8_raw": 512, "fp32": 512}[fmt]
-    q = torch.randn(B, s_q, h_q, 512, device=device).to(torch.bfloat16)
-    idx = make_indices((B, s_q, topk), pages * PAGE_SIZE, device)
-    kv_scale = RAW_SCALE if fmt == "fp8_raw" else None
-    out, lse = sparse_mla_decode(q, cache, idx, SM_SCALE, kv_scale=kv_scale, backend="triton")
-    ref_out, ref_lse = sparse_mla_decode(q, cache, idx, SM_SCALE, kv_scale=kv_scale, backend="torch")
-    assert out.shape == (B, s_q, h_q, 512) and lse.shape == (B, s_q, h_q)
-    rows = decode_mla(cache.reshape(-1, cache.shape[-1]), kv_scale).float()
     if fmt == "fp32":
         assert_close(out, ref_out, name="out", atol=1e-5, rtol=1e-5)
         assert_close(lse, ref_lse, name="lse", **LSE_TOL)
     else:
-        check_rounded(out, lse, ref_out, ref_lse, rows.abs().max().item())
+        check(out, lse, ref_out, ref_lse, rows=cache, scale=kv_scale)
     # the same tokens in 576-dim rows with a zero rope part and a zero-padded q: the same attention
+    rows = decode_mla(cache.reshape(-1, cache.shape[-1]), kv_scale).float()
     wide = encode_mla(torch.cat((rows, rows.new_zeros(rows.shape[0], 64)), 1), fmt, kv_scale)
     q_wide = torch.cat((q, q.new_zeros(*q.shape[:-1], 64)), -1)
     wide_out, wide_lse = sparse_mla_decode(q_wide, wide.view(pages, PAGE_SIZE, -1), idx, SM_SCALE,
